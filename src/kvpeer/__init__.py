@@ -1,0 +1,27 @@
+"""kvpeer: a peer-to-peer KV-cache tier for LLM inference engines."""
+
+from kvpeer.errors import (
+    ConfigError,
+    DataPlaneError,
+    HandshakeRejected,
+    KVPeerError,
+    PeerLost,
+    ProtocolError,
+)
+from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DataPlaneError",
+    "HandshakeRejected",
+    "KVPeerError",
+    "Key",
+    "LookupResult",
+    "PeerLost",
+    "ProtocolError",
+    "ServeRequest",
+    "StoreJob",
+    "__version__",
+]

@@ -1,0 +1,205 @@
+"""Wire messages of the kvpeer / vLLM-p2p control protocol.
+
+Every message is a frozen, tagged msgspec struct. On the wire it is one
+msgpack map whose ``"type"`` key carries the tag; the base fields are exactly
+those of vLLM 0.32's built-in p2p tier, and the optional extension fields
+(``kvpeer``, ``reason``, ``round_seq`` on ``lookup_resp``, ``blocks``) are
+omitted when unset, so a base-only message is byte-for-byte what vLLM sends.
+vLLM ignores keys it does not know, and so do we (forward compatibility).
+
+All bounds of PROTOCOL.md section 5 live in the field types below.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, TypeAlias
+
+import msgspec
+from msgspec import Meta
+
+from kvpeer.protocol import limits as L
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AbortAck",
+    "AbortFetch",
+    "AckExtension",
+    "Connect",
+    "ConnectAck",
+    "ConnectExtension",
+    "Disconnect",
+    "Fetch",
+    "Key",
+    "Lookup",
+    "LookupResponse",
+    "Message",
+    "TransferDone",
+    "TransportChoice",
+    "TransportOffer",
+    "UnknownMessage",
+]
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+
+Key: TypeAlias = Annotated[bytes, Meta(min_length=L.MIN_KEY_BYTES, max_length=L.MAX_KEY_BYTES)]
+Keys: TypeAlias = Annotated[tuple[Key, ...], Meta(max_length=L.MAX_ITEMS)]
+WireInt: TypeAlias = Annotated[int, Meta(ge=0, le=L.INT_LIMIT - 1)]
+PositiveInt: TypeAlias = Annotated[int, Meta(gt=0, le=L.INT_LIMIT - 1)]
+Name: TypeAlias = Annotated[str, Meta(min_length=1, max_length=L.MAX_NAME_CHARS)]
+Reason: TypeAlias = Annotated[str, Meta(max_length=L.MAX_NAME_CHARS)]
+Fingerprint: TypeAlias = Annotated[str, Meta(max_length=L.MAX_FINGERPRINT_CHARS)]
+AgentMetadata: TypeAlias = Annotated[bytes, Meta(max_length=L.MAX_AGENT_METADATA_BYTES)]
+VersionPart: TypeAlias = Annotated[int, Meta(ge=0, lt=2**16)]
+TransportName: TypeAlias = Annotated[str, Meta(min_length=1, max_length=L.MAX_TRANSPORT_NAME_CHARS)]
+TransportValue: TypeAlias = (
+    Annotated[str, Meta(max_length=L.MAX_TRANSPORT_VALUE_BYTES)]
+    | Annotated[int, Meta(ge=-L.INT_LIMIT, le=L.INT_LIMIT - 1)]
+)
+#: Transport-specific parameters (a segment name, a port, a host identity...),
+#: strings or integers only (msgspec unions allow one str-like type).
+#: The data-plane layer parses these into its own typed offers.
+TransportOffer: TypeAlias = Annotated[
+    dict[TransportName, TransportValue], Meta(max_length=L.MAX_TRANSPORT_FIELDS)
+]
+
+
+def _same_length(kind: str, first: str, n_first: int, second: str, n_second: int) -> None:
+    if n_first != n_second:
+        raise ValueError(f"{kind}: {first} has {n_first} entries but {second} has {n_second}")
+
+
+class _Base(msgspec.Struct, frozen=True, tag_field="type", omit_defaults=True):
+    """Common struct options: frozen, tagged by ``type``, extensions omitted."""
+
+
+class ConnectExtension(msgspec.Struct, frozen=True, omit_defaults=True):
+    """kvpeer-only part of ``connect``: version, restart detection, data planes."""
+
+    version: tuple[VersionPart, VersionPart]
+    boot_id: Annotated[bytes, Meta(min_length=L.BOOT_ID_BYTES, max_length=L.BOOT_ID_BYTES)]
+    transports: Annotated[
+        dict[TransportName, TransportOffer], Meta(max_length=L.MAX_TRANSPORTS)
+    ] = {}
+
+
+class TransportChoice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The data plane an acker will use to write into the other side."""
+
+    name: TransportName
+    params: TransportOffer = {}
+
+
+class AckExtension(msgspec.Struct, frozen=True, omit_defaults=True):
+    """kvpeer-only part of ``connect_ack``."""
+
+    version: tuple[VersionPart, VersionPart]
+    transport: TransportChoice | None = None
+
+
+class Connect(_Base, tag="connect", frozen=True):
+    """First message in each direction: who we are and where our blocks live."""
+
+    peer_id: Name
+    agent_metadata: AgentMetadata
+    base_addr: WireInt
+    num_blocks: PositiveInt
+    block_len: PositiveInt
+    hash_seed: Name
+    config_fingerprint: Fingerprint = ""
+    kvpeer: ConnectExtension | None = None
+
+
+class ConnectAck(_Base, tag="connect_ack", frozen=True):
+    """The peer's connect passed our checks and the peer is registered."""
+
+    peer_id: Name
+    kvpeer: AckExtension | None = None
+
+
+class Disconnect(_Base, tag="disconnect", frozen=True):
+    """Best-effort goodbye; ``reason`` is a kvpeer extension."""
+
+    reason: Reason = ""
+
+
+class Lookup(_Base, tag="lookup", frozen=True):
+    """Consumer asks which of ``keys`` the producer holds, for one round."""
+
+    kv_request_id: Name
+    keys: Keys
+    round_seq: WireInt
+
+
+class LookupResponse(_Base, tag="lookup_resp", frozen=True):
+    """Producer answers key by key; ``round_seq`` is a kvpeer extension."""
+
+    kv_request_id: Name
+    keys: Keys
+    hits: Annotated[tuple[bool, ...], Meta(max_length=L.MAX_ITEMS)]
+    round_seq: WireInt | None = None
+
+    def __post_init__(self) -> None:
+        _same_length("lookup_resp", "keys", len(self.keys), "hits", len(self.hits))
+
+
+class Fetch(_Base, tag="fetch", frozen=True):
+    """Consumer demands ``keys`` written into its slots ``block_indexes``.
+
+    An empty fetch is the consumer's "request finished" signal for the id.
+    """
+
+    kv_request_id: Name
+    keys: Keys
+    block_indexes: Annotated[tuple[WireInt, ...], Meta(max_length=L.MAX_ITEMS)]
+    round_seq: WireInt
+
+    def __post_init__(self) -> None:
+        _same_length("fetch", "keys", len(self.keys), "block_indexes", len(self.block_indexes))
+
+    @property
+    def is_terminal(self) -> bool:
+        """True for the empty fetch that closes the id's lookup state."""
+        return not self.keys
+
+
+class TransferDone(_Base, tag="transfer_done", frozen=True):
+    """Producer ends one fetch round; ``blocks``/``reason`` are extensions."""
+
+    kv_request_id: Name
+    success: bool
+    round_seq: WireInt
+    blocks: WireInt | None = None
+    reason: Reason | None = None
+
+
+class AbortFetch(_Base, tag="abort_fetch", frozen=True):
+    """Consumer gives up on one round."""
+
+    kv_request_id: Name
+    round_seq: WireInt
+
+
+class AbortAck(_Base, tag="abort_ack", frozen=True):
+    """Producer confirms nothing of the round touches consumer memory any more."""
+
+    kv_request_id: Name
+    round_seq: WireInt
+
+
+Message: TypeAlias = (
+    Connect
+    | ConnectAck
+    | Disconnect
+    | Lookup
+    | LookupResponse
+    | Fetch
+    | TransferDone
+    | AbortFetch
+    | AbortAck
+)
+
+
+class UnknownMessage(msgspec.Struct, frozen=True):
+    """A well-formed map whose ``type`` we do not know (logged and ignored)."""
+
+    type: Annotated[str, Meta(max_length=L.MAX_TYPE_CHARS)]

@@ -1,0 +1,358 @@
+"""Consumer role: our requests pulling blocks from one peer. Sans-IO.
+
+Invariants (per ``kv_request_id``):
+
+1. A probe is registered once per round; until the round closes (our fetch
+   for it, or finish) repeated lookups return the cached answer.
+2. Probes registered since the last flush go out as one ``lookup`` per
+   request per flush, tagged with the current round.
+3. An answer resolves a probe only if it is still unresolved, and only for
+   the current round when the peer tags its answers with one.
+4. A probe unanswered for ``lookup_timeout_s`` becomes MISS and the id is
+   reported in ``expired_probe_ids``; nothing stays RETRY forever.
+5. Each fetch opens round ``r`` and moves the counter to ``r + 1``; several
+   rounds may be in flight and complete in any order.
+6. Every load job is reported exactly once: at ``transfer_done``, at
+   ``abort_ack``, when the ack times out, or at close. A load is never
+   reported while the peer may still write into its slots, so an aborted
+   load waits for the ack (or the ack timeout).
+7. The terminal empty fetch is sent on finish exactly when a lookup went out
+   after the last fetch (the peer holds lookup state no fetch closed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpeer.errors import ProtocolError
+from kvpeer.protocol import (
+    AbortAck,
+    AbortFetch,
+    Fetch,
+    Lookup,
+    LookupResponse,
+    Message,
+    TransferDone,
+)
+from kvpeer.session.ports import DataPlane
+from kvpeer.session.results import LoadFinished
+from kvpeer.session.settings import SessionSettings
+from kvpeer.types import Key
+
+__all__ = ["ConsumerRole", "ConsumerStatistics"]
+
+
+@dataclass(slots=True)
+class _Load:
+    job_id: int
+    slots: tuple[int, ...]
+    submitted_at: float
+    aborted_at: float | None = None
+    abort_reason: str = ""
+
+
+@dataclass(slots=True)
+class _Request:
+    round_seq: int = 0  # the next round to open
+    probes: dict[Key, bool | None] = field(default_factory=dict)
+    waiting_since: dict[Key, float] = field(default_factory=dict)  # unresolved probes
+    unsent: list[Key] = field(default_factory=list)
+    peer_lookup_open: bool = False
+    loads: dict[int, _Load] = field(default_factory=dict)
+
+    def is_idle(self) -> bool:
+        return not (self.loads or self.probes or self.unsent or self.peer_lookup_open)
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStatistics:
+    requests: int
+    loads_in_flight: int
+    loads_aborting: int
+    probes_waiting: int
+    lookups_sent: int
+    fetches_sent: int
+    stale_answers: int
+
+
+class ConsumerRole:
+    """Pulls blocks for our requests from one peer."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        send: Callable[[Message], None],
+        data_plane: DataPlane,
+        settings: SessionSettings,
+    ) -> None:
+        self._peer_id = peer_id
+        self._send = send
+        self._data = data_plane
+        self._settings = settings
+        self._requests: dict[str, _Request] = {}
+        # Work lists, so periodic work is proportional to active requests only.
+        self._to_flush: set[str] = set()
+        self._with_loads: set[str] = set()
+        self._with_probes: set[str] = set()
+        self._finished: list[LoadFinished] = []
+        self._expired: list[str] = []
+        self._lookups_sent = 0
+        self._fetches_sent = 0
+        self._stale_answers = 0
+
+    # -- engine-facing -------------------------------------------------------
+
+    def register_probe(self, kv_request_id: str, key: Key, now: float) -> bool | None:
+        """Probe ``key``: None while unanswered (RETRY), else the peer's answer."""
+        request = self._requests.setdefault(kv_request_id, _Request())
+        if key in request.probes:
+            return request.probes[key]
+        request.probes[key] = None
+        request.waiting_since[key] = now
+        request.unsent.append(key)
+        self._to_flush.add(kv_request_id)
+        self._with_probes.add(kv_request_id)
+        return None
+
+    def flush(self) -> None:
+        """Send one ``lookup`` per request with probes registered since last flush."""
+        for kv_request_id in self._to_flush:
+            request = self._requests.get(kv_request_id)
+            if request is None or not request.unsent:
+                continue
+            self._send(
+                Lookup(
+                    kv_request_id=kv_request_id,
+                    keys=tuple(request.unsent),
+                    round_seq=request.round_seq,
+                )
+            )
+            self._lookups_sent += 1
+            request.unsent.clear()
+            request.peer_lookup_open = True
+        self._to_flush.clear()
+
+    def request_blocks(
+        self,
+        job_id: int,
+        kv_request_id: str,
+        keys: Sequence[Key],
+        slots: Sequence[int],
+        now: float,
+    ) -> None:
+        """Fetch ``keys`` into our ``slots`` as a new round; the job reports later."""
+        if len(keys) != len(slots):
+            raise ProtocolError(f"load job {job_id}: {len(keys)} keys but {len(slots)} slots")
+        if not keys:
+            raise ProtocolError(f"load job {job_id}: an empty load has nothing to fetch")
+        request = self._requests.setdefault(kv_request_id, _Request())
+        unconfirmed = [k for k in keys if k in request.probes and request.probes[k] is not True]
+        if unconfirmed:
+            # The peer pinned only confirmed hits; asking for more can only fail.
+            self._finished.append(
+                LoadFinished(
+                    job_id,
+                    kv_request_id,
+                    False,
+                    f"{len(unconfirmed)} of {len(keys)} keys were not confirmed by the peer",
+                )
+            )
+            self._prune(kv_request_id)
+            return
+        round_seq = request.round_seq
+        request.round_seq += 1
+        slot_tuple = tuple(slots)
+        request.loads[round_seq] = _Load(job_id, slot_tuple, now)
+        self._with_loads.add(kv_request_id)
+        # The fetch closes the round's lookup phase: the next round probes anew,
+        # because the peer unpins what this fetch does not take.
+        self._clear_probes(kv_request_id, request)
+        request.peer_lookup_open = False
+        self._data.expect_writes(self._peer_id, slot_tuple)
+        self._send(
+            Fetch(
+                kv_request_id=kv_request_id,
+                keys=tuple(keys),
+                block_indexes=slot_tuple,
+                round_seq=round_seq,
+            )
+        )
+        self._fetches_sent += 1
+
+    def finish(self, kv_request_id: str, now: float) -> None:
+        """Our request ended: abort its loads, release the peer's lookup state."""
+        self._to_flush.discard(kv_request_id)
+        request = self._requests.get(kv_request_id)
+        if request is None:
+            return
+        for round_seq, load in request.loads.items():
+            if load.aborted_at is None:
+                self._abort(kv_request_id, round_seq, load, now, "request finished")
+        if request.peer_lookup_open:
+            self._send(
+                Fetch(
+                    kv_request_id=kv_request_id,
+                    keys=(),
+                    block_indexes=(),
+                    round_seq=request.round_seq,
+                )
+            )
+            request.round_seq += 1
+            request.peer_lookup_open = False
+        request.unsent.clear()
+        self._clear_probes(kv_request_id, request)
+        self._prune(kv_request_id)
+
+    # -- wire ----------------------------------------------------------------
+
+    def on_lookup_response(self, message: LookupResponse) -> None:
+        request = self._requests.get(message.kv_request_id)
+        # Answers for a round we already closed must not resolve the next round.
+        if request is None or (
+            message.round_seq is not None and message.round_seq != request.round_seq
+        ):
+            self._stale_answers += 1
+            return
+        for key, hit in zip(message.keys, message.hits, strict=True):
+            if key in request.probes and request.probes[key] is None:
+                request.probes[key] = hit
+                del request.waiting_since[key]
+        if not request.waiting_since:
+            self._with_probes.discard(message.kv_request_id)
+
+    def on_transfer_done(self, message: TransferDone) -> None:
+        reason = "" if message.success else (message.reason or "peer reported failure")
+        self._complete(message.kv_request_id, message.round_seq, message.success, reason)
+
+    def on_abort_ack(self, message: AbortAck) -> None:
+        request = self._requests.get(message.kv_request_id)
+        load = request.loads.get(message.round_seq) if request is not None else None
+        reason = load.abort_reason if load is not None and load.abort_reason else "aborted"
+        self._complete(message.kv_request_id, message.round_seq, False, reason)
+
+    # -- time ----------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Fire load, abort-ack and lookup timeouts due at ``now``."""
+        for kv_request_id in list(self._with_loads):
+            request = self._requests[kv_request_id]
+            for round_seq, load in list(request.loads.items()):
+                if load.aborted_at is None:
+                    if now >= load.submitted_at + self._settings.load_timeout_s:
+                        self._abort(
+                            kv_request_id,
+                            round_seq,
+                            load,
+                            now,
+                            f"no transfer_done within {self._settings.load_timeout_s:g}s",
+                        )
+                elif now >= load.aborted_at + self._settings.abort_ack_timeout_s:
+                    self._complete(
+                        kv_request_id,
+                        round_seq,
+                        False,
+                        f"{load.abort_reason}; no abort_ack within "
+                        f"{self._settings.abort_ack_timeout_s:g}s",
+                    )
+        for kv_request_id in list(self._with_probes):
+            request = self._requests[kv_request_id]
+            oldest = next(iter(request.waiting_since.values()))
+            if now >= oldest + self._settings.lookup_timeout_s:
+                for key in request.waiting_since:
+                    request.probes[key] = False
+                request.waiting_since.clear()
+                self._with_probes.discard(kv_request_id)
+                self._expired.append(kv_request_id)
+
+    def next_deadline(self) -> float | None:
+        deadlines: list[float] = []
+        for kv_request_id in self._with_loads:
+            for load in self._requests[kv_request_id].loads.values():
+                if load.aborted_at is None:
+                    deadlines.append(load.submitted_at + self._settings.load_timeout_s)
+                else:
+                    deadlines.append(load.aborted_at + self._settings.abort_ack_timeout_s)
+        for kv_request_id in self._with_probes:
+            oldest = next(iter(self._requests[kv_request_id].waiting_since.values()))
+            deadlines.append(oldest + self._settings.lookup_timeout_s)
+        return min(deadlines, default=None)
+
+    def take_results(self) -> tuple[list[LoadFinished], list[str]]:
+        finished, expired = self._finished, self._expired
+        self._finished, self._expired = [], []
+        return finished, expired
+
+    def close(self, reason: str) -> tuple[list[LoadFinished], list[str]]:
+        """Fail every load; return them and the ids that can no longer resolve."""
+        failed = self._finished
+        failed_ids: list[str] = []
+        for kv_request_id, request in self._requests.items():
+            if request.loads or request.waiting_since:
+                failed_ids.append(kv_request_id)
+            for load in request.loads.values():
+                self._data.revoke_writes(self._peer_id, load.slots)
+                failed.append(LoadFinished(load.job_id, kv_request_id, False, reason))
+        self._requests.clear()
+        self._to_flush.clear()
+        self._with_loads.clear()
+        self._with_probes.clear()
+        self._finished = []
+        self._expired = []
+        return failed, failed_ids
+
+    # -- introspection ---------------------------------------------------------
+
+    def has_loads(self) -> bool:
+        return bool(self._with_loads)
+
+    def has_lookup_work(self) -> bool:
+        return bool(self._to_flush)
+
+    def statistics(self) -> ConsumerStatistics:
+        in_flight = aborting = 0
+        for kv_request_id in self._with_loads:
+            for load in self._requests[kv_request_id].loads.values():
+                in_flight += 1
+                aborting += load.aborted_at is not None
+        return ConsumerStatistics(
+            requests=len(self._requests),
+            loads_in_flight=in_flight,
+            loads_aborting=aborting,
+            probes_waiting=sum(len(self._requests[i].waiting_since) for i in self._with_probes),
+            lookups_sent=self._lookups_sent,
+            fetches_sent=self._fetches_sent,
+            stale_answers=self._stale_answers,
+        )
+
+    # -- internals -------------------------------------------------------------
+
+    def _abort(
+        self, kv_request_id: str, round_seq: int, load: _Load, now: float, reason: str
+    ) -> None:
+        load.aborted_at = now
+        load.abort_reason = reason
+        self._send(AbortFetch(kv_request_id=kv_request_id, round_seq=round_seq))
+
+    def _complete(self, kv_request_id: str, round_seq: int, success: bool, reason: str) -> None:
+        request = self._requests.get(kv_request_id)
+        load = request.loads.pop(round_seq, None) if request is not None else None
+        if request is None or load is None:
+            self._stale_answers += 1  # raced with a timeout, or never ours
+            return
+        self._data.revoke_writes(self._peer_id, load.slots)
+        self._finished.append(LoadFinished(load.job_id, kv_request_id, success, reason))
+        if not request.loads:
+            self._with_loads.discard(kv_request_id)
+        self._prune(kv_request_id)
+
+    def _clear_probes(self, kv_request_id: str, request: _Request) -> None:
+        request.probes.clear()
+        request.waiting_since.clear()
+        request.unsent.clear()
+        self._with_probes.discard(kv_request_id)
+
+    def _prune(self, kv_request_id: str) -> None:
+        request = self._requests.get(kv_request_id)
+        if request is not None and request.is_idle():
+            del self._requests[kv_request_id]

@@ -1,0 +1,440 @@
+"""One peer session: handshake, gating, dispatch and error policy. Sans-IO.
+
+The session combines a consumer role and a producer role over one control
+link. It never reads a clock or touches a socket: frames come in through
+:meth:`PeerSession.receive`, go out through the injected ``transmit``, and
+every call that can expire something takes ``now``.
+
+Invariants:
+
+1. Our ``connect`` is the first frame we send. Everything else waits in a
+   bounded queue until the peer's ``connect_ack``; the queue overflowing, or
+   ``transmit`` refusing a frame, ends the session.
+2. The peer's ``connect`` is checked (block length, fingerprint, hash seed,
+   the admit callback), its region is registered with the data plane, and
+   only then is it acknowledged: our ack promises that we can write into the
+   peer's memory safely.
+3. Before the peer's ``connect`` only ``connect`` and ``disconnect`` are
+   accepted. A second ``connect`` is a protocol error, or a restart when it
+   carries a different ``boot_id``.
+4. The handshake (both connects, both acks) must finish within
+   ``handshake_timeout_s`` of :meth:`start`.
+5. A protocol error ends only this session: best-effort ``disconnect`` with
+   the reason, then every job the session held fails. The ending is
+   reported exactly once, as :attr:`PollResult.closed` of the next poll.
+6. Unknown message types are counted and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvpeer.errors import DataPlaneError, HandshakeRejected, ProtocolError
+from kvpeer.protocol import (
+    PROTOCOL_VERSION,
+    AbortAck,
+    AbortFetch,
+    AckExtension,
+    Codec,
+    Connect,
+    ConnectAck,
+    Disconnect,
+    Fetch,
+    Lookup,
+    LookupResponse,
+    Message,
+    TransferDone,
+    TransportChoice,
+    UnknownMessage,
+    limits,
+)
+from kvpeer.session.consumer import ConsumerRole, ConsumerStatistics
+from kvpeer.session.ports import DataPlane, Parent
+from kvpeer.session.producer import ProducerRole, ProducerStatistics
+from kvpeer.session.results import (
+    CloseKind,
+    LoadFinished,
+    PollResult,
+    SessionClosed,
+)
+from kvpeer.session.settings import SessionSettings
+from kvpeer.types import Key, StoreJob
+
+__all__ = ["Admit", "PeerSession", "SessionStatistics"]
+
+#: Policy hook: return a rejection reason, or None to admit the peer.
+Admit = Callable[[str, Connect], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStatistics:
+    peer_id: str
+    ready: bool
+    closed: bool
+    frames_received: int
+    frames_sent: int
+    unknown_messages: int
+    queued_messages: int
+    consumer: ConsumerStatistics
+    producer: ProducerStatistics
+
+
+class PeerSession:
+    """Both roles toward one peer over one control link."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        hello: Connect,
+        data_plane: DataPlane,
+        transmit: Callable[[bytes], bool],
+        settings: SessionSettings | None = None,
+        *,
+        admit: Admit | None = None,
+    ) -> None:
+        self.peer_id = peer_id
+        self._hello = hello
+        self._data = data_plane
+        self._transmit = transmit
+        self._settings = settings or SessionSettings()
+        self._admit = admit
+        self._codec = Codec()
+        self._consumer = ConsumerRole(peer_id, self._send, data_plane, self._settings)
+        self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings)
+        self._started_at: float | None = None
+        self._peer_hello: Connect | None = None
+        self._registered = False
+        self._acked = False  # the peer acknowledged our connect
+        self._queue: list[Message] = []
+        self._deferred_close: tuple[CloseKind, str] | None = None
+        self._closed: SessionClosed | None = None
+        self._close_reported = False
+        self._late_loads: list[LoadFinished] = []
+        self._frames_in = 0
+        self._frames_out = 0
+        self._unknown = 0
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._closed is None
+
+    @property
+    def ready(self) -> bool:
+        """Handshake complete in both directions."""
+        return self._acked and self._registered and self._closed is None
+
+    @property
+    def peer_hello(self) -> Connect | None:
+        """The peer's ``connect``, once received."""
+        return self._peer_hello
+
+    @property
+    def peer_boot_id(self) -> bytes | None:
+        hello = self._peer_hello
+        return hello.kvpeer.boot_id if hello is not None and hello.kvpeer is not None else None
+
+    def has_work(self) -> bool:
+        """Loads or writes in flight, peer work to serve, or results not yet polled."""
+        if self._closed is not None:
+            return not self._close_reported or bool(self._late_loads)
+        return (
+            self._consumer.has_loads()
+            or self._consumer.has_lookup_work()
+            or self._producer.has_transfers()
+            or self._producer.needs_serve()
+        )
+
+    def needs_serve(self) -> bool:
+        return self._closed is None and self._producer.needs_serve()
+
+    def next_deadline(self) -> float | None:
+        if self._closed is not None:
+            return None
+        deadlines = [
+            d
+            for d in (self._consumer.next_deadline(), self._producer.next_deadline())
+            if d is not None
+        ]
+        if not (self._acked and self._registered) and self._started_at is not None:
+            deadlines.append(self._started_at + self._settings.handshake_timeout_s)
+        return min(deadlines, default=None)
+
+    def statistics(self) -> SessionStatistics:
+        return SessionStatistics(
+            peer_id=self.peer_id,
+            ready=self.ready,
+            closed=self._closed is not None,
+            frames_received=self._frames_in,
+            frames_sent=self._frames_out,
+            unknown_messages=self._unknown,
+            queued_messages=len(self._queue),
+            consumer=self._consumer.statistics(),
+            producer=self._producer.statistics(),
+        )
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        """Send our ``connect``; the handshake deadline runs from here."""
+        if self._started_at is not None:
+            raise ProtocolError(f"session {self.peer_id} already started")
+        self._started_at = now
+        self._transmit_now(self._hello)
+        self._settle_deferred_close()
+
+    def receive(self, frame: bytes | bytearray | memoryview, now: float) -> None:
+        """Handle one control frame from the peer."""
+        if self._started_at is None:
+            raise ProtocolError(f"session {self.peer_id}: receive() before start()")
+        if self._closed is not None:
+            return
+        self._frames_in += 1
+        try:
+            message = self._codec.decode(frame)
+            self._dispatch(message, now)
+        except ProtocolError as exc:
+            self._end(CloseKind.PROTOCOL_ERROR, str(exc), send_disconnect=True)
+            return
+        except HandshakeRejected as exc:
+            self._end(CloseKind.REJECTED, str(exc), send_disconnect=True)
+            return
+        self._settle_deferred_close()
+
+    def poll(self, now: float) -> PollResult:
+        """Fire due timers and return everything that finished since last poll."""
+        if self._closed is None:
+            if (
+                not (self._acked and self._registered)
+                and self._started_at is not None
+                and now >= self._started_at + self._settings.handshake_timeout_s
+            ):
+                self._end(
+                    CloseKind.TIMEOUT,
+                    f"handshake not complete within {self._settings.handshake_timeout_s:g}s",
+                    send_disconnect=True,
+                )
+            else:
+                self._consumer.tick(now)
+                self._producer.tick(now)
+                self._settle_deferred_close()
+        loads, expired = self._consumer.take_results()
+        stores, fetched = self._producer.take_results()
+        loads.extend(self._late_loads)
+        self._late_loads = []
+        closed = None
+        if self._closed is not None and not self._close_reported:
+            closed = self._closed
+            self._close_reported = True
+        return PollResult(
+            loads=tuple(loads),
+            stores=tuple(stores),
+            fetched_ids=tuple(fetched),
+            expired_probe_ids=tuple(expired),
+            closed=closed,
+        )
+
+    def close(self, reason: str = "closed locally", kind: CloseKind = CloseKind.LOCAL) -> None:
+        """End the session; the failed jobs arrive with the next :meth:`poll`."""
+        self._end(kind, reason, send_disconnect=True)
+
+    # -- consumer API ----------------------------------------------------------
+
+    def register_probe(self, kv_request_id: str, key: Key, now: float) -> bool | None:
+        """None while the peer has not answered; a dead session answers MISS."""
+        if self._closed is not None:
+            return False
+        return self._consumer.register_probe(kv_request_id, key, now)
+
+    def flush_lookups(self) -> None:
+        if self._closed is None:
+            self._consumer.flush()
+            self._settle_deferred_close()
+
+    def request_blocks(
+        self,
+        job_id: int,
+        kv_request_id: str,
+        keys: Sequence[Key],
+        slots: Sequence[int],
+        now: float,
+    ) -> None:
+        if self._closed is not None:
+            self._late_loads.append(
+                LoadFinished(job_id, kv_request_id, False, f"session closed: {self._closed.reason}")
+            )
+            return
+        self._consumer.request_blocks(job_id, kv_request_id, keys, slots, now)
+        self._settle_deferred_close()
+
+    def finish_consumer(self, kv_request_id: str, now: float) -> None:
+        if self._closed is None:
+            self._consumer.finish(kv_request_id, now)
+            self._settle_deferred_close()
+
+    # -- producer API ----------------------------------------------------------
+
+    def serve(self, parent: Parent, now: float) -> None:
+        if self._closed is None:
+            self._producer.serve(parent, now)
+            self._settle_deferred_close()
+
+    def add_supply(self, kv_request_id: str, job: StoreJob, now: float) -> bool:
+        """Bind stored blocks to this peer; False (job untouched) if the session is closed."""
+        if self._closed is not None:
+            return False
+        self._producer.add_supply(kv_request_id, job, now)
+        self._settle_deferred_close()
+        return True
+
+    def finish_supply(self, kv_request_id: str, now: float) -> None:
+        if self._closed is None:
+            self._producer.finish_supply(kv_request_id, now)
+            self._settle_deferred_close()
+
+    # -- dispatch --------------------------------------------------------------
+
+    def _dispatch(self, message: Message | UnknownMessage, now: float) -> None:
+        if isinstance(message, UnknownMessage):
+            self._unknown += 1
+            return
+        if isinstance(message, Connect):
+            self._on_connect(message)
+            return
+        if isinstance(message, Disconnect):
+            why = message.reason or "no reason given"
+            self._end(CloseKind.DISCONNECTED, f"peer disconnected: {why}", send_disconnect=False)
+            return
+        if self._peer_hello is None:
+            raise ProtocolError(f"{message.__class__.__name__} before the peer's connect")
+        match message:
+            case ConnectAck():
+                self._on_connect_ack(message)
+            case Lookup():
+                self._producer.on_lookup(message, now)
+            case LookupResponse():
+                self._consumer.on_lookup_response(message)
+            case Fetch():
+                self._producer.on_fetch(message, now)
+            case TransferDone():
+                self._consumer.on_transfer_done(message)
+            case AbortFetch():
+                self._producer.on_abort_fetch(message, now)
+            case AbortAck():
+                self._consumer.on_abort_ack(message)
+
+    def _on_connect(self, hello: Connect) -> None:
+        previous = self._peer_hello
+        if previous is not None:
+            old = previous.kvpeer.boot_id if previous.kvpeer is not None else None
+            new = hello.kvpeer.boot_id if hello.kvpeer is not None else None
+            if old is not None and new is not None and old != new:
+                self._end(
+                    CloseKind.RESTARTED, "peer restarted (new boot id)", send_disconnect=False
+                )
+                return
+            raise ProtocolError("duplicate connect")
+        self._peer_hello = hello
+        reason = self._incompatibility(hello)
+        if reason is not None:
+            raise HandshakeRejected(reason)
+        try:
+            choice = self._data.register_peer(self.peer_id, hello)
+        except (DataPlaneError, HandshakeRejected) as exc:
+            raise HandshakeRejected(f"data plane refused the peer: {exc}") from exc
+        self._registered = True
+        self._producer.set_consumer_region(hello.num_blocks)
+        extension = (
+            AckExtension(version=PROTOCOL_VERSION, transport=choice)
+            if hello.kvpeer is not None
+            else None
+        )
+        self._transmit_now(ConnectAck(peer_id=self._hello.peer_id, kvpeer=extension))
+
+    def _incompatibility(self, hello: Connect) -> str | None:
+        ours = self._hello
+        if hello.block_len != ours.block_len:
+            return f"block_len mismatch: peer {hello.block_len}, ours {ours.block_len}"
+        if (
+            hello.config_fingerprint
+            and ours.config_fingerprint
+            and hello.config_fingerprint != ours.config_fingerprint
+        ):
+            return (
+                f"config fingerprint mismatch: peer {hello.config_fingerprint!r}, "
+                f"ours {ours.config_fingerprint!r}"
+            )
+        if hello.hash_seed != ours.hash_seed:
+            return (
+                f"hash seed mismatch: peer {hello.hash_seed!r}, ours {ours.hash_seed!r} "
+                "(set the same PYTHONHASHSEED on every peer)"
+            )
+        if hello.kvpeer is not None and hello.kvpeer.version[0] != PROTOCOL_VERSION[0]:
+            return f"protocol major version {hello.kvpeer.version[0]}, ours {PROTOCOL_VERSION[0]}"
+        if self._admit is not None:
+            return self._admit(self.peer_id, hello)
+        return None
+
+    def _on_connect_ack(self, ack: ConnectAck) -> None:
+        if self._acked:
+            raise ProtocolError("duplicate connect_ack")
+        self._acked = True
+        choice: TransportChoice | None = ack.kvpeer.transport if ack.kvpeer is not None else None
+        self._data.peer_acknowledged(self.peer_id, choice)
+        queued, self._queue = self._queue, []
+        for message in queued:
+            self._transmit_now(message)
+
+    # -- sending ---------------------------------------------------------------
+
+    def _send(self, message: Message) -> None:
+        """Gate for role messages: queued until the peer acknowledged us."""
+        if self._closed is not None or self._deferred_close is not None:
+            return
+        if not self._acked:
+            if len(self._queue) >= self._settings.max_queued_messages:
+                self._deferred_close = (
+                    CloseKind.UNREACHABLE,
+                    f"more than {self._settings.max_queued_messages} messages queued "
+                    "before the handshake completed",
+                )
+                return
+            self._queue.append(message)
+            return
+        self._transmit_now(message)
+
+    def _transmit_now(self, message: Message) -> None:
+        if self._deferred_close is not None:
+            return
+        if not self._transmit(self._codec.encode(message)):
+            self._deferred_close = (CloseKind.UNREACHABLE, "control link refused a frame")
+            return
+        self._frames_out += 1
+
+    def _settle_deferred_close(self) -> None:
+        if self._deferred_close is not None and self._closed is None:
+            kind, reason = self._deferred_close
+            self._end(kind, reason, send_disconnect=False)
+
+    def _end(self, kind: CloseKind, reason: str, *, send_disconnect: bool) -> None:
+        if self._closed is not None:
+            return
+        if send_disconnect and self._started_at is not None and self._deferred_close is None:
+            self._transmit(self._codec.encode(Disconnect(reason=reason[: limits.MAX_NAME_CHARS])))
+        self._deferred_close = None
+        self._queue = []
+        loads, failed_ids = self._consumer.close(reason)
+        stores, serves = self._producer.close(reason)
+        if self._registered:
+            self._data.unregister_peer(self.peer_id)
+            self._registered = False
+        self._closed = SessionClosed(
+            kind=kind,
+            reason=reason,
+            loads=tuple(loads),
+            stores=tuple(stores),
+            failed_request_ids=tuple(failed_ids),
+            unreleased_serves=tuple(serves),
+        )

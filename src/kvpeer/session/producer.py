@@ -1,0 +1,641 @@
+"""Producer role: serving our pinned blocks to one peer. Sans-IO.
+
+Invariants (per ``kv_request_id``):
+
+1. Inbound lookups are resolved only inside a serve window (the parent is
+   valid only there). Per pass, a lookup's HIT keys are pinned with one store
+   job and become *round supply* of the lookup's round; MISS answers false;
+   HIT_PENDING/RETRY keys are asked again each pass until
+   ``lookup_pending_timeout_s`` after arrival, then answer false.
+2. Each lookup gets exactly one ``lookup_resp`` (keys in wire order), unless
+   the consumer closed its round first (a fetch for that round or a terminal
+   fetch): then it gets none. The parent sees ``on_request_finished`` once
+   for every ``on_new_request``.
+3. Stores bound to this session by the tier are *pool supply*: they serve
+   whichever round of the id demands them (PD may fetch in several rounds).
+4. A fetch is the demand of one round; a second fetch for a round that has
+   demand is a protocol error. Demand is matched against the round's supply,
+   then the pool. A round with lookup state fails at once if any demanded key
+   was not pinned; a PD round waits for stores until the producer's request
+   finished (``finish_supply``), then fails.
+5. Rounds finish, fail and abort independently. A failing or aborted round
+   replies (``transfer_done(false)`` / ``abort_ack``) only once none of its
+   writes can still touch the consumer's memory: in-flight writes are
+   cancelled and drained for up to ``abort_drain_timeout_s``.
+6. Every store job is reported exactly once, when its last key is settled
+   (written, released unused, failed, or timed out); it fails if any of its
+   keys failed or timed out. Supply nobody fetched within ``store_timeout_s``
+   of being pinned or bound is released.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpeer.errors import DataPlaneError, ProtocolError
+from kvpeer.protocol import (
+    AbortAck,
+    AbortFetch,
+    Fetch,
+    Lookup,
+    LookupResponse,
+    Message,
+    TransferDone,
+)
+from kvpeer.session.ports import DataPlane, Parent
+from kvpeer.session.results import StoreFinished
+from kvpeer.session.settings import SessionSettings
+from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
+
+__all__ = ["ProducerRole", "ProducerStatistics"]
+
+#: Unresolved inbound lookup keys one peer may keep queued at once.
+MAX_QUEUED_LOOKUP_KEYS = 1 << 20
+
+
+class _State(enum.Enum):
+    AVAILABLE = 1
+    IN_FLIGHT = 2
+    SETTLED = 3
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    job_id: int
+    kv_request_id: str
+    bound_at: float
+    open: int
+    supplies: list[_Supply] = field(default_factory=list)
+    failed: bool = False
+    reason: str = ""
+    reported: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Supply:
+    key: Key
+    slot: int
+    job: _Job
+    home: dict[Key, _Supply] | None = None  # the container holding it while available
+    state: _State = _State.AVAILABLE
+
+
+@dataclass(slots=True, eq=False)
+class _Round:
+    seq: int
+    supply: dict[Key, _Supply] = field(default_factory=dict)
+    looked_up: bool = False  # lookup state exists: demand must have been pinned
+    demand: dict[Key, int] | None = None  # unmatched demand; None until the fetch
+    demanded: int = 0
+    delivered: int = 0
+    inflight: set[int] = field(default_factory=set)
+    reply: Message | None = None  # owed once in-flight writes drained
+    drain_deadline: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _InboundLookup:
+    round_seq: int
+    keys: tuple[Key, ...]
+    received_at: float
+    serve: ServeRequest | None = None
+    answers: dict[Key, bool] = field(default_factory=dict)
+    pending: dict[Key, None] = field(default_factory=dict)  # ordered set
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    rounds: dict[int, _Round] = field(default_factory=dict)
+    pool: dict[Key, _Supply] = field(default_factory=dict)
+    lookups: list[_InboundLookup] = field(default_factory=list)
+    closed_through: int = -1  # lookups of rounds <= this were closed by a fetch
+    supply_complete: bool = False
+
+    def is_idle(self) -> bool:
+        return not (self.rounds or self.pool or self.lookups)
+
+
+@dataclass(slots=True, eq=False)
+class _Transfer:
+    kv_request_id: str
+    round_seq: int
+    supplies: list[_Supply]
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStatistics:
+    requests: int
+    rounds: int
+    transfers_in_flight: int
+    rounds_draining: int
+    pinned_blocks: int
+    store_jobs_open: int
+    lookups_queued: int
+    lookups_answered: int
+    blocks_written: int
+    rounds_succeeded: int
+    rounds_failed: int
+
+
+class ProducerRole:
+    """Serves a peer's lookups and fetches out of our pinned primary slots."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        send: Callable[[Message], None],
+        data_plane: DataPlane,
+        settings: SessionSettings,
+    ) -> None:
+        self._peer_id = peer_id
+        self._send = send
+        self._data = data_plane
+        self._settings = settings
+        self._lookup_seq = 0
+        self._consumer_blocks: int | None = None
+        self._requests: dict[str, _Request] = {}
+        self._transfers: dict[int, _Transfer] = {}
+        self._jobs_by_age: dict[int, _Job] = {}  # insertion order == age order
+        self._jobs_open = 0
+        self._serve_pending: set[str] = set()
+        self._draining: set[tuple[str, int]] = set()
+        self._unreleased: list[ServeRequest] = []
+        self._queued_lookup_keys = 0
+        self._results: list[StoreFinished] = []
+        self._fetched: list[str] = []
+        self._lookups_answered = 0
+        self._blocks_written = 0
+        self._rounds_ok = 0
+        self._rounds_failed = 0
+
+    def set_consumer_region(self, num_blocks: int) -> None:
+        """The peer's advertised slot count; every fetch index is checked against it."""
+        self._consumer_blocks = num_blocks
+
+    # -- wire ----------------------------------------------------------------
+
+    def on_lookup(self, message: Lookup, now: float) -> None:
+        request = self._requests.setdefault(message.kv_request_id, _Request())
+        if message.round_seq <= request.closed_through:
+            self._prune(message.kv_request_id)
+            return  # the consumer already closed that round
+        self._queued_lookup_keys += len(message.keys)
+        if self._queued_lookup_keys > MAX_QUEUED_LOOKUP_KEYS:
+            raise ProtocolError(
+                f"more than {MAX_QUEUED_LOOKUP_KEYS} lookup keys queued by one peer"
+            )
+        request.lookups.append(
+            _InboundLookup(
+                message.round_seq, message.keys, now, pending=dict.fromkeys(message.keys)
+            )
+        )
+        self._serve_pending.add(message.kv_request_id)
+
+    def on_fetch(self, message: Fetch, now: float) -> None:
+        kv_request_id = message.kv_request_id
+        limit = self._consumer_blocks
+        if limit is not None:
+            for index in message.block_indexes:
+                if index >= limit:
+                    raise ProtocolError(
+                        f"fetch {kv_request_id!r} round {message.round_seq}: block index "
+                        f"{index} outside the peer's {limit} blocks"
+                    )
+        if len(set(message.keys)) != len(message.keys):
+            raise ProtocolError(f"fetch {kv_request_id!r}: duplicate keys")
+        request = self._requests.setdefault(kv_request_id, _Request())
+        round_ = request.rounds.get(message.round_seq)
+        if round_ is not None and (round_.demand is not None or round_.reply is not None):
+            raise ProtocolError(f"second fetch for {kv_request_id!r} round {message.round_seq}")
+        self._close_lookups(kv_request_id, request, message.round_seq)
+        if message.is_terminal:
+            # The consumer is done: release lookup pins nobody demanded.
+            for seq, open_round in list(request.rounds.items()):
+                if open_round.demand is None and open_round.reply is None:
+                    self._release_supply(open_round.supply, True, "")
+                    del request.rounds[seq]
+            self._prune(kv_request_id)
+            return
+        if round_ is None:
+            round_ = request.rounds[message.round_seq] = _Round(message.round_seq)
+        round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
+        round_.demanded = len(message.keys)
+        self._fetched.append(kv_request_id)
+        self._match(kv_request_id, request, round_, now)
+        self._check_unmet(kv_request_id, request, round_, now)
+
+    def on_abort_fetch(self, message: AbortFetch, now: float) -> None:
+        request = self._requests.get(message.kv_request_id)
+        round_ = request.rounds.get(message.round_seq) if request is not None else None
+        if round_ is None:
+            # Nothing of that round can touch the consumer's memory.
+            self._send(AbortAck(kv_request_id=message.kv_request_id, round_seq=message.round_seq))
+            return
+        if round_.reply is not None:
+            if isinstance(round_.reply, TransferDone):
+                round_.reply = AbortAck(
+                    kv_request_id=message.kv_request_id, round_seq=message.round_seq
+                )
+            return  # already draining: a duplicate abort keeps its deadline
+        self._fail_round(
+            message.kv_request_id,
+            round_,
+            now,
+            "aborted by the peer",
+            AbortAck(kv_request_id=message.kv_request_id, round_seq=message.round_seq),
+        )
+
+    # -- engine-facing ---------------------------------------------------------
+
+    def serve(self, parent: Parent, now: float) -> None:
+        """Resolve queued lookups against the parent (the only place it is called)."""
+        unreleased, self._unreleased = self._unreleased, []
+        for serve in unreleased:
+            parent.on_request_finished(serve)
+        for kv_request_id in list(self._serve_pending):
+            request = self._requests[kv_request_id]
+            for lookup in list(request.lookups):
+                if self._resolve(kv_request_id, request, lookup, parent, now):
+                    request.lookups.remove(lookup)
+            if not request.lookups:
+                self._serve_pending.discard(kv_request_id)
+            self._prune(kv_request_id)
+
+    def add_supply(
+        self, kv_request_id: str, job: StoreJob, now: float, round_seq: int | None = None
+    ) -> None:
+        """Pinned blocks to serve: pool supply, or one round's lookup supply."""
+        request = self._requests.setdefault(kv_request_id, _Request())
+        tracked = _Job(job.job_id, kv_request_id, now, len(job.keys))
+        self._jobs_by_age[job.job_id] = tracked
+        self._jobs_open += 1
+        if round_seq is None:
+            home = request.pool
+        else:
+            round_ = request.rounds.setdefault(round_seq, _Round(round_seq))
+            round_.looked_up = True
+            home = round_.supply
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            supply = _Supply(key, slot, tracked)
+            tracked.supplies.append(supply)
+            if key in home:
+                self._settle(supply, True, "")  # pinned twice: keep the first
+            else:
+                supply.home = home
+                home[key] = supply
+        if tracked.open == 0:
+            self._report(tracked)
+        for round_ in list(request.rounds.values()):
+            if round_.demand:
+                self._match(kv_request_id, request, round_, now)
+        self._prune(kv_request_id)
+
+    def finish_supply(self, kv_request_id: str, now: float) -> None:
+        """Our request for the id finished: no more stores; unmet demand fails now."""
+        request = self._requests.get(kv_request_id)
+        if request is None:
+            return
+        request.supply_complete = True
+        for round_ in list(request.rounds.values()):
+            self._check_unmet(kv_request_id, request, round_, now)
+
+    # -- time ----------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Collect finished writes, drain deadlines and store timeouts."""
+        for event in self._data.poll(self._peer_id):
+            self._on_transfer_event(event.transfer_id, event.success, event.reason, now)
+        for kv_request_id, seq in list(self._draining):
+            round_ = self._requests[kv_request_id].rounds[seq]
+            if now >= round_.drain_deadline:
+                self._data.cancel(list(round_.inflight), wait=False)
+                for transfer_id in list(round_.inflight):
+                    self._forget_transfer(round_, transfer_id, False, "abandoned after drain")
+                self._finish_drain(kv_request_id, round_)
+        deadline = self._settings.store_timeout_s
+        for job_id, job in list(self._jobs_by_age.items()):
+            if now < job.bound_at + deadline:
+                break
+            del self._jobs_by_age[job_id]
+            for supply in job.supplies:
+                if supply.state is _State.AVAILABLE:
+                    self._settle(supply, False, f"not fetched within {deadline:g}s")
+            self._prune(job.kv_request_id)
+
+    def next_deadline(self) -> float | None:
+        deadlines: list[float] = []
+        for job in self._jobs_by_age.values():
+            deadlines.append(job.bound_at + self._settings.store_timeout_s)
+            break
+        for kv_request_id, seq in self._draining:
+            deadlines.append(self._requests[kv_request_id].rounds[seq].drain_deadline)
+        for kv_request_id in self._serve_pending:
+            lookups = self._requests[kv_request_id].lookups
+            if lookups:
+                deadlines.append(lookups[0].received_at + self._settings.lookup_pending_timeout_s)
+        return min(deadlines, default=None)
+
+    def take_results(self) -> tuple[list[StoreFinished], list[str]]:
+        results, fetched = self._results, self._fetched
+        self._results, self._fetched = [], []
+        return results, fetched
+
+    def close(self, reason: str) -> tuple[list[StoreFinished], list[ServeRequest]]:
+        """Abandon everything: fail every open job, hand back owed serves."""
+        if self._transfers:
+            self._data.cancel(list(self._transfers), wait=False)
+        for job in self._open_jobs():
+            for supply in job.supplies:
+                if supply.state is not _State.SETTLED:
+                    self._settle(supply, False, reason)
+        serves = self._unreleased
+        for request in self._requests.values():
+            serves.extend(lu.serve for lu in request.lookups if lu.serve is not None)
+        results = self._results
+        self._requests.clear()
+        self._transfers.clear()
+        self._jobs_by_age.clear()
+        self._serve_pending.clear()
+        self._draining.clear()
+        self._unreleased = []
+        self._results = []
+        self._fetched = []
+        self._queued_lookup_keys = 0
+        return results, serves
+
+    # -- introspection ---------------------------------------------------------
+
+    def needs_serve(self) -> bool:
+        return bool(self._serve_pending or self._unreleased)
+
+    def has_transfers(self) -> bool:
+        return bool(self._transfers or self._draining)
+
+    def statistics(self) -> ProducerStatistics:
+        pinned = 0
+        rounds = 0
+        for request in self._requests.values():
+            pinned += len(request.pool)
+            rounds += len(request.rounds)
+            pinned += sum(len(r.supply) for r in request.rounds.values())
+        return ProducerStatistics(
+            requests=len(self._requests),
+            rounds=rounds,
+            transfers_in_flight=len(self._transfers),
+            rounds_draining=len(self._draining),
+            pinned_blocks=pinned,
+            store_jobs_open=self._jobs_open,
+            lookups_queued=self._queued_lookup_keys,
+            lookups_answered=self._lookups_answered,
+            blocks_written=self._blocks_written,
+            rounds_succeeded=self._rounds_ok,
+            rounds_failed=self._rounds_failed,
+        )
+
+    # -- lookups ---------------------------------------------------------------
+
+    def _resolve(
+        self,
+        kv_request_id: str,
+        request: _Request,
+        lookup: _InboundLookup,
+        parent: Parent,
+        now: float,
+    ) -> bool:
+        """One serve pass over a lookup; True once it was answered."""
+        if lookup.serve is None:
+            self._lookup_seq += 1
+            lookup.serve = ServeRequest(
+                f"kvpeer:{self._peer_id}:{kv_request_id}:lookup{self._lookup_seq}",
+                kv_request_id,
+                self._peer_id,
+            )
+            parent.on_new_request(lookup.serve)
+        round_ = request.rounds.setdefault(lookup.round_seq, _Round(lookup.round_seq))
+        round_.looked_up = True
+        expired = now >= lookup.received_at + self._settings.lookup_pending_timeout_s
+        hits: list[Key] = []
+        for key in list(lookup.pending):
+            if key in round_.supply:
+                answer: bool | None = True  # already pinned for this round
+            else:
+                result = parent.lookup(key, lookup.serve)
+                if result is LookupResult.HIT:
+                    hits.append(key)
+                    continue
+                answer = False if result is LookupResult.MISS or expired else None
+            if answer is not None:
+                lookup.answers[key] = answer
+                del lookup.pending[key]
+        if hits:
+            job = parent.create_store_job(hits, lookup.serve)
+            for key in job.keys:
+                lookup.answers[key] = True
+                lookup.pending.pop(key, None)
+            self.add_supply(kv_request_id, job, now, lookup.round_seq)
+            for key in hits:  # a parent that pinned fewer keys than asked: not hits
+                if key in lookup.pending:
+                    lookup.answers[key] = False
+                    del lookup.pending[key]
+        if lookup.pending:
+            return False
+        self._queued_lookup_keys -= len(lookup.keys)
+        self._send(
+            LookupResponse(
+                kv_request_id=kv_request_id,
+                keys=lookup.keys,
+                hits=tuple(lookup.answers[k] for k in lookup.keys),
+                round_seq=lookup.round_seq,
+            )
+        )
+        self._lookups_answered += 1
+        parent.on_request_finished(lookup.serve)
+        return True
+
+    def _close_lookups(self, kv_request_id: str, request: _Request, through: int) -> None:
+        """The consumer closed rounds <= ``through``: their lookups get no answer."""
+        request.closed_through = max(request.closed_through, through)
+        keep: list[_InboundLookup] = []
+        for lookup in request.lookups:
+            if lookup.round_seq <= through:
+                self._queued_lookup_keys -= len(lookup.keys)
+                if lookup.serve is not None:
+                    self._unreleased.append(lookup.serve)
+            else:
+                keep.append(lookup)
+        request.lookups = keep
+        if not keep:
+            self._serve_pending.discard(kv_request_id)
+
+    # -- matching and transfers ------------------------------------------------
+
+    def _match(self, kv_request_id: str, request: _Request, round_: _Round, now: float) -> None:
+        demand = round_.demand
+        if not demand or round_.reply is not None:
+            return
+        pairs: list[tuple[_Supply, int]] = []
+        for key, index in list(demand.items()):
+            supply = round_.supply.pop(key, None) or request.pool.pop(key, None)
+            if supply is not None:
+                del demand[key]
+                pairs.append((supply, index))
+        if not pairs:
+            return
+        for supply, _ in pairs:
+            supply.state = _State.IN_FLIGHT
+            supply.home = None
+        supplies = [s for s, _ in pairs]
+        try:
+            transfer_id = self._data.write_blocks(
+                self._peer_id, [s.slot for s in supplies], [i for _, i in pairs]
+            )
+        except DataPlaneError as exc:
+            for supply in supplies:
+                self._settle(supply, False, f"write failed to start: {exc}")
+            self._fail_round(kv_request_id, round_, now, f"write failed to start: {exc}")
+            return
+        self._transfers[transfer_id] = _Transfer(kv_request_id, round_.seq, supplies)
+        round_.inflight.add(transfer_id)
+
+    def _check_unmet(
+        self, kv_request_id: str, request: _Request, round_: _Round, now: float
+    ) -> None:
+        if not round_.demand or round_.reply is not None:
+            return
+        if round_.looked_up:
+            self._fail_round(
+                kv_request_id, round_, now, f"{len(round_.demand)} keys were not pinned"
+            )
+        elif request.supply_complete:
+            self._fail_round(kv_request_id, round_, now, f"no supply for {len(round_.demand)} keys")
+
+    def _on_transfer_event(self, transfer_id: int, success: bool, reason: str, now: float) -> None:
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            return  # cancelled and abandoned earlier
+        round_ = self._requests[transfer.kv_request_id].rounds[transfer.round_seq]
+        self._forget_transfer(round_, transfer_id, success, reason or "write failed")
+        if round_.reply is not None:
+            if not round_.inflight:
+                self._finish_drain(transfer.kv_request_id, round_)
+        elif not success:
+            self._fail_round(
+                transfer.kv_request_id, round_, now, f"write failed: {reason or 'unknown'}"
+            )
+        elif not round_.demand and not round_.inflight:
+            self._succeed_round(transfer.kv_request_id, round_)
+
+    def _forget_transfer(
+        self, round_: _Round, transfer_id: int, success: bool, reason: str
+    ) -> None:
+        transfer = self._transfers.pop(transfer_id)
+        round_.inflight.discard(transfer_id)
+        for supply in transfer.supplies:
+            self._settle(supply, success, "" if success else reason)
+        if success:
+            round_.delivered += len(transfer.supplies)
+            self._blocks_written += len(transfer.supplies)
+
+    def _succeed_round(self, kv_request_id: str, round_: _Round) -> None:
+        self._release_supply(round_.supply, True, "")
+        self._send(
+            TransferDone(
+                kv_request_id=kv_request_id,
+                success=True,
+                round_seq=round_.seq,
+                blocks=round_.delivered,
+            )
+        )
+        self._rounds_ok += 1
+        self._drop_round(kv_request_id, round_)
+
+    def _fail_round(
+        self,
+        kv_request_id: str,
+        round_: _Round,
+        now: float,
+        reason: str,
+        reply: Message | None = None,
+    ) -> None:
+        """End a round unsuccessfully; reply once no write of it can land any more."""
+        self._release_supply(round_.supply, False, reason)
+        round_.demand = {}
+        round_.reply = reply or TransferDone(
+            kv_request_id=kv_request_id,
+            success=False,
+            round_seq=round_.seq,
+            blocks=round_.delivered,
+            reason=reason,
+        )
+        if round_.inflight:
+            still = set(self._data.cancel(list(round_.inflight), wait=True))
+            for transfer_id in list(round_.inflight):
+                if transfer_id not in still:
+                    self._forget_transfer(round_, transfer_id, False, reason)
+        if round_.inflight:
+            round_.drain_deadline = now + self._settings.abort_drain_timeout_s
+            self._draining.add((kv_request_id, round_.seq))
+        else:
+            self._finish_drain(kv_request_id, round_)
+
+    def _finish_drain(self, kv_request_id: str, round_: _Round) -> None:
+        self._draining.discard((kv_request_id, round_.seq))
+        assert round_.reply is not None
+        self._send(round_.reply)
+        self._rounds_failed += 1
+        self._drop_round(kv_request_id, round_)
+
+    def _drop_round(self, kv_request_id: str, round_: _Round) -> None:
+        request = self._requests[kv_request_id]
+        del request.rounds[round_.seq]
+        self._prune(kv_request_id)
+
+    # -- jobs ------------------------------------------------------------------
+
+    def _release_supply(self, supplies: dict[Key, _Supply], success: bool, reason: str) -> None:
+        for supply in list(supplies.values()):
+            self._settle(supply, success, reason)
+
+    def _settle(self, supply: _Supply, success: bool, reason: str) -> None:
+        if supply.state is _State.SETTLED:
+            return
+        if supply.home is not None:
+            supply.home.pop(supply.key, None)
+            supply.home = None
+        supply.state = _State.SETTLED
+        job = supply.job
+        job.open -= 1
+        if not success and not job.failed:
+            job.failed = True
+            job.reason = reason
+        if job.open == 0:
+            self._report(job)
+
+    def _report(self, job: _Job) -> None:
+        if job.reported:
+            return
+        job.reported = True
+        self._jobs_open -= 1
+        self._jobs_by_age.pop(job.job_id, None)
+        self._results.append(StoreFinished(job.job_id, not job.failed, job.reason))
+
+    def _open_jobs(self) -> list[_Job]:
+        jobs: dict[int, _Job] = {}
+        for request in self._requests.values():
+            for supply in request.pool.values():
+                jobs[id(supply.job)] = supply.job
+            for round_ in request.rounds.values():
+                for supply in round_.supply.values():
+                    jobs[id(supply.job)] = supply.job
+        for transfer in self._transfers.values():
+            for supply in transfer.supplies:
+                jobs[id(supply.job)] = supply.job
+        return list(jobs.values())
+
+    def _prune(self, kv_request_id: str) -> None:
+        request = self._requests.get(kv_request_id)
+        if request is not None and request.is_idle():
+            del self._requests[kv_request_id]
+            self._serve_pending.discard(kv_request_id)

@@ -1,0 +1,88 @@
+"""Values the session core hands back to its owner (results are past tense)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvpeer.types import ServeRequest
+
+__all__ = [
+    "CloseKind",
+    "LoadFinished",
+    "PollResult",
+    "SessionClosed",
+    "StoreFinished",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFinished:
+    """A load job (peer -> our primary) ended; reported exactly once per job."""
+
+    job_id: int
+    kv_request_id: str
+    success: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFinished:
+    """A store job (our pinned slots served to the peer) ended; exactly once."""
+
+    job_id: int
+    success: bool
+    reason: str = ""
+
+
+class CloseKind(enum.Enum):
+    """Why a session ended."""
+
+    LOCAL = "local"  # our owner closed it
+    DISCONNECTED = "disconnected"  # the peer said goodbye
+    PROTOCOL_ERROR = "protocol_error"  # the peer (or we) broke the protocol
+    REJECTED = "rejected"  # handshake check failed (either side)
+    TIMEOUT = "timeout"  # handshake deadline passed
+    RESTARTED = "restarted"  # the peer came back with a new boot id
+    UNREACHABLE = "unreachable"  # the control link could not carry our frames
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed:
+    """Everything the owner must settle for a session that ended.
+
+    ``loads``/``stores`` are failed results for every job the session held;
+    ``failed_request_ids`` are consumer ids whose lookups can no longer
+    resolve (in-flight loads or unresolved probes): answer MISS for them;
+    ``unreleased_serves`` still owe ``parent.on_request_finished``.
+    """
+
+    kind: CloseKind
+    reason: str
+    loads: tuple[LoadFinished, ...] = ()
+    stores: tuple[StoreFinished, ...] = ()
+    failed_request_ids: tuple[str, ...] = ()
+    unreleased_serves: tuple[ServeRequest, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PollResult:
+    """What happened since the last poll.
+
+    ``fetched_ids``: ids a peer fetched for the first time in a round (the
+    owner binds parked stores to this session). ``expired_probe_ids``:
+    consumer ids whose probes went unanswered past the lookup timeout (their
+    probes now answer MISS). ``closed`` is set once, on the poll after the
+    session ended; its failed jobs are not repeated in ``loads``/``stores``.
+    """
+
+    loads: tuple[LoadFinished, ...] = ()
+    stores: tuple[StoreFinished, ...] = ()
+    fetched_ids: tuple[str, ...] = ()
+    expired_probe_ids: tuple[str, ...] = ()
+    closed: SessionClosed | None = field(default=None)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.loads or self.stores or self.fetched_ids or self.expired_probe_ids or self.closed
+        )

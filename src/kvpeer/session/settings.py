@@ -1,0 +1,39 @@
+"""Timeouts and bounds of one peer session (the tier builds these from config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SessionSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    """Every duration is in seconds of the caller's clock.
+
+    ``load_timeout_s``: consumer, fetch without completion -> abort_fetch.
+    ``abort_ack_timeout_s``: consumer, abort without ack -> load fails anyway.
+    ``lookup_timeout_s``: consumer, unanswered probe -> MISS.
+    ``lookup_pending_timeout_s``: producer, HIT_PENDING/RETRY key -> MISS.
+    ``store_timeout_s``: producer, pinned supply nobody fetched -> unpinned.
+    ``abort_drain_timeout_s``: producer, in-flight writes of an aborted or
+    failed round get this long to stop before they are abandoned.
+    ``handshake_timeout_s``: connected but not acknowledged -> dead.
+    ``max_queued_messages``: messages held until the peer's ack; more ends
+    the session.
+    """
+
+    load_timeout_s: float = 30.0
+    abort_ack_timeout_s: float = 10.0
+    lookup_timeout_s: float = 30.0
+    lookup_pending_timeout_s: float = 5.0
+    store_timeout_s: float = 30.0
+    abort_drain_timeout_s: float = 10.0
+    handshake_timeout_s: float = 30.0
+    max_queued_messages: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"SessionSettings.{name} must be > 0, got {value!r}")

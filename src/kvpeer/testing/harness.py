@@ -1,0 +1,212 @@
+"""Two coupled sessions over an in-memory link, for behaviour tests.
+
+:class:`SessionPair` wires node ``a`` and node ``b`` (each with a region, a
+fake data plane, a fake parent and a :class:`PeerSession` toward the other)
+through a :class:`MemoryLink`. Tests drive time and delivery explicitly.
+Every result is recorded per node and checked for exactly-once reporting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpeer.protocol import (
+    PROTOCOL_VERSION,
+    Codec,
+    Connect,
+    ConnectExtension,
+    Message,
+    UnknownMessage,
+)
+from kvpeer.session.peer import Admit, PeerSession
+from kvpeer.session.results import LoadFinished, PollResult, SessionClosed, StoreFinished
+from kvpeer.session.settings import SessionSettings
+from kvpeer.testing.clock import FakeClock
+from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
+from kvpeer.testing.link import LinkEnd, MemoryLink
+from kvpeer.testing.parent import FakeParent
+
+__all__ = ["Node", "SessionPair", "make_hello"]
+
+
+def make_hello(
+    peer_id: str,
+    region: Region,
+    *,
+    hash_seed: str = "vllm-none-hash",
+    fingerprint: str = "",
+    boot_id: bytes | None = None,
+    kvpeer: bool = True,
+) -> Connect:
+    """A ``connect`` describing ``region``, as a node would send it."""
+    extension = (
+        ConnectExtension(version=PROTOCOL_VERSION, boot_id=boot_id or os.urandom(16))
+        if kvpeer
+        else None
+    )
+    return Connect(
+        peer_id=peer_id,
+        agent_metadata=b"",
+        base_addr=0,
+        num_blocks=region.num_blocks,
+        block_len=region.block_len,
+        hash_seed=hash_seed,
+        config_fingerprint=fingerprint,
+        kvpeer=extension,
+    )
+
+
+@dataclass
+class Node:
+    """One side of a pair and everything it observed."""
+
+    node_id: str
+    region: Region
+    plane: FakeDataPlane
+    parent: FakeParent
+    session: PeerSession
+    outbox: LinkEnd
+    loads: dict[int, LoadFinished] = field(default_factory=dict)
+    stores: dict[int, StoreFinished] = field(default_factory=dict)
+    fetched_ids: list[str] = field(default_factory=list)
+    expired_probe_ids: list[str] = field(default_factory=list)
+    closed: SessionClosed | None = None
+
+    def record(self, result: PollResult) -> PollResult:
+        loads = list(result.loads)
+        stores = list(result.stores)
+        if result.closed is not None:
+            assert self.closed is None, "session closed twice"
+            self.closed = result.closed
+            loads.extend(result.closed.loads)
+            stores.extend(result.closed.stores)
+            for serve in result.closed.unreleased_serves:
+                self.parent.on_request_finished(serve)
+        for load in loads:
+            assert load.job_id not in self.loads, f"load job {load.job_id} reported twice"
+            self.loads[load.job_id] = load
+        for store in stores:
+            assert store.job_id not in self.stores, f"store job {store.job_id} reported twice"
+            self.stores[store.job_id] = store
+            self.parent.job_finished(store)
+        self.fetched_ids.extend(result.fetched_ids)
+        self.expired_probe_ids.extend(result.expired_probe_ids)
+        return result
+
+    def sent(self) -> list[Message | UnknownMessage]:
+        """Every message this node put on the wire, decoded."""
+        return self.outbox.messages()
+
+    def sent_of(self, kind: type[Message]) -> list[Message]:
+        return [m for m in self.sent() if isinstance(m, kind)]
+
+
+class SessionPair:
+    """Nodes ``a`` and ``b`` with one session each toward the other."""
+
+    def __init__(
+        self,
+        *,
+        clock: FakeClock | None = None,
+        settings: SessionSettings | None = None,
+        num_blocks: int = 64,
+        block_len: int = 64,
+        auto_complete: bool = False,
+        hello_a: Callable[[Region], Connect] | None = None,
+        hello_b: Callable[[Region], Connect] | None = None,
+        admit_a: Admit | None = None,
+        admit_b: Admit | None = None,
+        start: bool = True,
+    ) -> None:
+        self.clock = clock or FakeClock()
+        self.settings = settings or SessionSettings()
+        self.fabric = Fabric()
+        self.link = MemoryLink("a", "b")
+        job_ids = itertools.count(1)
+        self.a = self._node(
+            "a",
+            "b",
+            self.link.a_to_b,
+            num_blocks,
+            block_len,
+            auto_complete,
+            hello_a,
+            admit_a,
+            job_ids,
+        )
+        self.b = self._node(
+            "b",
+            "a",
+            self.link.b_to_a,
+            num_blocks,
+            block_len,
+            auto_complete,
+            hello_b,
+            admit_b,
+            job_ids,
+        )
+        self.job_ids = job_ids
+        if start:
+            self.a.session.start(self.clock.now)
+            self.b.session.start(self.clock.now)
+            self.pump()
+
+    def _node(
+        self,
+        node_id: str,
+        peer_id: str,
+        outbox: LinkEnd,
+        num_blocks: int,
+        block_len: int,
+        auto_complete: bool,
+        hello: Callable[[Region], Connect] | None,
+        admit: Admit | None,
+        job_ids: itertools.count[int],
+    ) -> Node:
+        region = Region(num_blocks, block_len)
+        plane = FakeDataPlane(self.fabric, node_id, region, auto_complete=auto_complete)
+        parent = FakeParent(region, job_ids)
+        connect = hello(region) if hello is not None else make_hello(node_id, region)
+        session = PeerSession(peer_id, connect, plane, outbox.transmit, self.settings, admit=admit)
+        return Node(node_id, region, plane, parent, session, outbox)
+
+    def next_job_id(self) -> int:
+        return next(self.job_ids)
+
+    def deliver(self, limit: int | None = None) -> int:
+        """Deliver frames in transit, in order, alternating directions."""
+        delivered = 0
+        pipes = ((self.link.a_to_b, self.b), (self.link.b_to_a, self.a))
+        while any(pipe.in_transit for pipe, _ in pipes):
+            for pipe, receiver in pipes:
+                if pipe.in_transit and (limit is None or delivered < limit):
+                    receiver.session.receive(pipe.in_transit.popleft(), self.clock.now)
+                    delivered += 1
+            if limit is not None and delivered >= limit:
+                break
+        return delivered
+
+    def poll(self) -> None:
+        """Poll both sessions at the current time and record the results."""
+        self.a.record(self.a.session.poll(self.clock.now))
+        self.b.record(self.b.session.poll(self.clock.now))
+
+    def pump(self, rounds: int = 50) -> None:
+        """Deliver and poll until nothing moves (completions included)."""
+        for _ in range(rounds):
+            moved = self.deliver()
+            self.poll()
+            if not moved and not self.link.a_to_b.in_transit and not self.link.b_to_a.in_transit:
+                return
+        raise AssertionError("pair did not settle")
+
+    def serve(self) -> None:
+        """Open a serve window on both sides."""
+        self.a.session.serve(self.a.parent, self.clock.now)
+        self.b.session.serve(self.b.parent, self.clock.now)
+
+    def decode(self, frame: bytes) -> Message | UnknownMessage:
+        return Codec().decode(frame)

@@ -1,0 +1,49 @@
+"""Vocabulary shared by the session core, the tier and the hosts. Pure data."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TypeAlias
+
+__all__ = ["Key", "LookupResult", "ServeRequest", "StoreJob"]
+
+#: A block key: chained prefix hash + 4-byte big-endian KV-cache group index.
+Key: TypeAlias = bytes
+
+
+class LookupResult(enum.Enum):
+    """Answer of a tier (or the host's parent) for one key."""
+
+    HIT = "hit"  # present and readable now
+    HIT_PENDING = "hit_pending"  # present, not readable yet
+    RETRY = "retry"  # not decided; ask again next step
+    MISS = "miss"  # absent
+
+
+@dataclass(frozen=True, slots=True)
+class ServeRequest:
+    """A synthetic request through which a peer's lookup is served by the parent.
+
+    One exists per inbound ``lookup`` message; the parent sees
+    ``on_new_request`` once and ``on_request_finished`` exactly once for it.
+    """
+
+    req_id: str
+    kv_request_id: str
+    peer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    """Primary slots the parent pinned for ``keys``, released by the job's result."""
+
+    job_id: int
+    keys: tuple[Key, ...]
+    slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.slots):
+            raise ValueError(
+                f"store job {self.job_id}: {len(self.keys)} keys but {len(self.slots)} slots"
+            )
