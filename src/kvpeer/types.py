@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-__all__ = ["Key", "LookupResult", "ServeRequest", "StoreJob"]
+__all__ = [
+    "JobResult",
+    "Key",
+    "LookupResult",
+    "OffloadPolicy",
+    "RequestContext",
+    "ServeRequest",
+    "StoreJob",
+    "TransferJob",
+]
 
 #: A block key: chained prefix hash + 4-byte big-endian KV-cache group index.
 Key: TypeAlias = bytes
@@ -47,3 +57,42 @@ class StoreJob:
             raise ValueError(
                 f"store job {self.job_id}: {len(self.keys)} keys but {len(self.slots)} slots"
             )
+
+
+class OffloadPolicy(enum.Enum):
+    """What a tier wants stored for a request."""
+
+    CHUNK_LEVEL = "chunk_level"  # only newly computed blocks
+    REQUEST_LEVEL = "request_level"  # every block, including ones already in the primary
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """An engine request as the tier sees it."""
+
+    req_id: str
+    kv_transfer_params: Mapping[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TransferJob:
+    """A store (primary -> tier, slots pinned) or load (tier -> primary, slots reserved)."""
+
+    job_id: int
+    keys: tuple[Key, ...]
+    slots: tuple[int, ...]
+    request: RequestContext
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.slots):
+            raise ValueError(
+                f"transfer job {self.job_id}: {len(self.keys)} keys but {len(self.slots)} slots"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """Outcome of a submitted job; every job is reported exactly once."""
+
+    job_id: int
+    success: bool
