@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 from kvpeer.protocol import limits
 
-__all__ = ["Destination", "Routing", "Source", "format_peer_id", "parse_transfer_params"]
+__all__ = [
+    "Destination",
+    "Routing",
+    "Source",
+    "format_peer_id",
+    "parse_transfer_params",
+    "split_peer_id",
+]
 
 ROLE_KEYS = ("remote_decoder", "remote_prefiller", "remote_kv_source")
 
@@ -58,6 +65,21 @@ def format_peer_id(host: str, port: int) -> str:
     except ValueError:
         is_v6 = False
     return f"[{host}]:{port}" if is_v6 else f"{host}:{port}"
+
+
+def split_peer_id(peer_id: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``host:port`` / ``[v6]:port``; None if it is neither."""
+    host, sep, port_text = peer_id.rpartition(":")
+    if not sep or not port_text.isdigit() or not host:
+        return None
+    port = int(port_text)
+    if not 0 < port < 65536:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None  # an IPv6 literal must be bracketed
+    return (host, port) if host else None
 
 
 def parse_transfer_params(params: object) -> Routing:

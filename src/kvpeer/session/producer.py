@@ -222,7 +222,8 @@ class ProducerRole:
             round_ = request.rounds[message.round_seq] = _Round(message.round_seq)
         round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
         round_.demanded = len(message.keys)
-        self._fetched.append(kv_request_id)
+        if not round_.looked_up:
+            self._fetched.append(kv_request_id)  # PD demand: the owner binds parked stores
         self._match(kv_request_id, request, round_, now)
         self._check_unmet(kv_request_id, request, round_, now)
 

@@ -69,8 +69,8 @@ class SessionClosed:
 class PollResult:
     """What happened since the last poll.
 
-    ``fetched_ids``: ids a peer fetched for the first time in a round (the
-    owner binds parked stores to this session). ``expired_probe_ids``:
+    ``fetched_ids``: ids a peer fetched in a round without lookup state (PD
+    demand: the owner binds the id's parked stores to this session). ``expired_probe_ids``:
     consumer ids whose probes went unanswered past the lookup timeout (their
     probes now answer MISS). ``closed`` is set once, on the poll after the
     session ended; its failed jobs are not repeated in ``loads``/``stores``.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvpeer.errors import DataPlaneError
 from kvpeer.protocol import Connect, TransportChoice
 from kvpeer.session.ports import TransferEvent
+from kvpeer.transport.base import LocalRegion
 
 __all__ = ["Fabric", "FakeDataPlane", "PendingWrite", "Region"]
 
@@ -94,6 +95,7 @@ class FakeDataPlane:
         self.violations: list[str] = []
         self.cancelled: list[int] = []
         self.writes_started = 0
+        self.closed = False
         self._peers: dict[str, _Peer] = {}
         self._open: dict[str, dict[int, int]] = {}  # peer id -> slots opened for its writes
         self._events: dict[str, list[TransferEvent]] = {}
@@ -175,6 +177,16 @@ class FakeDataPlane:
                 opened.pop(slot, None)
         if not opened:
             self._open.pop(peer_id, None)
+
+    def describe(self) -> LocalRegion:
+        return LocalRegion(num_blocks=self.region.num_blocks, block_len=self.region.block_len)
+
+    def close(self) -> None:
+        self._peers.clear()
+        self.pending.clear()
+        self._events.clear()
+        self._open.clear()
+        self.closed = True
 
     # -- test controls ----------------------------------------------------------
 

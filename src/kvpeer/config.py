@@ -1,0 +1,471 @@
+"""The tier's configuration: one frozen `TierConfig`, validated in one place.
+
+Input is a plain mapping as a JSON tier config arrives (often rendered by
+templates). Invariants:
+
+1. Every `TierConfig` instance is valid and canonical: `from_dict` parses,
+   and `__post_init__` re-checks values given directly (or via `replace`).
+2. Durations are finite floats in (0, 1e9] seconds (tombstone: 2e9); counts
+   are ints in range.
+   Numbers may arrive as strings (``"180"``, ``" 2.5 "``); booleans are never
+   numbers; a count given as a float must be integral (``12.0`` -> 12).
+3. ``tombstone_retention_s > load_timeout_s`` (default 2 x the effective
+   ``load_timeout_s``) and ``heartbeat_timeout_s > heartbeat_interval_s``.
+4. Unknown keys are errors. Every problem is reported at once, one line each,
+   starting with the key; bad values are shown with ``repr``.
+5. ``allowed_peers`` entries are CIDRs (with "/") or host:port, IPv6 bracketed;
+   a bare address is ambiguous ("::1:5710") and rejected. Names never resolve.
+6. ``host`` is an IP literal (canonical, unbracketed) or a DNS name, never a
+   wildcard: ``peer_id`` (``host:port``, IPv6 bracketed) is what peers dial back.
+7. ``TierConfig.from_dict(c.to_dict()) == c``; ``to_dict`` is JSON-able.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Final, TypeAlias
+
+from kvpeer.errors import ConfigError
+from kvpeer.protocol import limits
+from kvpeer.session.settings import SessionSettings
+
+__all__ = ["DATA_TRANSPORTS", "AllowList", "CurveConfig", "TierConfig", "validate_dict"]
+
+DATA_TRANSPORTS: Final = ("shm", "tcp", "nixl")
+MAX_SECONDS: Final = 1e9  # ~31 years: "never" for any sane deployment, and finite when doubled
+_CURVE_KEYS: Final = ("server_secret_key_file", "server_public_key_file", "client_public_keys_dir")
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class _Invalid(Exception):
+    """Problems with one value (args are message lines); never leaves this module."""
+
+
+def _ip(text: str) -> IPAddress | None:
+    """The IP literal `text` (IPv6 optionally bracketed), or None for a name."""
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def _is_hostname(text: str) -> bool:
+    labels = text.split(".")
+    # An all-numeric last label is a mistyped IPv4 address, not a name (RFC 3696).
+    return (
+        len(text) <= 253
+        and all(_LABEL.fullmatch(label) for label in labels)
+        and not labels[-1].isdigit()
+    )
+
+
+def _port_text(text: str) -> int | None:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
+        return None
+    return int(text)
+
+
+@dataclass(frozen=True, slots=True)
+class AllowList:
+    """Which peers may hold a session with us; `everyone` overrides the rest.
+
+    ``networks`` match any port of an address they contain; ``endpoints`` are
+    ``(host, port)`` with host a canonical IP string or a lower-case name. A
+    name matches only an endpoint with the same name: nothing is resolved.
+    """
+
+    everyone: bool = False
+    networks: tuple[IPNetwork, ...] = ()
+    endpoints: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def allow_all(cls) -> AllowList:
+        return cls(everyone=True)
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[str]) -> AllowList:
+        """Parse CIDRs / host:port strings; raise ConfigError listing every bad one."""
+        items = _names(entries, "") if isinstance(entries, str) else list(entries)
+        try:
+            return _allow_list(items)
+        except _Invalid as exc:
+            raise ConfigError("\n".join(f"allowed_peers: {line}" for line in exc.args)) from None
+
+    def allows(self, host: str, port: int) -> bool:
+        if self.everyone:
+            return True
+        address = _ip(host)
+        if address is None:
+            return (host.lower(), port) in self.endpoints
+        candidates: list[IPAddress] = [address]
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            candidates.append(address.ipv4_mapped)  # dual-stack sockets report IPv4 peers so
+        return any(
+            (str(candidate), port) in self.endpoints
+            or any(candidate in network for network in self.networks)
+            for candidate in candidates
+        )
+
+    def to_entries(self) -> list[str] | None:
+        """The entries as config strings; None means everyone."""
+        if self.everyone:
+            return None
+        hosts = [(f"[{h}]" if ":" in h else h, p) for h, p in self.endpoints]
+        return [str(n) for n in self.networks] + [f"{h}:{p}" for h, p in hosts]
+
+
+def _allow_entry(item: object) -> IPNetwork | tuple[str, int]:
+    if not isinstance(item, str):
+        raise _Invalid(f"expected each entry to be a string, got {item!r}")
+    text = item.strip()
+    if "/" in text:
+        try:
+            return ipaddress.ip_network(text, strict=False)
+        except ValueError as exc:
+            raise _Invalid(f"invalid CIDR {item!r} ({exc})") from None
+    if (bare := _ip(text)) is not None:  # "::1:5710" is an address too: never guess
+        raise _Invalid(
+            f"a bare address is ambiguous: write a CIDR ('{bare}/{bare.max_prefixlen}') or "
+            f"host:port (IPv6 bracketed, e.g. '[::1]:5710'), got {item!r}"
+        )
+    host, sep, port_text = text.rpartition(":")
+    port = _port_text(port_text)
+    if host.startswith("[") and host.endswith("]"):
+        address = _ip(host)
+        if not isinstance(address, ipaddress.IPv6Address):
+            raise _Invalid(f"brackets are only for IPv6 addresses, got {item!r}")
+        canonical = str(address)
+    elif ":" in host:
+        raise _Invalid(f"an IPv6 host:port must be bracketed (e.g. '[::1]:5710'), got {item!r}")
+    elif (address := _ip(host)) is not None:
+        canonical = str(address)
+    elif sep and _is_hostname(host):
+        canonical = host.lower()
+    else:
+        raise _Invalid(
+            f"expected a CIDR (e.g. '10.0.0.0/8') or host:port (e.g. 'node-a:5710'), got {item!r}"
+        )
+    if port is None:
+        raise _Invalid(f"expected a port from 1 to 65535 after the host, got {item!r}")
+    return canonical, port
+
+
+def _allow_list(items: Sequence[object]) -> AllowList:
+    networks: list[IPNetwork] = []
+    endpoints: list[tuple[str, int]] = []
+    problems: list[str] = []
+    for item in items:
+        try:
+            entry = _allow_entry(item)
+        except _Invalid as exc:
+            problems.extend(exc.args)
+            continue
+        if isinstance(entry, tuple):
+            endpoints.append(entry)
+        else:
+            networks.append(entry)
+    if problems:
+        raise _Invalid(*problems)
+    if not items:
+        raise _Invalid("an empty list allows no peer; use null to allow every peer")
+    return AllowList(networks=tuple(networks), endpoints=tuple(endpoints))
+
+
+@dataclass(frozen=True, slots=True)
+class CurveConfig:
+    """Paths of the ZMQ CURVE key files; nothing here touches the filesystem."""
+
+    server_secret_key_file: str
+    server_public_key_file: str
+    client_public_keys_dir: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {key: getattr(self, key) for key in _CURVE_KEYS}
+
+
+# -- value parsers: each returns the canonical value or raises _Invalid -------------------
+
+
+def _duration(limit: float = MAX_SECONDS) -> Callable[[object], float]:
+    def parse(value: object) -> float:
+        seconds = math.nan
+        if isinstance(value, int | float | str) and not isinstance(value, bool):
+            with suppress(ValueError, OverflowError):
+                seconds = float(value)
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise _Invalid(f"expected a positive number of seconds, got {value!r}")
+        if seconds > limit:
+            raise _Invalid(f"expected at most {limit:g} seconds, got {value!r}")
+        return seconds
+
+    return parse
+
+
+_seconds = _duration()
+
+
+def _integral(value: object) -> int | None:
+    """An int, an integral float (12.0) or a string of either; None otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        with suppress(ValueError):
+            return int(value)
+    try:
+        as_float = float(value)
+    except ValueError:
+        return None
+    return int(as_float) if as_float.is_integer() else None
+
+
+def _count(low: int, high: int | None = None) -> Callable[[object], int]:
+    expected = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+
+    def parse(value: object) -> int:
+        number = _integral(value)
+        if number is None or number < low or (high is not None and number > high):
+            raise _Invalid(f"expected {expected}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _host(value: object) -> str:
+    if isinstance(value, str) and (text := value.strip()):
+        address = _ip(text)
+        if address is not None and address.is_unspecified:
+            raise _Invalid(f"wildcard address {value!r} cannot be dialled back by peers")
+        if address is not None:
+            return str(address)
+        if _is_hostname(text):
+            return text
+    raise _Invalid(f"expected an IP address or host name, got {value!r}")
+
+
+def _optional_name(value: object) -> str | None:
+    limit = limits.MAX_NAME_CHARS  # the wire bound of hash_seed
+    if value is None or (isinstance(value, str) and value.strip() and len(value) <= limit):
+        return value
+    raise _Invalid(f"expected null or a non-empty string of at most {limit} chars, got {value!r}")
+
+
+def _fingerprint(value: object) -> str:
+    if isinstance(value, str) and len(value) <= limits.MAX_FINGERPRINT_CHARS:
+        return value
+    limit = limits.MAX_FINGERPRINT_CHARS
+    raise _Invalid(f"expected a string of at most {limit} characters, got {value!r}")
+
+
+def _names(value: object, what: str) -> list[object]:
+    """A list/tuple as is, or a comma-separated string split (empty parts dropped)."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, list | tuple):
+        return list(value)
+    raise _Invalid(f"expected {what} or a comma-separated string, got {value!r}")
+
+
+def _transports(value: object) -> tuple[str, ...]:
+    items = _names(value, "a list of transport names")
+    known = ", ".join(map(repr, DATA_TRANSPORTS))
+    problems: list[str] = []
+    seen: list[str] = []
+    for item in items:
+        name = item.strip() if isinstance(item, str) else item
+        if not isinstance(name, str) or name not in DATA_TRANSPORTS:
+            problems.append(f"unknown transport {item!r}{_suggest(name, DATA_TRANSPORTS)}")
+        elif name in seen:
+            problems.append(f"{name!r} is listed twice")
+        else:
+            seen.append(name)
+    if not items:
+        problems.append(f"expected at least one of {known}, got {value!r}")
+    elif problems:
+        problems.append(f"known transports: {known}")
+    if problems:
+        raise _Invalid(*problems)
+    return tuple(seen)
+
+
+def _allowed_peers(value: object) -> AllowList:
+    if value is None:
+        return AllowList.allow_all()
+    return _allow_list(_names(value, "null, a list of CIDR / host:port strings"))
+
+
+def _curve(value: object) -> CurveConfig | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _Invalid(f"expected null or an object with keys {list(_CURVE_KEYS)}, got {value!r}")
+    problems = [
+        f"unknown key {key!r}{_suggest(key, _CURVE_KEYS)}"
+        for key in value
+        if key not in _CURVE_KEYS
+    ]
+    for key in _CURVE_KEYS:
+        if key not in value:
+            problems.append(f"missing key {key!r}")
+        elif not (isinstance(value[key], str) and value[key].strip()):
+            problems.append(f"{key}: expected a non-empty path string, got {value[key]!r}")
+    if problems:
+        raise _Invalid(*problems)
+    return CurveConfig(**{key: value[key] for key in _CURVE_KEYS})
+
+
+def _suggest(key: object, known: Iterable[str]) -> str:
+    if not isinstance(key, str):
+        return ""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
+    {
+        "host": _host,
+        "port": _count(1, 65535),
+        "load_timeout_s": _seconds,
+        "abort_ack_timeout_s": _seconds,
+        "lookup_pending_timeout_s": _seconds,
+        "lookup_timeout_s": _seconds,
+        "store_timeout_s": _seconds,
+        "unbound_store_timeout_s": _seconds,
+        "tombstone_retention_s": _duration(2 * MAX_SECONDS),  # default is 2 x load
+        "handshake_timeout_s": _seconds,
+        "abort_drain_timeout_s": _seconds,
+        "heartbeat_interval_s": _seconds,
+        "heartbeat_timeout_s": _seconds,
+        "max_peers": _count(1),
+        "max_queued_messages": _count(1),
+        "data_transports": _transports,
+        "allowed_peers": _allowed_peers,
+        "hash_seed": _optional_name,
+        "config_fingerprint": _fingerprint,
+        "curve": _curve,
+    }
+)
+# Must be greater than, checked only when both values are individually valid.
+_ORDERED: Final = (
+    ("tombstone_retention_s", "load_timeout_s"),
+    ("heartbeat_timeout_s", "heartbeat_interval_s"),
+)
+
+
+def _parse(mapping: object) -> tuple[dict[str, Any], list[str]]:
+    """Canonical values of the keys given, and every problem found."""
+    if not isinstance(mapping, Mapping):
+        return {}, [f"tier config: expected a mapping of keys to values, got {mapping!r}"]
+    problems = []
+    for key in mapping:
+        if key in ("type", "module_path"):
+            problems.append(f"unknown key {key!r} (strip 'type' and 'module_path' first)")
+        elif key not in _PARSERS:
+            problems.append(f"unknown key {key!r}{_suggest(key, _PARSERS)}")
+    values: dict[str, Any] = {}
+    for key, parse in _PARSERS.items():
+        if key in mapping:
+            try:
+                values[key] = parse(mapping[key])
+            except _Invalid as exc:
+                problems.extend(f"{key}: {line}" for line in exc.args)
+    bad = {key for key in mapping if key in _PARSERS and key not in values}
+    effective: dict[str, Any] = {f.name: f.default for f in fields(TierConfig)} | values
+    if "tombstone_retention_s" not in mapping:
+        effective["tombstone_retention_s"] = 2 * effective["load_timeout_s"]
+        values["tombstone_retention_s"] = effective["tombstone_retention_s"]
+    for larger, smaller in _ORDERED:
+        if not {larger, smaller} & bad and not effective[larger] > effective[smaller]:
+            problems.append(
+                f"{larger}: must exceed {smaller}, got {larger}={effective[larger]!r} "
+                f"and {smaller}={effective[smaller]!r}"
+            )
+    return values, problems
+
+
+def validate_dict(mapping: object) -> list[str]:
+    """Every problem with a tier config mapping, one line each; [] when valid."""
+    return _parse(mapping)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Effective configuration of one kvpeer tier (DESIGN.md section 6).
+
+    Build it with `from_dict`; ``TierConfig()`` equals ``from_dict({})``. When
+    constructing directly, ``tombstone_retention_s`` is not re-derived.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 5710
+    load_timeout_s: float = 30.0
+    abort_ack_timeout_s: float = 10.0
+    lookup_pending_timeout_s: float = 5.0
+    lookup_timeout_s: float = 30.0
+    store_timeout_s: float = 30.0
+    unbound_store_timeout_s: float = 60.0
+    tombstone_retention_s: float = 60.0
+    handshake_timeout_s: float = 30.0
+    abort_drain_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+    max_peers: int = 128
+    max_queued_messages: int = 4096
+    data_transports: tuple[str, ...] = DATA_TRANSPORTS
+    allowed_peers: AllowList = field(default_factory=AllowList.allow_all)
+    hash_seed: str | None = None
+    config_fingerprint: str = ""
+    curve: CurveConfig | None = None
+
+    def __post_init__(self) -> None:
+        values, problems = _parse(self.to_dict())
+        if problems:
+            raise ConfigError("\n".join(problems))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # canonical form (frozen)
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, object]) -> TierConfig:
+        """Parse a tier config; raise one ConfigError listing every problem."""
+        values, problems = _parse(mapping)
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config as JSON-able values; `from_dict` round-trips it."""
+        result: dict[str, Any] = {name: getattr(self, name) for name in _PARSERS}
+        result["data_transports"] = list(self.data_transports)
+        result["allowed_peers"] = self.allowed_peers.to_entries()
+        result["curve"] = None if self.curve is None else self.curve.to_dict()
+        return result
+
+    @property
+    def peer_id(self) -> str:
+        """``host:port`` as peers dial it back; IPv6 hosts are bracketed."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def session_settings(self) -> SessionSettings:
+        return SessionSettings(
+            load_timeout_s=self.load_timeout_s,
+            abort_ack_timeout_s=self.abort_ack_timeout_s,
+            lookup_timeout_s=self.lookup_timeout_s,
+            lookup_pending_timeout_s=self.lookup_pending_timeout_s,
+            store_timeout_s=self.store_timeout_s,
+            abort_drain_timeout_s=self.abort_drain_timeout_s,
+            handshake_timeout_s=self.handshake_timeout_s,
+            max_queued_messages=self.max_queued_messages,
+        )

@@ -1,0 +1,516 @@
+"""The engine-facing tier: one :class:`PeerSession` per peer, binding, parking, reaping.
+
+Invariants:
+
+1. Every job the engine submits is reported exactly once by
+   :meth:`Tier.get_finished_jobs` (or immediately queued when there is
+   nothing to do for it).
+2. A consumer request answers MISS from the moment its load failed, its peer
+   died or its probes timed out, until it finishes (``_failed`` holds only ids
+   of live consumer requests).
+3. Producer stores for a ``remote_decoder`` id are parked until a fetch for
+   the id arrives on some session, then bound to it. Parked stores older than
+   ``unbound_store_timeout_s`` fail and the id is tombstoned for
+   ``tombstone_retention_s``: a fetch for it is rejected in the same tick,
+   a store for it fails at once. Tombstones expire.
+4. A fetch for an id with no producer state yet (decoder first) is
+   remembered until the consumer's load would have timed out, so the stores
+   that follow still find it.
+5. No collection grows with the number of requests ever served: per-request
+   entries leave at ``on_request_finished``, everything else expires.
+6. A dead session is reaped within one poll: its loads and stores fail, its
+   waiting probes answer MISS, its serve requests are released at the next
+   serve window.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpeer.config import TierConfig
+from kvpeer.node.params import LOCAL, Routing, parse_transfer_params, split_peer_id
+from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension
+from kvpeer.session import CloseKind, PeerSession, PollResult
+from kvpeer.session.ports import Parent
+from kvpeer.transport.base import ControlLink, ControlTransport, NodeDataPlane
+from kvpeer.types import (
+    JobResult,
+    Key,
+    LookupResult,
+    OffloadPolicy,
+    RequestContext,
+    ServeRequest,
+    StoreJob,
+    TransferJob,
+)
+
+__all__ = ["Tier", "TierStatistics"]
+
+log = logging.getLogger("kvpeer.tier")
+
+DEFAULT_HASH_SEED = "vllm-none-hash"
+
+
+@dataclass(slots=True)
+class _Peer:
+    session: PeerSession
+    link: ControlLink
+    last_used: float
+
+
+@dataclass(slots=True)
+class _Parked:
+    since: float
+    jobs: list[TransferJob] = field(default_factory=list)
+    producer_finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatistics:
+    sessions: int
+    requests: int
+    consumer_ids: int
+    producer_ids: int
+    failed_ids: int
+    bound_ids: int
+    parked_ids: int
+    parked_batches: int
+    tombstones: int
+    early_fetches: int
+    loads_in_flight: int
+    transfers_in_flight: int
+    pinned_blocks: int
+    results_pending: int
+    peers_refused: int
+
+
+class Tier:
+    """kvpeer's secondary tier for one engine (implements SecondaryTier)."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        control: ControlTransport,
+        data_plane: NodeDataPlane,
+        *,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None] | None = None,
+        hash_seed: str | None = None,
+        boot_id: bytes | None = None,
+    ) -> None:
+        self._config = config
+        self._settings = config.session_settings()
+        self._control = control
+        self._data = data_plane
+        self._clock = clock
+        self._sleep = sleep
+        self._hash_seed = config.hash_seed or hash_seed or DEFAULT_HASH_SEED
+        self._boot_id = boot_id or os.urandom(16)
+        self._peers: dict[str, _Peer] = {}
+        self._requests: dict[str, Routing] = {}
+        self._consumer_refs: dict[str, int] = {}
+        self._failed: set[str] = set()
+        self._producers: dict[str, str] = {}  # kv_request_id -> req_id
+        self._bindings: dict[str, str] = {}  # kv_request_id -> peer_id
+        self._parked: dict[str, _Parked] = {}  # insertion order == age order
+        self._tombstones: dict[str, float] = {}  # kv_request_id -> expiry, age order
+        self._early_fetches: dict[str, tuple[str, float]] = {}  # id -> (peer, expiry)
+        self._results: list[JobResult] = []
+        self._unreleased: list[ServeRequest] = []
+        self._refused = 0
+        self._shut_down = False
+
+    # -- SecondaryTier -----------------------------------------------------------
+
+    def on_new_request(self, request: RequestContext) -> OffloadPolicy:
+        routing = parse_transfer_params(request.kv_transfer_params)
+        for problem in routing.problems:
+            log.warning("request %s runs locally for that role: %s", request.req_id, problem)
+        now = self._clock()
+        source = routing.source
+        if source is not None and self._peer(source.peer_id, now) is None:
+            log.warning(
+                "request %s: peer %s refused (allow-list or peer cap); computing locally",
+                request.req_id,
+                source.peer_id,
+            )
+            routing = Routing(None, routing.destination, routing.problems)
+            source = None
+        self._requests[request.req_id] = routing
+        if source is not None:
+            self._consumer_refs[source.kv_request_id] = (
+                self._consumer_refs.get(source.kv_request_id, 0) + 1
+            )
+        destination = routing.destination
+        if destination is None:
+            return OffloadPolicy.CHUNK_LEVEL
+        self._producers[destination.kv_request_id] = request.req_id
+        self._bind_early_fetch(destination.kv_request_id, now)
+        return OffloadPolicy.REQUEST_LEVEL
+
+    def lookup(self, key: Key, request: RequestContext) -> LookupResult:
+        source = self._requests.get(request.req_id, LOCAL).source
+        if source is None or source.kv_request_id in self._failed:
+            return LookupResult.MISS
+        if not source.probe:
+            return LookupResult.HIT  # PD: the prefiller will have every block
+        peer = self._peers.get(source.peer_id)
+        if peer is None or not peer.session.alive:
+            return LookupResult.MISS
+        now = self._clock()
+        peer.last_used = now
+        answer = peer.session.register_probe(source.kv_request_id, key, now)
+        if answer is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if answer else LookupResult.MISS
+
+    def submit_load(self, job: TransferJob) -> None:
+        source = self._requests.get(job.request.req_id, LOCAL).source
+        if source is None:
+            self._results.append(JobResult(job.job_id, False))
+            return
+        if not job.keys:
+            self._results.append(JobResult(job.job_id, True))
+            return
+        peer = self._peers.get(source.peer_id)
+        if peer is None or not peer.session.alive or source.kv_request_id in self._failed:
+            self._results.append(JobResult(job.job_id, False))
+            self._fail_id(source.kv_request_id)
+            return
+        now = self._clock()
+        peer.last_used = now
+        peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots, now)
+
+    def submit_store(self, job: TransferJob) -> None:
+        destination = self._requests.get(job.request.req_id, LOCAL).destination
+        if destination is None:
+            self._results.append(JobResult(job.job_id, True))  # nobody will fetch it
+            return
+        kv_request_id = destination.kv_request_id
+        if kv_request_id in self._tombstones:
+            self._results.append(JobResult(job.job_id, False))
+            return
+        now = self._clock()
+        peer_id = self._bindings.get(kv_request_id)
+        if peer_id is not None and self._supply(peer_id, kv_request_id, job, now):
+            return
+        self._parked.setdefault(kv_request_id, _Parked(now)).jobs.append(job)
+        self._bind_early_fetch(kv_request_id, now)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        if not self._shut_down:
+            self._tick(self._clock())
+        results, self._results = self._results, []
+        return results
+
+    def serve_external_requests(self, parent: Parent) -> None:
+        unreleased, self._unreleased = self._unreleased, []
+        for serve in unreleased:
+            parent.on_request_finished(serve)
+        now = self._clock()
+        for peer in list(self._peers.values()):
+            if peer.session.needs_serve():
+                peer.session.serve(parent, now)
+
+    def on_schedule_end(self) -> None:
+        for peer in self._peers.values():
+            peer.session.flush_lookups()
+
+    def on_request_finished(self, request: RequestContext) -> None:
+        routing = self._requests.pop(request.req_id, LOCAL)
+        now = self._clock()
+        source = routing.source
+        if source is not None:
+            kv_request_id = source.kv_request_id
+            peer = self._peers.get(source.peer_id)
+            if peer is not None:
+                peer.session.finish_consumer(kv_request_id, now)
+            refs = self._consumer_refs.get(kv_request_id, 1) - 1
+            if refs > 0:
+                self._consumer_refs[kv_request_id] = refs
+            else:
+                self._consumer_refs.pop(kv_request_id, None)
+                self._failed.discard(kv_request_id)
+        destination = routing.destination
+        if destination is not None:
+            kv_request_id = destination.kv_request_id
+            if self._producers.get(kv_request_id) == request.req_id:
+                del self._producers[kv_request_id]
+            peer_id = self._bindings.pop(kv_request_id, None)
+            bound = self._peers.get(peer_id) if peer_id is not None else None
+            if bound is not None:
+                bound.session.finish_supply(kv_request_id, now)
+            elif kv_request_id in self._parked:
+                self._parked[kv_request_id].producer_finished = True
+
+    def has_pending_work(self) -> bool:
+        return bool(self._results or self._unreleased) or any(
+            peer.session.has_work() for peer in self._peers.values()
+        )
+
+    def drain_jobs(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until no transfer touches the primary region."""
+        deadline = self._clock() + timeout_s
+        while True:
+            self._tick(self._clock())
+            busy = [p for p in self._peers.values() if p.session.has_work()]
+            if not busy or self._clock() >= deadline or self._sleep is None:
+                if busy:
+                    log.warning(
+                        "drain_jobs: %d sessions still busy after %gs", len(busy), timeout_s
+                    )
+                return
+            self._sleep(0.001)
+
+    def shutdown(self) -> None:
+        """Fail everything still held; results stay readable via get_finished_jobs."""
+        if self._shut_down:
+            return
+        now = self._clock()
+        for peer_id, peer in list(self._peers.items()):
+            peer.session.close("tier shutting down")
+            self._handle(peer_id, peer, peer.session.poll(now))
+        for parked in self._parked.values():
+            self._results.extend(JobResult(job.job_id, False) for job in parked.jobs)
+        self._parked.clear()
+        self._control.close()
+        self._data.close()
+        self._shut_down = True
+
+    # -- statistics --------------------------------------------------------------
+
+    def statistics(self) -> TierStatistics:
+        loads = transfers = pins = 0
+        for peer in self._peers.values():
+            stats = peer.session.statistics()
+            loads += stats.consumer.loads_in_flight
+            transfers += stats.producer.transfers_in_flight
+            pins += stats.producer.pinned_blocks
+        return TierStatistics(
+            sessions=len(self._peers),
+            requests=len(self._requests),
+            consumer_ids=len(self._consumer_refs),
+            producer_ids=len(self._producers),
+            failed_ids=len(self._failed),
+            bound_ids=len(self._bindings),
+            parked_ids=len(self._parked),
+            parked_batches=sum(len(p.jobs) for p in self._parked.values()),
+            tombstones=len(self._tombstones),
+            early_fetches=len(self._early_fetches),
+            loads_in_flight=loads,
+            transfers_in_flight=transfers,
+            pinned_blocks=pins,
+            results_pending=len(self._results),
+            peers_refused=self._refused,
+        )
+
+    def session(self, peer_id: str) -> PeerSession | None:
+        """The live session toward ``peer_id``, if any (for inspection)."""
+        peer = self._peers.get(peer_id)
+        return peer.session if peer is not None else None
+
+    # -- the tick ------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        for inbound in self._control.receive():
+            self._route(inbound.peer_id, inbound.frame, now)
+        for peer_id, peer in list(self._peers.items()):
+            if not peer.link.alive and peer.session.alive:
+                peer.session.close("control link lost", CloseKind.UNREACHABLE)
+            self._handle(peer_id, peer, peer.session.poll(now))
+        self._reap_parked(now)
+        self._expire(now)
+
+    def _route(self, peer_id: str, frame: bytes, now: float) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            peer = self._peer(peer_id, now)
+            if peer is None:
+                return
+        peer.last_used = now
+        peer.session.receive(frame, now)
+        if not peer.session.alive:
+            result = peer.session.poll(now)
+            self._handle(peer_id, peer, result)
+            if result.closed is not None and result.closed.kind is CloseKind.RESTARTED:
+                log.info("peer %s restarted; opening a fresh session", peer_id)
+                fresh = self._peer(peer_id, now)
+                if fresh is not None:
+                    fresh.session.receive(frame, now)
+
+    def _handle(self, peer_id: str, peer: _Peer, result: PollResult) -> None:
+        for load in result.loads:
+            self._results.append(JobResult(load.job_id, load.success))
+            if not load.success:
+                log.info(
+                    "load %s of %s from %s failed: %s",
+                    load.job_id,
+                    load.kv_request_id,
+                    peer_id,
+                    load.reason,
+                )
+                self._fail_id(load.kv_request_id)
+        self._results.extend(JobResult(s.job_id, s.success) for s in result.stores)
+        for kv_request_id in result.expired_probe_ids:
+            log.info("lookups of %s at %s timed out; computing locally", kv_request_id, peer_id)
+            self._fail_id(kv_request_id)
+        for kv_request_id in result.fetched_ids:
+            self._on_fetch(peer_id, peer, kv_request_id)
+        closed = result.closed
+        if closed is None:
+            return
+        log.warning("session %s ended (%s): %s", peer_id, closed.kind.value, closed.reason)
+        self._results.extend(JobResult(x.job_id, x.success) for x in closed.loads)
+        self._results.extend(JobResult(x.job_id, x.success) for x in closed.stores)
+        for kv_request_id in closed.failed_request_ids:
+            self._fail_id(kv_request_id)
+        self._unreleased.extend(closed.unreleased_serves)
+        for kv_request_id in [k for k, p in self._bindings.items() if p == peer_id]:
+            del self._bindings[kv_request_id]
+        for kv_request_id in [k for k, (p, _) in self._early_fetches.items() if p == peer_id]:
+            del self._early_fetches[kv_request_id]
+        if self._peers.get(peer_id) is peer:
+            del self._peers[peer_id]
+        peer.link.close()
+
+    # -- producer binding ------------------------------------------------------------
+
+    def _on_fetch(self, peer_id: str, peer: _Peer, kv_request_id: str) -> None:
+        now = self._clock()
+        if kv_request_id in self._tombstones:
+            log.info(
+                "late fetch for %s from %s rejected (stores were reaped)", kv_request_id, peer_id
+            )
+            peer.session.finish_supply(kv_request_id, now)
+            return
+        if kv_request_id in self._bindings:
+            return
+        if kv_request_id in self._parked or kv_request_id in self._producers:
+            self._bind(kv_request_id, peer_id, peer, now)
+        else:
+            expiry = now + self._config.load_timeout_s + self._config.abort_ack_timeout_s
+            self._early_fetches.pop(kv_request_id, None)
+            self._early_fetches[kv_request_id] = (peer_id, expiry)
+
+    def _bind_early_fetch(self, kv_request_id: str, now: float) -> None:
+        early = self._early_fetches.pop(kv_request_id, None)
+        if early is None:
+            return
+        peer = self._peers.get(early[0])
+        if peer is not None and peer.session.alive:
+            self._bind(kv_request_id, early[0], peer, now)
+
+    def _bind(self, kv_request_id: str, peer_id: str, peer: _Peer, now: float) -> None:
+        parked = self._parked.pop(kv_request_id, None)
+        live = kv_request_id in self._producers
+        if live:
+            self._bindings[kv_request_id] = peer_id
+        if parked is not None:
+            for job in parked.jobs:
+                if not self._supply(peer_id, kv_request_id, job, now):
+                    self._results.append(JobResult(job.job_id, False))
+        if not live:
+            peer.session.finish_supply(kv_request_id, now)
+
+    def _supply(self, peer_id: str, kv_request_id: str, job: TransferJob, now: float) -> bool:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            return False
+        peer.last_used = now
+        return peer.session.add_supply(
+            kv_request_id, StoreJob(job.job_id, job.keys, job.slots), now
+        )
+
+    # -- expiry ----------------------------------------------------------------------
+
+    def _reap_parked(self, now: float) -> None:
+        timeout = self._config.unbound_store_timeout_s
+        for kv_request_id, parked in list(self._parked.items()):
+            if now < parked.since + timeout:
+                break
+            del self._parked[kv_request_id]
+            log.warning(
+                "no fetch for %s within %gs: failing %d parked stores",
+                kv_request_id,
+                timeout,
+                len(parked.jobs),
+            )
+            self._results.extend(JobResult(job.job_id, False) for job in parked.jobs)
+            self._tombstones.pop(kv_request_id, None)
+            self._tombstones[kv_request_id] = now + self._config.tombstone_retention_s
+
+    def _expire(self, now: float) -> None:
+        for kv_request_id, expiry in list(self._tombstones.items()):
+            if now < expiry:
+                break
+            del self._tombstones[kv_request_id]
+        for kv_request_id, (_, expiry) in list(self._early_fetches.items()):
+            if now < expiry:
+                break
+            del self._early_fetches[kv_request_id]
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def _fail_id(self, kv_request_id: str) -> None:
+        if kv_request_id in self._consumer_refs:
+            self._failed.add(kv_request_id)
+
+    def _peer(self, peer_id: str, now: float) -> _Peer | None:
+        """The live session toward ``peer_id``, opened if allowed and room permits."""
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            if peer.session.alive:
+                return peer
+            self._handle(peer_id, peer, peer.session.poll(now))  # reap the dead one first
+        address = split_peer_id(peer_id)
+        if address is None or not self._config.allowed_peers.allows(*address):
+            self._refused += 1
+            return None
+        if len(self._peers) >= self._config.max_peers and not self._evict_idle(now):
+            self._refused += 1
+            return None
+        link = self._control.connect(peer_id)
+        session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
+        peer = _Peer(session, link, now)
+        self._peers[peer_id] = peer
+        session.start(now)
+        return peer
+
+    def _evict_idle(self, now: float) -> bool:
+        # Sessions still in their handshake go first, then the least recently used.
+        idle = [
+            (peer.session.ready, peer.last_used, peer_id)
+            for peer_id, peer in self._peers.items()
+            if not peer.session.has_work()
+        ]
+        if not idle:
+            return False
+        *_, peer_id = min(idle)
+        peer = self._peers[peer_id]
+        peer.session.close("evicted: idle and the peer cap was reached")
+        self._handle(peer_id, peer, peer.session.poll(now))
+        return True
+
+    def _hello(self) -> Connect:
+        region = self._data.describe()
+        return Connect(
+            peer_id=self._config.peer_id,
+            agent_metadata=region.agent_metadata,
+            base_addr=region.base_addr,
+            num_blocks=region.num_blocks,
+            block_len=region.block_len,
+            hash_seed=self._hash_seed,
+            config_fingerprint=self._config.config_fingerprint,
+            kvpeer=ConnectExtension(
+                version=PROTOCOL_VERSION,
+                boot_id=self._boot_id,
+                transports={
+                    name: offer
+                    for name, offer in region.offers.items()
+                    if name in self._config.data_transports
+                },
+            ),
+        )

@@ -1,0 +1,71 @@
+"""Contracts between a node and its transports.
+
+Control (PROTOCOL.md section 1): a node receives every peer's frames on one
+inbound endpoint, tagged with the sender's peer id, and sends to each peer on
+an outbound :class:`ControlLink`. Frames are delivered in order per peer;
+``transmit`` never blocks (False = the peer cannot take it, the session
+ends); ``alive`` turns False when the transport decides the peer is gone
+(heartbeat, disconnect). Data planes are the session core's
+:class:`~kvpeer.session.ports.DataPlane` plus what a node needs to describe
+its own region in ``connect`` and to shut down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvpeer.protocol import TransportOffer
+from kvpeer.session.ports import DataPlane
+
+__all__ = ["ControlLink", "ControlTransport", "InboundFrame", "LocalRegion", "NodeDataPlane"]
+
+
+@dataclass(frozen=True, slots=True)
+class InboundFrame:
+    peer_id: str
+    frame: bytes
+
+
+class ControlLink(Protocol):
+    """Our outbound channel to one peer."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def transmit(self, frame: bytes) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class ControlTransport(Protocol):
+    """One node's control endpoint."""
+
+    @property
+    def local_id(self) -> str: ...
+
+    def connect(self, peer_id: str) -> ControlLink: ...
+
+    def receive(self) -> list[InboundFrame]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRegion:
+    """What our ``connect`` says about our primary region and data planes."""
+
+    num_blocks: int
+    block_len: int
+    base_addr: int = 0
+    agent_metadata: bytes = b""
+    offers: dict[str, TransportOffer] = field(default_factory=dict)
+
+
+class NodeDataPlane(DataPlane, Protocol):
+    def describe(self) -> LocalRegion: ...
+
+    def close(self) -> None: ...
