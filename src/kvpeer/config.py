@@ -6,13 +6,12 @@ templates). Invariants:
 1. Every `TierConfig` instance is valid and canonical: `from_dict` parses,
    and `__post_init__` re-checks values given directly (or via `replace`).
 2. Durations are finite floats in (0, 1e9] seconds (tombstone: 2e9); counts
-   are ints in range.
-   Numbers may arrive as strings (``"180"``, ``" 2.5 "``); booleans are never
+   are ints in range. Numbers may arrive as strings (``"180"``, ``" 2.5 "``); booleans are never
    numbers; a count given as a float must be integral (``12.0`` -> 12).
 3. ``tombstone_retention_s > load_timeout_s`` (default 2 x the effective
    ``load_timeout_s``) and ``heartbeat_timeout_s > heartbeat_interval_s``.
-4. Unknown keys are errors. Every problem is reported at once, one line each,
-   starting with the key; bad values are shown with ``repr``.
+4. Unknown keys are errors. Every problem is reported at once, one line each
+   naming its key; bad values are shown with ``repr``.
 5. ``allowed_peers`` entries are CIDRs (with "/") or host:port, IPv6 bracketed;
    a bare address is ambiguous ("::1:5710") and rejected. Names never resolve.
 6. ``host`` is an IP literal (canonical, unbracketed) or a DNS name, never a
@@ -71,12 +70,6 @@ def _is_hostname(text: str) -> bool:
     )
 
 
-def _port_text(text: str) -> int | None:
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
-        return None
-    return int(text)
-
-
 @dataclass(frozen=True, slots=True)
 class AllowList:
     """Which peers may hold a session with us; `everyone` overrides the rest.
@@ -104,6 +97,7 @@ class AllowList:
             raise ConfigError("\n".join(f"allowed_peers: {line}" for line in exc.args)) from None
 
     def allows(self, host: str, port: int) -> bool:
+        """May `host` (IP literal, IPv6 optionally bracketed, or name) on `port` connect?"""
         if self.everyone:
             return True
         address = _ip(host)
@@ -141,7 +135,7 @@ def _allow_entry(item: object) -> IPNetwork | tuple[str, int]:
             f"host:port (IPv6 bracketed, e.g. '[::1]:5710'), got {item!r}"
         )
     host, sep, port_text = text.rpartition(":")
-    port = _port_text(port_text)
+    port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0
     if host.startswith("[") and host.endswith("]"):
         address = _ip(host)
         if not isinstance(address, ipaddress.IPv6Address):
@@ -157,30 +151,27 @@ def _allow_entry(item: object) -> IPNetwork | tuple[str, int]:
         raise _Invalid(
             f"expected a CIDR (e.g. '10.0.0.0/8') or host:port (e.g. 'node-a:5710'), got {item!r}"
         )
-    if port is None:
+    if not 1 <= port <= 65535:
         raise _Invalid(f"expected a port from 1 to 65535 after the host, got {item!r}")
     return canonical, port
 
 
 def _allow_list(items: Sequence[object]) -> AllowList:
-    networks: list[IPNetwork] = []
-    endpoints: list[tuple[str, int]] = []
+    entries: list[IPNetwork | tuple[str, int]] = []
     problems: list[str] = []
     for item in items:
         try:
-            entry = _allow_entry(item)
+            entries.append(_allow_entry(item))
         except _Invalid as exc:
             problems.extend(exc.args)
-            continue
-        if isinstance(entry, tuple):
-            endpoints.append(entry)
-        else:
-            networks.append(entry)
+    if not items:
+        problems.append("an empty list allows no peer; use null to allow every peer")
     if problems:
         raise _Invalid(*problems)
-    if not items:
-        raise _Invalid("an empty list allows no peer; use null to allow every peer")
-    return AllowList(networks=tuple(networks), endpoints=tuple(endpoints))
+    return AllowList(
+        networks=tuple(e for e in entries if not isinstance(e, tuple)),
+        endpoints=tuple(e for e in entries if isinstance(e, tuple)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,9 +255,9 @@ def _optional_name(value: object) -> str | None:
 
 
 def _fingerprint(value: object) -> str:
-    if isinstance(value, str) and len(value) <= limits.MAX_FINGERPRINT_CHARS:
+    limit = limits.MAX_FINGERPRINT_CHARS  # the wire bound
+    if isinstance(value, str) and len(value) <= limit:
         return value
-    limit = limits.MAX_FINGERPRINT_CHARS
     raise _Invalid(f"expected a string of at most {limit} characters, got {value!r}")
 
 
@@ -312,11 +303,8 @@ def _curve(value: object) -> CurveConfig | None:
         return None
     if not isinstance(value, Mapping):
         raise _Invalid(f"expected null or an object with keys {list(_CURVE_KEYS)}, got {value!r}")
-    problems = [
-        f"unknown key {key!r}{_suggest(key, _CURVE_KEYS)}"
-        for key in value
-        if key not in _CURVE_KEYS
-    ]
+    unknown = [key for key in value if key not in _CURVE_KEYS]
+    problems = [f"unknown key {key!r}{_suggest(key, _CURVE_KEYS)}" for key in unknown]
     for key in _CURVE_KEYS:
         if key not in value:
             problems.append(f"missing key {key!r}")

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpeer.config import TierConfig
+from kvpeer.errors import ProtocolError
 from kvpeer.node.params import LOCAL, Routing, parse_transfer_params, split_peer_id
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension
 from kvpeer.session import CloseKind, PeerSession, PollResult
@@ -182,7 +183,12 @@ class Tier:
             return
         now = self._clock()
         peer.last_used = now
-        peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots, now)
+        try:
+            peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots, now)
+        except ProtocolError as exc:
+            log.error("load %s of request %s refused: %s", job.job_id, job.request.req_id, exc)
+            self._results.append(JobResult(job.job_id, False))
+            self._fail_id(source.kv_request_id)
 
     def submit_store(self, job: TransferJob) -> None:
         destination = self._requests.get(job.request.req_id, LOCAL).destination

@@ -54,11 +54,13 @@ class Codec:
             raise ProtocolError(f"invalid message: {exc}") from exc
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"undecodable frame: {exc}") from exc
+        except RecursionError as exc:  # absurdly nested content
+            raise ProtocolError("frame nested too deeply") from exc
 
     def _unknown_type(self, frame: bytes | bytearray | memoryview) -> UnknownMessage | None:
         """The frame as an UnknownMessage if its ``type`` is a string we do not know."""
         try:
             envelope = self._envelope.decode(frame)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, RecursionError):
             return None
         return None if envelope.type in KNOWN_TYPES else envelope

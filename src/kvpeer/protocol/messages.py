@@ -4,7 +4,8 @@ Every message is a frozen, tagged msgspec struct. On the wire it is one
 msgpack map whose ``"type"`` key carries the tag; the base fields are exactly
 those of vLLM 0.32's built-in p2p tier, and the optional extension fields
 (``kvpeer``, ``reason``, ``round_seq`` on ``lookup_resp``, ``blocks``) are
-omitted when unset, so a base-only message is byte-for-byte what vLLM sends.
+omitted when unset, so a base-only message is the same map vLLM sends (key
+order aside, which msgpack maps do not carry as meaning).
 vLLM ignores keys it does not know, and so do we (forward compatibility).
 
 All bounds of PROTOCOL.md section 5 live in the field types below.
@@ -105,7 +106,8 @@ class Connect(_Base, tag="connect", frozen=True):
     num_blocks: PositiveInt
     block_len: PositiveInt
     hash_seed: Name
-    config_fingerprint: Fingerprint = ""
+    # vLLM always sends the key, even empty; None only when a peer left it out.
+    config_fingerprint: Fingerprint | None = None
     kvpeer: ConnectExtension | None = None
 
 

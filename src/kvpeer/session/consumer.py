@@ -8,8 +8,10 @@ Invariants (per ``kv_request_id``):
    request per flush, tagged with the current round.
 3. An answer resolves a probe only if it is still unresolved, and only for
    the current round when the peer tags its answers with one.
-4. A probe unanswered for ``lookup_timeout_s`` becomes MISS and the id is
-   reported in ``expired_probe_ids``; nothing stays RETRY forever.
+4. When a request's oldest probe has been unanswered for ``lookup_timeout_s``
+   all its waiting probes become MISS and the id is reported once in
+   ``expired_probe_ids`` (the tier then serves the request locally); nothing
+   stays RETRY forever.
 5. Each fetch opens round ``r`` and moves the counter to ``r + 1``; several
    rounds may be in flight and complete in any order.
 6. Every load job is reported exactly once: at ``transfer_done``, at
@@ -18,6 +20,11 @@ Invariants (per ``kv_request_id``):
    load waits for the ack (or the ack timeout).
 7. The terminal empty fetch is sent on finish exactly when a lookup went out
    after the last fetch (the peer holds lookup state no fetch closed).
+8. A request entry outlives its last load while an ``abort_ack`` is still owed
+   (up to ``abort_ack_timeout_s`` after it was last expected), so a reused id
+   keeps counting rounds and a late ack cannot complete a newer load.
+9. A load our peer would have to reject (slot outside our region, duplicate
+   key, length mismatch, empty) raises ProtocolError and sends nothing.
 """
 
 from __future__ import annotations
@@ -60,9 +67,12 @@ class _Request:
     unsent: list[Key] = field(default_factory=list)
     peer_lookup_open: bool = False
     loads: dict[int, _Load] = field(default_factory=dict)
+    unacked: dict[int, float] = field(default_factory=dict)  # round -> stop waiting at
 
     def is_idle(self) -> bool:
-        return not (self.loads or self.probes or self.unsent or self.peer_lookup_open)
+        return not (
+            self.loads or self.probes or self.unsent or self.peer_lookup_open or self.unacked
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +95,10 @@ class ConsumerRole:
         send: Callable[[Message], None],
         data_plane: DataPlane,
         settings: SessionSettings,
+        num_blocks: int,
     ) -> None:
         self._peer_id = peer_id
+        self._num_blocks = num_blocks
         self._send = send
         self._data = data_plane
         self._settings = settings
@@ -95,6 +107,7 @@ class ConsumerRole:
         self._to_flush: set[str] = set()
         self._with_loads: set[str] = set()
         self._with_probes: set[str] = set()
+        self._lingering: set[str] = set()  # entries kept only for owed abort_acks
         self._finished: list[LoadFinished] = []
         self._expired: list[str] = []
         self._lookups_sent = 0
@@ -146,6 +159,13 @@ class ConsumerRole:
             raise ProtocolError(f"load job {job_id}: {len(keys)} keys but {len(slots)} slots")
         if not keys:
             raise ProtocolError(f"load job {job_id}: an empty load has nothing to fetch")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError(f"load job {job_id}: the same key appears twice")
+        for slot in slots:
+            if not 0 <= slot < self._num_blocks:
+                raise ProtocolError(
+                    f"load job {job_id}: slot {slot} outside our {self._num_blocks} blocks"
+                )
         request = self._requests.setdefault(kv_request_id, _Request())
         unconfirmed = [k for k in keys if k in request.probes and request.probes[k] is not True]
         if unconfirmed:
@@ -221,15 +241,22 @@ class ConsumerRole:
         if not request.waiting_since:
             self._with_probes.discard(message.kv_request_id)
 
-    def on_transfer_done(self, message: TransferDone) -> None:
+    def on_transfer_done(self, message: TransferDone, now: float) -> None:
         reason = "" if message.success else (message.reason or "peer reported failure")
-        self._complete(message.kv_request_id, message.round_seq, message.success, reason)
+        self._complete(message.kv_request_id, message.round_seq, message.success, reason, now)
 
-    def on_abort_ack(self, message: AbortAck) -> None:
+    def on_abort_ack(self, message: AbortAck, now: float) -> None:
         request = self._requests.get(message.kv_request_id)
-        load = request.loads.get(message.round_seq) if request is not None else None
+        if request is None:
+            self._stale_answers += 1
+            return
+        if request.unacked.pop(message.round_seq, None) is not None:
+            self._stale_answers += 1  # the owed ack of a load already settled
+            self._prune(message.kv_request_id)
+            return
+        load = request.loads.get(message.round_seq)
         reason = load.abort_reason if load is not None and load.abort_reason else "aborted"
-        self._complete(message.kv_request_id, message.round_seq, False, reason)
+        self._complete(message.kv_request_id, message.round_seq, False, reason, now)
 
     # -- time ----------------------------------------------------------------
 
@@ -254,7 +281,16 @@ class ConsumerRole:
                         False,
                         f"{load.abort_reason}; no abort_ack within "
                         f"{self._settings.abort_ack_timeout_s:g}s",
+                        now,
                     )
+        for kv_request_id in list(self._lingering):
+            request = self._requests[kv_request_id]
+            for round_seq, until in list(request.unacked.items()):
+                if now >= until:
+                    del request.unacked[round_seq]
+            if not request.unacked:
+                self._lingering.discard(kv_request_id)
+                self._prune(kv_request_id)
         for kv_request_id in list(self._with_probes):
             request = self._requests[kv_request_id]
             oldest = next(iter(request.waiting_since.values()))
@@ -276,6 +312,8 @@ class ConsumerRole:
         for kv_request_id in self._with_probes:
             oldest = next(iter(self._requests[kv_request_id].waiting_since.values()))
             deadlines.append(oldest + self._settings.lookup_timeout_s)
+        for kv_request_id in self._lingering:
+            deadlines.extend(self._requests[kv_request_id].unacked.values())
         return min(deadlines, default=None)
 
     def take_results(self) -> tuple[list[LoadFinished], list[str]]:
@@ -297,6 +335,7 @@ class ConsumerRole:
         self._to_flush.clear()
         self._with_loads.clear()
         self._with_probes.clear()
+        self._lingering.clear()
         self._finished = []
         self._expired = []
         return failed, failed_ids
@@ -334,12 +373,18 @@ class ConsumerRole:
         load.abort_reason = reason
         self._send(AbortFetch(kv_request_id=kv_request_id, round_seq=round_seq))
 
-    def _complete(self, kv_request_id: str, round_seq: int, success: bool, reason: str) -> None:
+    def _complete(
+        self, kv_request_id: str, round_seq: int, success: bool, reason: str, now: float
+    ) -> None:
         request = self._requests.get(kv_request_id)
         load = request.loads.pop(round_seq, None) if request is not None else None
         if request is None or load is None:
             self._stale_answers += 1  # raced with a timeout, or never ours
             return
+        if load.aborted_at is not None:
+            # An abort_ack may still come for this round: keep counting rounds past it.
+            request.unacked[round_seq] = now + self._settings.abort_ack_timeout_s
+            self._lingering.add(kv_request_id)
         self._data.revoke_writes(self._peer_id, load.slots)
         self._finished.append(LoadFinished(load.job_id, kv_request_id, success, reason))
         if not request.loads:
@@ -356,3 +401,4 @@ class ConsumerRole:
         request = self._requests.get(kv_request_id)
         if request is not None and request.is_idle():
             del self._requests[kv_request_id]
+            self._lingering.discard(kv_request_id)

@@ -100,7 +100,9 @@ class PeerSession:
         self._settings = settings or SessionSettings()
         self._admit = admit
         self._codec = Codec()
-        self._consumer = ConsumerRole(peer_id, self._send, data_plane, self._settings)
+        self._consumer = ConsumerRole(
+            peer_id, self._send, data_plane, self._settings, hello.num_blocks
+        )
         self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings)
         self._started_at: float | None = None
         self._peer_hello: Connect | None = None
@@ -319,11 +321,11 @@ class PeerSession:
             case Fetch():
                 self._producer.on_fetch(message, now)
             case TransferDone():
-                self._consumer.on_transfer_done(message)
+                self._consumer.on_transfer_done(message, now)
             case AbortFetch():
                 self._producer.on_abort_fetch(message, now)
             case AbortAck():
-                self._consumer.on_abort_ack(message)
+                self._consumer.on_abort_ack(message, now)
 
     def _on_connect(self, hello: Connect) -> None:
         previous = self._peer_hello
@@ -361,7 +363,7 @@ class PeerSession:
             hello.config_fingerprint
             and ours.config_fingerprint
             and hello.config_fingerprint != ours.config_fingerprint
-        ):
+        ):  # an empty or missing fingerprint on either side skips the check
             return (
                 f"config fingerprint mismatch: peer {hello.config_fingerprint!r}, "
                 f"ours {ours.config_fingerprint!r}"
