@@ -23,12 +23,18 @@ __all__ = ["Fabric", "FakeDataPlane", "PendingWrite", "Region"]
 
 
 class Region:
-    """A primary region: ``num_blocks`` rows of ``block_len`` bytes."""
+    """A primary region: ``num_blocks`` rows of ``block_len`` bytes (own or given memory)."""
 
-    def __init__(self, num_blocks: int, block_len: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_len: int, memory: memoryview | bytearray | None = None
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_len = block_len
-        self.memory = bytearray(num_blocks * block_len)
+        if memory is None:
+            memory = bytearray(num_blocks * block_len)
+        elif len(memory) != num_blocks * block_len:
+            raise ValueError(f"memory of {len(memory)} bytes, need {num_blocks} x {block_len}")
+        self.memory: memoryview | bytearray = memory
 
     def block(self, slot: int) -> bytes:
         self._check(slot)
