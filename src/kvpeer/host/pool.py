@@ -27,9 +27,11 @@ break the state rules above raise ``RuntimeError``. Both name the offending valu
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import heapq
 import mmap
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -66,14 +68,26 @@ class PoolStatistics:
 class BlockPool:
     """Host-memory primary region with slot states, pins and LRU eviction."""
 
-    def __init__(self, num_blocks: int, block_len: int) -> None:
+    def __init__(self, num_blocks: int, block_len: int, *, shm_path: str | None = None) -> None:
+        """``shm_path``: back the region with that new file (under /dev/shm) so other
+        processes on this host (the ``shm`` data plane) can map it; removed at close."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len < 1:
             raise ValueError(f"block_len must be a positive int, got {block_len!r}")
         self._num_blocks = num_blocks
         self._block_len = block_len
-        self._region = mmap.mmap(-1, num_blocks * block_len)  # anonymous: page-aligned
+        size = num_blocks * block_len
+        self._shm_path = shm_path
+        if shm_path is None:
+            self._region = mmap.mmap(-1, size)  # anonymous: page-aligned
+        else:
+            fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._region = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
         self._view = memoryview(self._region)
         # Prefault: a first write into fresh pages runs at a fraction of memcpy speed.
         self._view[::_PAGE_SIZE] = bytes(len(range(0, len(self._view), _PAGE_SIZE)))
@@ -225,10 +239,19 @@ class BlockPool:
             evictions=self._evictions,
         )
 
+    @property
+    def shm_path(self) -> str | None:
+        """The file backing the region, if any (other local processes may map it)."""
+        return self._shm_path
+
     def close(self) -> None:
-        """Unmap the region. Views handed out must have been released first."""
+        """Unmap the region (and remove its file). Views handed out must be released."""
         self._view.release()
         self._region.close()
+        if self._shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._shm_path)
+            self._shm_path = None
 
     # -- internals ---------------------------------------------------------------
 

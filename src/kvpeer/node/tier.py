@@ -123,10 +123,14 @@ class Tier:
         self._unreleased: list[ServeRequest] = []
         self._refused = 0
         self._shut_down = False
+        #: True while a driver thread calls :meth:`poll`; engine calls then never do I/O.
+        self.driven = False
 
     # -- SecondaryTier -----------------------------------------------------------
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
+        if self._shut_down:
+            return OffloadPolicy.CHUNK_LEVEL
         routing = parse_transfer_params(request.kv_transfer_params)
         for problem in routing.problems:
             log.warning("request %s runs locally for that role: %s", request.req_id, problem)
@@ -170,7 +174,7 @@ class Tier:
 
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source
-        if source is None:
+        if source is None or self._shut_down:
             self._results.append(JobResult(job.job_id, False))
             return
         if not job.keys:
@@ -196,7 +200,7 @@ class Tier:
             self._results.append(JobResult(job.job_id, True))  # nobody will fetch it
             return
         kv_request_id = destination.kv_request_id
-        if kv_request_id in self._tombstones:
+        if kv_request_id in self._tombstones or self._shut_down:
             self._results.append(JobResult(job.job_id, False))
             return
         now = self._clock()
@@ -207,10 +211,31 @@ class Tier:
         self._bind_early_fetch(kv_request_id, now)
 
     def get_finished_jobs(self) -> list[JobResult]:
-        if not self._shut_down:
+        if not self._shut_down and not self.driven:
             self._tick(self._clock())
         results, self._results = self._results, []
         return results
+
+    def poll(self) -> None:
+        """Receive, run timers and completions (the driver thread calls this)."""
+        if not self._shut_down:
+            self._tick(self._clock())
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`poll` is next due for a timer (frames wake it anyway)."""
+        deadlines = [
+            d for p in self._peers.values() if (d := p.session.next_deadline()) is not None
+        ]
+        for parked in self._parked.values():
+            deadlines.append(parked.since + self._config.unbound_store_timeout_s)
+            break
+        for expiry in self._tombstones.values():
+            deadlines.append(expiry)
+            break
+        for _, expiry in self._early_fetches.values():
+            deadlines.append(expiry)
+            break
+        return min(deadlines, default=None)
 
     def serve_external_requests(self, parent: Parent) -> None:
         unreleased, self._unreleased = self._unreleased, []
@@ -220,6 +245,18 @@ class Tier:
         for peer in list(self._peers.values()):
             if peer.session.needs_serve():
                 peer.session.serve(parent, now)
+
+    def fail_job(self, job_id: int) -> None:
+        """Report a job the tier could not take (e.g. after a driver crash) as failed."""
+        self._results.append(JobResult(job_id, False))
+
+    def has_transfers(self) -> bool:
+        """Loads or writes in flight that may still touch the primary region."""
+        return any(p.session.has_transfers() for p in self._peers.values())
+
+    def needs_serve(self) -> bool:
+        """Peer work waits for a serve window (an idle engine should step)."""
+        return bool(self._unreleased) or any(p.session.needs_serve() for p in self._peers.values())
 
     def on_schedule_end(self) -> None:
         for peer in self._peers.values():

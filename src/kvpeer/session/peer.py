@@ -149,6 +149,12 @@ class PeerSession:
             or self._producer.needs_serve()
         )
 
+    def has_transfers(self) -> bool:
+        """Loads or writes in flight that may still touch either side's memory."""
+        return self._closed is None and (
+            self._consumer.has_loads() or self._producer.has_transfers()
+        )
+
     def needs_serve(self) -> bool:
         return self._closed is None and self._producer.needs_serve()
 

@@ -1,0 +1,202 @@
+"""The driver thread and the thread-safe tier the engine talks to (DESIGN.md 4.3).
+
+Invariants:
+
+1. One lock guards the tier. The driver thread holds it only while it polls
+   (receive, decode, dispatch, timers, completions, sends); the engine holds
+   it for each call. Sockets are touched only inside the poll, on the driver.
+2. The driver polls whenever a frame arrives, something wakes it (a queued
+   frame, a finished transfer), or the tier's next deadline comes, and at
+   least every ``max_wait_s``. Everything that does not need the parent is
+   therefore applied without waiting for an engine step.
+3. A crash in the driver fails every job the tier held (they come back from
+   ``get_finished_jobs``) and raises :class:`DriverCrashed` on the engine's
+   next call, once; afterwards the tier answers MISS and fails new jobs.
+4. ``shutdown`` stops the thread (joined) before the tier closes its sockets;
+   nothing survives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from kvpeer.errors import KVPeerError
+from kvpeer.node.tier import Tier
+from kvpeer.session.ports import Parent
+from kvpeer.types import JobResult, Key, LookupResult, OffloadPolicy, RequestContext, TransferJob
+
+__all__ = ["DrivenTier", "DriverCrashed", "Waitable"]
+
+log = logging.getLogger("kvpeer.driver")
+
+
+class DriverCrashed(KVPeerError):
+    """The driver thread died; the tier's jobs were failed."""
+
+
+class Waitable(Protocol):
+    """What the driver sleeps on: the control transport's poller."""
+
+    def wait(self, timeout_s: float | None) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class DrivenTier:
+    """A :class:`Tier` polled by its own driver thread; safe to call from the engine."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        waiter: Waitable,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_wait_s: float = 0.05,
+        name: str = "kvpeer-driver",
+    ) -> None:
+        self._tier = tier
+        self._waiter = waiter
+        self._clock = clock
+        self._max_wait = max_wait_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._crash: BaseException | None = None
+        self._crash_reported = False
+        self._polls = 0
+        tier.driven = True
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- driver ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    self._tier.poll()
+                    self._polls += 1
+                    deadline = self._tier.next_deadline()
+                wait = self._max_wait
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - self._clock()))
+                self._waiter.wait(wait)
+        except BaseException as exc:  # surfaced to the engine, never swallowed
+            log.exception("kvpeer driver thread crashed")
+            with self._lock:
+                self._crash = exc
+                self._fail_all(f"driver crashed: {exc!r}")
+
+    def _fail_all(self, reason: str) -> None:
+        try:
+            self._tier.shutdown()
+        except Exception:  # the tier may be what broke; its jobs still must fail
+            log.exception("tier shutdown after a driver crash failed (%s)", reason)
+
+    def _check(self) -> None:
+        if self._crash is not None and not self._crash_reported:
+            self._crash_reported = True
+            raise DriverCrashed(f"kvpeer driver thread crashed: {self._crash!r}") from self._crash
+
+    @property
+    def crashed(self) -> bool:
+        return self._crash is not None
+
+    @property
+    def polls(self) -> int:
+        return self._polls
+
+    @property
+    def tier(self) -> Tier:
+        """The wrapped tier (inspect it only under :meth:`locked`)."""
+        return self._tier
+
+    def locked(self) -> threading.Lock:
+        return self._lock
+
+    # -- SecondaryTier ------------------------------------------------------------------
+
+    def on_new_request(self, request: RequestContext) -> OffloadPolicy:
+        with self._lock:
+            self._check()
+            if self._crash is not None:
+                return OffloadPolicy.CHUNK_LEVEL
+            return self._tier.on_new_request(request)
+
+    def lookup(self, key: Key, request: RequestContext) -> LookupResult:
+        with self._lock:
+            self._check()
+            if self._crash is not None:
+                return LookupResult.MISS
+            return self._tier.lookup(key, request)
+
+    def submit_store(self, job: TransferJob) -> None:
+        with self._lock:
+            self._check()
+            if self._crash is not None:
+                self._tier.fail_job(job.job_id)
+                return
+            self._tier.submit_store(job)
+        self._waiter.wake()
+
+    def submit_load(self, job: TransferJob) -> None:
+        with self._lock:
+            self._check()
+            if self._crash is not None:
+                self._tier.fail_job(job.job_id)
+                return
+            self._tier.submit_load(job)
+        self._waiter.wake()
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        with self._lock:
+            self._check()
+            return self._tier.get_finished_jobs()
+
+    def serve_external_requests(self, parent: Parent) -> None:
+        with self._lock:
+            self._check()
+            if self._crash is None:
+                self._tier.serve_external_requests(parent)
+        self._waiter.wake()
+
+    def on_schedule_end(self) -> None:
+        with self._lock:
+            self._check()
+            if self._crash is None:
+                self._tier.on_schedule_end()
+
+    def on_request_finished(self, request: RequestContext) -> None:
+        with self._lock:
+            self._check()
+            if self._crash is None:
+                self._tier.on_request_finished(request)
+        self._waiter.wake()
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            self._check()
+            return self._tier.has_pending_work()
+
+    def drain_jobs(self) -> None:
+        """Wait (bounded) for in-flight transfers while the driver keeps polling."""
+        deadline = self._clock() + 5.0
+        while self._clock() < deadline and not self._stop.is_set():
+            with self._lock:
+                self._check()
+                if self._crash is not None or not self._tier.has_transfers():
+                    return
+            self._waiter.wake()
+            time.sleep(0.001)
+        log.warning("drain_jobs: transfers still in flight after 5s")
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._waiter.wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        with self._lock:
+            self._tier.shutdown()

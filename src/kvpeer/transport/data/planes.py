@@ -1,0 +1,181 @@
+"""A node's data plane: its backends in preference order, chosen per peer.
+
+Negotiation (PROTOCOL.md section 3): when the peer's ``connect`` lists kvpeer
+transports, we write into it with the first backend of our preference list that
+the peer offered and that works between the two (``usable_with``); the choice and
+its parameters go back in our ``connect_ack``. A peer without the kvpeer extension
+is a vLLM peer: we use NIXL with its ``agent_metadata``. The peer's ack tells us
+how it will write into us; that backend then accepts its writes through the
+peer's :class:`WriteWindow`. Transfer ids are unique across backends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvpeer.errors import DataPlaneError, HandshakeRejected
+from kvpeer.protocol import Connect, TransportChoice
+from kvpeer.session.ports import TransferEvent
+from kvpeer.transport.base import LocalRegion
+from kvpeer.transport.data.base import Backend, PrimaryRegion, WriteWindow
+
+__all__ = ["DataPlaneSet"]
+
+
+class DataPlaneSet:
+    """Implements :class:`~kvpeer.transport.base.NodeDataPlane` over backends."""
+
+    def __init__(self, region: PrimaryRegion, backends: Sequence[Backend]) -> None:
+        if not backends:
+            raise DataPlaneError("a node needs at least one data plane")
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise DataPlaneError(f"data planes listed twice: {names}")
+        self.region = region
+        self._backends = list(backends)
+        self._by_name = {b.name: b for b in backends}
+        self._writers: dict[str, Backend] = {}  # peer -> backend we write into it with
+        self._windows: dict[str, WriteWindow] = {}
+        self._ids = itertools.count(1)
+        self._global: dict[int, tuple[Backend, int, str]] = {}  # id -> (backend, local, peer)
+        self._local: dict[tuple[int, int], int] = {}
+        self._closed = False
+
+    @property
+    def backends(self) -> list[str]:
+        return [b.name for b in self._backends]
+
+    def chosen(self, peer_id: str) -> str | None:
+        """Name of the plane we write into ``peer_id`` with, once registered."""
+        backend = self._writers.get(peer_id)
+        return backend.name if backend is not None else None
+
+    # -- NodeDataPlane ------------------------------------------------------------------
+
+    def describe(self) -> LocalRegion:
+        metadata = b""
+        for backend in self._backends:
+            metadata = metadata or backend.agent_metadata()
+        return LocalRegion(
+            num_blocks=self.region.num_blocks,
+            block_len=self.region.block_len,
+            base_addr=self.region.base_addr,
+            agent_metadata=metadata,
+            offers={b.name: b.offer() for b in self._backends},
+        )
+
+    def register_peer(self, peer_id: str, hello: Connect) -> TransportChoice | None:
+        if hello.block_len != self.region.block_len:
+            raise HandshakeRejected(
+                f"block_len {hello.block_len} differs from ours ({self.region.block_len})"
+            )
+        self._forget(peer_id)
+        extension = hello.kvpeer
+        if extension is None:
+            nixl = self._by_name.get("nixl")
+            if nixl is None:
+                raise DataPlaneError(
+                    "peer speaks only NIXL (a vLLM peer) but the nixl data plane is not enabled"
+                )
+            nixl.add_peer(peer_id, hello, None)
+            self._writers[peer_id] = nixl
+            return None
+        offers = extension.transports
+        for backend in self._backends:
+            offer = offers.get(backend.name)
+            if offer is not None and backend.usable_with(offer, hello):
+                params = backend.add_peer(peer_id, hello, offer)
+                self._writers[peer_id] = backend
+                return TransportChoice(name=backend.name, params=params)
+        raise DataPlaneError(
+            f"no common data plane: ours {self.backends}, the peer offers {sorted(offers)}"
+        )
+
+    def peer_acknowledged(self, peer_id: str, choice: TransportChoice | None) -> None:
+        name = "nixl" if choice is None else choice.name
+        backend = self._by_name.get(name)
+        if backend is None:
+            raise HandshakeRejected(f"peer writes with {name!r}, which we did not offer")
+        window = self._windows.setdefault(peer_id, WriteWindow())
+        backend.accept_writer(peer_id, {} if choice is None else choice.params, window)
+
+    def unregister_peer(self, peer_id: str) -> None:
+        self._forget(peer_id)
+        self._windows.pop(peer_id, None)
+
+    def write_blocks(
+        self, peer_id: str, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> int:
+        backend = self._writers.get(peer_id)
+        if backend is None:
+            raise DataPlaneError(f"peer {peer_id!r} is not registered")
+        for slot in local_slots:
+            if not 0 <= slot < self.region.num_blocks:
+                raise DataPlaneError(f"local slot {slot} outside our {self.region.num_blocks}")
+        local_id = backend.write_blocks(peer_id, local_slots, remote_slots)
+        transfer_id = next(self._ids)
+        self._global[transfer_id] = (backend, local_id, peer_id)
+        self._local[(id(backend), local_id)] = transfer_id
+        return transfer_id
+
+    def poll(self, peer_id: str) -> list[TransferEvent]:
+        backend = self._writers.get(peer_id)
+        if backend is None:
+            return []
+        events: list[TransferEvent] = []
+        for event in backend.poll(peer_id):
+            transfer_id = self._local.pop((id(backend), event.transfer_id), None)
+            if transfer_id is None:
+                continue  # abandoned by an immediate cancel
+            del self._global[transfer_id]
+            events.append(TransferEvent(transfer_id, event.success, event.reason))
+        return events
+
+    def cancel(self, transfer_ids: Sequence[int], *, wait: bool) -> list[int]:
+        still: list[int] = []
+        by_backend: dict[int, tuple[Backend, list[int]]] = {}
+        for transfer_id in transfer_ids:
+            entry = self._global.get(transfer_id)
+            if entry is not None:
+                backend, local_id, _ = entry
+                by_backend.setdefault(id(backend), (backend, []))[1].append(local_id)
+        for backend, local_ids in by_backend.values():
+            busy = set(backend.cancel(local_ids, wait=wait))
+            for local_id in local_ids:
+                transfer_id = self._local[(id(backend), local_id)]
+                if local_id in busy:
+                    still.append(transfer_id)
+                else:
+                    del self._local[(id(backend), local_id)]
+                    del self._global[transfer_id]
+        return still
+
+    def expect_writes(self, peer_id: str, slots: Sequence[int]) -> None:
+        self._windows.setdefault(peer_id, WriteWindow()).open(slots)
+
+    def revoke_writes(self, peer_id: str, slots: Sequence[int]) -> None:
+        window = self._windows.get(peer_id)
+        if window is not None:
+            window.close(slots)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for backend in self._backends:
+            backend.close()
+        self._writers.clear()
+        self._windows.clear()
+        self._global.clear()
+        self._local.clear()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _forget(self, peer_id: str) -> None:
+        for backend in self._backends:
+            backend.remove_peer(peer_id)
+        self._writers.pop(peer_id, None)
+        for transfer_id in [t for t, e in self._global.items() if e[2] == peer_id]:
+            backend, local_id, _ = self._global.pop(transfer_id)
+            self._local.pop((id(backend), local_id), None)
