@@ -428,9 +428,9 @@ class CoupledSessions(RuleBasedStateMachine):
             assert producer.pinned_blocks == 0
             assert producer.store_jobs_open == 0
             assert producer.lookups_queued == 0
-        self.invariants_hold()
+        self._check_invariants()
 
-    def invariants_hold(self) -> None:
+    def _check_invariants(self) -> None:
         self.pins_are_unreported_store_jobs()
         self.writes_stay_inside_opened_slots()
         self.pending_writes_read_pinned_slots()

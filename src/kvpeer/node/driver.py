@@ -67,6 +67,7 @@ class DrivenTier:
         self._crash: BaseException | None = None
         self._crash_reported = False
         self._polls = 0
+        self._serve_wanted = threading.Event()
         tier.driven = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -80,6 +81,8 @@ class DrivenTier:
                     self._tier.poll()
                     self._polls += 1
                     deadline = self._tier.next_deadline()
+                    if self._tier.needs_serve() or self._tier.has_results():
+                        self._serve_wanted.set()
                 wait = self._max_wait
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - self._clock()))
@@ -89,6 +92,7 @@ class DrivenTier:
             with self._lock:
                 self._crash = exc
                 self._fail_all(f"driver crashed: {exc!r}")
+            self._serve_wanted.set()
 
     def _fail_all(self, reason: str) -> None:
         try:
@@ -100,6 +104,14 @@ class DrivenTier:
         if self._crash is not None and not self._crash_reported:
             self._crash_reported = True
             raise DriverCrashed(f"kvpeer driver thread crashed: {self._crash!r}") from self._crash
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until peer work waits for a serve window or results wait to be
+        collected (True), or ``timeout_s`` passes (False). For hosts that step
+        only when needed, e.g. an idle engine."""
+        woke = self._serve_wanted.wait(timeout_s)
+        self._serve_wanted.clear()
+        return woke
 
     @property
     def crashed(self) -> bool:

@@ -36,6 +36,7 @@ from kvpeer.node.params import LOCAL, Routing, parse_transfer_params, split_peer
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension
 from kvpeer.session import CloseKind, PeerSession, PollResult
 from kvpeer.session.ports import Parent
+from kvpeer.session.worklist import WorkMap
 from kvpeer.transport.base import ControlLink, ControlTransport, NodeDataPlane
 from kvpeer.types import (
     JobResult,
@@ -66,7 +67,6 @@ class _Peer:
 class _Parked:
     since: float
     jobs: list[TransferJob] = field(default_factory=list)
-    producer_finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +116,9 @@ class Tier:
         self._failed: set[str] = set()
         self._producers: dict[str, str] = {}  # kv_request_id -> req_id
         self._bindings: dict[str, str] = {}  # kv_request_id -> peer_id
-        self._parked: dict[str, _Parked] = {}  # insertion order == age order
-        self._tombstones: dict[str, float] = {}  # kv_request_id -> expiry, age order
-        self._early_fetches: dict[str, tuple[str, float]] = {}  # id -> (peer, expiry)
+        self._parked: WorkMap[str, _Parked] = WorkMap()  # insertion order == age order
+        self._tombstones: WorkMap[str, float] = WorkMap()  # id -> expiry, age order
+        self._early_fetches: WorkMap[str, tuple[str, float]] = WorkMap()  # id -> (peer, expiry)
         self._results: list[JobResult] = []
         self._unreleased: list[ServeRequest] = []
         self._refused = 0
@@ -207,7 +207,10 @@ class Tier:
         peer_id = self._bindings.get(kv_request_id)
         if peer_id is not None and self._supply(peer_id, kv_request_id, job, now):
             return
-        self._parked.setdefault(kv_request_id, _Parked(now)).jobs.append(job)
+        parked = self._parked.get(kv_request_id)
+        if parked is None:
+            parked = self._parked[kv_request_id] = _Parked(now)
+        parked.jobs.append(job)
         self._bind_early_fetch(kv_request_id, now)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -226,15 +229,12 @@ class Tier:
         deadlines = [
             d for p in self._peers.values() if (d := p.session.next_deadline()) is not None
         ]
-        for parked in self._parked.values():
-            deadlines.append(parked.since + self._config.unbound_store_timeout_s)
-            break
-        for expiry in self._tombstones.values():
-            deadlines.append(expiry)
-            break
-        for _, expiry in self._early_fetches.values():
-            deadlines.append(expiry)
-            break
+        if (oldest := self._parked.first()) is not None:
+            deadlines.append(oldest[1].since + self._config.unbound_store_timeout_s)
+        if (tombstone := self._tombstones.first()) is not None:
+            deadlines.append(tombstone[1])
+        if (early := self._early_fetches.first()) is not None:
+            deadlines.append(early[1][1])
         return min(deadlines, default=None)
 
     def serve_external_requests(self, parent: Parent) -> None:
@@ -245,6 +245,9 @@ class Tier:
         for peer in list(self._peers.values()):
             if peer.session.needs_serve():
                 peer.session.serve(parent, now)
+
+    def has_results(self) -> bool:
+        return bool(self._results)
 
     def fail_job(self, job_id: int) -> None:
         """Report a job the tier could not take (e.g. after a driver crash) as failed."""
@@ -286,8 +289,8 @@ class Tier:
             bound = self._peers.get(peer_id) if peer_id is not None else None
             if bound is not None:
                 bound.session.finish_supply(kv_request_id, now)
-            elif kv_request_id in self._parked:
-                self._parked[kv_request_id].producer_finished = True
+            # Unbound: parked stores wait for the fetch; binding then sees no live
+            # producer and tells the session its supply is complete.
 
     def has_pending_work(self) -> bool:
         return bool(self._results or self._unreleased) or any(
@@ -350,6 +353,15 @@ class Tier:
             peers_refused=self._refused,
         )
 
+    @property
+    def peer_id(self) -> str:
+        """The identity this node advertises and peers dial back."""
+        return self._control.local_id
+
+    @property
+    def data_planes(self) -> list[str]:
+        return list(self._data.describe().offers)
+
     def session(self, peer_id: str) -> PeerSession | None:
         """The live session toward ``peer_id``, if any (for inspection)."""
         peer = self._peers.get(peer_id)
@@ -410,6 +422,11 @@ class Tier:
         self._results.extend(JobResult(x.job_id, x.success) for x in closed.stores)
         for kv_request_id in closed.failed_request_ids:
             self._fail_id(kv_request_id)
+        # Every live request pulling from this peer computes locally from now on,
+        # even if it had nothing in flight: its peer's answers died with the session.
+        for routing in self._requests.values():
+            if routing.source is not None and routing.source.peer_id == peer_id:
+                self._fail_id(routing.source.kv_request_id)
         self._unreleased.extend(closed.unreleased_serves)
         for kv_request_id in [k for k, p in self._bindings.items() if p == peer_id]:
             del self._bindings[kv_request_id]
@@ -471,7 +488,8 @@ class Tier:
 
     def _reap_parked(self, now: float) -> None:
         timeout = self._config.unbound_store_timeout_s
-        for kv_request_id, parked in list(self._parked.items()):
+        while (oldest := self._parked.first()) is not None:
+            kv_request_id, parked = oldest
             if now < parked.since + timeout:
                 break
             del self._parked[kv_request_id]
@@ -486,11 +504,14 @@ class Tier:
             self._tombstones[kv_request_id] = now + self._config.tombstone_retention_s
 
     def _expire(self, now: float) -> None:
-        for kv_request_id, expiry in list(self._tombstones.items()):
+        """Drop tombstones and early fetches whose time is up (oldest first)."""
+        while (tombstone := self._tombstones.first()) is not None:
+            kv_request_id, expiry = tombstone
             if now < expiry:
                 break
             del self._tombstones[kv_request_id]
-        for kv_request_id, (_, expiry) in list(self._early_fetches.items()):
+        while (early := self._early_fetches.first()) is not None:
+            kv_request_id, (_, expiry) = early
             if now < expiry:
                 break
             del self._early_fetches[kv_request_id]
@@ -523,11 +544,13 @@ class Tier:
         return peer
 
     def _evict_idle(self, now: float) -> bool:
-        # Sessions still in their handshake go first, then the least recently used.
+        # Sessions still in their handshake go first, then the least recently used;
+        # never one with work in flight, nor a ready one a live request pulls from.
+        needed = {r.source.peer_id for r in self._requests.values() if r.source is not None}
         idle = [
             (peer.session.ready, peer.last_used, peer_id)
             for peer_id, peer in self._peers.items()
-            if not peer.session.has_work()
+            if not peer.session.has_work() and not (peer.session.ready and peer_id in needed)
         ]
         if not idle:
             return False
@@ -540,7 +563,7 @@ class Tier:
     def _hello(self) -> Connect:
         region = self._data.describe()
         return Connect(
-            peer_id=self._config.peer_id,
+            peer_id=self._control.local_id,
             agent_metadata=region.agent_metadata,
             base_addr=region.base_addr,
             num_blocks=region.num_blocks,

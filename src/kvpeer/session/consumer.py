@@ -45,6 +45,7 @@ from kvpeer.protocol import (
 from kvpeer.session.ports import DataPlane
 from kvpeer.session.results import LoadFinished
 from kvpeer.session.settings import SessionSettings
+from kvpeer.session.worklist import WorkSet
 from kvpeer.types import Key
 
 __all__ = ["ConsumerRole", "ConsumerStatistics"]
@@ -104,10 +105,10 @@ class ConsumerRole:
         self._settings = settings
         self._requests: dict[str, _Request] = {}
         # Work lists, so periodic work is proportional to active requests only.
-        self._to_flush: set[str] = set()
-        self._with_loads: set[str] = set()
-        self._with_probes: set[str] = set()
-        self._lingering: set[str] = set()  # entries kept only for owed abort_acks
+        self._to_flush: WorkSet[str] = WorkSet()
+        self._with_loads: WorkSet[str] = WorkSet()
+        self._with_probes: WorkSet[str] = WorkSet()
+        self._lingering: WorkSet[str] = WorkSet()  # entries kept only for owed abort_acks
         self._finished: list[LoadFinished] = []
         self._expired: list[str] = []
         self._lookups_sent = 0
@@ -262,7 +263,7 @@ class ConsumerRole:
 
     def tick(self, now: float) -> None:
         """Fire load, abort-ack and lookup timeouts due at ``now``."""
-        for kv_request_id in list(self._with_loads):
+        for kv_request_id in self._with_loads:
             request = self._requests[kv_request_id]
             for round_seq, load in list(request.loads.items()):
                 if load.aborted_at is None:
@@ -283,7 +284,7 @@ class ConsumerRole:
                         f"{self._settings.abort_ack_timeout_s:g}s",
                         now,
                     )
-        for kv_request_id in list(self._lingering):
+        for kv_request_id in self._lingering:
             request = self._requests[kv_request_id]
             for round_seq, until in list(request.unacked.items()):
                 if now >= until:
@@ -291,7 +292,7 @@ class ConsumerRole:
             if not request.unacked:
                 self._lingering.discard(kv_request_id)
                 self._prune(kv_request_id)
-        for kv_request_id in list(self._with_probes):
+        for kv_request_id in self._with_probes:
             request = self._requests[kv_request_id]
             oldest = next(iter(request.waiting_since.values()))
             if now >= oldest + self._settings.lookup_timeout_s:

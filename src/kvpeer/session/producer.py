@@ -47,6 +47,7 @@ from kvpeer.protocol import (
 from kvpeer.session.ports import DataPlane, Parent
 from kvpeer.session.results import StoreFinished
 from kvpeer.session.settings import SessionSettings
+from kvpeer.session.worklist import WorkMap, WorkSet
 from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
 
 __all__ = ["ProducerRole", "ProducerStatistics"]
@@ -157,10 +158,10 @@ class ProducerRole:
         self._consumer_blocks: int | None = None
         self._requests: dict[str, _Request] = {}
         self._transfers: dict[int, _Transfer] = {}
-        self._jobs_by_age: dict[int, _Job] = {}  # insertion order == age order
+        self._jobs_by_age: WorkMap[int, _Job] = WorkMap()  # insertion order == age order
         self._jobs_open = 0
-        self._serve_pending: set[str] = set()
-        self._draining: set[tuple[str, int]] = set()
+        self._serve_pending: WorkSet[str] = WorkSet()
+        self._draining: WorkSet[tuple[str, int]] = WorkSet()
         self._unreleased: list[ServeRequest] = []
         self._queued_lookup_keys = 0
         self._results: list[StoreFinished] = []
@@ -255,7 +256,7 @@ class ProducerRole:
         unreleased, self._unreleased = self._unreleased, []
         for serve in unreleased:
             parent.on_request_finished(serve)
-        for kv_request_id in list(self._serve_pending):
+        for kv_request_id in self._serve_pending:
             request = self._requests[kv_request_id]
             for lookup in list(request.lookups):
                 if self._resolve(kv_request_id, request, lookup, parent, now):
@@ -308,7 +309,7 @@ class ProducerRole:
         """Collect finished writes, drain deadlines and store timeouts."""
         for event in self._data.poll(self._peer_id):
             self._on_transfer_event(event.transfer_id, event.success, event.reason, now)
-        for kv_request_id, seq in list(self._draining):
+        for kv_request_id, seq in self._draining:
             round_ = self._requests[kv_request_id].rounds[seq]
             if now >= round_.drain_deadline:
                 self._data.cancel(list(round_.inflight), wait=False)
@@ -316,7 +317,8 @@ class ProducerRole:
                     self._forget_transfer(round_, transfer_id, False, "abandoned after drain")
                 self._finish_drain(kv_request_id, round_)
         deadline = self._settings.store_timeout_s
-        for job_id, job in list(self._jobs_by_age.items()):
+        while (oldest := self._jobs_by_age.first()) is not None:
+            job_id, job = oldest
             if now < job.bound_at + deadline:
                 break
             del self._jobs_by_age[job_id]
@@ -327,9 +329,9 @@ class ProducerRole:
 
     def next_deadline(self) -> float | None:
         deadlines: list[float] = []
-        for job in self._jobs_by_age.values():
-            deadlines.append(job.bound_at + self._settings.store_timeout_s)
-            break
+        oldest = self._jobs_by_age.first()
+        if oldest is not None:
+            deadlines.append(oldest[1].bound_at + self._settings.store_timeout_s)
         for kv_request_id, seq in self._draining:
             deadlines.append(self._requests[kv_request_id].rounds[seq].drain_deadline)
         for kv_request_id in self._serve_pending:

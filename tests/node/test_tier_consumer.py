@@ -1,0 +1,361 @@
+"""Tier, consumer side: parsing roles once, sessions per source, lookups and loads.
+
+Pins ``kvpeer.node.tier`` invariants 1 and 2 (DESIGN.md §3, §5.1, §5.2, §5.8):
+malformed roles run locally with a logged reason; ``remote_prefiller`` answers
+HIT without the network, ``remote_kv_source`` probes; a request whose load
+failed, whose peer died or whose probes timed out answers MISS until it
+finishes, and a new request with the same id starts afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import pytest
+
+from kvpeer.protocol import Connect, Fetch, Lookup
+from kvpeer.types import Key, LookupResult, OffloadPolicy, RequestContext
+from tests.node.tierkit import (
+    Cluster,
+    TierNode,
+    decoder,
+    key,
+    keys,
+    kv_source,
+    prefiller,
+)
+
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+KEYS = keys(1, 2, 3)
+Role = Callable[[str, TierNode], dict[str, object]]
+
+
+class CountingParams(Mapping[str, object]):
+    """``kv_transfer_params`` that count how often the tier reads them."""
+
+    def __init__(self, data: Mapping[str, object]) -> None:
+        self._data = dict(data)
+        self.reads = 0
+
+    def __getitem__(self, name: str) -> object:
+        self.reads += 1
+        return self._data[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self.reads += 1
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        self.reads += 1
+        return len(self._data)
+
+    def __contains__(self, name: object) -> bool:
+        self.reads += 1
+        return name in self._data
+
+
+def ghost(kv_id: str, host: str = "b", port: int = 2) -> dict[str, object]:
+    """A source role naming a peer nobody runs (its frames are dropped)."""
+    return {"kv_request_id": kv_id, "remote_host": host, "remote_port": port}
+
+
+def resolve(
+    cluster: Cluster, node: TierNode, req: RequestContext, *wanted: Key
+) -> list[LookupResult]:
+    """Look ``wanted`` up each step until no answer is RETRY (bounded)."""
+    answers = node.lookup(req, *wanted)
+    for _ in range(10):
+        if RETRY not in answers:
+            return answers
+        cluster.step()
+        answers = node.lookup(req, *wanted)
+    raise AssertionError(f"lookups still RETRY: {answers}")
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    return Cluster()
+
+
+class TestParsing:
+    """kv_transfer_params are parsed once; malformed roles run locally with a reason."""
+
+    def test_params_are_read_only_at_on_new_request(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        b.store(b.request("p", decoder("kv1")), KEYS)
+        params = CountingParams(prefiller("kv1", b))
+        req = a.request("c", params)
+        after_parse = params.reads
+        assert after_parse > 0
+        a.lookup(req, *KEYS)
+        a.load(req, KEYS)
+        cluster.run()
+        a.finish(req)
+        cluster.run(2)
+        assert params.reads == after_parse
+
+    @pytest.mark.parametrize(
+        ("params", "reason"),
+        [
+            ({"remote_prefiller": {"kv_request_id": "kv1", "remote_host": "b"}}, "remote_port"),
+            ({"remote_kv_source": {**ghost("kv1"), "remote_host": 5}}, "remote_host"),
+            ({"remote_kv_source": {**ghost("kv1"), "kv_request_id": ""}}, "kv_request_id"),
+            ({"remote_prefiller": "b:2"}, "remote_prefiller"),
+            ({"remote_prefiller": ghost("kv1"), "remote_kv_source": ghost("kv1")}, "exclusive"),
+            ({"remote_decoder": {"kv_request_id": 7}}, "remote_decoder.kv_request_id"),
+        ],
+    )
+    def test_malformed_role_is_logged_and_runs_locally(
+        self,
+        cluster: Cluster,
+        caplog: pytest.LogCaptureFixture,
+        params: dict[str, object],
+        reason: str,
+    ) -> None:
+        a = cluster.add("a", 1)
+        caplog.set_level("WARNING", logger="kvpeer.tier")
+        req, policy = a.start("bad-1", params)
+        assert policy is OffloadPolicy.CHUNK_LEVEL
+        warnings = [r.getMessage() for r in caplog.records if r.name == "kvpeer.tier"]
+        assert any("bad-1" in w and reason in w for w in warnings), warnings
+        assert a.lookup(req, *KEYS) == [MISS] * 3
+        store = a.store(req, keys(7))
+        load, _ = a.load(req, KEYS)
+        a.step()
+        assert a.outcome(store) is True
+        assert a.outcome(load) is False
+        assert a.stats().sessions == 0
+        assert a.sent() == []
+        assert cluster.net.frames_sent == 0
+        a.finish(req)
+        assert a.stats().requests == 0
+
+    def test_request_without_params_is_local(self, cluster: Cluster) -> None:
+        a = cluster.add("a", 1)
+        req, policy = a.start("local")
+        assert policy is OffloadPolicy.CHUNK_LEVEL
+        assert a.lookup(req, *KEYS) == [MISS] * 3
+        load, _ = a.load(req, KEYS)
+        a.step()
+        assert a.outcome(load) is False
+        assert a.sent() == []
+
+
+class TestSourceSession:
+    """A consumer request opens (or reuses) the session to its peer at on_new_request."""
+
+    def test_session_opens_at_on_new_request(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        a.request("c", kv_source("kv1", b))
+        assert a.stats().sessions == 1
+        assert [type(m) for m in a.sent(to=b)] == [Connect]
+
+    def test_second_request_reuses_the_session(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        a.request("c1", kv_source("kv1", b))
+        cluster.run()
+        first = a.session(b)
+        a.request("c2", prefiller("kv2", b))
+        assert a.session(b) is first
+        assert a.stats().sessions == 1
+        assert len(a.sent_of(Connect, to=b)) == 1
+
+    def test_session_the_peer_opened_is_reused(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        b.request("c1", kv_source("kv1", a))
+        cluster.run()
+        inbound = a.session(b)
+        assert inbound.ready
+        a.request("c2", kv_source("kv2", b))
+        assert a.session(b) is inbound
+        assert len(a.sent_of(Connect, to=b)) == 1
+
+
+class TestPrefillerLookups:
+    """remote_prefiller: every lookup is a HIT without the network; the load is byte-exact."""
+
+    def test_lookups_hit_without_asking_the_peer(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        req = a.request("c", prefiller("kv1", b))
+        assert a.lookup(req, *KEYS) == [HIT] * 3
+        cluster.run()
+        assert a.lookup(req, *KEYS) == [HIT] * 3
+        assert a.sent_of(Lookup) == []
+        assert a.session(b).statistics().consumer.lookups_sent == 0
+
+    def test_load_is_fetched_byte_exact(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        producer = b.request("p", decoder("kv1"))
+        b.store(producer, KEYS)
+        req = a.request("c", prefiller("kv1", b))
+        job, slots = a.load(req, KEYS)
+        cluster.run()
+        assert a.outcome(job) is True
+        assert [a.block(s) for s in slots] == [b.parent.expected(k) for k in KEYS]
+        assert a.sent_of(Fetch, to=b)[0].keys == KEYS
+
+    def test_empty_load_succeeds_at_once(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        req = a.request("c", prefiller("kv1", b))
+        job, _ = a.load(req, ())
+        a.step()
+        assert a.outcome(job) is True
+        assert a.sent_of(Fetch) == []
+
+
+class TestKvSourceLookups:
+    """remote_kv_source: lookups answer RETRY, then the peer's HIT/MISS; hits load."""
+
+    def test_probe_then_fetch_hits(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        for k in keys(1, 2):
+            b.parent.put(k)
+        req = a.request("c", kv_source("kv1", b))
+        assert a.lookup(req, *KEYS) == [RETRY] * 3
+        assert resolve(cluster, a, req, *KEYS) == [HIT, HIT, MISS]
+        assert len(a.sent_of(Lookup, to=b)) == 1
+        job, slots = a.load(req, keys(1, 2))
+        cluster.run()
+        assert a.outcome(job) is True
+        assert [a.block(s) for s in slots] == [b.parent.expected(k) for k in keys(1, 2)]
+        a.finish(req)
+        cluster.run()
+        assert b.parent.pins == {}
+        assert b.parent.open_requests == {}
+
+    def test_unknown_peer_refused_by_data_plane_is_miss(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        a.plane.refuse_peers[b.peer_id] = "no route"
+        req = a.request("c", kv_source("kv1", b))
+        a.lookup(req, *KEYS)
+        cluster.run()
+        assert a.lookup(req, *KEYS) == [MISS] * 3
+
+
+class TestMissUntilFinished:
+    """After a failed load, a dead peer or expired probes: MISS until the request ends."""
+
+    @pytest.mark.parametrize("role", [prefiller, kv_source])
+    def test_failed_load(self, cluster: Cluster, role: Role) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        for k in KEYS:
+            b.parent.put(k)
+        b.store(b.request("p", decoder("kv1")), KEYS)
+        req = a.request("c", role("kv1", b))
+        assert resolve(cluster, a, req, *KEYS) == [HIT] * 3
+        b.plane.fail_next_writes = 1
+        job, _ = a.load(req, KEYS)
+        cluster.run()
+        assert a.outcome(job) is False
+        assert a.lookup(req, *KEYS, key(9)) == [MISS] * 4
+        assert a.stats().failed_ids == 1
+        a.finish(req)
+        assert a.stats().failed_ids == 0
+        again = a.request("c-again", role("kv1", b))
+        expected = HIT if role is prefiller else RETRY
+        assert a.lookup(again, key(9)) == [expected]
+
+    def test_dead_peer_with_waiting_probes(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        req = a.request("c", kv_source("kv1", b))
+        cluster.run()
+        assert a.lookup(req, *KEYS) == [RETRY] * 3
+        a.step()  # the lookup goes out; b never answers it
+        cluster.kill(b)
+        a.step()
+        assert a.lookup(req, *KEYS, key(9)) == [MISS] * 4
+        a.finish(req)
+        b2 = cluster.add("b", 2)
+        again = a.request("c-again", kv_source("kv1", b2))
+        assert a.lookup(again, key(9)) == [RETRY]
+
+    def test_dead_peer_with_a_load_in_flight(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        b.request("p", decoder("kv1"))  # no stores yet: the fetch waits
+        req = a.request("c", prefiller("kv1", b))
+        job, _ = a.load(req, KEYS)
+        cluster.run()
+        assert a.outcome(job) is None
+        cluster.kill(b)
+        a.step()
+        assert a.outcome(job) is False
+        assert a.lookup(req, *KEYS) == [MISS] * 3
+
+    def test_dead_prefiller_before_any_load(self, cluster: Cluster) -> None:
+        """A PD request whose peer died must not promise HITs it cannot load."""
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        req = a.request("c", prefiller("kv1", b))
+        cluster.run()
+        cluster.kill(b)
+        a.step()
+        assert a.lookup(req, *KEYS) == [MISS] * 3
+
+    def test_answered_probes_of_a_dead_peer_turn_miss(self, cluster: Cluster) -> None:
+        """Hits confirmed by a peer that died are not asked of the peer that replaced it."""
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        for k in KEYS:
+            b.parent.put(k)
+        req = a.request("c", kv_source("kv1", b))
+        assert resolve(cluster, a, req, *KEYS) == [HIT] * 3
+        cluster.kill(b)
+        a.step()
+        b2 = cluster.add("b", 2)  # same address, new boot: a new session opens
+        a.request("other", kv_source("kv2", b2))
+        cluster.run()
+        assert a.lookup(req, *KEYS, key(9)) == [MISS] * 4
+
+    def test_load_of_hits_from_a_dead_peer_fails_at_once(self, cluster: Cluster) -> None:
+        """The engine saw HITs before the peer died: that load must not wait for a timeout."""
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        for k in KEYS:
+            b.parent.put(k)
+        req = a.request("c", kv_source("kv1", b))
+        assert resolve(cluster, a, req, *KEYS) == [HIT] * 3
+        cluster.kill(b)
+        a.step()
+        b2 = cluster.add("b", 2)
+        a.request("other", kv_source("kv2", b2))
+        cluster.run()
+        job, _ = a.load(req, KEYS)
+        cluster.run()
+        assert a.outcome(job) is False  # the clock never moved
+
+    @pytest.mark.parametrize(
+        "timeouts",
+        [
+            {"lookup_timeout_s": 5, "handshake_timeout_s": 30},
+            {"lookup_timeout_s": 30, "handshake_timeout_s": 5},
+        ],
+        ids=["lookup-timeout", "handshake-timeout"],
+    )
+    def test_probes_of_a_silent_peer_time_out(
+        self, cluster: Cluster, timeouts: dict[str, object]
+    ) -> None:
+        a = cluster.add("a", 1, timeouts)
+        req = a.request("c", {"remote_kv_source": ghost("kv1")})
+        assert a.lookup(req, *KEYS) == [RETRY] * 3
+        cluster.run(3)
+        cluster.advance(4)
+        cluster.step()
+        assert a.lookup(req, *KEYS) == [RETRY] * 3
+        cluster.advance(2)
+        cluster.step()
+        assert a.lookup(req, *KEYS, key(9)) == [MISS] * 4
+        assert a.unreported() == set()
+        a.finish(req)
+        again = a.request("c-again", {"remote_kv_source": ghost("kv1")})
+        assert a.lookup(again, *KEYS) == [RETRY] * 3
+
+    def test_other_requests_of_the_peer_are_unaffected(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        for k in KEYS:
+            b.parent.put(k)
+        b.store(b.request("p1", decoder("kv1")), KEYS)
+        failed = a.request("c1", prefiller("kv1", b))
+        healthy = a.request("c2", kv_source("kv2", b))
+        b.plane.fail_next_writes = 1
+        job, _ = a.load(failed, KEYS)
+        cluster.run()
+        assert a.outcome(job) is False
+        assert a.lookup(failed, *KEYS) == [MISS] * 3
+        assert resolve(cluster, a, healthy, *KEYS) == [HIT] * 3
