@@ -80,7 +80,7 @@ def test_public_surface_is_pinned() -> None:
 
 def test_config_error_is_a_kvpeer_error_and_a_value_error() -> None:
     with pytest.raises(ConfigError) as info:
-        TierConfig.from_dict({"port": 0})
+        TierConfig.from_dict({"port": 70000})
     assert isinstance(info.value, KVPeerError)
     assert isinstance(info.value, ValueError)
 
@@ -209,7 +209,7 @@ def test_any_valid_duration_given_as_a_string_parses_to_the_same_value(seconds: 
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [(1, 1), (65535, 65535), ("5710", 5710), (" 80 ", 80), (80.0, 80), ("80.0", 80)],
+    [(0, 0), (1, 1), (65535, 65535), ("5710", 5710), (" 80 ", 80), (80.0, 80), ("80.0", 80)],
 )
 def test_port_accepts_integers_in_range(raw: object, expected: int) -> None:
     port = TierConfig.from_dict({"port": raw}).port
@@ -219,10 +219,11 @@ def test_port_accepts_integers_in_range(raw: object, expected: int) -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [0, -1, 65536, "65536", 12.5, "12.5", True, "true", None, "abc", "", math.nan, math.inf, [1]],
+    [-1, 65536, "65536", 12.5, "12.5", True, "true", None, "abc", "", math.nan, math.inf, [1]],
 )
 def test_port_rejects_non_integers_and_out_of_range(raw: object) -> None:
-    assert only_problem({"port": raw}) == f"port: expected an integer from 1 to 65535, got {raw!r}"
+    """0 is accepted: it binds any free port (the node then advertises the real one)."""
+    assert only_problem({"port": raw}) == f"port: expected an integer from 0 to 65535, got {raw!r}"
 
 
 @pytest.mark.parametrize("key", COUNT_KEYS)
@@ -649,8 +650,9 @@ def test_direct_construction_is_validated_and_canonical() -> None:
     assert TierConfig(host="0:0::1").peer_id == "[::1]:5710"
     with pytest.raises(ConfigError, match="tombstone_retention_s: must exceed load_timeout_s"):
         TierConfig(load_timeout_s=100.0)
-    with pytest.raises(ConfigError, match=r"port: .*0"):
-        dataclasses.replace(TierConfig(), port=0)
+    with pytest.raises(ConfigError, match=r"port: .*70000"):
+        dataclasses.replace(TierConfig(), port=70000)
+    assert dataclasses.replace(TierConfig(), port=0).port == 0  # any free port
     widened = dataclasses.replace(TierConfig(), load_timeout_s=100.0, tombstone_retention_s=200.0)
     assert widened.load_timeout_s == 100.0
 

@@ -1,5 +1,7 @@
 # Shared helpers for scripts/*: create .venv once and keep it in sync with
 # the pinned requirement files (re-installs only when a file changed).
+# Files named *nodeps*.txt are installed with --no-deps (pip cannot say that
+# per package inside a requirements file; nixl needs it).
 step() { printf '\n==> %s\n' "$*"; }
 
 ensure_venv() {
@@ -11,13 +13,15 @@ ensure_venv() {
     fi
     # shellcheck disable=SC1091
     . .venv/bin/activate
-    local stamp=.venv/.kvpeer-installed want
+    local stamp=.venv/.kvpeer-installed want f
     want=$(cat "$@" pyproject.toml | sha256sum | cut -d' ' -f1)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        local f
         for f in "$@"; do
             step "installing $f"
-            python -m pip install --quiet -r "$f"
+            case "$f" in
+                *nodeps*) python -m pip install --quiet --no-deps -r "$f" ;;
+                *) python -m pip install --quiet -r "$f" ;;
+            esac
         done
         step "installing kvpeer (editable)"
         python -m pip install --quiet --no-deps -e .

@@ -325,7 +325,7 @@ def _suggest(key: object, known: Iterable[str]) -> str:
 _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
     {
         "host": _host,
-        "port": _count(1, 65535),
+        "port": _count(0, 65535),  # 0: any free port (tests, benchmarks)
         "load_timeout_s": _seconds,
         "abort_ack_timeout_s": _seconds,
         "lookup_pending_timeout_s": _seconds,

@@ -1,0 +1,215 @@
+"""The ``kvpeer`` command: ``serve``, ``bench``, ``check-config``, ``demo``.
+
+This module (with the vLLM adapter) is the only place that reads argv and
+environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpeer.config import TierConfig, validate_dict
+from kvpeer.errors import KVPeerError
+
+__all__ = ["main"]
+
+DEFAULT_HASH_SEED = "vllm-none-hash"
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _size(text: str) -> int:
+    """``65536``, ``64K``, ``1M``, ``4MiB`` -> bytes."""
+    units = {
+        "": 1,
+        "K": 1024,
+        "KB": 1024,
+        "KIB": 1024,
+        "M": 1 << 20,
+        "MB": 1 << 20,
+        "MIB": 1 << 20,
+        "G": 1 << 30,
+        "GB": 1 << 30,
+        "GIB": 1 << 30,
+    }
+    stripped = text.strip().upper()
+    digits = stripped.rstrip("KMGIB")
+    unit = stripped[len(digits) :]
+    if not digits.isdigit() or unit not in units:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 65536, 64K, 1M)")
+    return int(digits) * units[unit]
+
+
+def _tier_config(args: argparse.Namespace) -> TierConfig:
+    mapping: dict[str, Any] = {}
+    if args.config:
+        try:
+            loaded = json.loads(Path(args.config).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise KVPeerError(f"--config {args.config}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise KVPeerError(f"--config {args.config}: expected a JSON object")
+        mapping.update({k: v for k, v in loaded.items() if k not in ("type", "module_path")})
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "data_transports": args.data_planes,
+        "hash_seed": args.hash_seed,
+        "allowed_peers": args.allow,
+    }
+    mapping.update({k: v for k, v in overrides.items() if v is not None})
+    if args.curve_secret or args.curve_server_public or args.curve_clients:
+        mapping["curve"] = {
+            "server_secret_key_file": args.curve_secret,
+            "server_public_key_file": args.curve_server_public,
+            "client_public_keys_dir": args.curve_clients,
+        }
+    mapping.setdefault("hash_seed", DEFAULT_HASH_SEED)
+    return TierConfig.from_dict(mapping)
+
+
+def _add_node_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="JSON file with tier config keys (DESIGN.md §6)")
+    parser.add_argument("--host", help="address to bind and advertise (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="control port (default 5710; 0 = any)")
+    parser.add_argument("--block-len", type=_size, default=64 * 1024, help="bytes per block")
+    parser.add_argument("--blocks", type=int, default=1024, help="blocks in the region")
+    parser.add_argument("--data-planes", type=_csv, help="preference list, e.g. shm,tcp,nixl")
+    parser.add_argument(
+        "--hash-seed", help=f"prefix-hash seed peers must share (default {DEFAULT_HASH_SEED})"
+    )
+    parser.add_argument(
+        "--allow", action="append", help="allowed peer: CIDR or host:port (repeatable)"
+    )
+    parser.add_argument("--curve-secret", help="CURVE: this node's secret key file")
+    parser.add_argument("--curve-server-public", help="CURVE: the servers' public key file")
+    parser.add_argument("--curve-clients", help="CURVE: directory of allowed client keys")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvpeer.node.serve import serve
+
+    config = _tier_config(args)
+    return serve(
+        config,
+        num_blocks=args.blocks,
+        block_len=args.block_len,
+        synthetic_blocks=args.synthetic_blocks,
+        duration_s=args.duration,
+        ready_file=args.ready_file,
+        out=sys.stdout,
+    )
+
+
+def _cmd_bench_tier(args: argparse.Namespace) -> int:
+    from kvpeer.bench import tier
+
+    print("kvpeer bench tier: measuring (in memory, no sockets)...", file=sys.stderr, flush=True)
+    result = tier.run(quick=args.quick)
+    print(json.dumps(result) if args.json else tier.render(result))
+    return 0
+
+
+def _cmd_bench_transport(args: argparse.Namespace) -> int:
+    from kvpeer.bench import transport
+    from kvpeer.transport.data.nixl import NixlBackend
+
+    planes = tuple(args.planes or (["shm", "tcp"] + (["nixl"] if NixlBackend.available() else [])))
+    unknown = sorted(set(planes) - {"shm", "tcp", "nixl"})
+    if unknown:
+        raise KVPeerError(f"--planes: unknown data plane(s) {unknown}; choose from shm,tcp,nixl")
+    spec = (transport.BenchSpec.quick if args.quick else transport.BenchSpec.full)(planes)
+
+    def progress(message: str) -> None:
+        print(f"kvpeer bench transport: {message}", file=sys.stderr, flush=True)
+
+    result = transport.run(spec, sys.stderr, progress)
+    print(json.dumps(result) if args.json else transport.render(result))
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        loaded = json.loads(Path(args.file).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 2
+    problems = validate_dict(loaded)
+    for problem in problems:
+        print(f"{args.file}: {problem}")
+    if not problems:
+        print(f"{args.file}: ok")
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpeer", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default=os.environ.get("KVPEER_LOG_LEVEL", "WARNING"))
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run a standalone node backed by host memory")
+    _add_node_options(serve)
+    serve.add_argument(
+        "--synthetic-blocks", type=int, default=0, help="preload N verifiable blocks"
+    )
+    serve.add_argument("--duration", type=float, help="stop after this many seconds")
+    serve.add_argument("--ready-file", help="write the node's peer id here once it listens")
+    serve.set_defaults(func=_cmd_serve)
+
+    bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    tier = benches.add_parser("tier", help="tier step overhead and memory (in memory)")
+    tier.add_argument("--quick", action="store_true", help="smaller counts, under a minute")
+    tier.add_argument("--json", action="store_true", help="print one JSON object")
+    tier.set_defaults(func=_cmd_bench_tier)
+
+    transport = benches.add_parser(
+        "transport", help="data planes vs raw socket / memcpy / raw NIXL / ZMQ round trip"
+    )
+    transport.add_argument(
+        "--planes",
+        type=_csv,
+        help="data planes to measure (default: shm,tcp and nixl if installed)",
+    )
+    transport.add_argument("--quick", action="store_true", help="a subset, under a minute")
+    transport.add_argument("--json", action="store_true", help="print one JSON object")
+    transport.set_defaults(func=_cmd_bench_transport)
+
+    check = commands.add_parser("check-config", help="validate a tier config JSON file")
+    check.add_argument("file")
+    check.set_defaults(func=_cmd_check_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return int(args.func(args))
+    except KVPeerError as exc:
+        print(f"kvpeer: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Assemble a real node from a config: ZMQ control, data planes, tier, driver."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from kvpeer.config import TierConfig
+from kvpeer.errors import ConfigError, DataPlaneError
+from kvpeer.node.driver import DrivenTier
+from kvpeer.node.tier import Tier
+from kvpeer.transport.data.base import Backend, PrimaryRegion
+from kvpeer.transport.data.planes import DataPlaneSet
+from kvpeer.transport.zmq_control import CurveKeys, ZmqControl
+
+__all__ = ["open_node"]
+
+log = logging.getLogger("kvpeer.node")
+
+
+def _backends(
+    config: TierConfig, region: PrimaryRegion, notify: Callable[[], None]
+) -> list[Backend]:
+    backends: list[Backend] = []
+    for name in config.data_transports:
+        if name == "shm":
+            if region.shm_path is None:
+                log.info("data plane shm skipped: the primary region is not a shared file")
+                continue
+            from kvpeer.transport.data.shm import ShmBackend
+
+            backends.append(ShmBackend(region, notify))
+        elif name == "tcp":
+            from kvpeer.transport.data.tcp import TcpBackend
+
+            backends.append(TcpBackend(region, notify, host=config.host))
+        elif name == "nixl":
+            from kvpeer.transport.data.nixl import NixlBackend
+
+            if not NixlBackend.available():
+                log.info("data plane nixl skipped: nixl is not installed")
+                continue
+            backends.append(NixlBackend(region, notify))
+    if not backends:
+        raise ConfigError(f"data_transports: none of {list(config.data_transports)!r} can run here")
+    return backends
+
+
+def open_node(
+    config: TierConfig,
+    region: PrimaryRegion,
+    *,
+    hash_seed: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> DrivenTier:
+    """Bind the control port, start the data planes and the driver thread."""
+    curve = None
+    if config.curve is not None:
+        curve = CurveKeys.load(
+            config.curve.server_secret_key_file,
+            config.curve.server_public_key_file,
+            config.curve.client_public_keys_dir,
+        )
+    control = ZmqControl(
+        config.host,
+        config.port,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+        curve=curve,
+    )
+    try:
+        data = DataPlaneSet(region, _backends(config, region, control.wake))
+    except (ConfigError, DataPlaneError):
+        control.close()
+        raise
+    tier = Tier(config, control, data, clock=clock, sleep=time.sleep, hash_seed=hash_seed)
+    log.info(
+        "kvpeer node %s: %d blocks x %d bytes, data planes %s",
+        control.local_id,
+        region.num_blocks,
+        region.block_len,
+        ",".join(data.backends),
+    )
+    return DrivenTier(tier, control, clock=clock)

@@ -1,0 +1,99 @@
+"""``kvpeer serve``: a standalone node over a reference host, for operators and tests."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TextIO
+
+from kvpeer.config import TierConfig
+from kvpeer.host import BlockPool, TieringHost
+from kvpeer.node.build import open_node
+from kvpeer.node.synthetic import synthetic_block, synthetic_key
+from kvpeer.transport.data.base import PrimaryRegion
+
+__all__ = ["serve"]
+
+STATS_EVERY_S = 10.0
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def preload_synthetic(pool: BlockPool, count: int) -> None:
+    """Store synthetic blocks ``0..count-1`` as READY slots of ``pool``."""
+    if count > pool.num_blocks:
+        raise ValueError(
+            f"--synthetic-blocks {count} exceeds the region's {pool.num_blocks} blocks"
+        )
+    for index in range(count):
+        slot = pool.allocate(synthetic_key(index))
+        if slot is None:
+            raise RuntimeError(f"no free slot for synthetic block {index}")
+        pool.write(slot, synthetic_block(index, pool.block_len))
+        pool.complete_write(slot, True)
+
+
+def serve(
+    config: TierConfig,
+    *,
+    num_blocks: int,
+    block_len: int,
+    synthetic_blocks: int = 0,
+    duration_s: float | None = None,
+    ready_file: str | None = None,
+    out: TextIO,
+) -> int:
+    """Run until interrupted (or ``duration_s``); returns the exit status."""
+    shm_path = None
+    if "shm" in config.data_transports:
+        shm_path = f"/dev/shm/kvpeer-serve-{os.getpid()}-{config.port}"
+    pool = BlockPool(num_blocks, block_len, shm_path=shm_path)
+    try:
+        preload_synthetic(pool, synthetic_blocks)
+        region = PrimaryRegion(pool.view, num_blocks, block_len, pool.shm_path)
+        node = open_node(config, region)
+        host = TieringHost(pool, [node])
+        peer_id = node.tier.peer_id
+        print(
+            f"kvpeer serve: node {peer_id}, {num_blocks} blocks x {_human(block_len)} "
+            f"({_human(num_blocks * block_len)}), data planes "
+            f"{','.join(node.tier.data_planes)}, hash seed {config.hash_seed!r}",
+            file=out,
+            flush=True,
+        )
+        if synthetic_blocks:
+            print(
+                f"kvpeer serve: preloaded {synthetic_blocks} synthetic blocks", file=out, flush=True
+            )
+        if ready_file:
+            Path(ready_file).write_text(peer_id)
+        print("kvpeer serve: serving; Ctrl-C to stop", file=out, flush=True)
+        started = last_stats = time.monotonic()
+        try:
+            while duration_s is None or time.monotonic() - started < duration_s:
+                node.wait_for_work(0.5)
+                host.step()
+                if time.monotonic() - last_stats >= STATS_EVERY_S:
+                    last_stats = time.monotonic()
+                    with node.locked():
+                        stats = node.tier.statistics()
+                    print(
+                        f"kvpeer serve: sessions={stats.sessions} "
+                        f"transfers_in_flight={stats.transfers_in_flight} "
+                        f"pinned={stats.pinned_blocks}",
+                        file=out,
+                        flush=True,
+                    )
+        except KeyboardInterrupt:
+            print("kvpeer serve: stopping", file=out, flush=True)
+        host.shutdown()
+    finally:
+        pool.close()
+    return 0
