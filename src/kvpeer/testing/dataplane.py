@@ -141,6 +141,15 @@ class FakeDataPlane:
             raise DataPlaneError("injected: write could not start")
         if len(local_slots) != len(remote_slots):
             raise DataPlaneError("local and remote slot counts differ")
+        target = self._peers[peer_id].region
+        for slot in local_slots:
+            if not 0 <= slot < self.region.num_blocks:
+                raise DataPlaneError(f"local slot {slot} outside our {self.region.num_blocks}")
+        for slot in remote_slots:
+            if not 0 <= slot < target.num_blocks:
+                raise DataPlaneError(
+                    f"remote slot {slot} outside {peer_id!r}'s {target.num_blocks}"
+                )
         transfer_id = next(self.fabric.transfer_ids)
         self.pending[transfer_id] = PendingWrite(
             transfer_id, peer_id, tuple(local_slots), tuple(remote_slots)

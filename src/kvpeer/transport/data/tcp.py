@@ -1,0 +1,716 @@
+"""The ``tcp`` data plane: a byte stream from producer to consumer, acknowledged.
+
+Every node listens on a data port (its offer: ``{"host", "port"}``). A producer that
+chose ``tcp`` for a peer opens one connection to the peer's port (``add_peer``, in a
+thread of its own) and hands the peer a random token through the control channel
+(``connect_ack``); the consumer's ``accept_writer`` binds that token to the peer's
+:class:`~kvpeer.transport.data.base.WriteWindow`.
+
+Stream protocol (all integers big-endian)::
+
+    producer -> consumer, once:  b"KVPD"  u8 version (1)  u8 n  token (n ASCII bytes)
+    producer -> consumer, per transfer:
+                                 u64 transfer id  u32 count  count x u64 slot
+                                 count x block_len bytes (the blocks, in slot order)
+    consumer -> producer, per transfer:
+                                 u64 transfer id  u8 status (0 written, 1 refused)
+
+The hello carries only the token: the producer's backend does not know the peer id
+the consumer calls it by, and the token alone names the registration. The consumer
+waits up to ``hello_timeout_s`` for the hello and for its token to be registered (the
+connection may overtake the ``connect_ack`` that carries it); an unknown token closes
+the connection.
+
+Invariants:
+
+1. The consumer checks every slot of a transfer (``< num_blocks`` and open in the
+   window) before it receives any of its bytes, and receives each block straight into
+   its row (``recv_into``, no staging copy). A refused transfer is answered with
+   status 1 and the connection is closed: the producer fails everything outstanding.
+2. The producer reports a transfer only when its ack arrives (success) or its
+   connection dies (failure); every transfer is reported at most once, through
+   ``poll`` of its peer. Cancelled transfers are never reported.
+3. Transfers to one peer are sent in order on one connection; the producer sends
+   straight from rows of its region (``sendall`` of memoryviews).
+4. After ``remove_peer``/``close`` return, no inbound connection of that peer writes
+   into our region again: the receiving thread is woken (``shutdown``) and waited for.
+5. A writer whose connection died is replaced by a new connection (same token) at the
+   next ``write_blocks``; nothing is resent.
+6. Every socket is closed by the thread that uses it, after it stopped using it.
+
+The region must outlive the backend: close the backend before unmapping the region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import itertools
+import logging
+import secrets
+import select
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpeer.errors import DataPlaneError
+from kvpeer.protocol import Connect, TransportOffer, limits
+from kvpeer.session.ports import TransferEvent
+from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+
+__all__ = ["SOCKET_BUFFER_BYTES", "TcpBackend", "TcpStatistics"]
+
+log = logging.getLogger("kvpeer.tcp")
+
+#: Kernel send/receive buffer of data sockets (capped by net.core.[rw]mem_max).
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+_MAGIC = b"KVPD"
+_VERSION = 1
+_HELLO = struct.Struct("!4sBB")
+_HEADER = struct.Struct("!QI")
+_ACK = struct.Struct("!QB")
+_SLOT = struct.Struct("!Q")
+_WRITTEN, _REFUSED = 0, 1
+_MAX_SLOTS = limits.MAX_ITEMS  # a fetch names at most this many blocks
+_MAX_PENDING = 64  # inbound connections that have not bound to a peer yet
+_JOIN_TIMEOUT_S = 5.0
+_CONNECT_POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TcpStatistics:
+    writers: int  # peers we write into
+    inbound: int  # connections bound to peers writing into us
+    queued: int  # our transfers not sent yet
+    in_flight: int  # our transfers (partly) sent, not acknowledged yet
+    bytes_sent: int
+    bytes_received: int
+    acked: int  # transfers the peer acknowledged
+    failed: int  # transfers reported as failed
+    refused: int  # inbound transfers refused (slot not open)
+    rejected_connections: int  # bad hello, unknown token, too many pending
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"
+    SENDING = "sending"  # bytes may be on the wire: busy until acked or the link dies
+    DONE = "done"  # reported; waits for poll
+
+
+@dataclass(slots=True)
+class _Send:
+    transfer_id: int
+    peer_id: str
+    header: bytes
+    runs: list[tuple[int, int]]  # (first local slot, blocks) of contiguous local rows
+    nbytes: int
+    state: _State = _State.QUEUED
+    abandoned: bool = False
+
+
+@dataclass(slots=True)
+class _Writer:
+    """Our connection into one peer (producer side)."""
+
+    peer_id: str
+    host: str
+    port: int
+    token: str
+    num_blocks: int
+    queue: deque[_Send] = field(default_factory=deque)
+    inflight: dict[int, _Send] = field(default_factory=dict)  # sent or sending, not acked
+    sock: socket.socket | None = None
+    dead: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Inbound:
+    """A connection a peer writes into us with (consumer side)."""
+
+    sock: socket.socket
+    recv_lock: threading.Lock = field(default_factory=threading.Lock)
+    peer_id: str | None = None
+    closed: bool = False
+
+
+@dataclass(slots=True)
+class _Counters:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    acked: int = 0
+    failed: int = 0
+    refused: int = 0
+    rejected: int = 0
+
+
+class _Closed(Exception):
+    """The connection ended (EOF, reset, or we shut it down)."""
+
+
+class TcpBackend:
+    """Implements :class:`~kvpeer.transport.data.base.Backend` over TCP streams."""
+
+    def __init__(
+        self,
+        region: PrimaryRegion,
+        notify: Callable[[], None],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        hello_timeout_s: float = 10.0,
+        connect_timeout_s: float = 10.0,
+        socket_buffer: int | None = SOCKET_BUFFER_BYTES,
+    ) -> None:
+        """``host``/``port``: where we listen (port 0: any free port); ``advertise_host``:
+        what peers dial instead of ``host`` (needed when binding a wildcard address)."""
+        self._region = region
+        self._view = region.view.cast("B")  # our own view: released at close
+        self._notify = notify
+        self._hello_timeout_s = hello_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._buffer = socket_buffer
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._writers: dict[str, _Writer] = {}
+        self._sends: dict[int, _Send] = {}
+        self._events: dict[str, list[TransferEvent]] = {}
+        self._tokens: dict[str, tuple[str, WriteWindow]] = {}  # token -> (peer, window)
+        self._inbound: set[_Inbound] = set()
+        self._threads: set[threading.Thread] = set()
+        self._counters = _Counters()
+        self._closed = False
+        try:
+            self._listener = _listen(host, port, socket_buffer)
+        except OSError as exc:
+            raise DataPlaneError(f"tcp: cannot listen on {host!r} port {port}: {exc}") from exc
+        self._host = advertise_host or host
+        self._port: int = self._listener.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._start(self._accept_loop, "kvpeer-tcp-listen")
+
+    @property
+    def name(self) -> str:
+        return "tcp"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    # -- negotiation ---------------------------------------------------------------------
+
+    def offer(self) -> TransportOffer:
+        return {"host": self._host, "port": self._port}
+
+    def agent_metadata(self) -> bytes:
+        return b""
+
+    def usable_with(self, offer: TransportOffer | None, hello: Connect) -> bool:
+        return _address(offer) is not None
+
+    def add_peer(
+        self, peer_id: str, hello: Connect, offer: TransportOffer | None
+    ) -> TransportOffer:
+        address = _address(offer)
+        if address is None:
+            raise DataPlaneError(f"tcp: {peer_id!r} offered no usable address: {offer!r}")
+        token = secrets.token_hex(16)
+        with self._lock:
+            if self._closed:
+                raise DataPlaneError("tcp: backend is closed")
+            self._drop_writer(peer_id, "peer registered again")
+            self._open_writer(_Writer(peer_id, *address, token, hello.num_blocks))
+        return {"token": token}
+
+    def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
+        token = params.get("token")
+        if not isinstance(token, str) or not 16 <= len(token) <= 255 or not token.isascii():
+            raise DataPlaneError(f"tcp: {peer_id!r} sent no valid token: {params!r}")
+        with self._lock:
+            for old in [t for t, (p, _) in self._tokens.items() if p == peer_id]:
+                del self._tokens[old]
+            self._tokens[token] = (peer_id, window)
+            self._lock.notify_all()  # a connection may be waiting for this token
+
+    def remove_peer(self, peer_id: str) -> None:
+        with self._lock:
+            for old in [t for t, (p, _) in self._tokens.items() if p == peer_id]:
+                del self._tokens[old]
+            self._drop_writer(peer_id, "peer removed")
+            inbound = [c for c in self._inbound if c.peer_id == peer_id]
+        for conn in inbound:
+            _stop_receiving(conn)
+
+    # -- transfers -----------------------------------------------------------------------
+
+    def write_blocks(
+        self, peer_id: str, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> int:
+        if len(local_slots) != len(remote_slots):
+            raise DataPlaneError(
+                f"tcp: {len(local_slots)} local slots but {len(remote_slots)} remote slots"
+            )
+        if len(remote_slots) > _MAX_SLOTS:
+            raise DataPlaneError(
+                f"tcp: {len(remote_slots)} blocks in one transfer (max {_MAX_SLOTS})"
+            )
+        with self._lock:
+            if self._closed:
+                raise DataPlaneError("tcp: backend is closed")
+            writer = self._writers.get(peer_id)
+            if writer is None:
+                raise DataPlaneError(f"tcp: peer {peer_id!r} is not registered")
+            _check_slots(local_slots, self._region.num_blocks, "local")
+            _check_slots(remote_slots, writer.num_blocks, f"remote ({peer_id!r})")
+            if writer.dead:  # reconnect: the peer still knows our token
+                writer = _Writer(peer_id, writer.host, writer.port, writer.token, writer.num_blocks)
+                self._open_writer(writer)
+            transfer_id = next(self._ids)
+            header = _HEADER.pack(transfer_id, len(remote_slots)) + struct.pack(
+                f"!{len(remote_slots)}Q", *remote_slots
+            )
+            send = _Send(
+                transfer_id,
+                peer_id,
+                header,
+                _runs(local_slots),
+                len(local_slots) * self._region.block_len,
+            )
+            self._sends[transfer_id] = send
+            writer.queue.append(send)
+            self._lock.notify_all()
+        return transfer_id
+
+    def poll(self, peer_id: str) -> list[TransferEvent]:
+        with self._lock:
+            events = self._events.pop(peer_id, [])
+            for event in events:
+                self._sends.pop(event.transfer_id, None)
+        return events
+
+    def cancel(self, transfer_ids: Sequence[int], *, wait: bool) -> list[int]:
+        busy: list[int] = []
+        with self._lock:
+            for transfer_id in transfer_ids:
+                send = self._sends.get(transfer_id)
+                if send is None:
+                    continue
+                if send.state is _State.SENDING and wait:
+                    busy.append(transfer_id)
+                    continue
+                del self._sends[transfer_id]
+                if send.state is _State.QUEUED:
+                    writer = self._writers.get(send.peer_id)
+                    if writer is not None and send in writer.queue:
+                        writer.queue.remove(send)
+                elif send.state is _State.SENDING:
+                    send.abandoned = True  # its bytes still go out; its ack is ignored
+                else:
+                    events = self._events.get(send.peer_id, [])
+                    events[:] = [e for e in events if e.transfer_id != transfer_id]
+        return busy
+
+    def statistics(self) -> TcpStatistics:
+        with self._lock:
+            c = self._counters
+            return TcpStatistics(
+                writers=len(self._writers),
+                inbound=sum(1 for conn in self._inbound if conn.peer_id is not None),
+                queued=sum(len(w.queue) for w in self._writers.values()),
+                in_flight=sum(len(w.inflight) for w in self._writers.values()),
+                bytes_sent=c.bytes_sent,
+                bytes_received=c.bytes_received,
+                acked=c.acked,
+                failed=c.failed,
+                refused=c.refused,
+                rejected_connections=c.rejected,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for writer in self._writers.values():
+                self._kill_writer(writer, "backend closed", report=False)
+            self._writers.clear()
+            self._sends.clear()
+            self._events.clear()
+            self._tokens.clear()
+            inbound = list(self._inbound)
+            self._lock.notify_all()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        for conn in inbound:
+            _stop_receiving(conn)
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t is not threading.current_thread()]
+            if not threads:
+                break
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                self._threads.difference_update(t for t in threads if not t.is_alive())
+                if any(t.is_alive() for t in threads):
+                    log.warning("tcp: %d data threads did not stop", len(self._threads))
+                    break
+        self._wake_r.close()
+        self._wake_w.close()
+        with self._lock:
+            if not self._threads:
+                self._view.release()
+
+    # -- producer side -------------------------------------------------------------------
+
+    def _open_writer(self, writer: _Writer) -> None:
+        """Register ``writer`` and start its thread (lock held)."""
+        self._writers[writer.peer_id] = writer
+        self._start(lambda: self._write_loop(writer), f"kvpeer-tcp-w-{writer.peer_id}")
+
+    def _write_loop(self, writer: _Writer) -> None:
+        try:
+            sock = self._connect(writer)
+        except (OSError, _Closed) as exc:
+            with self._lock:
+                self._kill_writer(writer, f"cannot connect to {writer.host}:{writer.port}: {exc}")
+            self._notify()
+            return
+        reader: threading.Thread | None = None
+        try:
+            with self._lock:
+                if writer.dead:
+                    return
+                writer.sock = sock
+                reader = self._start(lambda: self._ack_loop(writer, sock), "kvpeer-tcp-ack")
+            while True:
+                with self._lock:
+                    self._lock.wait_for(lambda: writer.queue or writer.dead)
+                    if writer.dead:
+                        return
+                    send = writer.queue.popleft()
+                    send.state = _State.SENDING
+                    writer.inflight[send.transfer_id] = send
+                sock.sendall(send.header)
+                block_len = self._region.block_len
+                for first, count in send.runs:
+                    sock.sendall(self._view[first * block_len : (first + count) * block_len])
+                with self._lock:
+                    self._counters.bytes_sent += send.nbytes
+        except OSError as exc:
+            with self._lock:
+                self._kill_writer(writer, f"connection to {writer.peer_id!r} failed: {exc}")
+            self._notify()
+        finally:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            if reader is not None:
+                reader.join()
+            sock.close()
+
+    def _ack_loop(self, writer: _Writer, sock: socket.socket) -> None:
+        ack = bytearray(_ACK.size)
+        reason = "connection closed by the peer"
+        try:
+            while True:
+                _recv_exact(sock, memoryview(ack))
+                transfer_id, status = _ACK.unpack(ack)
+                with self._lock:
+                    send = writer.inflight.pop(transfer_id, None)
+                    if send is None:
+                        reason = f"peer acknowledged unknown transfer {transfer_id}"
+                        break
+                    if status != _WRITTEN:
+                        writer.inflight[transfer_id] = send
+                        reason = f"peer refused transfer {transfer_id} (a slot not open for us)"
+                        break
+                    if send.abandoned or writer.dead:
+                        continue
+                    send.state = _State.DONE
+                    self._counters.acked += 1
+                    self._events.setdefault(writer.peer_id, []).append(
+                        TransferEvent(transfer_id, True)
+                    )
+                self._notify()
+        except (OSError, _Closed) as exc:
+            if not isinstance(exc, _Closed):
+                reason = f"connection to {writer.peer_id!r} failed: {exc}"
+        with self._lock:
+            self._kill_writer(writer, reason)
+        self._notify()
+
+    def _drop_writer(self, peer_id: str, reason: str) -> None:
+        """Forget our writer into ``peer_id`` and its transfers, unreported (lock held)."""
+        writer = self._writers.pop(peer_id, None)
+        if writer is not None:
+            self._kill_writer(writer, reason, report=False)
+        self._events.pop(peer_id, None)
+        for transfer_id in [t for t, s in self._sends.items() if s.peer_id == peer_id]:
+            del self._sends[transfer_id]
+
+    def _kill_writer(self, writer: _Writer, reason: str, *, report: bool = True) -> None:
+        """Fail everything ``writer`` still owes and wake its threads (lock held)."""
+        if writer.dead:
+            return
+        writer.dead = True
+        owed = [*writer.queue, *writer.inflight.values()]
+        writer.queue.clear()
+        writer.inflight.clear()
+        for send in owed:
+            if send.abandoned or not report or self._sends.get(send.transfer_id) is not send:
+                continue
+            send.state = _State.DONE
+            self._counters.failed += 1
+            self._events.setdefault(writer.peer_id, []).append(
+                TransferEvent(send.transfer_id, False, f"tcp: {reason}")
+            )
+        if writer.sock is not None:
+            with contextlib.suppress(OSError):
+                writer.sock.shutdown(socket.SHUT_RDWR)
+        self._lock.notify_all()
+
+    def _connect(self, writer: _Writer) -> socket.socket:
+        deadline = time.monotonic() + self._connect_timeout_s
+        error: OSError = OSError(f"no address for {writer.host!r}")
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            writer.host, writer.port, type=socket.SOCK_STREAM
+        ):
+            sock = socket.socket(family, kind, proto)
+            try:
+                _tune(sock, self._buffer)
+                sock.setblocking(False)
+                code = sock.connect_ex(address)
+                while code in (errno.EINPROGRESS, errno.EALREADY):
+                    if writer.dead or self._closed:
+                        raise _Closed("writer removed while connecting")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"connect timed out after {self._connect_timeout_s} s")
+                    _, ready, _ = select.select([], [sock], [], _CONNECT_POLL_S)
+                    if ready:
+                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, errno.errorcode.get(code, str(code)))
+                sock.setblocking(True)
+                token = writer.token.encode("ascii")
+                sock.sendall(_HELLO.pack(_MAGIC, _VERSION, len(token)) + token)
+                return sock
+            except OSError as exc:
+                sock.close()
+                error = exc
+            except _Closed:
+                sock.close()
+                raise
+        raise error
+
+    # -- consumer side -------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            try:
+                while not self._closed:
+                    for key, _ in selector.select():
+                        if key.fileobj is self._wake_r or self._closed:
+                            return
+                        try:
+                            sock, _ = self._listener.accept()
+                        except OSError:
+                            continue
+                        self._admit(sock)
+            finally:
+                self._listener.close()
+
+    def _admit(self, sock: socket.socket) -> None:
+        conn = _Inbound(sock)
+        with self._lock:
+            pending = sum(1 for c in self._inbound if c.peer_id is None)
+            if self._closed or pending >= _MAX_PENDING:
+                self._counters.rejected += 1
+                sock.close()
+                return
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._inbound.add(conn)
+            self._start(lambda: self._receive_loop(conn), "kvpeer-tcp-r")
+
+    def _receive_loop(self, conn: _Inbound) -> None:
+        sock = conn.sock
+        try:
+            window = self._bind(conn)
+            if window is None:
+                return
+            self._receive_transfers(conn, window)
+        except (OSError, _Closed) as exc:
+            if not conn.closed:
+                log.debug("tcp: inbound connection from %s ended: %s", conn.peer_id, exc)
+        finally:
+            conn.closed = True
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with self._lock:
+                self._inbound.discard(conn)
+            sock.close()
+
+    def _bind(self, conn: _Inbound) -> WriteWindow | None:
+        """Read the hello and wait for its token; the peer's window, or None (closed)."""
+        deadline = time.monotonic() + self._hello_timeout_s
+        conn.sock.settimeout(self._hello_timeout_s)
+        hello = bytearray(_HELLO.size)
+        try:
+            _recv_exact(conn.sock, memoryview(hello))
+            magic, version, size = _HELLO.unpack(hello)
+            if magic != _MAGIC or version != _VERSION:
+                raise _Closed(f"bad hello {bytes(hello)!r}")
+            raw = bytearray(size)
+            _recv_exact(conn.sock, memoryview(raw))
+            token = raw.decode("ascii")
+        except (OSError, UnicodeDecodeError, _Closed) as exc:
+            log.info("tcp: inbound connection rejected: %s", exc)
+            with self._lock:
+                self._counters.rejected += 1
+            return None
+        with self._lock:
+            self._lock.wait_for(
+                lambda: token in self._tokens or conn.closed or self._closed,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+            entry = self._tokens.get(token)
+            if entry is None or conn.closed or self._closed:
+                log.info("tcp: inbound connection rejected: unknown token")
+                self._counters.rejected += 1
+                return None
+            conn.peer_id, window = entry
+        conn.sock.settimeout(None)
+        return window
+
+    def _receive_transfers(self, conn: _Inbound, window: WriteWindow) -> None:
+        sock = conn.sock
+        header = bytearray(_HEADER.size)
+        num_blocks, block_len = self._region.num_blocks, self._region.block_len
+        while True:
+            _recv_exact(sock, memoryview(header))
+            transfer_id, count = _HEADER.unpack(header)
+            if count > _MAX_SLOTS:
+                self._refuse(conn, transfer_id, f"{count} blocks in one transfer")
+                return
+            raw = bytearray(count * _SLOT.size)
+            _recv_exact(sock, memoryview(raw))
+            slots = struct.unpack(f"!{count}Q", raw)
+            bad = next((s for s in slots if s >= num_blocks or not window.allows(s)), None)
+            if bad is not None:
+                self._refuse(conn, transfer_id, f"slot {bad} is not open for its writes")
+                return
+            for first, run in _runs(slots):
+                target = self._view[first * block_len : (first + run) * block_len]
+                with conn.recv_lock:
+                    if conn.closed:
+                        raise _Closed("receiving stopped")
+                    _recv_exact(sock, target)
+            with self._lock:
+                self._counters.bytes_received += count * block_len
+            sock.sendall(_ACK.pack(transfer_id, _WRITTEN))
+
+    def _refuse(self, conn: _Inbound, transfer_id: int, why: str) -> None:
+        log.warning("tcp: refused transfer %d from %r: %s", transfer_id, conn.peer_id, why)
+        with self._lock:
+            self._counters.refused += 1
+        with contextlib.suppress(OSError):
+            conn.sock.sendall(_ACK.pack(transfer_id, _REFUSED))
+
+    # -- threads -------------------------------------------------------------------------
+
+    def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Start a tracked daemon thread (lock held or not)."""
+
+        def run() -> None:
+            try:
+                target()
+            finally:
+                with self._lock:
+                    self._threads.discard(thread)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self._threads.add(thread)
+        thread.start()
+        return thread
+
+
+def _listen(host: str, port: int, buffer: int | None) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        if buffer is not None:  # accepted sockets inherit it (and the window scale)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+        sock.bind(address)
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _tune(sock: socket.socket, buffer: int | None) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+
+
+def _stop_receiving(conn: _Inbound) -> None:
+    """Wake ``conn``'s thread and wait until it no longer writes into our region."""
+    conn.closed = True
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    with conn.recv_lock:
+        pass
+
+
+def _recv_exact(sock: socket.socket, target: memoryview) -> None:
+    while target.nbytes:
+        received = sock.recv_into(target)
+        if received == 0:
+            raise _Closed("connection closed")
+        target = target[received:]
+
+
+def _address(offer: TransportOffer | None) -> tuple[str, int] | None:
+    if offer is None:
+        return None
+    host, port = offer.get("host"), offer.get("port")
+    if not isinstance(host, str) or not host or isinstance(port, bool):
+        return None
+    if not isinstance(port, int) or not 0 < port < 65536:
+        return None
+    return host, port
+
+
+def _check_slots(slots: Sequence[int], limit: int, whose: str) -> None:
+    for slot in slots:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < limit:
+            raise DataPlaneError(f"tcp: {whose} slot {slot!r} outside 0..{limit - 1}")
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive rows as ``(first, count)``: one ``sendall``/``recv_into`` each."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and slot == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs

@@ -1,0 +1,69 @@
+"""Every data plane against the one conformance suite (tests/transport/conformance.py).
+
+To add a plane, append a factory to :data:`FACTORIES`: a callable returning a fresh
+:class:`~tests.transport.conformance.Cluster`. A plane that needs optional software
+skips inside its factory (see :func:`nixl_cluster`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvpeer.transport.data.shm import ShmBackend
+from kvpeer.transport.data.tcp import TcpBackend
+from tests.transport.conformance import (
+    CHECKS,
+    BackendCluster,
+    Cluster,
+    ClusterFactory,
+    FakeCluster,
+    Windows,
+)
+
+
+def memory_cluster() -> Cluster:
+    return FakeCluster()
+
+
+def shm_cluster() -> Cluster:
+    return BackendCluster(ShmBackend, shm=True, windows=Windows.UNENFORCED)
+
+
+def tcp_cluster() -> Cluster:
+    return BackendCluster(TcpBackend, shm=False, windows=Windows.REFUSED)
+
+
+def tcp6_cluster() -> Cluster:
+    return BackendCluster(
+        lambda region, notify: TcpBackend(region, notify, host="::1"),
+        shm=False,
+        windows=Windows.REFUSED,
+    )
+
+
+def nixl_cluster() -> Cluster:
+    nixl = pytest.importorskip("kvpeer.transport.data.nixl")
+    if not nixl.NixlBackend.available():
+        pytest.skip("nixl is not installed")
+    return BackendCluster(
+        nixl.NixlBackend,
+        shm=False,
+        windows=Windows.UNENFORCED,
+    )
+
+
+FACTORIES: list[tuple[str, ClusterFactory]] = [
+    ("memory", memory_cluster),
+    ("shm", shm_cluster),
+    ("tcp", tcp_cluster),
+    ("nixl", nixl_cluster),
+]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])
+@pytest.mark.parametrize("make", [f for _, f in FACTORIES], ids=[n for n, _ in FACTORIES])
+def test_conformance(make: ClusterFactory, check: Callable[[ClusterFactory], None]) -> None:
+    make().close()  # skips here if the plane cannot run on this machine
+    check(make)

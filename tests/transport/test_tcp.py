@@ -1,0 +1,369 @@
+"""The tcp data plane: the stream protocol, window enforcement, failures, IPv6."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpeer.errors import DataPlaneError
+from kvpeer.host import BlockPool
+from kvpeer.protocol import Connect
+from kvpeer.session.ports import TransferEvent
+from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.tcp import TcpBackend
+from tests.transport.conformance import (
+    TIMEOUT_S,
+    BackendCluster,
+    Cluster,
+    Windows,
+    check_bytes_land_exactly,
+    check_unopened_slots_are_refused,
+)
+
+BLOCK = 4096
+MIB = 1024 * 1024
+
+
+def hello(num_blocks: int, block_len: int = BLOCK) -> Connect:
+    return Connect(
+        peer_id="peer",
+        agent_metadata=b"",
+        base_addr=0,
+        num_blocks=num_blocks,
+        block_len=block_len,
+        hash_seed="seed",
+    )
+
+
+class Side:
+    """One node's tcp backend over its own pool."""
+
+    def __init__(
+        self,
+        num_blocks: int = 16,
+        block_len: int = BLOCK,
+        host: str = "127.0.0.1",
+        *,
+        hello_timeout_s: float = 10.0,
+        advertise_host: str | None = None,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_len)
+        self.notified = threading.Event()
+        region = PrimaryRegion(self.pool.view, num_blocks, block_len)
+        self.backend = TcpBackend(
+            region,
+            self.notified.set,
+            host,
+            hello_timeout_s=hello_timeout_s,
+            advertise_host=advertise_host,
+        )
+        self.window = WriteWindow()
+
+    def block(self, slot: int) -> bytes:
+        size = self.pool.block_len
+        return bytes(self.pool.view[slot * size : (slot + 1) * size])
+
+    def close(self) -> None:
+        self.backend.close()
+        self.pool.close()
+
+
+def link(a: Side, b: Side) -> str:
+    """A writes into B (A's add_peer, B's accept_writer); returns the token."""
+    params = a.backend.add_peer("B", hello(b.pool.num_blocks, b.pool.block_len), b.backend.offer())
+    b.backend.accept_writer("A", params, b.window)
+    token = params["token"]
+    assert isinstance(token, str)
+    return token
+
+
+def wait_event(side: Side, peer: str, transfer_id: int) -> TransferEvent:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        for event in side.backend.poll(peer):
+            assert event.transfer_id == transfer_id
+            return event
+        time.sleep(0.0005)
+    pytest.fail(f"transfer {transfer_id} not reported in {TIMEOUT_S} s")
+
+
+def raw_connect(side: Side, token: bytes, magic: bytes = b"KVPD") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", side.backend.port), timeout=TIMEOUT_S)
+    sock.sendall(magic + bytes([1, len(token)]) + token)
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True once the peer closed ``sock`` (EOF or reset), reading whatever came first."""
+    try:
+        while chunk := sock.recv(65536):
+            del chunk
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.fixture
+def a() -> Iterator[Side]:
+    side = Side()
+    yield side
+    side.close()
+
+
+@pytest.fixture
+def b() -> Iterator[Side]:
+    side = Side()
+    yield side
+    side.close()
+
+
+class TestNegotiation:
+    def test_offer_is_the_bound_address(self, a: Side) -> None:
+        offer = a.backend.offer()
+        assert offer == {"host": "127.0.0.1", "port": a.backend.port}
+        assert a.backend.port > 0
+
+    def test_advertised_host(self) -> None:
+        side = Side(host="0.0.0.0", advertise_host="127.0.0.1")
+        try:
+            assert side.backend.offer()["host"] == "127.0.0.1"
+        finally:
+            side.close()
+
+    @pytest.mark.parametrize(
+        "offer",
+        [None, {}, {"host": "127.0.0.1"}, {"host": "", "port": 1}, {"host": "h", "port": 0}],
+    )
+    def test_not_usable_without_an_address(self, a: Side, offer: dict[str, str | int]) -> None:
+        assert not a.backend.usable_with(offer, hello(16))
+        with pytest.raises(DataPlaneError, match="no usable address"):
+            a.backend.add_peer("B", hello(16), offer)
+
+    def test_tokens_are_fresh_per_registration(self, a: Side, b: Side) -> None:
+        assert link(a, b) != link(a, b)
+
+    def test_bad_token_params_are_refused(self, b: Side) -> None:
+        with pytest.raises(DataPlaneError, match="token"):
+            b.backend.accept_writer("A", {"token": 7}, b.window)
+
+
+class TestStream:
+    def test_blocks_land_and_notify(self, a: Side, b: Side) -> None:
+        link(a, b)
+        data = os.urandom(3 * BLOCK)
+        a.pool.view[0 : 3 * BLOCK] = data
+        b.window.open([4, 5, 9])
+        transfer_id = a.backend.write_blocks("B", [0, 1, 2], [4, 5, 9])
+        assert wait_event(a, "B", transfer_id).success
+        assert a.notified.is_set()
+        assert b.block(4) + b.block(5) + b.block(9) == data
+        assert a.backend.statistics().acked == 1
+        assert b.backend.statistics().bytes_received == 3 * BLOCK
+
+    def test_connection_may_overtake_the_token(self, a: Side, b: Side) -> None:
+        """The data connection arrives before the ack that registers its token."""
+        params = a.backend.add_peer("B", hello(16), b.backend.offer())
+        b.window.open([0])
+        transfer_id = a.backend.write_blocks("B", [0], [0])
+        time.sleep(0.05)  # let the hello arrive first: the order under test
+        assert a.backend.poll("B") == []
+        b.backend.accept_writer("A", params, b.window)
+        assert wait_event(a, "B", transfer_id).success
+
+    def test_too_many_blocks_in_one_transfer(self, a: Side, b: Side) -> None:
+        link(a, b)
+        with pytest.raises(DataPlaneError, match="max"):
+            a.backend.write_blocks("B", [0] * 70_000, [0] * 70_000)
+
+
+class TestConsumerRefuses:
+    def test_unknown_token_is_closed(self) -> None:
+        b = Side(hello_timeout_s=0.2)
+        try:
+            sock = raw_connect(b, b"0" * 32)
+            with sock:
+                assert closed_by_peer(sock)
+            assert b.backend.statistics().rejected_connections == 1
+        finally:
+            b.close()
+
+    def test_bad_hello_is_closed(self, b: Side) -> None:
+        with raw_connect(b, b"0" * 32, magic=b"HTTP") as sock:
+            assert closed_by_peer(sock)
+        assert b.backend.statistics().rejected_connections == 1
+
+    def test_window_violation_fails_the_transfer(self, a: Side, b: Side) -> None:
+        link(a, b)
+        b.pool.view[0:BLOCK] = bytes(BLOCK)
+        a.pool.view[0:BLOCK] = b"\xff" * BLOCK
+        transfer_id = a.backend.write_blocks("B", [0], [0])  # slot 0 not opened
+        event = wait_event(a, "B", transfer_id)
+        assert not event.success
+        assert event.reason.startswith("tcp: ")
+        assert b.block(0) == bytes(BLOCK)
+        assert b.backend.statistics().refused == 1
+        # The writer reconnects for the next transfer.
+        b.window.open([0])
+        assert wait_event(a, "B", a.backend.write_blocks("B", [0], [0])).success
+        assert b.block(0) == b"\xff" * BLOCK
+
+    @pytest.mark.parametrize(
+        ("count", "slot"), [(70_000, 0), (1, 16), (1, 2**63)], ids=["count", "range", "huge"]
+    )
+    def test_forged_headers_are_refused_before_bytes(self, b: Side, count: int, slot: int) -> None:
+        """A producer that skips its own checks gets status 1 and a closed stream."""
+        b.backend.accept_writer("A", {"token": "ab" * 16}, b.window)
+        b.window.open(range(16))
+        with raw_connect(b, b"ab" * 16) as sock:
+            slots = struct.pack("!Q", slot) * min(count, 4)
+            sock.sendall(struct.pack("!QI", 7, count) + slots)
+            if count == len(slots) // 8:
+                sock.sendall(b"\x01" * BLOCK)
+            reply = sock.recv(9)
+            assert reply == struct.pack("!QB", 7, 1)
+            assert closed_by_peer(sock)
+        assert b.backend.statistics().bytes_received == 0
+
+
+class TestFailures:
+    def test_unreachable_peer_fails_the_transfer(self, a: Side) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]  # nobody listens on it
+        a.backend.add_peer("B", hello(16), {"host": "127.0.0.1", "port": port})
+        event = wait_event(a, "B", a.backend.write_blocks("B", [0], [0]))
+        assert not event.success
+        assert "cannot connect" in event.reason
+
+    def test_consumer_removing_us_fails_our_transfers(self, a: Side) -> None:
+        b = Side(hello_timeout_s=0.2)
+        try:
+            link(a, b)
+            b.window.open([0])
+            assert wait_event(a, "B", a.backend.write_blocks("B", [0], [0])).success
+            b.backend.remove_peer("A")
+            # The stream is closed; a reconnect is refused: the token is gone.
+            event = wait_event(a, "B", a.backend.write_blocks("B", [0], [0]))
+            assert not event.success
+        finally:
+            b.close()
+
+    def test_producer_removing_the_peer_reports_nothing(self, a: Side, b: Side) -> None:
+        link(a, b)
+        b.window.open([0])
+        transfer_id = a.backend.write_blocks("B", [0], [0])
+        a.backend.remove_peer("B")
+        assert a.backend.poll("B") == []
+        assert a.backend.cancel([transfer_id], wait=True) == []
+        with pytest.raises(DataPlaneError, match="not registered"):
+            a.backend.write_blocks("B", [0], [0])
+
+    def test_close_frees_the_port(self) -> None:
+        side = Side()
+        port = side.backend.port
+        side.close()
+        side.backend.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S).close()
+
+
+CONSUMER = textwrap.dedent(
+    """
+    import sys
+    from kvpeer.host import BlockPool
+    from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+    from kvpeer.transport.data.tcp import TcpBackend
+
+    pool = BlockPool(64, 1024 * 1024)
+    backend = TcpBackend(PrimaryRegion(pool.view, 64, 1024 * 1024), lambda: None)
+    print(backend.port, flush=True)
+    window = WriteWindow()
+    window.open(range(64))
+    backend.accept_writer("producer", {"token": sys.stdin.readline().strip()}, window)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_consumer_process_dying_mid_transfer_fails_it() -> None:
+    """The consumer stops reading (SIGSTOP) with a transfer half sent, then dies."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    producer = Side(num_blocks=64, block_len=MIB)
+    try:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        params = producer.backend.add_peer(
+            "consumer", hello(64, MIB), {"host": "127.0.0.1", "port": port}
+        )
+        child.stdin.write(f"{params['token']}\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGSTOP)
+        big = producer.backend.write_blocks("consumer", range(64), range(64))
+        queued = producer.backend.write_blocks("consumer", [0], [0])
+        deadline = time.monotonic() + TIMEOUT_S
+        while producer.backend.statistics().in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the writer is sending (it blocks: nobody reads)
+        assert producer.backend.statistics().in_flight == 1
+        assert producer.backend.poll("consumer") == []
+        # Partly sent: busy until acked or dead; the one behind it is released.
+        assert producer.backend.cancel([big, queued], wait=True) == [big]
+        child.kill()
+        event = wait_event(producer, "consumer", big)
+        assert not event.success
+        assert producer.backend.poll("consumer") == []
+        stats = producer.backend.statistics()
+        assert (stats.queued, stats.in_flight, stats.failed, stats.acked) == (0, 0, 1, 0)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        producer.close()
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def tcp6_cluster() -> Cluster:
+    return BackendCluster(
+        lambda region, notify: TcpBackend(region, notify, host="::1"),
+        shm=False,
+        windows=Windows.REFUSED,
+    )
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine cannot bind ::1")
+class TestIPv6:
+    def test_offer_and_transfer(self) -> None:
+        side = Side(host="::1")
+        try:
+            assert side.backend.offer()["host"] == "::1"
+        finally:
+            side.close()
+        check_bytes_land_exactly(tcp6_cluster)
+
+    def test_windows(self) -> None:
+        check_unopened_slots_are_refused(tcp6_cluster)
