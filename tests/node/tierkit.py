@@ -107,6 +107,9 @@ class RecordingControl:
     def receive(self) -> list[InboundFrame]:
         return self.inner.receive()
 
+    def flush(self) -> None:
+        self.inner.flush()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -378,6 +378,7 @@ class Tier:
             self._handle(peer_id, peer, peer.session.poll(now))
         self._reap_parked(now)
         self._expire(now)
+        self._control.flush()  # what this tick queued goes out now, not next loop
 
     def _route(self, peer_id: str, frame: bytes, now: float) -> None:
         peer = self._peers.get(peer_id)

@@ -136,6 +136,9 @@ class MemoryControl:
         ready.sort(key=lambda item: (item[0], item[1]))
         return [frame for _, _, frame in ready]
 
+    def flush(self) -> None:
+        """Frames are handed to the network at transmit time: nothing to do."""
+
     def next_due(self) -> float | None:
         return min((item[0] for item in self.inbox), default=None)
 

@@ -51,6 +51,10 @@ class ControlTransport(Protocol):
 
     def receive(self) -> list[InboundFrame]: ...
 
+    def flush(self) -> None:
+        """Send what links queued, now (the owner calls it at the end of a tick)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -209,13 +209,19 @@ class ZmqControl:
         self.wake()
         return link
 
+    def flush(self) -> None:
+        """Open/close sockets, read monitors and send every queued frame."""
+        if self._closed:
+            return
+        for link in list(self._links.values()):
+            self._pump_link(link)
+
     def receive(self) -> list[InboundFrame]:
         """Pump: open/close sockets, send queued frames, read monitors and the ROUTER."""
         if self._closed:
             return []
         self._drain_wake()
-        for link in list(self._links.values()):
-            self._pump_link(link)
+        self.flush()
         frames: list[InboundFrame] = []
         for _ in range(10_000):  # bounded: the driver loops again if more wait
             try:
