@@ -18,7 +18,7 @@ from kvpeer.host import BlockPool
 from kvpeer.protocol import Connect, TransportOffer
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
-from kvpeer.transport.data.shm import ShmBackend, host_identity
+from kvpeer.transport.data.shm import INLINE_BYTES, ShmBackend, host_identity
 from tests.transport.conformance import TIMEOUT_S
 
 BLOCK = 4096
@@ -118,17 +118,34 @@ def test_not_usable_when_the_peer_region_differs(pair: Pair) -> None:
 
 
 def test_copy_lands_notifies_and_counts(pair: Pair) -> None:
+    """A small copy finishes inside write_blocks: the next poll sees it, no wake-up needed."""
     assert pair.a.add_peer("B", pair.hello_b, pair.b.offer()) == {}
     data = os.urandom(3 * BLOCK)
     pair.a_pool.view[0 : 3 * BLOCK] = data
+    assert 3 * BLOCK <= INLINE_BYTES
     transfer_id = pair.a.write_blocks("B", [0, 1, 2], [5, 6, 9])
-    assert wait_event(pair.a, "B", transfer_id).success
-    assert pair.notified.is_set()
+    assert [e.transfer_id for e in pair.a.poll("B") if e.success] == [transfer_id]
+    assert not pair.notified.is_set()
     view = pair.b_pool.view
     assert bytes(view[5 * BLOCK : 7 * BLOCK]) == data[: 2 * BLOCK]
     assert bytes(view[9 * BLOCK : 10 * BLOCK]) == data[2 * BLOCK :]
     stats = pair.a.statistics()
     assert (stats.peers, stats.completed, stats.bytes_copied) == (1, 1, 3 * BLOCK)
+
+
+def test_large_copy_runs_on_the_thread_and_notifies() -> None:
+    """Past INLINE_BYTES the copy thread does the work and wakes the owner."""
+    pair = Pair(num_blocks=8, block_len=INLINE_BYTES)
+    try:
+        assert pair.a.add_peer("B", pair.hello_b, pair.b.offer()) == {}
+        data = os.urandom(2 * INLINE_BYTES)
+        pair.a_pool.view[0 : 2 * INLINE_BYTES] = data
+        transfer_id = pair.a.write_blocks("B", [0, 1], [3, 4])
+        assert wait_event(pair.a, "B", transfer_id).success
+        assert pair.notified.is_set()
+        assert bytes(pair.b_pool.view[3 * INLINE_BYTES : 5 * INLINE_BYTES]) == data
+    finally:
+        pair.close()
 
 
 def test_bytes_reach_another_process() -> None:

@@ -46,6 +46,8 @@ __all__ = ["CHUNK_BYTES", "ShmBackend", "ShmStatistics", "host_identity"]
 
 #: Largest single copy: bounds how long a cancel or ``remove_peer`` waits for the thread.
 CHUNK_BYTES = 16 * 1024 * 1024
+#: Transfers up to this size are copied on the calling thread (cheaper than a thread hop).
+INLINE_BYTES = 256 * 1024
 #: ``MADV_POPULATE_WRITE`` (Linux 5.14+); the ``mmap`` module exports it only from 3.13.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _JOIN_TIMEOUT_S = 10.0
@@ -256,8 +258,17 @@ class ShmBackend:
                 next(self._ids), peer_id, mapping, _runs(local_slots, remote_slots)
             )
             self._transfers[transfer.transfer_id] = transfer
-            self._queue.append(transfer)
-            self._lock.notify_all()
+            inline = not self._queue and len(local_slots) * self._region.block_len <= INLINE_BYTES
+            if inline:
+                transfer.state = _State.COPYING
+                mapping.users += 1
+            else:
+                self._queue.append(transfer)
+                self._lock.notify_all()
+        if inline:
+            # A small copy costs less than waking the copy thread and being woken back:
+            # do it here, so the caller's next poll already sees it finished.
+            self._finish(transfer, self._copy(transfer), notify=False)
         return transfer.transfer_id
 
     def poll(self, peer_id: str) -> list[TransferEvent]:
@@ -328,20 +339,22 @@ class ShmBackend:
                 transfer = self._queue.popleft()
                 transfer.state = _State.COPYING
                 transfer.mapping.users += 1
-            copied = self._copy(transfer)
-            with self._lock:
-                transfer.mapping.users -= 1
-                self._counters.bytes_copied += copied
-                finished = not transfer.abandoned
-                if finished:
-                    transfer.state = _State.DONE
-                    self._counters.completed += 1
-                    self._counters.events.setdefault(transfer.peer_id, []).append(
-                        TransferEvent(transfer.transfer_id, True)
-                    )
-                self._lock.notify_all()
+            self._finish(transfer, self._copy(transfer), notify=True)
+
+    def _finish(self, transfer: _Transfer, copied: int, *, notify: bool) -> None:
+        with self._lock:
+            transfer.mapping.users -= 1
+            self._counters.bytes_copied += copied
+            finished = not transfer.abandoned
             if finished:
-                self._notify()
+                transfer.state = _State.DONE
+                self._counters.completed += 1
+                self._counters.events.setdefault(transfer.peer_id, []).append(
+                    TransferEvent(transfer.transfer_id, True)
+                )
+            self._lock.notify_all()
+        if finished and notify:
+            self._notify()
 
     def _copy(self, transfer: _Transfer) -> int:
         """Copy every run (the GIL is released by ``memmove``); stop early if abandoned."""
