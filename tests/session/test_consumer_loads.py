@@ -277,6 +277,8 @@ class TestLoadTimeout:
         pair.clock.advance(pair.settings.abort_ack_timeout_s)
         pair.poll()
         assert pair.a.session.next_deadline() is None
+        assert pair.a.session.statistics().consumer.requests == 1  # until it finishes
+        pair.a.session.finish_consumer(ID, pair.clock.now)
         assert pair.a.session.statistics().consumer.requests == 0
 
     def test_reused_id_after_an_unacked_abort_keeps_counting_rounds(self) -> None:

@@ -3,9 +3,9 @@
 Both nodes act as consumer and producer at once, for symmetric ids (probe,
 lookup, fetch of confirmed hits) and PD ids (parked supply, fetch without
 probing) in both directions. Hypothesis interleaves puts, probes, flushes,
-serve windows, loads, supply, partial delivery, write completions and
-failures, clock jumps across every timeout, request finishes and a rare
-local close, and checks after every step:
+serve windows, loads, supply, partial and one-way delivery, write
+completions and failures, clock jumps across every timeout, request
+finishes and a rare local close, and checks after every step:
 
 - every job is reported at most once, and the parents' pins are exactly the
   slots of store jobs not yet reported;
@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvpeer.session.results import CloseKind, StoreFinished
+from kvpeer.session.settings import SessionSettings
 from kvpeer.testing.harness import Node, SessionPair
 from kvpeer.types import Key
 
@@ -40,9 +41,17 @@ NUM_BLOCKS = 64
 FIRST_LOAD_SLOT = 16
 #: Bytes written into a slot before a load, so a load that wrote nothing shows.
 POISON = 0xEE
-#: Longer than every session timeout together (load + abort ack + store +
-#: lookup + lookup pending + drain + handshake, defaults).
-FAR = 200.0
+_DEFAULTS = SessionSettings()
+#: Longer than every session timeout together, so one jump fires them all.
+FAR = 2 * (
+    _DEFAULTS.load_timeout_s
+    + _DEFAULTS.abort_ack_timeout_s
+    + _DEFAULTS.lookup_timeout_s
+    + _DEFAULTS.lookup_pending_timeout_s
+    + _DEFAULTS.store_timeout_s
+    + _DEFAULTS.abort_drain_timeout_s
+    + _DEFAULTS.handshake_timeout_s
+)
 
 NODES = st.sampled_from(("a", "b"))
 KEY_SETS = st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True)
@@ -89,7 +98,11 @@ class CoupledSessions(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pair = SessionPair(num_blocks=NUM_BLOCKS)
+        # The consumer's write window is enforced, as the tcp plane does: a peer that
+        # writes after we gave up on its load (abort unanswered, session closed) is
+        # refused. One-sided planes (shm, nixl) cannot refuse such a late write; that
+        # residual risk is documented (README, "one-sided data planes").
+        self.pair = SessionPair(num_blocks=NUM_BLOCKS, enforce_windows=True)
         self.ids: dict[tuple[str, bool], _Id] = {}
         self.all_ids: list[_Id] = []
         self.generation = 0
@@ -276,10 +289,24 @@ class CoupledSessions(RuleBasedStateMachine):
 
     # -- the world ---------------------------------------------------------------
 
-    @rule(limit=st.one_of(st.none(), st.integers(1, 6)))
-    def deliver(self, limit: int | None) -> None:
-        """Deliver all frames in transit, or only the first few."""
-        self.pair.deliver(limit=limit)
+    @rule(
+        direction=st.sampled_from(("both", "both", "a->b", "b->a")),
+        limit=st.one_of(st.none(), st.integers(1, 4)),
+    )
+    def deliver(self, direction: str, limit: int | None) -> None:
+        """Deliver all frames in transit, or only the first few, in both directions
+        or in one (a pair of peers uses two connections that stall independently)."""
+        if direction == "both":
+            self.pair.deliver(limit=limit)
+            return
+        pipe, receiver = (
+            (self.pair.link.a_to_b, self.pair.b)
+            if direction == "a->b"
+            else (self.pair.link.b_to_a, self.pair.a)
+        )
+        count = len(pipe.in_transit) if limit is None else limit
+        for _ in range(min(count, len(pipe.in_transit))):
+            receiver.session.receive(pipe.in_transit.popleft(), self.now)
 
     @rule(
         node=NODES,
@@ -309,9 +336,15 @@ class CoupledSessions(RuleBasedStateMachine):
         else:
             plane.pending[transfer_id].busy = action == "busy"
 
-    @rule(seconds=st.sampled_from((0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 61.0)))
-    def advance(self, seconds: float) -> None:
+    @rule(
+        seconds=st.sampled_from((0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 61.0)),
+        then_poll=st.booleans(),
+    )
+    def advance(self, seconds: float, then_poll: bool) -> None:
+        """Time passes (across timeouts for the larger steps); the driver may tick."""
         self.pair.clock.advance(seconds)
+        if then_poll:
+            self._poll()
 
     @rule()
     def poll(self) -> None:
@@ -444,3 +477,93 @@ CoupledSessions.TestCase.settings = settings(
 
 class TestCoupledSessions(CoupledSessions.TestCase):  # type: ignore[misc,valid-type]
     """Jobs are reported once, pins and writes stay safe, and nothing outlives its request."""
+
+
+class TestShrunkSequences:
+    """Minimal rule sequences the machine found, replayed deterministically.
+
+    Each is a counterexample to one of the machine's properties; they stay
+    here as regression tests of that property.
+    """
+
+    def test_unacknowledged_abort_refuses_the_late_write(self) -> None:
+        """A load failed by the abort-ack timeout closes its slots: the peer, whose
+        abort is still in transit, has its late write refused, landing nowhere."""
+        state = CoupledSessions()
+        state.warm_parents(keys_a=[], keys_b=[])
+        state.load_pd(consumer="a", keys=[KEYS[0]])
+        state.engine_step(writes_finish=False)  # b holds round 0's demand
+        state.finish_consumer(consumer="a", pd=True, act=True)  # abort_fetch in transit
+        state.add_supply(producer="b", keys=[KEYS[0]], cover=False)  # b starts the write
+        state.advance(seconds=10.0, then_poll=True)  # a: no abort_ack, load failed
+        before = bytes(state.pair.a.region.memory)
+        state.data_plane(node="b", action="complete", pick=0)
+        state.writes_stay_inside_opened_slots()
+        assert len(state.pair.b.plane.refused) == 1
+        assert bytes(state.pair.a.region.memory) == before
+
+    def test_local_close_refuses_the_late_write(self) -> None:
+        """Closing a session closes the slots of its loads: the peer, which has not
+        seen the disconnect yet, has its late write refused, landing nowhere."""
+        state = CoupledSessions()
+        state.warm_parents(keys_a=[], keys_b=[])
+        state.load_pd(consumer="a", keys=[KEYS[0]])
+        state.deliver(direction="both", limit=None)
+        state.close(node="a", act=True)  # disconnect in transit
+        state.add_supply(producer="b", keys=[KEYS[0]], cover=False)
+        before = bytes(state.pair.a.region.memory)
+        state.data_plane(node="b", action="complete", pick=0)
+        state.writes_stay_inside_opened_slots()
+        assert len(state.pair.b.plane.refused) == 1
+        assert bytes(state.pair.a.region.memory) == before
+
+    def test_late_transfer_done_never_completes_a_newer_load(self) -> None:
+        """A transfer_done of an old round, delivered late, must not report a newer
+        load of the same id as a success (its slot never got the bytes)."""
+        state = CoupledSessions()
+        state.warm_parents(keys_a=[], keys_b=[])
+        state.load_pd(consumer="a", keys=[KEYS[0]])
+        state.add_supply(producer="b", keys=[KEYS[0]], cover=False)
+        state.deliver(direction="a->b", limit=None)
+        state.data_plane(node="b", action="complete", pick=0)
+        state.poll()  # b: transfer_done(success, round 0), held up on the way to a
+        for seconds in (30.0, 10.0, 10.0):  # a: abort, give up on the ack, forget the id
+            state.advance(seconds=seconds, then_poll=True)
+        state.load_pd(consumer="a", keys=[KEYS[1]])  # the same (live) id, a new load
+        state.deliver(direction="b->a", limit=None)
+        state.poll()  # checks the bytes of every successful load
+
+    def test_late_abort_ack_never_completes_a_newer_load(self) -> None:
+        """An abort_ack of an old round, delivered late, must not end a newer load
+        of the same id while the peer serves that load's fetch."""
+        state = CoupledSessions()
+        state.warm_parents(keys_a=[], keys_b=[])
+        state.load_pd(consumer="a", keys=[KEYS[0]])
+        state.add_supply(producer="b", keys=[KEYS[0]], cover=False)
+        state.deliver(direction="a->b", limit=None)  # b starts the write
+        state.advance(seconds=30.0, then_poll=True)  # a: abort_fetch held up on the way
+        state.data_plane(node="b", action="complete", pick=0)
+        state.poll()
+        state.deliver(direction="b->a", limit=None)  # a: round 0 succeeded after all
+        state.advance(seconds=10.0, then_poll=True)  # a forgets the id (the ack is overdue)
+        state.load_pd(consumer="a", keys=[KEYS[1]])  # the same (live) id, a new load
+        state.deliver(direction="a->b", limit=None)  # b acks the old abort, opens round 0 anew
+        state.deliver(direction="b->a", limit=None)  # a: the old ack ends the new load
+        state.poll()
+        state.add_supply(producer="b", keys=[KEYS[1]], cover=False)
+        state.data_plane(node="b", action="complete", pick=0)
+        state.writes_stay_inside_opened_slots()
+
+    def test_reused_round_is_never_a_second_fetch(self) -> None:
+        """Loads of one live id never repeat a round the peer may still hold, so two
+        correct peers never end their session with a protocol error."""
+        state = CoupledSessions()
+        state.warm_parents(keys_a=[], keys_b=[])
+        state.load_pd(consumer="a", keys=[KEYS[0]])  # round 0, fetch held up on the way
+        for seconds in (30.0, 61.0, 30.0):  # a: abort, give up on the ack, forget the id
+            state.advance(seconds=seconds, then_poll=True)
+        state.load_pd(consumer="a", keys=[KEYS[1]])  # round 0 again
+        state.engine_step(writes_finish=False)  # the old abort_ack ends this load too
+        state.load_pd(consumer="a", keys=[KEYS[2]])  # round 0 a third time
+        state.engine_step(writes_finish=False)
+        state.no_protocol_errors()

@@ -20,9 +20,10 @@ Invariants (per ``kv_request_id``):
    load waits for the ack (or the ack timeout).
 7. The terminal empty fetch is sent on finish exactly when a lookup went out
    after the last fetch (the peer holds lookup state no fetch closed).
-8. A request entry outlives its last load while an ``abort_ack`` is still owed
-   (up to ``abort_ack_timeout_s`` after it was last expected), so a reused id
-   keeps counting rounds and a late ack cannot complete a newer load.
+8. A request's entry (and its round counter) lives until :meth:`finish`, and
+   after that while an ``abort_ack`` is still owed (up to ``abort_ack_timeout_s``
+   after the load settled): a round number is never reused while a late reply
+   for it can arrive, so such a reply can never complete a newer load.
 9. A load our peer would have to reject (slot outside our region, duplicate
    key, length mismatch, empty) raises ProtocolError and sends nothing.
 """
@@ -69,9 +70,10 @@ class _Request:
     peer_lookup_open: bool = False
     loads: dict[int, _Load] = field(default_factory=dict)
     unacked: dict[int, float] = field(default_factory=dict)  # round -> stop waiting at
+    finished: bool = False  # our request ended; until then the round counter must live
 
     def is_idle(self) -> bool:
-        return not (
+        return self.finished and not (
             self.loads or self.probes or self.unsent or self.peer_lookup_open or self.unacked
         )
 
@@ -120,6 +122,7 @@ class ConsumerRole:
     def register_probe(self, kv_request_id: str, key: Key, now: float) -> bool | None:
         """Probe ``key``: None while unanswered (RETRY), else the peer's answer."""
         request = self._requests.setdefault(kv_request_id, _Request())
+        request.finished = False  # a reused id continues counting rounds
         if key in request.probes:
             return request.probes[key]
         request.probes[key] = None
@@ -168,6 +171,7 @@ class ConsumerRole:
                     f"load job {job_id}: slot {slot} outside our {self._num_blocks} blocks"
                 )
         request = self._requests.setdefault(kv_request_id, _Request())
+        request.finished = False
         unconfirmed = [k for k in keys if k in request.probes and request.probes[k] is not True]
         if unconfirmed:
             # The peer pinned only confirmed hits; asking for more can only fail.
@@ -223,6 +227,7 @@ class ConsumerRole:
             request.peer_lookup_open = False
         request.unsent.clear()
         self._clear_probes(kv_request_id, request)
+        request.finished = True
         self._prune(kv_request_id)
 
     # -- wire ----------------------------------------------------------------

@@ -89,11 +89,17 @@ class FakeDataPlane:
         *,
         auto_complete: bool = False,
         choice: TransportChoice | None = None,
+        enforce_windows: bool = False,
     ) -> None:
+        """``enforce_windows``: a write into a slot the consumer has not opened for us
+        fails and lands nowhere (as with ``tcp``); otherwise it lands and is recorded
+        in :attr:`violations` (as with the one-sided ``shm`` and ``nixl``)."""
         self.fabric = fabric
         self.node_id = node_id
         self.region = region
         self.auto_complete = auto_complete
+        self.enforce_windows = enforce_windows
+        self.refused: list[int] = []  # transfers refused by an enforced window
         self.choice = choice
         self.refuse_peers: dict[str, str] = {}  # peer id -> reason register_peer raises
         self.fail_next_writes = 0
@@ -210,8 +216,15 @@ class FakeDataPlane:
         write = self.pending.pop(transfer_id)
         peer = self._peers[write.peer_id]
         target = peer.plane
+        opened = target.open_slots_for(self.node_id)
+        if self.enforce_windows and not set(write.remote_slots) <= opened:
+            self.refused.append(transfer_id)
+            self._events.setdefault(write.peer_id, []).append(
+                TransferEvent(transfer_id, False, "refused: slot not open for us")
+            )
+            return
         for local, remote in zip(write.local_slots, write.remote_slots, strict=True):
-            if remote not in target.open_slots_for(self.node_id):
+            if remote not in opened:
                 self.violations.append(
                     f"write {transfer_id} into {target.node_id} slot {remote}, not opened for us"
                 )

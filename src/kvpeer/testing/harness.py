@@ -115,6 +115,7 @@ class SessionPair:
         num_blocks: int = 64,
         block_len: int = 64,
         auto_complete: bool = False,
+        enforce_windows: bool = False,
         hello_a: Callable[[Region], Connect] | None = None,
         hello_b: Callable[[Region], Connect] | None = None,
         admit_a: Admit | None = None,
@@ -149,6 +150,8 @@ class SessionPair:
             job_ids,
         )
         self.job_ids = job_ids
+        self.a.plane.enforce_windows = enforce_windows
+        self.b.plane.enforce_windows = enforce_windows
         if start:
             self.a.session.start(self.clock.now)
             self.b.session.start(self.clock.now)
