@@ -99,7 +99,7 @@ def test_defaults_match_the_design() -> None:
     assert config.unbound_store_timeout_s == 60.0
     assert config.tombstone_retention_s == 60.0
     assert config.handshake_timeout_s == 30.0
-    assert config.abort_drain_timeout_s == 10.0
+    assert config.abort_drain_timeout_s == 5.0  # under abort_ack_timeout_s: we ack first
     assert config.heartbeat_interval_s == 2.0
     assert config.heartbeat_timeout_s == 10.0
     assert config.max_peers == 128

@@ -28,7 +28,7 @@ class SessionSettings:
     lookup_timeout_s: float = 30.0
     lookup_pending_timeout_s: float = 5.0
     store_timeout_s: float = 30.0
-    abort_drain_timeout_s: float = 10.0
+    abort_drain_timeout_s: float = 5.0
     handshake_timeout_s: float = 30.0
     max_queued_messages: int = 4096
 
