@@ -736,6 +736,7 @@ def test_session_settings_carry_the_matching_durations() -> None:
         lookup_pending_timeout_s=14.0,
         store_timeout_s=15.0,
         abort_drain_timeout_s=16.0,
+        transfer_timeout_s=23.0,  # load + abort_ack: the consumer has given up by then
         handshake_timeout_s=17.0,
         max_queued_messages=18,
     )

@@ -112,6 +112,27 @@ class AllowList:
             for candidate in candidates
         )
 
+    def allows_source(self, source: str) -> bool:
+        """May a connection coming from IP address ``source`` (any port) talk to us?
+
+        The claimed identity of a peer is a string it picks; the address its
+        connection really comes from is checked too. A ``host:port`` entry admits
+        its host's address.
+        """
+        if self.everyone:
+            return True
+        address = _ip(source)
+        if address is None:
+            return False
+        candidates: list[IPAddress] = [address]
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            candidates.append(address.ipv4_mapped)
+        hosts = {host for host, _ in self.endpoints}
+        return any(
+            str(candidate) in hosts or any(candidate in network for network in self.networks)
+            for candidate in candidates
+        )
+
     def to_entries(self) -> list[str] | None:
         """The entries as config strings; None means everyone."""
         if self.everyone:
@@ -454,6 +475,7 @@ class TierConfig:
             lookup_pending_timeout_s=self.lookup_pending_timeout_s,
             store_timeout_s=self.store_timeout_s,
             abort_drain_timeout_s=self.abort_drain_timeout_s,
+            transfer_timeout_s=self.load_timeout_s + self.abort_ack_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
             max_queued_messages=self.max_queued_messages,
         )

@@ -110,6 +110,10 @@ class RecordingControl:
     def flush(self) -> None:
         self.inner.flush()
 
+    def refuse(self, peer_id: str, frame: bytes) -> None:
+        self.log.append((peer_id, Codec().decode(frame)))
+        self.inner.refuse(peer_id, frame)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -534,6 +534,28 @@ class TestTransferFailures:
         assert not pair.a.loads[load].success
         assert_settled(pair)
 
+    def test_write_running_past_the_transfer_timeout_fails_its_round(self) -> None:
+        """A stalled write (the consumer stopped reading) does not pin blocks forever:
+        past transfer_timeout_s the round fails, drains, and its pins are released."""
+        pair = SessionPair()
+        job = supply(pair, [K1])
+        fetch(pair, [K1])
+        [tid] = pair.b.plane.pending
+        pair.b.plane.pending[tid].busy = True  # never finishes, cannot be released
+        limit = pair.settings.transfer_timeout_s
+        assert pair.b.session.next_deadline() is not None
+        pair.clock.advance(limit - 1)
+        pair.b.record(pair.b.session.poll(pair.clock.now))
+        assert done(pair.b) == []
+        pair.clock.advance(1)
+        pair.b.record(pair.b.session.poll(pair.clock.now))  # round fails, drain starts
+        assert done(pair.b) == []
+        pair.clock.advance(pair.settings.abort_drain_timeout_s)
+        pair.b.record(pair.b.session.poll(pair.clock.now))  # abandoned after the drain
+        assert done(pair.b) == [(0, False)]
+        assert not pair.b.stores[job.job_id].success
+        assert pair.b.parent.pinned_slots() == 0
+
 
 # -- store timeout -----------------------------------------------------------------
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from kvpeer.config import TierConfig
 from kvpeer.errors import ProtocolError
 from kvpeer.node.params import LOCAL, Routing, parse_transfer_params, split_peer_id
-from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension
+from kvpeer.protocol import PROTOCOL_VERSION, Codec, Connect, ConnectExtension, Disconnect
 from kvpeer.session import CloseKind, PeerSession, PollResult
 from kvpeer.session.ports import Parent
 from kvpeer.session.worklist import WorkMap
-from kvpeer.transport.base import ControlLink, ControlTransport, NodeDataPlane
+from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame, NodeDataPlane
 from kvpeer.types import (
     JobResult,
     Key,
@@ -122,6 +122,7 @@ class Tier:
         self._results: list[JobResult] = []
         self._unreleased: list[ServeRequest] = []
         self._refused = 0
+        self._codec = Codec()
         self._shut_down = False
         #: True while a driver thread calls :meth:`poll`; engine calls then never do I/O.
         self.driven = False
@@ -371,7 +372,7 @@ class Tier:
 
     def _tick(self, now: float) -> None:
         for inbound in self._control.receive():
-            self._route(inbound.peer_id, inbound.frame, now)
+            self._route(inbound, now)
         for peer_id, peer in list(self._peers.items()):
             if not peer.link.alive and peer.session.alive:
                 peer.session.close("control link lost", CloseKind.UNREACHABLE)
@@ -380,11 +381,18 @@ class Tier:
         self._expire(now)
         self._control.flush()  # what this tick queued goes out now, not next loop
 
-    def _route(self, peer_id: str, frame: bytes, now: float) -> None:
+    def _route(self, inbound: InboundFrame, now: float) -> None:
+        peer_id, frame = inbound.peer_id, inbound.frame
+        source = inbound.source
+        if source is not None and not self._config.allowed_peers.allows_source(source):
+            self._refused += 1
+            self._refuse(peer_id, frame, f"connections from {source} are not in allowed_peers")
+            return
         peer = self._peers.get(peer_id)
         if peer is None:
             peer = self._peer(peer_id, now)
             if peer is None:
+                self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
                 return
         peer.last_used = now
         peer.session.receive(frame, now)
@@ -518,6 +526,16 @@ class Tier:
             del self._early_fetches[kv_request_id]
 
     # -- sessions ----------------------------------------------------------------------
+
+    def _refuse(self, peer_id: str, frame: bytes, reason: str) -> None:
+        """Tell a peer we will not talk to it, on its own connection (never dial it)."""
+        try:
+            if isinstance(self._codec.decode(frame), Disconnect):
+                return  # never answer a goodbye: two refusing nodes would ping-pong
+        except ProtocolError:
+            pass
+        log.warning("refusing %s: %s", peer_id, reason)
+        self._control.refuse(peer_id, self._codec.encode(Disconnect(reason=reason)))
 
     def _fail_id(self, kv_request_id: str) -> None:
         if kv_request_id in self._consumer_refs:

@@ -22,7 +22,9 @@ Invariants (per ``kv_request_id``):
    replies (``transfer_done(false)`` / ``abort_ack``) only once none of its
    writes can still touch the consumer's memory: in-flight writes are
    cancelled and drained for up to ``abort_drain_timeout_s``.
-6. Every store job is reported exactly once, when its last key is settled
+6. A write running longer than ``transfer_timeout_s`` (the consumer has given
+   up on it by then) fails its round like any failed write.
+7. Every store job is reported exactly once, when its last key is settled
    (written, released unused, failed, or timed out); it fails if any of its
    keys failed or timed out. Supply nobody fetched within ``store_timeout_s``
    of being pinned or bound is released.
@@ -123,6 +125,7 @@ class _Transfer:
     kv_request_id: str
     round_seq: int
     supplies: list[_Supply]
+    started_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +160,7 @@ class ProducerRole:
         self._lookup_seq = 0
         self._consumer_blocks: int | None = None
         self._requests: dict[str, _Request] = {}
-        self._transfers: dict[int, _Transfer] = {}
+        self._transfers: WorkMap[int, _Transfer] = WorkMap()  # start order
         self._jobs_by_age: WorkMap[int, _Job] = WorkMap()  # insertion order == age order
         self._jobs_open = 0
         self._serve_pending: WorkSet[str] = WorkSet()
@@ -316,6 +319,7 @@ class ProducerRole:
                 for transfer_id in list(round_.inflight):
                     self._forget_transfer(round_, transfer_id, False, "abandoned after drain")
                 self._finish_drain(kv_request_id, round_)
+        self._expire_transfers(now)
         deadline = self._settings.store_timeout_s
         while (oldest := self._jobs_by_age.first()) is not None:
             job_id, job = oldest
@@ -327,8 +331,30 @@ class ProducerRole:
                     self._settle(supply, False, f"not fetched within {deadline:g}s")
             self._prune(job.kv_request_id)
 
+    def _expire_transfers(self, now: float) -> None:
+        """Writes still running past ``transfer_timeout_s`` fail their round: the
+        consumer has given up on them, and their pins must not live forever."""
+        limit = self._settings.transfer_timeout_s
+        for transfer_id in self._transfers:
+            transfer = self._transfers.get(transfer_id)
+            if transfer is None:
+                continue  # settled by an earlier round failure in this loop
+            if now < transfer.started_at + limit:
+                return  # start order: every later one is younger
+            round_ = self._requests[transfer.kv_request_id].rounds[transfer.round_seq]
+            if round_.reply is None:
+                self._fail_round(
+                    transfer.kv_request_id,
+                    round_,
+                    now,
+                    f"writes did not finish within {limit:g}s",
+                )
+
     def next_deadline(self) -> float | None:
         deadlines: list[float] = []
+        first = self._transfers.first()
+        if first is not None:
+            deadlines.append(first[1].started_at + self._settings.transfer_timeout_s)
         oldest = self._jobs_by_age.first()
         if oldest is not None:
             deadlines.append(oldest[1].bound_at + self._settings.store_timeout_s)
@@ -499,7 +525,7 @@ class ProducerRole:
                 self._settle(supply, False, f"write failed to start: {exc}")
             self._fail_round(kv_request_id, round_, now, f"write failed to start: {exc}")
             return
-        self._transfers[transfer_id] = _Transfer(kv_request_id, round_.seq, supplies)
+        self._transfers[transfer_id] = _Transfer(kv_request_id, round_.seq, supplies, now)
         round_.inflight.add(transfer_id)
 
     def _check_unmet(
@@ -534,6 +560,7 @@ class ProducerRole:
         self, round_: _Round, transfer_id: int, success: bool, reason: str
     ) -> None:
         transfer = self._transfers.pop(transfer_id)
+        assert transfer is not None
         round_.inflight.discard(transfer_id)
         for supply in transfer.supplies:
             self._settle(supply, success, "" if success else reason)

@@ -18,6 +18,8 @@ class SessionSettings:
     ``store_timeout_s``: producer, pinned supply nobody fetched -> unpinned.
     ``abort_drain_timeout_s``: producer, in-flight writes of an aborted or
     failed round get this long to stop before they are abandoned.
+    ``transfer_timeout_s``: producer, a write still running this long fails its
+    round (by then the consumer's load timed out and its abort went unanswered).
     ``handshake_timeout_s``: connected but not acknowledged -> dead.
     ``max_queued_messages``: messages held until the peer's ack; more ends
     the session.
@@ -29,6 +31,7 @@ class SessionSettings:
     lookup_pending_timeout_s: float = 5.0
     store_timeout_s: float = 30.0
     abort_drain_timeout_s: float = 5.0
+    transfer_timeout_s: float = 40.0
     handshake_timeout_s: float = 30.0
     max_queued_messages: int = 4096
 

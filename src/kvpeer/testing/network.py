@@ -139,6 +139,14 @@ class MemoryControl:
     def flush(self) -> None:
         """Frames are handed to the network at transmit time: nothing to do."""
 
+    def refuse(self, peer_id: str, frame: bytes) -> None:
+        """Deliver ``frame`` straight back to ``peer_id`` (its own connection)."""
+        target = self._network._nodes.get(peer_id)
+        if target is not None and not target.closed:
+            now = self._network._clock()
+            self._network._seq += 1
+            target.inbox.append((now, self._network._seq, InboundFrame(self._local_id, frame)))
+
     def next_due(self) -> float | None:
         return min((item[0] for item in self.inbox), default=None)
 

@@ -23,8 +23,12 @@ __all__ = ["ControlLink", "ControlTransport", "InboundFrame", "LocalRegion", "No
 
 @dataclass(frozen=True, slots=True)
 class InboundFrame:
+    """A frame from ``peer_id`` (the identity it claims); ``source`` is the IP address
+    the connection really comes from, when the transport knows it."""
+
     peer_id: str
     frame: bytes
+    source: str | None = None
 
 
 class ControlLink(Protocol):
@@ -53,6 +57,11 @@ class ControlTransport(Protocol):
 
     def flush(self) -> None:
         """Send what links queued, now (the owner calls it at the end of a tick)."""
+        ...
+
+    def refuse(self, peer_id: str, frame: bytes) -> None:
+        """Best effort: answer ``peer_id`` on the connection it came in on, without
+        dialling it (a refused identity must not make us connect anywhere)."""
         ...
 
     def close(self) -> None: ...

@@ -51,6 +51,7 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+_LAST_WORDS_LINGER_MS = 200
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -129,7 +130,7 @@ class ZmqLink:
         if not self.alive:
             return False
         if len(self.queue) >= self._max_queued:
-            self.dead_reason = f"more than {self._max_queued} frames waiting: peer not reading"
+            self._owner.lose(self, f"more than {self._max_queued} frames waiting to be sent")
             return False
         self.queue.append(frame)
         self._owner.wake()
@@ -169,6 +170,9 @@ class ZmqControl:
         self._configure(self._router)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
+        # A restarted peer reconnects with the same identity: let the new connection
+        # take it over at once (its connect then carries the new boot id).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if curve is not None:
             self._auth = ThreadAuthenticator(self._context)
             self._auth.start()
@@ -188,6 +192,7 @@ class ZmqControl:
         self._local_id = f"{bracketed}:{port}"
         self.port = port
         self._links: dict[int, ZmqLink] = {}
+        self._answers: list[InboundFrame] = []  # frames peers sent back on our DEALERs
         self._monitor_seq = itertools.count()
         self._received = 0
         self._sent = 0
@@ -222,22 +227,27 @@ class ZmqControl:
             return []
         self._drain_wake()
         self.flush()
-        frames: list[InboundFrame] = []
+        frames, self._answers = self._answers, []
         for _ in range(10_000):  # bounded: the driver loops again if more wait
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK)
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             if len(parts) != 2:
                 self._dropped += 1
                 continue
             try:
-                peer_id = parts[0].decode("utf-8")
+                peer_id = parts[0].bytes.decode("utf-8")
             except UnicodeDecodeError:
                 self._dropped += 1
                 continue
+            try:
+                address = parts[1].get("Peer-Address")
+            except zmq.ZMQError:
+                address = None
+            source = address if isinstance(address, str) else None
             self._received += 1
-            frames.append(InboundFrame(peer_id, parts[1]))
+            frames.append(InboundFrame(peer_id, parts[1].bytes, source))
         return frames
 
     def close(self) -> None:
@@ -271,8 +281,8 @@ class ZmqControl:
         for link in self._links.values():
             if link.monitor is not None:
                 poller.register(link.monitor, zmq.POLLIN)
-            if link.queue and link.socket is not None:
-                poller.register(link.socket, zmq.POLLOUT)
+            if link.socket is not None:
+                poller.register(link.socket, zmq.POLLIN | (zmq.POLLOUT if link.queue else 0))
         timeout = None if timeout_s is None else max(0, int(timeout_s * 1000))
         poller.poll(timeout)
 
@@ -298,6 +308,7 @@ class ZmqControl:
 
     def _pump_link(self, link: ZmqLink) -> None:
         if link.closed:
+            self._send_last_words(link)
             self._release(link)
             del self._links[id(link)]
             return
@@ -309,6 +320,7 @@ class ZmqControl:
                 return
         self._read_monitor(link)
         sock = link.socket
+        self._read_answers(link, sock)
         while link.queue and link.alive:
             try:
                 sock.send(link.queue[0], zmq.NOBLOCK, copy=len(link.queue[0]) < 65536)
@@ -327,7 +339,6 @@ class ZmqControl:
             self._configure(sock)
             sock.setsockopt(zmq.IDENTITY, self._local_id.encode())
             sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
             if ":" in endpoint[6:].rpartition(":")[0]:
                 sock.setsockopt(zmq.IPV6, 1)
             if self._curve is not None:
@@ -362,6 +373,45 @@ class ZmqControl:
                 self._lose(link, "connection lost")
                 return
 
+    def refuse(self, peer_id: str, frame: bytes) -> None:
+        """Answer on the peer's own connection (ROUTER -> its DEALER); never dial it."""
+        if self._closed:
+            return
+        try:
+            self._router.send_multipart([peer_id.encode("utf-8"), frame], zmq.NOBLOCK)
+        except (zmq.ZMQError, UnicodeEncodeError):
+            self._dropped += 1  # gone already, or its pipe is full: it was best effort
+
+    def _read_answers(self, link: ZmqLink, sock: zmq.Socket[bytes]) -> None:
+        """Frames a peer sent back on our DEALER (a refusal): delivered as from it."""
+        for _ in range(64):
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            self._received += 1
+            self._answers.append(InboundFrame(link.peer_id, frame))
+
+    def _send_last_words(self, link: ZmqLink) -> None:
+        """Best effort: a closed link's queued frames (a ``disconnect``) still go out."""
+        if not link.queue or link.dead_reason is not None:
+            return
+        if link.socket is None:
+            self._open(link)
+        sock = link.socket
+        if sock is None:
+            return
+        while link.queue:
+            try:
+                sock.send(link.queue.popleft(), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+        sock.setsockopt(zmq.LINGER, _LAST_WORDS_LINGER_MS)
+
+    def lose(self, link: ZmqLink, reason: str) -> None:
+        """Declare ``link`` dead (counted and logged once)."""
+        self._lose(link, reason)
+
     def _lose(self, link: ZmqLink, reason: str) -> None:
         if link.dead_reason is None:
             link.dead_reason = reason
@@ -372,7 +422,7 @@ class ZmqControl:
         if link.socket is not None:
             with contextlib.suppress(zmq.ZMQError):
                 link.socket.disable_monitor()
-            link.socket.close(linger=0)
+            link.socket.close()  # its LINGER: 0, or a moment for its last words
             link.socket = None
         if link.monitor is not None:
             link.monitor.close(linger=0)
