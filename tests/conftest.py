@@ -1,7 +1,7 @@
 """Suite-wide setup: optional dependencies that a run declares required must be present.
 
-``scripts/test`` installs NIXL and sets ``KVPEER_REQUIRE=nixl``, so on CI a missing
-or broken NIXL fails the run instead of silently skipping its tests.
+``scripts/test`` installs NIXL and vLLM and sets ``KVPEER_REQUIRE=nixl,vllm``, so on
+CI a missing or broken one fails the run instead of silently skipping its tests.
 """
 
 from __future__ import annotations
@@ -18,3 +18,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
         if not NixlBackend.available():
             pytest.exit(f"KVPEER_REQUIRE=nixl but {INSTALL_HINT}", returncode=3)
+    if "vllm" in required:
+        import importlib.util
+
+        from kvpeer.integrations.vllm import VLLM_INSTALL_HINT
+
+        if importlib.util.find_spec("vllm") is None:
+            pytest.exit(f"KVPEER_REQUIRE=vllm but {VLLM_INSTALL_HINT}", returncode=3)

@@ -16,13 +16,22 @@ ensure_venv() {
     local stamp=.venv/.kvpeer-installed want f
     want=$(cat "$@" pyproject.toml | sha256sum | cut -d' ' -f1)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        # One resolver run for every normal file, so their pins hold together.
+        local normal=() nodeps=()
         for f in "$@"; do
-            step "installing $f"
             case "$f" in
-                *nodeps*) python -m pip install --quiet --no-deps -r "$f" ;;
-                *) python -m pip install --quiet -r "$f" ;;
+                *nodeps*) nodeps+=(-r "$f") ;;
+                *) normal+=(-r "$f") ;;
             esac
         done
+        step "installing $* (the first time takes a few minutes)"
+        python -m pip install --quiet "${normal[@]}"
+        if python -m pip show --quiet torchvision >/dev/null 2>&1; then
+            python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+        fi
+        if [ ${#nodeps[@]} -gt 0 ]; then
+            python -m pip install --quiet --no-deps "${nodeps[@]}"
+        fi
         step "installing kvpeer (editable)"
         python -m pip install --quiet --no-deps -e .
         echo "$want" > "$stamp"

@@ -51,8 +51,9 @@ def open_node(
     config: TierConfig,
     region: PrimaryRegion,
     *,
-    hash_seed: str | None = None,
+    hash_seed: str | Callable[[], str] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    wake_host: Callable[[], None] | None = None,
 ) -> DrivenTier:
     """Bind the control port, start the data planes and the driver thread."""
     curve = None
@@ -82,4 +83,4 @@ def open_node(
         region.block_len,
         ",".join(data.backends),
     )
-    return DrivenTier(tier, control, clock=clock)
+    return DrivenTier(tier, control, clock=clock, wake_host=wake_host)

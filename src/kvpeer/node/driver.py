@@ -8,7 +8,8 @@ Invariants:
 2. The driver polls whenever a frame arrives, something wakes it (a queued
    frame, a finished transfer), or the tier's next deadline comes, and at
    least every ``max_wait_s``. Everything that does not need the parent is
-   therefore applied without waiting for an engine step.
+   therefore applied without waiting for an engine step; when peer work starts
+   waiting for a serve window, ``wake_host`` tells an idle engine to step.
 3. A crash in the driver fails every job the tier held (they come back from
    ``get_finished_jobs``) and raises :class:`DriverCrashed` on the engine's
    next call, once; afterwards the tier answers MISS and fails new jobs.
@@ -57,7 +58,10 @@ class DrivenTier:
         clock: Callable[[], float] = time.monotonic,
         max_wait_s: float = 0.05,
         name: str = "kvpeer-driver",
+        wake_host: Callable[[], None] | None = None,
     ) -> None:
+        """``wake_host`` is called (from the driver thread) when peer work starts
+        waiting for a serve window, so a host that sleeps while idle steps again."""
         self._tier = tier
         self._waiter = waiter
         self._clock = clock
@@ -68,6 +72,8 @@ class DrivenTier:
         self._crash_reported = False
         self._polls = 0
         self._serve_wanted = threading.Event()
+        self._wake_host = wake_host
+        self._host_woken = False
         tier.driven = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -81,8 +87,12 @@ class DrivenTier:
                     self._tier.poll()
                     self._polls += 1
                     deadline = self._tier.next_deadline()
-                    if self._tier.needs_serve() or self._tier.has_results():
+                    needs_serve = self._tier.needs_serve()
+                    if needs_serve or self._tier.has_results():
                         self._serve_wanted.set()
+                if needs_serve and not self._host_woken and self._wake_host is not None:
+                    self._wake_host()  # once per wait for a serve window
+                self._host_woken = needs_serve
                 wait = self._max_wait
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - self._clock()))

@@ -99,16 +99,19 @@ class Tier:
         *,
         clock: Callable[[], float],
         sleep: Callable[[float], None] | None = None,
-        hash_seed: str | None = None,
+        hash_seed: str | Callable[[], str] | None = None,
         boot_id: bytes | None = None,
     ) -> None:
+        """``hash_seed`` may be a callable: resolved when the first session opens
+        (vLLM knows its prefix-hash seed only after the tier was built)."""
         self._config = config
         self._settings = config.session_settings()
         self._control = control
         self._data = data_plane
         self._clock = clock
         self._sleep = sleep
-        self._hash_seed = config.hash_seed or hash_seed or DEFAULT_HASH_SEED
+        self._hash_seed_source = config.hash_seed or hash_seed or DEFAULT_HASH_SEED
+        self._hash_seed: str | None = None
         self._boot_id = boot_id or os.urandom(16)
         self._peers: dict[str, _Peer] = {}
         self._requests: dict[str, Routing] = {}
@@ -579,6 +582,12 @@ class Tier:
         self._handle(peer_id, peer, peer.session.poll(now))
         return True
 
+    def _resolved_hash_seed(self) -> str:
+        if self._hash_seed is None:
+            source = self._hash_seed_source
+            self._hash_seed = source if isinstance(source, str) else source()
+        return self._hash_seed
+
     def _hello(self) -> Connect:
         region = self._data.describe()
         return Connect(
@@ -587,7 +596,7 @@ class Tier:
             base_addr=region.base_addr,
             num_blocks=region.num_blocks,
             block_len=region.block_len,
-            hash_seed=self._hash_seed,
+            hash_seed=self._resolved_hash_seed(),
             config_fingerprint=self._config.config_fingerprint,
             kvpeer=ConnectExtension(
                 version=PROTOCOL_VERSION,

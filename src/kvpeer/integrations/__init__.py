@@ -1,0 +1,1 @@
+"""Adapters that plug kvpeer into inference engines (one subpackage per engine)."""
