@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpeer.config import TierConfig, validate_dict
+from kvpeer.checkconfig import check_transfer_config
+from kvpeer.config import TierConfig
 from kvpeer.errors import KVPeerError
 
 __all__ = ["main"]
@@ -144,7 +145,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 2
-    problems = validate_dict(loaded)
+    problems = check_transfer_config(loaded)
     for problem in problems:
         print(f"{args.file}: {problem}")
     if not problems:
@@ -185,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--json", action="store_true", help="print one JSON object")
     transport.set_defaults(func=_cmd_bench_transport)
 
-    check = commands.add_parser("check-config", help="validate a tier config JSON file")
+    check = commands.add_parser(
+        "check-config",
+        help="validate a vLLM kv_transfer_config (or one kvpeer tier entry) JSON file",
+    )
     check.add_argument("file")
     check.set_defaults(func=_cmd_check_config)
     return parser

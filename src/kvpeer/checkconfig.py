@@ -1,0 +1,92 @@
+"""``kvpeer check-config``: every problem of a vLLM ``kv_transfer_config``, with its key.
+
+Accepts either a whole ``kv_transfer_config`` (as given to ``--kv-transfer-config``)
+or one kvpeer tier entry. Checks the connector and offloading spec kvpeer needs,
+finds the kvpeer entries of ``secondary_tiers`` and validates their keys with
+:func:`kvpeer.config.validate_dict`. Pure: no vLLM import, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvpeer.config import validate_dict
+
+__all__ = ["check_transfer_config"]
+
+TIER_TYPES = ("KVPeerTier", "kvpeer")
+TIERING_SPECS = ("TieringOffloadingSpec", "CpuTieringOffloadingSpec")
+_VLLM_TIER_KEYS = ("type", "module_path")
+
+
+def _is_kvpeer_tier(entry: Mapping[str, object]) -> bool:
+    module = entry.get("module_path")
+    return entry.get("type") in TIER_TYPES or (
+        isinstance(module, str) and module.split(".")[0] == "kvpeer"
+    )
+
+
+def _check_tier(entry: Mapping[str, object], where: str) -> list[str]:
+    problems = []
+    if entry.get("type") == "KVPeerTier" and entry.get("module_path") is None:
+        problems.append(
+            f"{where}.module_path: missing; vLLM finds 'KVPeerTier' only with "
+            '"module_path": "kvpeer.integrations.vllm"'
+        )
+    if "backpressure" in entry:
+        problems.append(
+            f"{where}.backpressure: not supported by kvpeer (dropping a producer's "
+            "store strands its decoder)"
+        )
+    keys = {k: v for k, v in entry.items() if k not in (*_VLLM_TIER_KEYS, "backpressure")}
+    problems.extend(f"{where}.{line}" for line in validate_dict(keys))
+    return problems
+
+
+def check_transfer_config(config: object) -> list[str]:
+    """Problem lines for ``config`` (a kv_transfer_config or a tier entry); [] if fine."""
+    if not isinstance(config, Mapping):
+        return [f"expected a JSON object, got {type(config).__name__}"]
+    if "kv_connector" not in config and "kv_connector_extra_config" not in config:
+        return _check_tier(config, "tier")  # a single tier entry
+    problems: list[str] = []
+    connector = config.get("kv_connector")
+    if connector != "OffloadingConnector":
+        problems.append(
+            f"kv_connector: kvpeer is a secondary tier of 'OffloadingConnector', got {connector!r}"
+        )
+    extra = config.get("kv_connector_extra_config")
+    if not isinstance(extra, Mapping):
+        problems.append(f"kv_connector_extra_config: expected an object, got {extra!r}")
+        return problems
+    spec = extra.get("spec_name", "CPUOffloadingSpec")
+    if spec not in TIERING_SPECS:
+        problems.append(
+            f"kv_connector_extra_config.spec_name: secondary tiers need one of "
+            f"{list(TIERING_SPECS)}, got {spec!r}"
+        )
+    if spec == "CpuTieringOffloadingSpec" and extra.get("spec_module_path") is None:
+        problems.append(
+            "kv_connector_extra_config.spec_module_path: missing; 'CpuTieringOffloadingSpec' "
+            'lives in "kvpeer.integrations.vllm.cpu_spec"'
+        )
+    tiers = extra.get("secondary_tiers")
+    if not isinstance(tiers, list):
+        problems.append(
+            f"kv_connector_extra_config.secondary_tiers: expected a list, got {tiers!r}"
+        )
+        return problems
+    found = 0
+    for index, entry in enumerate(tiers):
+        where = f"kv_connector_extra_config.secondary_tiers[{index}]"
+        if not isinstance(entry, Mapping):
+            problems.append(f"{where}: expected an object, got {entry!r}")
+        elif _is_kvpeer_tier(entry):
+            found += 1
+            problems.extend(_check_tier(entry, where))
+    if not found:
+        problems.append(
+            "kv_connector_extra_config.secondary_tiers: no kvpeer tier (an entry with "
+            '"type": "KVPeerTier", "module_path": "kvpeer.integrations.vllm")'
+        )
+    return problems

@@ -1,0 +1,83 @@
+"""kvpeer check-config: every problem of a kv_transfer_config, named by its key path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpeer.checkconfig import check_transfer_config
+
+
+def transfer_config(**tier: object) -> dict[str, Any]:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "CpuTieringOffloadingSpec",
+            "spec_module_path": "kvpeer.integrations.vllm.cpu_spec",
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": "/tmp/x"},
+                {"type": "KVPeerTier", "module_path": "kvpeer.integrations.vllm", **tier},
+            ],
+        },
+    }
+
+
+def test_a_good_config_has_no_problems() -> None:
+    assert check_transfer_config(transfer_config(port="5710", load_timeout_s=20)) == []
+
+
+def test_every_tier_problem_is_named_with_its_path() -> None:
+    problems = check_transfer_config(
+        transfer_config(load_timout_s=3, port=True, backpressure={"backpressure_cls": "X"})
+    )
+    where = "kv_connector_extra_config.secondary_tiers[1]"
+    assert any(p.startswith(f"{where}.unknown key 'load_timout_s'") for p in problems)
+    assert any("did you mean 'load_timeout_s'" in p for p in problems)
+    assert any(p.startswith(f"{where}.port:") and "True" in p for p in problems)
+    assert any(p.startswith(f"{where}.backpressure:") for p in problems)
+
+
+def test_connector_spec_and_missing_tier_are_reported() -> None:
+    config = transfer_config()
+    config["kv_connector"] = "NixlConnector"
+    config["kv_connector_extra_config"]["spec_name"] = "CPUOffloadingSpec"
+    config["kv_connector_extra_config"]["secondary_tiers"] = [{"type": "fs"}]
+    problems = check_transfer_config(config)
+    assert [p.split(":")[0] for p in problems] == [
+        "kv_connector",
+        "kv_connector_extra_config.spec_name",
+        "kv_connector_extra_config.secondary_tiers",
+    ]
+
+
+def test_a_single_tier_entry_is_checked_too() -> None:
+    assert (
+        check_transfer_config({"type": "KVPeerTier", "module_path": "kvpeer.integrations.vllm"})
+        == []
+    )
+    problems = check_transfer_config({"type": "KVPeerTier", "host": ""})
+    assert any(p.startswith("tier.module_path") for p in problems)
+    assert any(p.startswith("tier.host") for p in problems)
+
+
+def test_cli_prints_problems_and_exits_non_zero(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(transfer_config(max_peers=0)))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(transfer_config()))
+    run = [sys.executable, "-m", "kvpeer", "check-config"]
+    failed = subprocess.run([*run, str(bad)], capture_output=True, text=True, check=False)
+    assert failed.returncode == 1
+    assert "secondary_tiers[1].max_peers" in failed.stdout
+    passed = subprocess.run([*run, str(good)], capture_output=True, text=True, check=False)
+    assert passed.returncode == 0
+    assert passed.stdout.strip().endswith(": ok")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    crashed = subprocess.run([*run, str(broken)], capture_output=True, text=True, check=False)
+    assert crashed.returncode == 2
+    assert "broken.json" in crashed.stderr
