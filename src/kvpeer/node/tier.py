@@ -21,6 +21,8 @@ Invariants:
 6. A dead session is reaped within one poll: its loads and stores fail, its
    waiting probes answer MISS, its serve requests are released at the next
    serve window.
+7. Only a peer's ``connect`` opens a session; other frames from a peer with no
+   live session are stragglers of an ended one and are dropped (counted).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class TierStatistics:
     pinned_blocks: int
     results_pending: int
     peers_refused: int
+    stray_frames: int
 
 
 class Tier:
@@ -125,6 +128,7 @@ class Tier:
         self._results: list[JobResult] = []
         self._unreleased: list[ServeRequest] = []
         self._refused = 0
+        self._stray = 0  # frames from peers without a live session (not a connect)
         self._codec = Codec()
         self._shut_down = False
         #: True while a driver thread calls :meth:`poll`; engine calls then never do I/O.
@@ -355,6 +359,7 @@ class Tier:
             pinned_blocks=pins,
             results_pending=len(self._results),
             peers_refused=self._refused,
+            stray_frames=self._stray,
         )
 
     @property
@@ -392,7 +397,14 @@ class Tier:
             self._refuse(peer_id, frame, f"connections from {source} are not in allowed_peers")
             return
         peer = self._peers.get(peer_id)
-        if peer is None:
+        if peer is None or not peer.session.alive:
+            # Only a peer's connect opens a session. Anything else from a peer we
+            # hold no live session with is a straggler of a session that ended (its
+            # goodbye is on the way): answering it with a new session would make both
+            # sides open and fail sessions in a loop.
+            if not self._opens_session(frame):
+                self._stray += 1
+                return
             peer = self._peer(peer_id, now)
             if peer is None:
                 self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
@@ -529,6 +541,12 @@ class Tier:
             del self._early_fetches[kv_request_id]
 
     # -- sessions ----------------------------------------------------------------------
+
+    def _opens_session(self, frame: bytes) -> bool:
+        try:
+            return isinstance(self._codec.decode(frame), Connect)
+        except ProtocolError:
+            return False
 
     def _refuse(self, peer_id: str, frame: bytes, reason: str) -> None:
         """Tell a peer we will not talk to it, on its own connection (never dial it)."""

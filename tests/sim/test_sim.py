@@ -1,0 +1,197 @@
+"""The multi-node simulation: seeds keep every invariant, the CLI contract,
+determinism, and negative controls proving that each kind of check can fail.
+
+The sweep runs in this process, under this interpreter's hash seed; the CLI
+pins ``PYTHONHASHSEED=0``, so a failing seed's printed command reproduces the
+CLI's run (and usually, not always, this one).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvpeer.host import TieringHost
+from kvpeer.sim import SeedResult, World, run_seed
+from kvpeer.sim import __main__ as cli
+from kvpeer.sim import world as world_module
+from kvpeer.sim.config import Bounds
+
+SWEEP = [(seed, 3) for seed in range(200)] + [(seed, 4) for seed in range(200, 260)]
+LAST_LINE = re.compile(r"seeds=(\d+) violations=(\d+) jobs=(\d+) loads_ok=(\d+) loads_failed=(\d+)")
+
+
+@pytest.fixture(scope="module")
+def sweep() -> list[SeedResult]:
+    return [run_seed(seed, nodes) for seed, nodes in SWEEP]
+
+
+@pytest.fixture(scope="module")
+def clean_seed() -> int:
+    """A seed whose world loads blocks, kills no node and breaks nothing (for the
+    negative controls: what they plant must still be there at the end)."""
+    for seed in range(60):
+        result = run_seed(seed)
+        if not (result.violations or result.deaths) and result.loads_ok_pd and result.loads_ok_sym:
+            return seed
+    raise AssertionError("none of the first 60 seeds ran clean without deaths")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpeer.sim", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def describe(results: list[SeedResult]) -> Iterator[str]:
+    for result in results:
+        yield (
+            f"seed {result.seed} ({result.nodes} nodes): {len(result.violations)} violation(s), "
+            f"first: {result.violations[0]}\n    reproduce: python -m kvpeer.sim --seeds 1 "
+            f"--first-seed {result.seed} --nodes {result.nodes}"
+        )
+
+
+class TestSweep:
+    def test_every_seed_keeps_every_invariant(self, sweep: list[SeedResult]) -> None:
+        failing = [result for result in sweep if result.violations]
+        if failing:
+            pytest.fail(
+                f"{len(failing)} of {len(sweep)} seeds failed:\n" + "\n".join(describe(failing)),
+                pytrace=False,
+            )
+
+    def test_blocks_move_through_pd_and_symmetric_loads(self, sweep: list[SeedResult]) -> None:
+        assert sum(result.loads_ok_pd for result in sweep) > 100
+        assert sum(result.loads_ok_sym for result in sweep) > 100
+        assert sum(result.loads_failed for result in sweep) > 0  # faults really happen
+        assert sum(result.deaths for result in sweep) > 0
+
+
+class TestCli:
+    def test_last_line_and_exit_status(self) -> None:
+        proc = run_cli("--seeds", "5")
+        last = proc.stdout.strip().splitlines()[-1]
+        match = LAST_LINE.fullmatch(last)
+        assert match is not None, proc.stdout
+        assert int(match[1]) == 5
+        assert int(match[3]) > 0
+        assert int(match[4]) > 0
+        assert proc.returncode == (1 if int(match[2]) else 0), proc.stdout
+
+    def test_same_seeds_same_output_in_other_processes(self) -> None:
+        args = ("--seeds", "4", "--first-seed", "11", "--nodes", "3", "--verbose")
+        first = run_cli(*args)
+        second = run_cli(*args, "--jobs", "2")
+        assert first.stdout == second.stdout
+        assert first.stdout.count("seed=") == 4
+
+    def test_a_failing_seed_prints_its_reproduction(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        def fake_run(seed: int, nodes: int, ticks: int, *, soak: bool) -> SeedResult:
+            found = ("t=1.00s n0: something broke",) if seed == 8 else ()
+            return SeedResult(seed, nodes, ticks, found, 10, 2, 1, 3, 5, 0)
+
+        monkeypatch.setattr(cli, "run_seed", fake_run)
+        monkeypatch.setenv("PYTHONHASHSEED", "0")
+        assert cli.main(["--seeds", "3", "--first-seed", "7", "--nodes", "4"]) == 1
+        lines = capsys.readouterr().out.splitlines()
+        assert "  reproduce: python -m kvpeer.sim --seeds 1 --first-seed 8 --nodes 4" in lines
+        assert lines[-1] == "seeds=3 violations=1 jobs=30 loads_ok=9 loads_failed=9"
+
+    def test_clean_run_exits_zero(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        def fake_run(seed: int, nodes: int, ticks: int, *, soak: bool) -> SeedResult:
+            return SeedResult(seed, nodes, ticks, (), 4, 1, 0, 0, 2, 0)
+
+        monkeypatch.setattr(cli, "run_seed", fake_run)
+        assert cli.main(["--seeds", "2"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == (
+            "seeds=2 violations=0 jobs=8 loads_ok=2 loads_failed=0"
+        )
+
+    def test_one_node_is_refused(self) -> None:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--nodes", "1"])
+        assert exit_info.value.code == 2
+        with pytest.raises(ValueError, match="at least 2 nodes"):
+            World(0, nodes=1)
+
+
+class TestDeterminism:
+    @pytest.mark.parametrize("seed", [3, 17])
+    def test_same_seed_same_result(self, seed: int) -> None:
+        assert run_seed(seed) == run_seed(seed)
+
+    def test_other_seed_other_world(self) -> None:
+        assert run_seed(3) != run_seed(4)
+
+    def test_soak_runs_ten_times_the_ticks(self, clean_seed: int) -> None:
+        short = run_seed(clean_seed, ticks=10)
+        soak = run_seed(clean_seed, ticks=10, soak=True)
+        assert soak.requests > 3 * short.requests
+
+
+class TestNegativeControls:
+    """The checker is not vacuous: each kind of defect is reported."""
+
+    def test_wrong_bytes_in_loaded_slots(self, clean_seed: int) -> None:
+        result = run_seed(clean_seed, corrupt_loads=True)
+        assert any("does not hold the producer's bytes" in v for v in result.violations)
+
+    def test_a_leaked_pin(self, clean_seed: int) -> None:
+        result = run_seed(clean_seed, leak_pin=True)
+        assert any("a pin outlived its job" in v for v in result.violations), result.violations
+        assert any("after the quiet phase: pinned slots = 1" in v for v in result.violations)
+
+    def test_an_exception_inside_a_node(
+        self, monkeypatch: pytest.MonkeyPatch, clean_seed: int
+    ) -> None:
+        original = TieringHost.step
+        steps = 0
+
+        def failing_step(self: TieringHost) -> object:
+            nonlocal steps
+            steps += 1
+            if steps == 100:
+                raise RuntimeError("injected failure")
+            return original(self)
+
+        monkeypatch.setattr(TieringHost, "step", failing_step)
+        result = run_seed(clean_seed)
+        assert any(
+            "RuntimeError during step of tick" in v and "injected failure" in v
+            for v in result.violations
+        ), result.violations
+
+    def test_a_request_deferred_too_long(
+        self, monkeypatch: pytest.MonkeyPatch, clean_seed: int
+    ) -> None:
+        monkeypatch.setattr(Bounds, "deferred", property(lambda self: 0.01))
+        result = run_seed(clean_seed)
+        assert any("deferred for" in v for v in result.violations)
+
+    def test_a_job_reported_too_late(
+        self, monkeypatch: pytest.MonkeyPatch, clean_seed: int
+    ) -> None:
+        monkeypatch.setattr(Bounds, "load", property(lambda self: 0.01))
+        result = run_seed(clean_seed)
+        assert any("load job" in v and "unreported" in v for v in result.violations)
+
+    def test_a_frame_storm_stops_the_run(
+        self, monkeypatch: pytest.MonkeyPatch, clean_seed: int
+    ) -> None:
+        monkeypatch.setattr(world_module, "STORM_FRAMES_PER_NODE_AND_TICK", 0)
+        result = run_seed(clean_seed)
+        assert len(result.violations) == 1
+        assert "control-frame storm" in result.violations[0]
