@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # NIXL logs INFO lines to stdout (it would corrupt --json output); children
+    # started by benchmarks inherit the setting.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
