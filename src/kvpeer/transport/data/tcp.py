@@ -63,6 +63,21 @@ from kvpeer.errors import DataPlaneError
 from kvpeer.protocol import Connect, TransportOffer, limits
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.tcpwire import ACK as _ACK
+from kvpeer.transport.data.tcpwire import HEADER as _HEADER
+from kvpeer.transport.data.tcpwire import HELLO as _HELLO
+from kvpeer.transport.data.tcpwire import MAGIC as _MAGIC
+from kvpeer.transport.data.tcpwire import REFUSED as _REFUSED
+from kvpeer.transport.data.tcpwire import SLOT as _SLOT
+from kvpeer.transport.data.tcpwire import VERSION as _VERSION
+from kvpeer.transport.data.tcpwire import WRITTEN as _WRITTEN
+from kvpeer.transport.data.tcpwire import Closed as _Closed
+from kvpeer.transport.data.tcpwire import address as _address
+from kvpeer.transport.data.tcpwire import check_slots as _check_slots
+from kvpeer.transport.data.tcpwire import listen as _listen
+from kvpeer.transport.data.tcpwire import recv_exact as _recv_exact
+from kvpeer.transport.data.tcpwire import runs as _runs
+from kvpeer.transport.data.tcpwire import tune as _tune
 
 __all__ = ["SOCKET_BUFFER_BYTES", "TcpBackend", "TcpStatistics"]
 
@@ -71,13 +86,6 @@ log = logging.getLogger("kvpeer.tcp")
 #: Kernel send/receive buffer of data sockets (capped by net.core.[rw]mem_max).
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
-_MAGIC = b"KVPD"
-_VERSION = 1
-_HELLO = struct.Struct("!4sBB")
-_HEADER = struct.Struct("!QI")
-_ACK = struct.Struct("!QB")
-_SLOT = struct.Struct("!Q")
-_WRITTEN, _REFUSED = 0, 1
 _MAX_SLOTS = limits.MAX_ITEMS  # a fetch names at most this many blocks
 _MAX_PENDING = 64  # inbound connections that have not bound to a peer yet
 _JOIN_TIMEOUT_S = 5.0
@@ -148,10 +156,6 @@ class _Counters:
     failed: int = 0
     refused: int = 0
     rejected: int = 0
-
-
-class _Closed(Exception):
-    """The connection ended (EOF, reset, or we shut it down)."""
 
 
 class TcpBackend:
@@ -644,33 +648,6 @@ class TcpBackend:
         return thread
 
 
-def _listen(host: str, port: int, buffer: int | None) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        if buffer is not None:  # accepted sockets inherit it (and the window scale)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-        sock.bind(address)
-        sock.listen(64)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _tune(sock: socket.socket, buffer: int | None) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if buffer is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
-
-
 def _stop_receiving(conn: _Inbound) -> None:
     """Wake ``conn``'s thread and wait until it no longer writes into our region."""
     conn.closed = True
@@ -678,39 +655,3 @@ def _stop_receiving(conn: _Inbound) -> None:
         conn.sock.shutdown(socket.SHUT_RDWR)
     with conn.recv_lock:
         pass
-
-
-def _recv_exact(sock: socket.socket, target: memoryview) -> None:
-    while target.nbytes:
-        received = sock.recv_into(target)
-        if received == 0:
-            raise _Closed("connection closed")
-        target = target[received:]
-
-
-def _address(offer: TransportOffer | None) -> tuple[str, int] | None:
-    if offer is None:
-        return None
-    host, port = offer.get("host"), offer.get("port")
-    if not isinstance(host, str) or not host or isinstance(port, bool):
-        return None
-    if not isinstance(port, int) or not 0 < port < 65536:
-        return None
-    return host, port
-
-
-def _check_slots(slots: Sequence[int], limit: int, whose: str) -> None:
-    for slot in slots:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < limit:
-            raise DataPlaneError(f"tcp: {whose} slot {slot!r} outside 0..{limit - 1}")
-
-
-def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
-    """Consecutive rows as ``(first, count)``: one ``sendall``/``recv_into`` each."""
-    runs: list[tuple[int, int]] = []
-    for slot in slots:
-        if runs and slot == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((slot, 1))
-    return runs
