@@ -6,6 +6,10 @@ so their imports and start-up overlap on the machine's cores; ``KVPEER_VLLM_JOBS
 caps how many scenarios run at once (default: the number of cores, at most 3;
 ``1`` runs them one after another).
 
+Engines that talk to each other run at the same time: :meth:`EngineLauncher.run_together`
+starts them together and, as soon as one fails, stops the others (which would
+otherwise wait for it until their own timeouts) and reports every log tail.
+
 Every engine gets a unique ``engine_id``; whatever happens, the module's finalizer
 stops the processes still running and removes the
 ``/dev/shm/vllm_offload_<engine_id>.mmap`` files they left.
@@ -17,13 +21,15 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,31 +42,59 @@ ENGINE_SCRIPT = Path(__file__).with_name("engine.py")
 SHM_DIR = Path("/dev/shm")
 ENGINE_TIMEOUT_S = 600.0
 LOG_TAIL_CHARS = 6000
+PARTNER_LOG_TAIL_CHARS = 3000
 MAX_JOBS = 3
+POLL_S = 0.1
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Generation:
-    """One ``generate`` of a scenario: greedy tokens, their logprobs, cached prompt tokens."""
+    """One ``generate`` of a scenario: greedy tokens, their logprobs, cached prompt
+    tokens, and the wall and CPU seconds (of the engine's processes) the call took."""
 
     tokens: list[int]
     logprobs: list[float]
     num_cached_tokens: int
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     def max_logprob_delta(self, other: Generation) -> float:
         return max(abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True))
 
 
 @dataclass(frozen=True)
+class Hold:
+    """One ``hold`` step: how long the engine waited, and the CPU seconds its processes
+    used meanwhile, in all and by process name (e.g. ``VLLM::EngineCor``: Linux keeps
+    15 characters)."""
+
+    seconds: float
+    cpu_seconds: float
+    cpu_seconds_by_process: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class EngineOutcome:
-    """What ``engine.py`` printed: generations by label, file counts, step timings."""
+    """What ``engine.py`` printed: generations and holds by label, file counts, step
+    timings; and where its whole log is."""
 
     engine_id: str
     runs: dict[str, Generation]
     files: dict[str, int]
     seconds: dict[str, float]
+    holds: dict[str, Hold] = field(default_factory=dict)
+    log_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class RunningEngine:
+    """An engine scenario started by :meth:`EngineLauncher.start`."""
+
+    engine_id: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
 
 
 def engine_env(*, multiprocessing: bool) -> dict[str, str]:
@@ -74,6 +108,14 @@ def engine_env(*, multiprocessing: bool) -> dict[str, str]:
         VLLM_CPU_OMP_THREADS_BIND="nobind",
     )
     return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the kernel's pick for a fresh bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def shm_files(engine_id: str) -> list[Path]:
@@ -103,8 +145,8 @@ class EngineLauncher:
         """Run ``chain`` (which calls :meth:`run` one or more times) in the background."""
         return self._pool.submit(chain)
 
-    def run(self, scenario: dict[str, Any], *, multiprocessing: bool) -> EngineOutcome:
-        """Run one scenario to completion; fail with its log tail if it fails."""
+    def start(self, scenario: dict[str, Any], *, multiprocessing: bool) -> RunningEngine:
+        """Start one scenario in the background; :meth:`finish` collects it."""
         engine_id = scenario["engine_id"]
         log_path = self._log_dir / f"{engine_id}.log"
         with log_path.open("wb") as log, self._lock:
@@ -120,24 +162,69 @@ class EngineLauncher:
                 start_new_session=True,
             )
             self._processes.append(process)
-        try:
-            returncode = process.wait(timeout=ENGINE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _kill_group(process)
-            process.wait()
-            raise AssertionError(
-                f"engine {engine_id} timed out after {ENGINE_TIMEOUT_S:.0f} s\n{_tail(log_path)}"
-            ) from None
-        output = log_path.read_text(encoding="utf-8", errors="replace")
+        return RunningEngine(engine_id, process, log_path)
+
+    def run(self, scenario: dict[str, Any], *, multiprocessing: bool) -> EngineOutcome:
+        """Run one scenario to completion; fail with its log tail if it fails."""
+        (outcome,) = self.run_together([(scenario, multiprocessing)])
+        return outcome
+
+    def run_together(self, scenarios: Sequence[tuple[dict[str, Any], bool]]) -> list[EngineOutcome]:
+        """Run ``(scenario, multiprocessing)`` pairs at once; their outcomes in order.
+
+        As soon as one engine fails (or all run past ``ENGINE_TIMEOUT_S``), the others
+        are stopped and the failure is raised with every engine's log tail.
+        """
+        engines = [self.start(scenario, multiprocessing=mp) for scenario, mp in scenarios]
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        failed: RunningEngine | None = None
+        timed_out = False
+        while failed is None:
+            running = [e for e in engines if e.process.poll() is None]
+            failed = next((e for e in engines if e.process.returncode not in (None, 0)), None)
+            if failed is None and not running:
+                return [self.finish(engine) for engine in engines]
+            if failed is None and time.monotonic() > deadline:
+                failed, timed_out = running[0], True
+            if failed is None:
+                time.sleep(POLL_S)
+        for engine in engines:
+            if engine.process.poll() is None:
+                _kill_group(engine.process)
+                engine.process.wait()
+        what = (
+            f"timed out after {ENGINE_TIMEOUT_S:.0f} s"
+            if timed_out
+            else f"exited with {failed.process.returncode}"
+        )
+        partners = "".join(
+            f"\n--- partner {e.engine_id} (exit {e.process.returncode}) ---\n"
+            f"{_tail(e.log_path, PARTNER_LOG_TAIL_CHARS)}"
+            for e in engines
+            if e is not failed
+        )
+        raise AssertionError(
+            f"engine {failed.engine_id} {what}\n{_tail(failed.log_path)}{partners}"
+        )
+
+    def finish(self, engine: RunningEngine) -> EngineOutcome:
+        """The outcome of an engine that exited successfully, parsed from its log."""
+        engine.process.wait()
+        output = engine.log_path.read_text(encoding="utf-8", errors="replace")
         results = [line for line in output.splitlines() if line.startswith(RESULT_MARKER)]
-        if returncode != 0 or not results:
-            raise AssertionError(f"engine {engine_id} exited with {returncode}\n{_tail(log_path)}")
+        if engine.process.returncode != 0 or not results:
+            raise AssertionError(
+                f"engine {engine.engine_id} exited with {engine.process.returncode}\n"
+                f"{_tail(engine.log_path)}"
+            )
         raw = json.loads(results[-1][len(RESULT_MARKER) :])
         return EngineOutcome(
-            engine_id=engine_id,
+            engine_id=engine.engine_id,
             runs={label: Generation(**run) for label, run in raw["runs"].items()},
             files=raw["files"],
             seconds=raw["seconds"],
+            holds={label: Hold(**hold) for label, hold in raw.get("holds", {}).items()},
+            log_path=engine.log_path,
         )
 
     def close(self) -> list[Path]:
@@ -168,9 +255,9 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def _tail(path: Path) -> str:
+def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
     text = path.read_text(encoding="utf-8", errors="replace")
-    return text[-LOG_TAIL_CHARS:]
+    return text[-chars:]
 
 
 @pytest.fixture(scope="session")

@@ -10,20 +10,33 @@ process-wide state. The scenario is a JSON object:
   optional ``extra_config``: more ``kv_connector_extra_config`` keys (e.g.
   ``secondary_tiers``, ``blocks_per_chunk``).
 - ``steps``, run in order:
-  ``{"op": "generate", "label": str, "prompt": [token ids], "max_tokens": int}``;
+  ``{"op": "generate", "label": str, "prompt": [token ids], "max_tokens": int}``, with
+  optional ``"kv_transfer_params"`` (the request's routing, passed as
+  ``SamplingParams(extra_args={"kv_transfer_params": ...})``);
   ``{"op": "reset_prefix_cache"}`` (empties the engine's device prefix cache);
   ``{"op": "corrupt_primary"}`` (test-only negative control: negates every float of
   the worker's primary copy, so a later load brings back wrong KV);
   ``{"op": "wait_for_files", "dir": str, "suffix": str, "count": int,
-  "timeout_s": float}`` (waits until a secondary tier has written that many files).
+  "timeout_s": float}`` (waits until a secondary tier has written that many files);
+  ``{"op": "signal", "file": str, "text": str}`` (writes ``file`` atomically, so another
+  process knows this engine got here);
+  ``{"op": "hold", "label": str, "until_file": str, "timeout_s": float}`` (keeps the
+  engine alive, not stepping it, until ``file`` exists; fails after ``timeout_s``) or
+  ``{"op": "hold", "label": str, "seconds": float}`` (a fixed idle time). A hold
+  records how long it waited and the CPU time this engine's processes (its process
+  group: in multiprocessing mode also the EngineCore and the worker) used meanwhile,
+  in all and by process name.
 
-The last stdout line starting with ``RESULT_MARKER`` carries
-``{"runs": {label: {"tokens", "logprobs", "num_cached_tokens"}}, "seconds": {...}}``.
+The last stdout line starting with ``RESULT_MARKER`` carries ``{"runs": {label:
+{"tokens", "logprobs", "num_cached_tokens", "seconds", "cpu_seconds"}}, "holds":
+{label: {"seconds", "cpu_seconds", "cpu_seconds_by_process"}}, "files": {...},
+"seconds": {...}}``; then the process exits at once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,18 +76,30 @@ def build_llm(scenario: dict[str, Any]) -> Any:
     )
 
 
-def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """Greedy tokens, their logprobs and the prompt tokens the engine did not compute."""
+def generate(
+    llm: Any,
+    prompt: list[int],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Greedy tokens, their logprobs, the prompt tokens the engine did not compute, and
+    the wall and CPU seconds (of this engine's processes) the ``generate`` call took."""
     from vllm import SamplingParams, TokensPrompt
 
+    extra_args = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0,
         ignore_eos=True,
         detokenize=False,
         logprobs=1,
+        extra_args=extra_args,
     )
+    cpu_before = group_cpu_seconds()
+    started = time.monotonic()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    seconds = time.monotonic() - started
+    cpu_seconds = group_cpu_seconds() - cpu_before
     completion = output.outputs[0]
     tokens = [int(token) for token in completion.token_ids]
     logprobs = [
@@ -84,6 +109,8 @@ def generate(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         "tokens": tokens,
         "logprobs": logprobs,
         "num_cached_tokens": int(output.num_cached_tokens or 0),
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
     }
 
 
@@ -123,19 +150,77 @@ def wait_for_files(directory: str, suffix: str, count: int, timeout_s: float) ->
         time.sleep(0.05)
 
 
+def write_signal(path: str, text: str) -> None:
+    """Write ``path`` so that a reader never sees it half written."""
+    partial = f"{path}.{os.getpid()}.partial"
+    Path(partial).write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+def group_cpu() -> dict[int, tuple[str, float]]:
+    """``pid -> (name, user + system CPU seconds)`` of the processes of this process
+    group (vLLM names its processes, e.g. ``VLLM::EngineCore``)."""
+    group = os.getpgrp()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    found: dict[int, tuple[str, float]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process exited meanwhile
+            continue
+        name, _, rest = text.partition(" (")[2].rpartition(")")
+        fields = rest.split()  # state ppid pgrp ... utime (11) stime (12)
+        if int(fields[2]) == group:
+            found[int(stat.parent.name)] = (name, (int(fields[11]) + int(fields[12])) * tick)
+    return found
+
+
+def group_cpu_seconds() -> float:
+    """User + system CPU seconds of the live processes of this process group."""
+    return sum(seconds for _, seconds in group_cpu().values())
+
+
+def hold(step: dict[str, Any]) -> dict[str, Any]:
+    """Keep the engine alive without stepping it, for a time or until a file appears."""
+    cpu_before = group_cpu()
+    started = time.monotonic()
+    until_file = step.get("until_file")
+    if until_file is None:
+        time.sleep(float(step["seconds"]))
+    else:
+        deadline = started + float(step["timeout_s"])
+        while not os.path.exists(until_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hold: {until_file} did not appear in {step['timeout_s']} s")
+            time.sleep(0.02)
+    seconds = time.monotonic() - started
+    by_process: dict[str, float] = {}
+    for pid, (name, cpu) in group_cpu().items():
+        used = cpu - cpu_before.get(pid, (name, 0.0))[1]
+        by_process[name] = by_process.get(name, 0.0) + used
+    return {
+        "seconds": seconds,
+        "cpu_seconds": sum(by_process.values()),
+        "cpu_seconds_by_process": by_process,
+    }
+
+
 def run(scenario: dict[str, Any]) -> dict[str, Any]:
     """Build the engine, run the steps, shut the engine down; the outcome as a dict."""
     started = time.monotonic()
     llm = build_llm(scenario)
     seconds: dict[str, float] = {"init": time.monotonic() - started}
     runs: dict[str, dict[str, Any]] = {}
+    holds: dict[str, dict[str, Any]] = {}
     files: dict[str, int] = {}
     try:
         for index, step in enumerate(scenario["steps"]):
             step_started = time.monotonic()
             op = step["op"]
             if op == "generate":
-                runs[step["label"]] = generate(llm, step["prompt"], step["max_tokens"])
+                runs[step["label"]] = generate(
+                    llm, step["prompt"], step["max_tokens"], step.get("kv_transfer_params")
+                )
             elif op == "reset_prefix_cache":
                 if not llm.reset_prefix_cache():
                     raise RuntimeError("reset_prefix_cache refused (requests still running?)")
@@ -148,6 +233,10 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
                     step["dir"], step["suffix"], step["count"], step["timeout_s"]
                 )
                 files[step["dir"]] = found
+            elif op == "signal":
+                write_signal(step["file"], step.get("text", ""))
+            elif op == "hold":
+                holds[step["label"]] = hold(step)
             else:
                 raise ValueError(f"unknown step op {op!r}")
             seconds[f"{index}:{step.get('label', op)}"] = time.monotonic() - step_started
@@ -155,9 +244,14 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
         # Lets the connector release its shared region (the worker unlinks what it created).
         llm.llm_engine.engine_core.shutdown()
     seconds["total"] = time.monotonic() - started
-    return {"runs": runs, "files": files, "seconds": seconds}
+    return {"runs": runs, "holds": holds, "files": files, "seconds": seconds}
 
 
 if __name__ == "__main__":
     outcome = run(json.loads(sys.argv[1]))
     print(RESULT_MARKER + json.dumps(outcome), flush=True)
+    sys.stderr.flush()
+    # The engine is shut down (``run``); what is left is the interpreter's teardown of
+    # torch and vLLM, 2-3 s with or without a secondary tier, and longer on a busy
+    # machine: every engine a test waits for would pay it.
+    os._exit(0)

@@ -269,3 +269,9 @@ class KVPeerTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._node.shutdown()
+        # Our flat view exports vLLM's mapping; until it is released vLLM cannot
+        # unmap its primary region ("cannot close exported pointers exist").
+        try:
+            self._region.view.release()
+        except BufferError as exc:  # a data plane still holds a piece of it
+            log.warning("primary region still referenced after shutdown: %s", exc)
