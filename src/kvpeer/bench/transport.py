@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from kvpeer.bench.rawnixl import raw_nixl_gbps
 from kvpeer.config import TierConfig
@@ -195,7 +195,7 @@ class Baselines:
 
 
 @contextlib.contextmanager
-def producer(plane: str, block_len: int, blocks: int, out: TextIO) -> Iterator[str]:
+def producer(plane: str, block_len: int, blocks: int) -> Iterator[str]:
     """A ``kvpeer serve`` process with ``blocks`` synthetic blocks; yields its peer id."""
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
@@ -238,12 +238,11 @@ def measure_plane(
     block_len: int,
     fetch_sizes: tuple[int, ...],
     reps: int,
-    out: TextIO,
 ) -> dict[int, tuple[float, float]]:
     """fetch size -> (median load seconds, median lookup seconds)."""
     blocks = max(fetch_sizes)
     results: dict[int, tuple[float, float]] = {}
-    with producer(plane, block_len, blocks, out) as peer_id:
+    with producer(plane, block_len, blocks) as peer_id:
         node, pool = _consumer(plane, block_len, blocks)
         try:
             puller = Puller(node, peer_id)
@@ -273,7 +272,7 @@ def measure_plane(
     return results
 
 
-def run(spec: BenchSpec, out: TextIO, progress: Callable[[str], None]) -> dict[str, Any]:
+def run(spec: BenchSpec, progress: Callable[[str], None]) -> dict[str, Any]:
     max_bytes = max(
         min(b, MAX_REGION_BYTES // bl) * bl for bl in spec.block_lens for b in spec.fetch_sizes
     )
@@ -301,7 +300,7 @@ def run(spec: BenchSpec, out: TextIO, progress: Callable[[str], None]) -> dict[s
             for block_len in spec.block_lens:
                 sizes = tuple(s for s in spec.fetch_sizes if s * block_len <= MAX_REGION_BYTES)
                 progress(f"{plane}: {block_len // KIB} KiB blocks, fetches of {sizes}")
-                timings = measure_plane(plane, block_len, sizes, spec.reps, out)
+                timings = measure_plane(plane, block_len, sizes, spec.reps)
                 for size, (load_s, _lookup_s) in timings.items():
                     total = size * block_len
                     gbps = total / load_s / 1e9

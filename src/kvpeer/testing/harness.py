@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
-    Codec,
     Connect,
     ConnectExtension,
     Message,
@@ -210,6 +209,3 @@ class SessionPair:
         """Open a serve window on both sides."""
         self.a.session.serve(self.a.parent, self.clock.now)
         self.b.session.serve(self.b.parent, self.clock.now)
-
-    def decode(self, frame: bytes) -> Message | UnknownMessage:
-        return Codec().decode(frame)
