@@ -153,6 +153,23 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvpeer import demo
+
+    def progress(message: str) -> None:
+        print(f"kvpeer demo: {message}", file=sys.stderr, flush=True)
+
+    result = demo.run_demo(
+        data_plane=args.data_plane,
+        prompt_tokens=args.prompt_tokens,
+        model_dir=Path(args.model) if args.model else None,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        progress=progress,
+    )
+    print(json.dumps(result.to_json()) if args.json else demo.render(result))
+    return 0 if result.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpeer", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=os.environ.get("KVPEER_LOG_LEVEL", "WARNING"))
@@ -192,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file")
     check.set_defaults(func=_cmd_check_config)
+
+    demo = commands.add_parser(
+        "demo", help="two real vLLM engines share KV through kvpeer (PD and symmetric)"
+    )
+    demo.add_argument(
+        "--data-plane", default="shm", help="shm (default), tcp or nixl: the plane both use"
+    )
+    demo.add_argument(
+        "--prompt-tokens", type=int, default=256, help="prompt length (64..448, default 256)"
+    )
+    demo.add_argument("--model", help="checkpoint directory (default ~/.cache/kvpeer/tiny-llama)")
+    demo.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

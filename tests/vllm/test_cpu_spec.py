@@ -2,7 +2,7 @@
 
 The worker tests move bytes through :class:`CpuCopyOffloadingWorker` directly,
 including chunks of several blocks that a request enters mid-chunk. The engine tests
-run real engines in subprocesses (``conftest.EngineLauncher``), all started at once:
+run real engines in subprocesses (``EngineLauncher``), all started at once:
 
 - one engine with ``CpuOffloadingSpec`` and chunks of two blocks stores a prompt's KV,
   loads it back after its device prefix cache is reset, and gets the same tokens and
@@ -44,8 +44,8 @@ from kvpeer.integrations.vllm import (
     CpuOffloadingSpec,
     CpuTieringOffloadingSpec,
 )
+from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome
 from kvpeer.integrations.vllm.model import ensure_tiny_llama
-from tests.vllm.conftest import EngineLauncher, EngineOutcome
 
 PROMPT_TOKENS = 256
 GENERATED_TOKENS = 16

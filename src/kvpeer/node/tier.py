@@ -89,6 +89,7 @@ class TierStatistics:
     results_pending: int
     peers_refused: int
     stray_frames: int
+    blocks_loaded: int  # since start: blocks successful loads brought from peers
 
 
 class Tier:
@@ -129,6 +130,8 @@ class Tier:
         self._unreleased: list[ServeRequest] = []
         self._refused = 0
         self._stray = 0  # frames from peers without a live session (not a connect)
+        self._blocks_loaded = 0
+        self._load_seconds = 0.0
         self._codec = Codec()
         self._shut_down = False
         #: True while a driver thread calls :meth:`poll`; engine calls then never do I/O.
@@ -360,7 +363,20 @@ class Tier:
             results_pending=len(self._results),
             peers_refused=self._refused,
             stray_frames=self._stray,
+            blocks_loaded=self._blocks_loaded,
         )
+
+    @property
+    def blocks_loaded(self) -> int:
+        """Blocks successful loads brought from peers since start (one int: safe to
+        read from any thread, unlike :meth:`statistics`)."""
+        return self._blocks_loaded
+
+    @property
+    def load_seconds(self) -> float:
+        """Seconds successful loads took, fetch to completion, summed (like
+        :attr:`blocks_loaded`, readable from any thread)."""
+        return self._load_seconds
 
     @property
     def peer_id(self) -> str:
@@ -423,6 +439,8 @@ class Tier:
     def _handle(self, peer_id: str, peer: _Peer, result: PollResult) -> None:
         for load in result.loads:
             self._results.append(JobResult(load.job_id, load.success))
+            self._blocks_loaded += load.blocks
+            self._load_seconds += load.seconds
             if not load.success:
                 log.info(
                     "load %s of %s from %s failed: %s",

@@ -392,7 +392,10 @@ class ConsumerRole:
             request.unacked[round_seq] = now + self._settings.abort_ack_timeout_s
             self._lingering.add(kv_request_id)
         self._data.revoke_writes(self._peer_id, load.slots)
-        self._finished.append(LoadFinished(load.job_id, kv_request_id, success, reason))
+        blocks, seconds = (len(load.slots), now - load.submitted_at) if success else (0, 0.0)
+        self._finished.append(
+            LoadFinished(load.job_id, kv_request_id, success, reason, blocks, seconds)
+        )
         if not request.loads:
             self._with_loads.discard(kv_request_id)
         self._prune(kv_request_id)

@@ -18,12 +18,17 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class LoadFinished:
-    """A load job (peer -> our primary) ended; reported exactly once per job."""
+    """A load job (peer -> our primary) ended; reported exactly once per job.
+
+    ``blocks``: how many blocks it brought and ``seconds`` how long that took from
+    the fetch (both 0 unless it succeeded)."""
 
     job_id: int
     kv_request_id: str
     success: bool
     reason: str = ""
+    blocks: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from collections.abc import Collection, Iterable
 from types import FrameType
 from typing import Any
@@ -60,12 +61,19 @@ from kvpeer.types import (
     TransferJob,
 )
 
-__all__ = ["KVPeerTier"]
+__all__ = ["KVPeerTier", "live_tiers"]
 
 log = logging.getLogger("kvpeer.vllm")
 
 _TO_VLLM_LOOKUP = {result: VllmLookupResult[result.name] for result in LookupResult}
 _FROM_VLLM_LOOKUP = {value: key for key, value in _TO_VLLM_LOOKUP.items()}
+_LIVE: weakref.WeakSet[KVPeerTier] = weakref.WeakSet()
+
+
+def live_tiers() -> list[KVPeerTier]:
+    """The tiers of this process not shut down yet (with vLLM's in-process engine,
+    the scheduler's tier lives in the caller's process: e.g. to read its statistics)."""
+    return list(_LIVE)
 
 
 def _fingerprint(offloading_spec: Any) -> str:
@@ -206,6 +214,7 @@ class KVPeerTier(SecondaryTierManager):
             self._config, self._region, hash_seed=_hash_seed, wake_host=_EngineWaker()
         )
         self._serve_contexts: dict[str, ReqContext] = {}
+        _LIVE.add(self)
         log.warning(
             "kvpeer tier %s ready: %d blocks x %d bytes, data planes %s",
             self._node.tier.peer_id,
@@ -267,7 +276,13 @@ class KVPeerTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         self._node.drain_jobs()
 
+    @property
+    def block_len(self) -> int:
+        """Bytes of one block in the primary region (what a loaded block moves)."""
+        return self._region.block_len
+
     def shutdown(self) -> None:
+        _LIVE.discard(self)
         self._node.shutdown()
         # Our flat view exports vLLM's mapping; until it is released vLLM cannot
         # unmap its primary region ("cannot close exported pointers exist").

@@ -1,8 +1,9 @@
-"""Run one vLLM engine scenario and print its outcome as one JSON line (a test helper).
+"""Run one vLLM engine scenario and print its outcome as one JSON line.
 
-Usage: ``python tests/vllm/engine.py '<scenario json>'``; the tests run it as a
-subprocess because vLLM on CPU forces the ``spawn`` start method and keeps
-process-wide state. The scenario is a JSON object:
+Usage: ``python -m kvpeer.integrations.vllm.runner '<scenario json>'``. ``kvpeer demo``
+and the real-vLLM tests run it as a subprocess (:mod:`kvpeer.integrations.vllm.launcher`)
+because vLLM on CPU forces the ``spawn`` start method and keeps process-wide state.
+The scenario is a JSON object:
 
 - ``model``: checkpoint directory; ``engine_id``: the connector's ``engine_id``
   (names ``/dev/shm/vllm_offload_<engine_id>.mmap``); ``spec_name``: an offloading
@@ -14,7 +15,7 @@ process-wide state. The scenario is a JSON object:
   optional ``"kv_transfer_params"`` (the request's routing, passed as
   ``SamplingParams(extra_args={"kv_transfer_params": ...})``);
   ``{"op": "reset_prefix_cache"}`` (empties the engine's device prefix cache);
-  ``{"op": "corrupt_primary"}`` (test-only negative control: negates every float of
+  ``{"op": "corrupt_primary"}`` (a negative control for tests: negates every float of
   the worker's primary copy, so a later load brings back wrong KV);
   ``{"op": "wait_for_files", "dir": str, "suffix": str, "count": int,
   "timeout_s": float}`` (waits until a secondary tier has written that many files);
@@ -28,9 +29,14 @@ process-wide state. The scenario is a JSON object:
   in all and by process name.
 
 The last stdout line starting with ``RESULT_MARKER`` carries ``{"runs": {label:
-{"tokens", "logprobs", "num_cached_tokens", "seconds", "cpu_seconds"}}, "holds":
+{"tokens", "logprobs", "num_cached_tokens", "seconds", "cpu_seconds", "ttft_s",
+"blocks_from_peer", "bytes_from_peer", "load_seconds"}}, "holds":
 {label: {"seconds", "cpu_seconds", "cpu_seconds_by_process"}}, "files": {...},
-"seconds": {...}}``; then the process exits at once.
+"seconds": {...}}``; then the process exits at once. ``ttft_s`` is vLLM's
+time to first token (engine-core clock); ``blocks_from_peer`` / ``bytes_from_peer`` /
+``load_seconds`` count what kvpeer tiers of this process loaded from peers during the
+call, and how long those loads took from fetch to completion (``null``
+in multiprocessing mode, where the tier lives in the EngineCore process).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 RESULT_MARKER = "KVPEER_ENGINE_RESULT "
+STEP_MARKER = "KVPEER_ENGINE_STEP "  # then what the engine does now (progress for launchers)
 FLOAT32_SIGN_BYTE = 3  # little-endian float32: byte 3 holds the sign bit
 FLOAT32_SIZE = 4
 
@@ -67,6 +74,7 @@ def build_llm(scenario: dict[str, Any]) -> Any:
         block_size=32,
         enable_prefix_caching=True,
         max_num_seqs=4,
+        disable_log_stats=False,  # per-request metrics: the time to first token
         kv_transfer_config={
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
@@ -96,10 +104,12 @@ def generate(
         extra_args=extra_args,
     )
     cpu_before = group_cpu_seconds()
+    loaded_before = blocks_loaded()
     started = time.monotonic()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     seconds = time.monotonic() - started
     cpu_seconds = group_cpu_seconds() - cpu_before
+    loaded_after = blocks_loaded()
     completion = output.outputs[0]
     tokens = [int(token) for token in completion.token_ids]
     logprobs = [
@@ -111,7 +121,41 @@ def generate(
         "num_cached_tokens": int(output.num_cached_tokens or 0),
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
+        "ttft_s": _first_token_latency(output),
+        "blocks_from_peer": _delta(loaded_after, loaded_before, 0),
+        "bytes_from_peer": _delta(loaded_after, loaded_before, 1),
+        "load_seconds": _delta(loaded_after, loaded_before, 2),
     }
+
+
+def blocks_loaded() -> tuple[float, float, float] | None:
+    """Blocks, bytes and load seconds of what the kvpeer tiers of this process loaded
+    from peers so far; ``None`` if none lives here (multiprocessing mode, no kvpeer)."""
+    from kvpeer.integrations.vllm.tier import live_tiers
+
+    tiers = live_tiers()
+    if not tiers:
+        return None
+    blocks = [tier.node.tier.blocks_loaded for tier in tiers]
+    return (
+        sum(blocks),
+        sum(n * tier.block_len for n, tier in zip(blocks, tiers, strict=True)),
+        sum(tier.node.tier.load_seconds for tier in tiers),
+    )
+
+
+def _delta(
+    after: tuple[float, float, float] | None, before: tuple[float, float, float] | None, index: int
+) -> float | None:
+    if after is None or before is None:
+        return None
+    return after[index] - before[index]
+
+
+def _first_token_latency(output: Any) -> float | None:
+    metrics = getattr(output, "metrics", None)
+    latency = getattr(metrics, "first_token_latency", None)
+    return float(latency) if latency else None
 
 
 def negate_primary(worker: Any) -> int:
@@ -205,9 +249,15 @@ def hold(step: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def announce(what: str) -> None:
+    """Tell a launcher following this engine's output what it does now."""
+    print(STEP_MARKER + what, flush=True)
+
+
 def run(scenario: dict[str, Any]) -> dict[str, Any]:
     """Build the engine, run the steps, shut the engine down; the outcome as a dict."""
     started = time.monotonic()
+    announce("starting vLLM")
     llm = build_llm(scenario)
     seconds: dict[str, float] = {"init": time.monotonic() - started}
     runs: dict[str, dict[str, Any]] = {}
@@ -217,6 +267,7 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
         for index, step in enumerate(scenario["steps"]):
             step_started = time.monotonic()
             op = step["op"]
+            announce(f"{op} {step.get('label', '')}".strip())
             if op == "generate":
                 runs[step["label"]] = generate(
                     llm, step["prompt"], step["max_tokens"], step.get("kv_transfer_params")
