@@ -189,10 +189,14 @@ class TestPrefillerLookups:
         b.store(producer, KEYS)
         req = a.request("c", prefiller("kv1", b))
         job, slots = a.load(req, KEYS)
+        cluster.advance(0.25)
         cluster.run()
         assert a.outcome(job) is True
         assert [a.block(s) for s in slots] == [b.parent.expected(k) for k in KEYS]
         assert a.sent_of(Fetch, to=b)[0].keys == KEYS
+        assert a.stats().blocks_loaded == a.tier.blocks_loaded == len(KEYS)
+        assert a.tier.load_seconds >= 0.25  # fetch to completion, on the tier's clock
+        assert b.tier.blocks_loaded == 0  # counts what came in, not what went out
 
     def test_empty_load_succeeds_at_once(self, cluster: Cluster) -> None:
         a, b = cluster.add("a", 1), cluster.add("b", 2)
@@ -247,6 +251,8 @@ class TestMissUntilFinished:
         job, _ = a.load(req, KEYS)
         cluster.run()
         assert a.outcome(job) is False
+        assert a.tier.blocks_loaded == 0
+        assert a.tier.load_seconds == 0.0
         assert a.lookup(req, *KEYS, key(9)) == [MISS] * 4
         assert a.stats().failed_ids == 1
         a.finish(req)
