@@ -3,7 +3,9 @@
 Engine A (the producer, vLLM's default multiprocessing mode) and engine B (the
 consumer, in-process so its kvpeer tier can be asked what it loaded) run the tiny
 random Llama of :mod:`kvpeer.integrations.vllm.model` with the kvpeer tier on one
-data plane. Two scenarios, one after the other on the same pair:
+data plane (A names it ``"type": "kvpeer"``, registered by kvpeer's vLLM plugin; B
+with ``"type": "KVPeerTier", "module_path": "kvpeer.integrations.vllm"``). Two
+scenarios, one after the other on the same pair:
 
 - ``pd``: A prefills a prompt for a ``remote_decoder`` id and holds its blocks;
   B decodes the same prompt with ``remote_prefiller`` naming A.
@@ -142,7 +144,7 @@ def run_demo(
         producer = _scenario(
             launcher.model,
             launcher.new_engine_id("kvpeer-demo-a"),
-            _tier(producer_port, data_plane),
+            _tier(producer_port, data_plane, short_name=True),
             [
                 _warmup(),
                 _generate("pd-local", pd_prompt, {"remote_decoder": {"kv_request_id": pd_id}}),
@@ -255,7 +257,7 @@ def render(result: DemoResult) -> str:
     )
     lines = [header, "-" * len(header)]
     for s in result.scenarios:
-        rate = f"{s.transfer_gbps:.2f} GB/s" if s.transfer_gbps is not None else "-"
+        rate = _rate(s.transfer_gbps)
         lines.append(
             f"{s.name:<10} {f'{s.tokens_from_peer}/{s.prompt_tokens} tok':>11} "
             f"{_size(s.bytes_from_peer):>10} {rate:>11} {_secs(s.ttft_local_s):>11} "
@@ -279,6 +281,12 @@ def _size(n: int) -> str:
     return f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _rate(gbps: float | None) -> str:
+    if gbps is None:
+        return "-"
+    return f"{gbps:.2f} GB/s" if gbps >= 1 else f"{gbps * 1000:.0f} MB/s"
+
+
 def _secs(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
@@ -286,10 +294,15 @@ def _secs(value: float | None) -> str:
 # -- scenario pieces ---------------------------------------------------------------
 
 
-def _tier(port: int, data_plane: str) -> dict[str, Any]:
+def _tier(port: int, data_plane: str, *, short_name: bool = False) -> dict[str, Any]:
+    """A kvpeer tier entry; ``short_name`` uses the type kvpeer's vLLM plugin registers."""
+    entry: dict[str, Any] = (
+        {"type": "kvpeer"}
+        if short_name
+        else {"type": "KVPeerTier", "module_path": "kvpeer.integrations.vllm"}
+    )
     return {
-        "type": "KVPeerTier",
-        "module_path": "kvpeer.integrations.vllm",
+        **entry,
         "host": HOST,
         "port": port,
         "data_transports": [data_plane],
