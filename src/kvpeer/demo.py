@@ -22,7 +22,6 @@ loaded from A: kvpeer's counters say how many blocks and bytes, and vLLM's
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import tempfile
@@ -97,10 +96,9 @@ class DemoResult:
         }
 
 
-def default_model_dir() -> Path:
-    """Where the demo keeps its tiny checkpoint between runs."""
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "kvpeer" / "tiny-llama"
+def default_model_dir(cache_home: str | None = None) -> Path:
+    """Where the demo keeps its tiny checkpoint between runs (``$XDG_CACHE_HOME``)."""
+    return Path(cache_home or Path.home() / ".cache") / "kvpeer" / "tiny-llama"
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -112,7 +110,7 @@ def run_demo(
     *,
     data_plane: str = "shm",
     prompt_tokens: int = 256,
-    model_dir: Path | None = None,
+    model_dir: Path,
     log_dir: Path | None = None,
     progress: Progress = lambda _: None,
 ) -> DemoResult:
@@ -130,7 +128,7 @@ def run_demo(
     from kvpeer.integrations.vllm.model import ensure_tiny_llama
 
     started = time.monotonic()
-    model = model_dir or default_model_dir()
+    model = model_dir
     progress(f"model: {model} (created on first use)")
     ensure_tiny_llama(model)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-demo-"))
