@@ -139,6 +139,29 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_idle(args: argparse.Namespace) -> int:
+    from kvpeer.bench import idle
+    from kvpeer.demo import default_model_dir
+    from kvpeer.transport.data.nixl import NixlBackend
+
+    if not NixlBackend.available():  # vLLM's p2p tier, the comparison, needs it
+        raise KVPeerError("kvpeer bench idle needs nixl (vLLM's p2p tier runs on it)")
+    make = idle.IdleSpec.quick if args.quick else idle.IdleSpec.full
+    spec = make() if args.seconds is None else make(idle_s=args.seconds)
+
+    def progress(message: str) -> None:
+        print(f"kvpeer bench idle: {message}", file=sys.stderr, flush=True)
+
+    result = idle.run(
+        spec,
+        model_dir=Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        progress=progress,
+    )
+    print(json.dumps(result) if args.json else idle.render(result))
+    return 0
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     try:
         loaded = json.loads(Path(args.file).read_text())
@@ -202,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--quick", action="store_true", help="a subset, under a minute")
     transport.add_argument("--json", action="store_true", help="print one JSON object")
     transport.set_defaults(func=_cmd_bench_transport)
+
+    idle = benches.add_parser(
+        "idle", help="idle engines' CPU and lookup answer time: kvpeer vs vLLM's p2p tier"
+    )
+    idle.add_argument("--quick", action="store_true", help="fewer engines and lookups")
+    idle.add_argument("--seconds", type=float, help="idle seconds measured (default 10; quick 4)")
+    idle.add_argument("--model", help="checkpoint directory (default ~/.cache/kvpeer/tiny-llama)")
+    idle.add_argument("--log-dir", help="keep the engines' logs here")
+    idle.add_argument("--json", action="store_true", help="print one JSON object")
+    idle.set_defaults(func=_cmd_bench_idle)
 
     check = commands.add_parser(
         "check-config",
