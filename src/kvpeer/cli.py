@@ -185,7 +185,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     result = demo.run_demo(
         data_plane=args.data_plane,
         prompt_tokens=args.prompt_tokens,
-        model_dir=Path(args.model) if args.model else None,
+        model_dir=Path(args.model or demo.default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         progress=progress,
     )
