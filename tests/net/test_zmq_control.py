@@ -395,16 +395,68 @@ def test_close_is_idempotent_and_leaves_no_threads_or_sockets(
         a.connect(b.local_id)
 
 
-def test_wake_interrupts_a_wait_from_another_thread(controls: Callable[..., ZmqControl]) -> None:
-    control = controls()
-    timer = threading.Timer(0.1, control.wake)
+def _ends_soon(wait: Callable[[], None], trigger: Callable[[], object]) -> bool:
+    """True if ``wait()`` (waiting up to 5 s) returns soon after ``trigger`` runs on
+    another thread 0.1 s in."""
+    timer = threading.Timer(0.1, trigger)
     started = time.monotonic()
     timer.start()
     try:
-        control.wait(5.0)
+        wait()
     finally:
         timer.cancel()
-    assert time.monotonic() - started < 2.0
+        timer.join()
+    return time.monotonic() - started < 2.0
+
+
+def test_wake_interrupts_a_wait_from_another_thread(controls: Callable[..., ZmqControl]) -> None:
+    control = controls()
+    assert _ends_soon(lambda: control.wait(5.0), control.wake)
+
+
+def test_a_frame_on_an_open_link_leaves_without_a_pump(
+    controls: Callable[..., ZmqControl],
+) -> None:
+    """Once its socket is open, transmit sends at once: the engine thread's fetch
+    does not wait for the driver to pump (only the receiver is pumped here)."""
+    a, b = controls(), controls()
+    link = a.connect(b.local_id)
+    link.transmit(b"opens the socket")
+    both = Inbox(a, b)
+    assert both.until(lambda: len(both.of(b)) == 1)
+
+    link.transmit(b"straight out")
+
+    receiver = Inbox(b)
+    assert receiver.until(lambda: len(receiver.of(b)) == 1)
+    assert receiver.of(b)[0].frame == b"straight out"
+
+
+def test_an_arriving_frame_ends_a_wait(controls: Callable[..., ZmqControl]) -> None:
+    """wait() sleeps on the sockets' descriptors: a frame arriving after a pump
+    drained everything still wakes it (the edge is not lost)."""
+    a, b = controls(), controls()
+    link = a.connect(b.local_id)
+    link.transmit(b"opens the socket")
+    both = Inbox(a, b)
+    assert both.until(lambda: len(both.of(b)) == 1)
+    assert b.receive() == []  # drained: the next frame must wake the wait by itself
+
+    assert _ends_soon(lambda: b.wait(5.0), lambda: link.transmit(b"late"))
+    assert [f.frame for f in b.receive()] == [b"late"]
+
+
+def test_a_wait_ends_when_an_extra_descriptor_is_readable(
+    controls: Callable[..., ZmqControl],
+) -> None:
+    control = controls()
+    extra = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        assert _ends_soon(
+            lambda: control.wait(5.0, also=(extra,)), lambda: os.eventfd_write(extra, 1)
+        )
+    finally:
+        os.close(extra)
 
 
 # -- a real node: clean start and stop --------------------------------------------------------

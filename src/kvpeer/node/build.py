@@ -19,8 +19,22 @@ __all__ = ["open_node"]
 log = logging.getLogger("kvpeer.node")
 
 
+class _Completions:
+    """Where tcp and shm report finished transfers: the driven tier once it exists
+    (it polls on the reporting thread when it can), the control's wake-up before."""
+
+    def __init__(self, fallback: Callable[[], None]) -> None:
+        self.target = fallback
+
+    def __call__(self) -> None:
+        self.target()
+
+
 def _backends(
-    config: TierConfig, region: PrimaryRegion, notify: Callable[[], None]
+    config: TierConfig,
+    region: PrimaryRegion,
+    notify: Callable[[], None],
+    completions: Callable[[], None],
 ) -> list[Backend]:
     backends: list[Backend] = []
     for name in config.data_transports:
@@ -30,11 +44,11 @@ def _backends(
                 continue
             from kvpeer.transport.data.shm import ShmBackend
 
-            backends.append(ShmBackend(region, notify))
+            backends.append(ShmBackend(region, completions))
         elif name == "tcp":
             from kvpeer.transport.data.tcp import TcpBackend
 
-            backends.append(TcpBackend(region, notify, host=config.host))
+            backends.append(TcpBackend(region, completions, host=config.host))
         elif name == "nixl":
             from kvpeer.transport.data.nixl import NixlBackend
 
@@ -70,8 +84,9 @@ def open_node(
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         curve=curve,
     )
+    completions = _Completions(control.wake)
     try:
-        data = DataPlaneSet(region, _backends(config, region, control.wake))
+        data = DataPlaneSet(region, _backends(config, region, control.wake, completions))
     except (ConfigError, DataPlaneError):
         control.close()
         raise
@@ -83,4 +98,6 @@ def open_node(
         region.block_len,
         ",".join(data.backends),
     )
-    return DrivenTier(tier, control, clock=clock, wake_host=wake_host)
+    driven = DrivenTier(tier, control, clock=clock, wake_host=wake_host)
+    completions.target = driven.on_transfer_finished
+    return driven

@@ -2,14 +2,19 @@
 
 Invariants:
 
-1. One lock guards the tier. The driver thread holds it only while it polls
-   (receive, decode, dispatch, timers, completions, sends); the engine holds
-   it for each call. Sockets are touched only inside the poll, on the driver.
+1. One lock guards the tier and its sockets. The driver thread holds it only
+   while it polls (receive, decode, dispatch, timers, completions, sends); the
+   engine holds it for each call, and frames an engine call queues leave on the
+   engine thread at once (the control transport sends them under the lock).
+   Waiting for frames touches no socket.
 2. The driver polls whenever a frame arrives, something wakes it (a queued
    frame, a finished transfer), or the tier's next deadline comes, and at
    least every ``max_wait_s``. Everything that does not need the parent is
    therefore applied without waiting for an engine step; when peer work starts
-   waiting for a serve window, ``wake_host`` tells an idle engine to step.
+   waiting for a serve window, ``wake_host`` tells an idle engine to step. An
+   engine blocked in :meth:`DrivenTier.wait_for_work` polls too when a frame
+   or a completion arrives (whichever thread gets the lock first polls), so a
+   result reaches it without a hop through the driver thread.
 3. A crash in the driver fails every job the tier held (they come back from
    ``get_finished_jobs``) and raises :class:`DriverCrashed` on the engine's
    next call, once; afterwards the tier answers MISS and fails new jobs.
@@ -19,10 +24,12 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvpeer.errors import KVPeerError
@@ -40,9 +47,13 @@ class DriverCrashed(KVPeerError):
 
 
 class Waitable(Protocol):
-    """What the driver sleeps on: the control transport's poller."""
+    """What the driver sleeps on: the control transport (frames, wake-ups)."""
 
-    def wait(self, timeout_s: float | None) -> None: ...
+    def wait(self, timeout_s: float | None, also: Sequence[int] = ()) -> None:
+        """Block until a frame may have arrived, :meth:`wake` was called, one of
+        the file descriptors ``also`` is readable, or ``timeout_s`` passed. Safe
+        from several threads at once; touches no socket."""
+        ...
 
     def wake(self) -> None: ...
 
@@ -72,8 +83,12 @@ class DrivenTier:
         self._crash_reported = False
         self._polls = 0
         self._serve_wanted = threading.Event()
+        # Readable while _serve_wanted is set: an engine asleep in wait_for_work
+        # sleeps on it next to the waiter's descriptors.
+        self._wanted_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_host = wake_host
         self._host_woken = False
+        self._sleeps_until = 0.0  # when the driver wakes by itself next
         tier.driven = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -82,27 +97,70 @@ class DrivenTier:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self._crash is None:
                 with self._lock:
-                    self._tier.poll()
-                    self._polls += 1
-                    deadline = self._tier.next_deadline()
-                    needs_serve = self._tier.needs_serve()
-                    if needs_serve or self._tier.has_results():
-                        self._serve_wanted.set()
+                    deadline, needs_serve = self._poll_locked()
                 if needs_serve and not self._host_woken and self._wake_host is not None:
                     self._wake_host()  # once per wait for a serve window
                 self._host_woken = needs_serve
+                now = self._clock()
                 wait = self._max_wait
                 if deadline is not None:
-                    wait = min(wait, max(0.0, deadline - self._clock()))
+                    wait = min(wait, max(0.0, deadline - now))
+                self._sleeps_until = now + wait
                 self._waiter.wait(wait)
         except BaseException as exc:  # surfaced to the engine, never swallowed
-            log.exception("kvpeer driver thread crashed")
-            with self._lock:
-                self._crash = exc
-                self._fail_all(f"driver crashed: {exc!r}")
+            if self._crash is None:  # the wait itself broke
+                log.exception("kvpeer driver thread crashed")
+                with self._lock:
+                    self._crashed(exc)
+
+    def _poll_locked(self) -> tuple[float | None, bool]:
+        """Poll the tier (lock held, any thread): its next deadline and whether peer
+        work waits for a serve window. A crash fails every job and re-raises."""
+        if self._crash is not None:
+            return None, False
+        try:
+            self._tier.poll()
+            self._polls += 1
+            deadline = self._tier.next_deadline()
+            needs_serve = self._tier.needs_serve()
+            if needs_serve or self._tier.has_results():
+                self._want_serve()
+        except BaseException as exc:
+            log.exception("kvpeer driver crashed")
+            self._crashed(exc)
+            raise
+        return deadline, needs_serve
+
+    def _crashed(self, exc: BaseException) -> None:
+        self._crash = exc
+        self._fail_all(f"driver crashed: {exc!r}")
+        self._want_serve()
+
+    def _want_serve(self) -> None:
+        if not self._serve_wanted.is_set():
             self._serve_wanted.set()
+            if self._wanted_fd >= 0:
+                os.eventfd_write(self._wanted_fd, 1)
+
+    def on_transfer_finished(self) -> None:
+        """A data plane finished a transfer (its own thread, no backend lock held):
+        poll right here if the lock is free, so the completion goes out without
+        waking another thread; otherwise wake the driver, which polls next."""
+        if not self._lock.acquire(blocking=False):
+            self._waiter.wake()
+            return
+        try:
+            if self._stop.is_set():
+                return
+            deadline, needs_serve = self._poll_locked()
+            if needs_serve or (deadline is not None and deadline < self._sleeps_until):
+                self._waiter.wake()  # the driver calls wake_host and re-arms its timer
+        except BaseException:
+            return  # recorded as a crash: the engine hears of it on its next call
+        finally:
+            self._lock.release()
 
     def _fail_all(self, reason: str) -> None:
         try:
@@ -118,10 +176,28 @@ class DrivenTier:
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until peer work waits for a serve window or results wait to be
         collected (True), or ``timeout_s`` passes (False). For hosts that step
-        only when needed, e.g. an idle engine."""
-        woke = self._serve_wanted.wait(timeout_s)
-        self._serve_wanted.clear()
-        return woke
+        only when needed, e.g. an idle engine. While it waits, the calling thread
+        polls the tier itself whenever a frame or a completion arrives."""
+        deadline = self._clock() + timeout_s
+        while True:
+            with self._lock:
+                self._check()
+                if self._wanted_fd < 0:  # shut down
+                    return self._serve_wanted.is_set()
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wanted_fd)  # written again while wanted
+                try:
+                    self._poll_locked()
+                except Exception:
+                    self._check()  # raises DriverCrashed
+                    raise
+                if self._serve_wanted.is_set():
+                    self._serve_wanted.clear()
+                    return True
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                return False
+            self._waiter.wait(remaining, also=(self._wanted_fd,))
 
     @property
     def crashed(self) -> bool:
@@ -171,7 +247,12 @@ class DrivenTier:
                 self._tier.fail_job(job.job_id)
                 return
             self._tier.submit_load(job)
-        self._waiter.wake()
+            # The fetch already left (frames go out under the lock); the driver
+            # only needs waking if the load's timer is due before it wakes anyway.
+            deadline = self._tier.next_deadline()
+            wake = deadline is not None and deadline < self._sleeps_until
+        if wake:
+            self._waiter.wake()
 
     def get_finished_jobs(self) -> list[JobResult]:
         with self._lock:
@@ -222,3 +303,6 @@ class DrivenTier:
             self._thread.join(timeout=10)
         with self._lock:
             self._tier.shutdown()
+            if self._wanted_fd >= 0:
+                os.close(self._wanted_fd)
+                self._wanted_fd = -1

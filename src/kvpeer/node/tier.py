@@ -134,7 +134,8 @@ class Tier:
         self._load_seconds = 0.0
         self._codec = Codec()
         self._shut_down = False
-        #: True while a driver thread calls :meth:`poll`; engine calls then never do I/O.
+        #: True while a driver thread calls :meth:`poll`; engine calls then never
+        #: receive (frames they produce leave through the control transport at once).
         self.driven = False
 
     # -- SecondaryTier -----------------------------------------------------------

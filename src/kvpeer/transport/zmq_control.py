@@ -4,10 +4,19 @@ One ROUTER bound on ``tcp://host:port`` receives every peer's frames as
 ``[identity, payload]``; one DEALER per peer, with our peer id as identity,
 carries ours. Socket rules:
 
-1. Only :meth:`ZmqControl.receive` (the pump) and :meth:`ZmqControl.close`
-   touch sockets; the node calls both from its driver thread.
-   :meth:`ZmqLink.transmit` and :meth:`ZmqControl.connect` only queue work
-   and wake the driver, so the engine thread never blocks on a socket.
+1. Sockets are touched only by calls the owner serialises (the node's lock):
+   :meth:`ZmqControl.receive` and :meth:`ZmqControl.flush` (the pump),
+   :meth:`ZmqLink.transmit`, :meth:`ZmqControl.refuse` and
+   :meth:`ZmqControl.close`. ``transmit`` sends at once, without blocking, on a
+   link whose socket is open and has nothing queued, so a frame from the engine
+   thread leaves without a hop through the driver; anything else is queued for
+   the pump. Only the pump opens and closes sockets.
+   :meth:`ZmqControl.wait` touches no socket: it sleeps on the file descriptors
+   (``ZMQ_FD`` of each socket, the wake-up eventfd) the last pump gathered, so
+   another thread may send while the driver sleeps. ``ZMQ_FD`` is
+   edge-triggered: whoever leaves a socket with work pending (a read cut short,
+   a send that found it readable) wakes the driver, and a pump that changed the
+   set of descriptors wakes it so it sleeps on the new set.
 2. Every queue is bounded. A peer whose queue overflows (it stopped reading
    and the socket's high-water mark is full) is declared dead.
 3. A DEALER that loses its connection after it was established (heartbeat
@@ -25,8 +34,9 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +114,13 @@ def _endpoint(peer_id: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def _events(sock: zmq.Socket[bytes]) -> int:
+    """``ZMQ_EVENTS``: what the socket can do now (also runs its pending commands)."""
+    events = sock.getsockopt(zmq.EVENTS)
+    assert isinstance(events, int)
+    return events
+
+
 class ZmqLink:
     """Our DEALER toward one peer; frames queue here until the driver sends them."""
 
@@ -114,6 +131,7 @@ class ZmqLink:
         self.queue: deque[bytes] = deque()
         self.socket: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None
+        self.fds: tuple[int, ...] = ()  # ZMQ_FD of socket and monitor, for wait()
         self.connected_once = False
         self.dead_reason: str | None = None
         self.closed = False
@@ -129,6 +147,8 @@ class ZmqLink:
     def transmit(self, frame: bytes) -> bool:
         if not self.alive:
             return False
+        if not self.queue and self.socket is not None and self._owner.send_now(self, frame):
+            return self.alive
         if len(self.queue) >= self._max_queued:
             self._owner.lose(self, f"more than {self._max_queued} frames waiting to be sent")
             return False
@@ -199,6 +219,10 @@ class ZmqControl:
         self._dropped = 0
         self._lost = 0
         self._closed = False
+        self._router_fd: int = self._router.fileno()
+        self._wait_fds: tuple[int, ...] = ()
+        self._poller = select.poll()
+        self._refresh_wait_set()
 
     # -- ControlTransport ------------------------------------------------------------
 
@@ -220,14 +244,16 @@ class ZmqControl:
             return
         for link in list(self._links.values()):
             self._pump_link(link)
+        self._refresh_wait_set()
+        if self._work_pending():
+            self.wake()  # ZMQ_FD will not signal what a pump left behind
 
     def receive(self) -> list[InboundFrame]:
-        """Pump: open/close sockets, send queued frames, read monitors and the ROUTER."""
+        """Pump: read the ROUTER, open/close sockets, send queued frames, read monitors."""
         if self._closed:
             return []
         self._drain_wake()
-        self.flush()
-        frames, self._answers = self._answers, []
+        frames: list[InboundFrame] = []
         for _ in range(10_000):  # bounded: the driver loops again if more wait
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -248,6 +274,10 @@ class ZmqControl:
             source = address if isinstance(address, str) else None
             self._received += 1
             frames.append(InboundFrame(peer_id, parts[1].bytes, source))
+        # Pumped after the ROUTER was read: an arrived frame goes to dispatch first.
+        self.flush()
+        frames.extend(self._answers)
+        self._answers = []
         return frames
 
     def close(self) -> None:
@@ -271,20 +301,36 @@ class ZmqControl:
         if self._external_wake is not None:
             self._external_wake()
 
-    def wait(self, timeout_s: float | None) -> None:
-        """Block until a frame, a wake-up, or ``timeout_s`` (driver thread only)."""
+    def wait(self, timeout_s: float | None, also: Sequence[int] = ()) -> None:
+        """Block until a socket may have work, a wake-up, one of the descriptors
+        ``also`` is readable, or ``timeout_s``. Touches no socket (rule 1); several
+        threads may wait at once, but only one of them without ``also``."""
         if self._closed:
             return
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_fd, zmq.POLLIN)
-        for link in self._links.values():
-            if link.monitor is not None:
-                poller.register(link.monitor, zmq.POLLIN)
-            if link.socket is not None:
-                poller.register(link.socket, zmq.POLLIN | (zmq.POLLOUT if link.queue else 0))
-        timeout = None if timeout_s is None else max(0, int(timeout_s * 1000))
-        poller.poll(timeout)
+        poller = self._poller
+        if also:
+            poller = select.poll()  # a poll object refuses concurrent poll() calls
+            for fd in (*self._wait_fds, *also):
+                poller.register(fd, select.POLLIN)
+        poller.poll(None if timeout_s is None else max(0.0, timeout_s * 1000))
+
+    def send_now(self, link: ZmqLink, frame: bytes) -> bool:
+        """Send ``frame`` on ``link``'s open socket without blocking (owner's lock
+        held); False when it must be queued instead."""
+        sock = link.socket
+        if sock is None or not link.alive:
+            return False
+        try:
+            sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            self._lose(link, f"send failed: {exc}")
+            return True  # consumed: the link is dead now
+        self._sent += 1
+        if _events(sock) & zmq.POLLIN:
+            self.wake()  # the send may have eaten ZMQ_FD's edge for an inbound frame
+        return True
 
     def statistics(self) -> ZmqStatistics:
         return ZmqStatistics(
@@ -296,6 +342,31 @@ class ZmqControl:
         )
 
     # -- internals -----------------------------------------------------------------------
+
+    def _refresh_wait_set(self) -> None:
+        """Gather the descriptors :meth:`wait` sleeps on (pump, lock held)."""
+        live = (link for link in self._links.values() if link.dead_reason is None)
+        fds = (self._wake_fd, self._router_fd, *(fd for link in live for fd in link.fds))
+        if fds == self._wait_fds:
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        self._poller, self._wait_fds = poller, fds
+        self.wake()  # a driver asleep on the old set must sleep on this one
+
+    def _work_pending(self) -> bool:
+        """A socket holds work its ZMQ_FD may not signal again (pump, lock held)."""
+        if _events(self._router) & zmq.POLLIN:
+            return True
+        for link in self._links.values():
+            if link.monitor is not None and _events(link.monitor) & zmq.POLLIN:
+                return True
+            if link.socket is not None and link.alive:
+                events = _events(link.socket)
+                if events & zmq.POLLIN or (link.queue and events & zmq.POLLOUT):
+                    return True
+        return False
 
     def _configure(self, sock: zmq.Socket[bytes]) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -353,6 +424,7 @@ class ZmqControl:
             self._lose(link, f"cannot connect: {exc}")
             return
         link.socket = sock
+        link.fds = (sock.fileno(), link.monitor.fileno())
 
     def _read_monitor(self, link: ZmqLink) -> None:
         monitor = link.monitor
@@ -419,6 +491,7 @@ class ZmqControl:
             log.info("control link to %s lost: %s", link.peer_id, reason)
 
     def _release(self, link: ZmqLink) -> None:
+        link.fds = ()
         if link.socket is not None:
             with contextlib.suppress(zmq.ZMQError):
                 link.socket.disable_monitor()

@@ -18,7 +18,10 @@ peer's region (producer push) and reports completion per peer. Contract:
 5. Writes from a peer land only in slots the window (:class:`WriteWindow`) has open for
    it; backends in which the consumer takes part (``tcp``) enforce this.
 6. ``notify`` (given at construction) is called from any thread when a transfer
-   finished, so the node's driver wakes up.
+   finished, so the node's driver wakes up. The node may poll on the calling
+   thread inside ``notify`` (and call back into the backend): call it without
+   holding the backend's lock, from a thread that waits for nothing the backend's
+   own methods wait for.
 7. ``close`` releases everything and is idempotent.
 """
 

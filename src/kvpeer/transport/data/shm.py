@@ -309,7 +309,8 @@ class ShmBackend:
             for transfer in list(self._transfers.values()):
                 self._drop(transfer)
             self._lock.notify_all()
-        self._thread.join(_JOIN_TIMEOUT_S)
+        if self._thread is not threading.current_thread():  # notify may close us
+            self._thread.join(_JOIN_TIMEOUT_S)
         with self._lock:
             mappings = list(self._peers.values()) if not self._thread.is_alive() else []
             self._peers.clear()
