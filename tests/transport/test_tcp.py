@@ -20,7 +20,7 @@ from kvpeer.host import BlockPool
 from kvpeer.protocol import Connect
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
-from kvpeer.transport.data.tcp import TcpBackend
+from kvpeer.transport.data.tcp import INLINE_BYTES, TcpBackend
 from tests.transport.conformance import (
     TIMEOUT_S,
     BackendCluster,
@@ -170,6 +170,23 @@ class TestStream:
         assert a.backend.statistics().acked == 1
         assert b.backend.statistics().bytes_received == 3 * BLOCK
 
+    def test_a_small_write_to_an_idle_connection_is_sent_by_the_caller(
+        self, a: Side, b: Side
+    ) -> None:
+        """Up to INLINE_BYTES, write_blocks hands the bytes to the socket itself
+        (no writer-thread wake-up)."""
+        assert 2 * BLOCK <= INLINE_BYTES
+        link(a, b)
+        b.window.open(range(16))
+        first = a.backend.write_blocks("B", [0], [0])  # connects (the writer thread)
+        assert wait_event(a, "B", first).success
+        sent = a.backend.statistics().bytes_sent
+
+        transfer_id = a.backend.write_blocks("B", [1, 2], [1, 2])
+
+        assert a.backend.statistics().bytes_sent == sent + 2 * BLOCK  # before any wait
+        assert wait_event(a, "B", transfer_id).success
+
     def test_connection_may_overtake_the_token(self, a: Side, b: Side) -> None:
         """The data connection arrives before the ack that registers its token."""
         params = a.backend.add_peer("B", hello(16), b.backend.offer())
@@ -282,7 +299,7 @@ CONSUMER = textwrap.dedent(
     import sys
     from kvpeer.host import BlockPool
     from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
-    from kvpeer.transport.data.tcp import TcpBackend
+    from kvpeer.transport.data.tcp import INLINE_BYTES, TcpBackend
 
     pool = BlockPool(64, 1024 * 1024)
     backend = TcpBackend(PrimaryRegion(pool.view, 64, 1024 * 1024), lambda: None)

@@ -31,12 +31,17 @@ Invariants:
    connection dies (failure); every transfer is reported at most once, through
    ``poll`` of its peer. Cancelled transfers are never reported.
 3. Transfers to one peer are sent in order on one connection; the producer sends
-   straight from rows of its region (``sendall`` of memoryviews).
+   straight from rows of its region (``sendall`` of memoryviews). A transfer of at
+   most :data:`INLINE_BYTES` to an idle connection is sent by ``write_blocks``
+   itself without blocking (``MSG_DONTWAIT``), which saves waking the writer
+   thread; whatever the socket does not take at once, the writer thread sends.
+   At most one thread sends on a connection at a time.
 4. After ``remove_peer``/``close`` return, no inbound connection of that peer writes
    into our region again: the receiving thread is woken (``shutdown``) and waited for.
 5. A writer whose connection died is replaced by a new connection (same token) at the
    next ``write_blocks``; nothing is resent.
-6. Every socket is closed by the thread that uses it, after it stopped using it.
+6. Every socket is closed by the thread that uses it, after it stopped using it
+   and no inline send is using it.
 
 The region must outlive the backend: close the backend before unmapping the region.
 """
@@ -79,12 +84,14 @@ from kvpeer.transport.data.tcpwire import recv_exact as _recv_exact
 from kvpeer.transport.data.tcpwire import runs as _runs
 from kvpeer.transport.data.tcpwire import tune as _tune
 
-__all__ = ["SOCKET_BUFFER_BYTES", "TcpBackend", "TcpStatistics"]
+__all__ = ["INLINE_BYTES", "SOCKET_BUFFER_BYTES", "TcpBackend", "TcpStatistics"]
 
 log = logging.getLogger("kvpeer.tcp")
 
 #: Kernel send/receive buffer of data sockets (capped by net.core.[rw]mem_max).
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+#: Transfers up to this size to an idle connection are sent by ``write_blocks`` itself.
+INLINE_BYTES = 256 * 1024
 
 _MAX_SLOTS = limits.MAX_ITEMS  # a fetch names at most this many blocks
 _MAX_PENDING = 64  # inbound connections that have not bound to a peer yet
@@ -121,6 +128,7 @@ class _Send:
     nbytes: int
     state: _State = _State.QUEUED
     abandoned: bool = False
+    sent: int = 0  # bytes of header and blocks already handed to the socket
 
 
 @dataclass(slots=True)
@@ -136,6 +144,7 @@ class _Writer:
     inflight: dict[int, _Send] = field(default_factory=dict)  # sent or sending, not acked
     sock: socket.socket | None = None
     dead: bool = False
+    inline: bool = False  # write_blocks is sending on sock (the writer thread waits)
 
 
 @dataclass(slots=True, eq=False)
@@ -288,9 +297,56 @@ class TcpBackend:
                 len(local_slots) * self._region.block_len,
             )
             self._sends[transfer_id] = send
-            writer.queue.append(send)
-            self._lock.notify_all()
+            sock = writer.sock
+            inline = (
+                send.nbytes <= INLINE_BYTES
+                and sock is not None
+                and not writer.queue
+                and not writer.inflight  # the writer thread may be sending one
+            )
+            if inline:
+                send.state = _State.SENDING
+                writer.inflight[transfer_id] = send
+                writer.inline = True
+            else:
+                writer.queue.append(send)
+                self._lock.notify_all()
+        if inline:
+            assert sock is not None
+            self._send_inline(writer, sock, send)
         return transfer_id
+
+    def _send_inline(self, writer: _Writer, sock: socket.socket, send: _Send) -> None:
+        """Send what the socket takes without blocking; the writer thread sends the
+        rest (and is the one to fail the connection if sending breaks)."""
+        with contextlib.suppress(OSError):  # BlockingIOError included: the rest waits
+            for view in self._views(send):
+                offset = 0
+                while offset < view.nbytes:
+                    sent = sock.send(view[offset:], socket.MSG_DONTWAIT)
+                    send.sent += sent
+                    offset += sent
+        with self._lock:
+            writer.inline = False
+            if send.sent == len(send.header) + send.nbytes:
+                self._counters.bytes_sent += send.nbytes
+            elif not writer.dead:
+                writer.queue.appendleft(send)
+            self._lock.notify_all()
+
+    def _views(self, send: _Send) -> list[memoryview]:
+        """What is left to send of ``send``: its header, then its rows."""
+        block_len = self._region.block_len
+        views = [memoryview(send.header)]
+        views += [self._view[f * block_len : (f + n) * block_len] for f, n in send.runs]
+        skip, rest = send.sent, []
+        for view in views:
+            if skip >= view.nbytes:
+                skip -= view.nbytes
+                continue
+            rest.append(view[skip:])
+            skip = 0
+        return rest
 
     def poll(self, peer_id: str) -> list[TransferEvent]:
         with self._lock:
@@ -397,16 +453,14 @@ class TcpBackend:
                 reader = self._start(lambda: self._ack_loop(writer, sock), "kvpeer-tcp-ack")
             while True:
                 with self._lock:
-                    self._lock.wait_for(lambda: writer.queue or writer.dead)
+                    self._lock.wait_for(lambda: (writer.queue and not writer.inline) or writer.dead)
                     if writer.dead:
                         return
                     send = writer.queue.popleft()
                     send.state = _State.SENDING
                     writer.inflight[send.transfer_id] = send
-                sock.sendall(send.header)
-                block_len = self._region.block_len
-                for first, count in send.runs:
-                    sock.sendall(self._view[first * block_len : (first + count) * block_len])
+                for view in self._views(send):
+                    sock.sendall(view)
                 with self._lock:
                     self._counters.bytes_sent += send.nbytes
         except OSError as exc:
@@ -418,6 +472,9 @@ class TcpBackend:
                 sock.shutdown(socket.SHUT_RDWR)
             if reader is not None:
                 reader.join()
+            with self._lock:
+                writer.sock = None  # no new inline send picks it up
+                self._lock.wait_for(lambda: not writer.inline)
             sock.close()
 
     def _ack_loop(self, writer: _Writer, sock: socket.socket) -> None:
