@@ -31,7 +31,7 @@ ENGINE_CORE = "VLLM::EngineCor"
 # A sleeping EngineCore uses ~0.01 of a core (kvpeer's driver thread); a stepping one
 # a core, and still a good part of one when a busy machine shares it out.
 MAX_SLEEPING_ENGINE_CORE_CORES = 0.1
-MIN_SPINNING_ENGINE_CORES = 0.3
+MIN_SPINNING_ENGINE_CORES = 0.25
 MIN_SPIN_RATIO = 10.0  # vLLM-p2p's idle engine uses at least this many times kvpeer's
 ROLES = {"main", "engine_core", "worker"}
 

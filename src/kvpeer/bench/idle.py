@@ -9,8 +9,8 @@ Llama of :mod:`kvpeer.integrations.vllm.model`), all started together:
 - ``none``: the offloading connector with no secondary tier (the baseline),
 - ``vllm-p2p``: vLLM's built-in ``p2p`` tier,
 - ``kvpeer-tcp``: kvpeer's tier with ``data_transports: ["tcp"]``,
-- ``kvpeer-nixl``: kvpeer's tier with ``["nixl"]`` (full run only; NIXL 1.5.1's
-  progress thread busy-polls, a cost of that plane, not of the tier).
+- ``kvpeer-nixl``: kvpeer's tier with ``["nixl"]`` (full run only; a NIXL progress
+  thread that busy-polls shows here: a cost of that plane, not of the tier).
 
 1. **Idle CPU.** Each engine computes a prompt (its warm-up request) and waits; once
    every engine got there, each waits ``settle_s`` and then ``idle_s``, measuring the
@@ -59,6 +59,7 @@ LOOKUP_TIMEOUT_S = 10.0  # an unanswered lookup counts as a timeout
 SIGNAL_TIMEOUT_S = 900.0  # backstop only: a failed engine stops the run at once
 POLL_S = 0.0005  # how often the consumer looks for the answer
 ENGINE_CORE = "VLLM::EngineCor"  # the process title as Linux keeps it (15 characters)
+SPINNING_CORES = 0.2  # an idle row above this keeps a thread busy
 BASELINE, VLLM_P2P, KVPEER_TCP, KVPEER_NIXL = "none", "vllm-p2p", "kvpeer-tcp", "kvpeer-nixl"
 LOOKUP_TARGETS = (VLLM_P2P, KVPEER_TCP)  # the order they are asked in
 CONSUMER_PLANE = {KVPEER_TCP: "tcp", VLLM_P2P: "nixl"}
@@ -157,8 +158,11 @@ def _scenario(
         {"op": "hold", "label": "idle", "seconds": spec.idle_s},
         {"op": "signal", "file": str(signals / f"idle-{name}")},
     ]
-    if name in LOOKUP_TARGETS:
-        steps.append(until("serving", signals / f"release-{name}"))
+    if name in LOOKUP_TARGETS:  # its turn to be asked, then the lookups
+        steps += [
+            until("queued", signals / f"turn-{name}"),
+            until("serving", signals / f"release-{name}"),
+        ]
     return {
         "model": str(launcher.model),
         "engine_id": launcher.new_engine_id(f"kvpeer-idle-{name}"),
@@ -327,6 +331,8 @@ def idle_row(name: str, outcome: EngineOutcome) -> dict[str, Any]:
             k: round(v, 3) for k, v in sorted(hold.cpu_seconds_by_process.items())
         },
     }
+    # vLLM's worker busy-loops for a second after each step it runs, so each serve
+    # window kvpeer wakes the engine for costs up to a core-second in the worker.
     serving = outcome.holds.get("serving")
     if serving is not None:
         row["serving_cores"] = round(serving.cpu_seconds / serving.seconds, 4)
@@ -410,6 +416,7 @@ def run(
         for name in LOOKUP_TARGETS:
             plane = CONSUMER_PLANE[name]
             progress(f"lookups to idle {name} from a kvpeer node on {plane}")
+            (signals / f"turn-{name}").write_text("")
             with consumer(plane, block_len, hash_seed, len(keys)) as node:
                 lookups.append(measure_lookups(node, ports[name], keys, spec, progress, name))
             (signals / f"release-{name}").write_text("")
@@ -418,8 +425,9 @@ def run(
         ok = True
     finally:
         for name in spec.engines:  # whatever happened, let the engines go
-            with contextlib.suppress(OSError):
-                (signals / f"release-{name}").write_text("")
+            for step in ("turn", "release"):
+                with contextlib.suppress(OSError):
+                    (signals / f"{step}-{name}").write_text("")
         (signals / "go").touch()
         launcher.close()
         shutil.rmtree(signals, ignore_errors=True)
@@ -473,8 +481,9 @@ def render(result: dict[str, Any]) -> str:
             f"  {name:12} {row['cores']:6.3f} {roles['main']:6.3f} {roles['engine_core']:10.3f} "
             f"{roles['worker']:6.3f}  {extra} {ratio:>11}"
         )
-    if any(row["engine"] == KVPEER_NIXL for row in result["idle"]):
-        lines.append("  (kvpeer-nixl: NIXL 1.5.1's progress thread busy-polls; the tier sleeps)")
+    nixl = next((row for row in result["idle"] if row["engine"] == KVPEER_NIXL), None)
+    if nixl is not None and nixl["cores"] > SPINNING_CORES:
+        lines.append("  (kvpeer-nixl: NIXL's progress thread busy-polls; the tier itself sleeps)")
     if result["lookups"]:
         lookup = result["lookups"][0]
         lines.append(
@@ -499,6 +508,10 @@ def render(result: dict[str, Any]) -> str:
                 f"{_num(row['first_ms'], '8.1f'):>8} {_num(serving.get(name), '13.3f'):>13} "
                 f"{ratio:>11}"
             )
+        lines.append(
+            "  (first ms: the lookup that opens the session; serving cores: the producer's"
+        )
+        lines.append("   CPU while asked, with vLLM's worker busy-looping 1 s after every step)")
     took = f"{result['seconds']:.0f} s; " if "seconds" in result else ""
     lines.append(f"({took}shared machine: compare the rows of one run, not runs)")
     return "\n".join(lines)
