@@ -1,0 +1,248 @@
+"""kvpeer and vLLM 0.32's own ``p2p`` tier share KV both ways, in real engines, over NIXL.
+
+Two pairs of engines run at the same time, one per direction:
+
+- ``vllm-to-kvpeer``: producer A runs vLLM's ``p2p`` tier, consumer B kvpeer's
+  ``KVPeerTier`` with ``data_transports: ["tcp", "nixl"]`` (kvpeer peers would get
+  tcp; vLLM speaks only NIXL, so this pair uses nixl).
+- ``kvpeer-to-vllm``: producer A runs ``KVPeerTier`` with ``["nixl"]``, consumer B
+  vLLM's ``p2p`` tier.
+
+Producers run in vLLM's multiprocessing mode: vLLM's tier answers peers only in serve
+windows (its EngineCore steps nonstop), and kvpeer's symmetric producer needs a
+serve window too (kvpeer wakes its idle EngineCore). Consumers run in-process.
+On each pair, one after the other:
+
+1. PD: A prefills a prompt for a ``remote_decoder`` id and computes a second
+   prompt as an ordinary request; B, which never saw either, decodes the first
+   with ``remote_prefiller`` and then runs the second with ``remote_kv_source``
+   (symmetric: it probes A, which answers from its primary tier). Each pulled run
+   must equal A's local one (tokens; logprobs within ``LOGPROB_TOLERANCE``) while B
+   computed at most one block of the 256 prompt tokens.
+2. Negative control: A prefills a third prompt for another ``remote_decoder`` id,
+   then negates every float of its primary region (``corrupt_primary``); B's pull
+   of it must differ from A's local run, so the equality above compares the very
+   bytes that crossed between the two implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvpeer.integrations.vllm.launcher import EngineLauncher, free_port
+from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
+from tests.vllm.scenario import (
+    BLOCK_TOKENS,
+    CORRUPT_PRIMARY,
+    WARMUP,
+    Pair,
+    RecordProperty,
+    assert_computed_locally,
+    assert_output_differs,
+    assert_pulled_from_peer,
+    assert_same_output,
+    engine,
+    generate,
+    hold_until,
+    kvpeer_tier,
+    prompt,
+    remote_decoder,
+    remote_source,
+    report,
+    request_id,
+    signal,
+    vllm_p2p_tier,
+)
+
+needs_nixl = pytest.mark.skipif(not NixlBackend.available(), reason=INSTALL_HINT)
+
+PD_PROMPT = prompt(21)
+SYMMETRIC_PROMPT = prompt(22)  # the prompts share no block
+CORRUPT_PROMPT = prompt(23)
+# What vLLM logs when it refuses a connect (p2p/session/session.py), what kvpeer logs
+# when a session ends on a refusal, a broken rule or a handshake that never finished,
+# and what it logs when it cannot compute vLLM's fingerprint and sends none (then
+# neither side would check it).
+REFUSALS = (
+    "rejecting peer connect",
+    "ended (rejected)",
+    "ended (protocol_error)",
+    "ended (timeout)",
+    "no config fingerprint",
+)
+# vLLM's consumer gives up on a load after 30 s (not configurable); ours waits as long.
+KVPEER_TIMEOUT_S = 30.0
+
+Tier = Callable[[int], dict[str, Any]]
+
+DIRECTIONS = ("vllm-to-kvpeer", "kvpeer-to-vllm")
+
+
+def kvpeer_nixl(port: int) -> dict[str, Any]:
+    return kvpeer_tier(port, "nixl", timeout_s=KVPEER_TIMEOUT_S)
+
+
+def kvpeer_tcp_then_nixl(port: int) -> dict[str, Any]:
+    """A fleet's usual list: kvpeer peers use tcp, a vLLM peer gets nixl."""
+    return {**kvpeer_nixl(port), "data_transports": ["tcp", "nixl"]}
+
+
+TIERS: dict[str, tuple[Tier, Tier]] = {  # direction -> (producer's tier, consumer's tier)
+    "vllm-to-kvpeer": (vllm_p2p_tier, kvpeer_tcp_then_nixl),
+    "kvpeer-to-vllm": (kvpeer_nixl, vllm_p2p_tier),
+}
+
+
+def run_pair(launcher: EngineLauncher, direction: str, signals: Path) -> Pair:
+    producer_tier, consumer_tier = TIERS[direction]
+    producer_port, consumer_port = free_port(), free_port()
+    pd_id, symmetric_id = request_id(f"{direction}-pd"), request_id(f"{direction}-symmetric")
+    corrupt_id = request_id(f"{direction}-corrupt")
+    ready, pulled, corrupted, done = (signals / n for n in ("ready", "pulled", "corrupt", "done"))
+    producer = engine(
+        launcher,
+        producer_tier(producer_port),
+        [
+            WARMUP,
+            generate("pd-local", PD_PROMPT, remote_decoder(pd_id)),
+            generate("symmetric-local", SYMMETRIC_PROMPT),
+            signal(ready),
+            hold_until("serving", pulled),
+            generate("corrupt-local", CORRUPT_PROMPT, remote_decoder(corrupt_id)),
+            CORRUPT_PRIMARY,
+            signal(corrupted),
+            hold_until("serving-corrupt", done),
+        ],
+    )
+    consumer = engine(
+        launcher,
+        consumer_tier(consumer_port),
+        [
+            WARMUP,
+            hold_until("waiting", ready),
+            generate(
+                "pd-pulled", PD_PROMPT, remote_source("remote_prefiller", pd_id, producer_port)
+            ),
+            generate(
+                "symmetric-pulled",
+                SYMMETRIC_PROMPT,
+                remote_source("remote_kv_source", symmetric_id, producer_port),
+            ),
+            signal(pulled),
+            hold_until("waiting-corrupt", corrupted),
+            generate(
+                "corrupt-pulled",
+                CORRUPT_PROMPT,
+                remote_source("remote_prefiller", corrupt_id, producer_port),
+            ),
+            signal(done),
+        ],
+    )
+    a, b = launcher.run_together([(producer, True), (consumer, False)])
+    return Pair(a, b)
+
+
+@pytest.fixture(scope="module")
+def pairs(
+    launcher: EngineLauncher, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future[Pair]]:
+    """Both directions, started at once and awaited by the tests."""
+
+    def chain(direction: str) -> Callable[[], Pair]:
+        signals = tmp_path_factory.mktemp(f"signals-{direction}")
+        return lambda: run_pair(launcher, direction, signals)
+
+    return {direction: launcher.submit(chain(direction)) for direction in DIRECTIONS}
+
+
+@needs_nixl
+@pytest.mark.parametrize("mode", ["pd", "symmetric"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_consumer_output_equals_the_producers_local_run(
+    pairs: dict[str, Future[Pair]], direction: str, mode: str, record_property: RecordProperty
+) -> None:
+    pair = pairs[direction].result()
+    local, pulled = pair.producer.runs[f"{mode}-local"], pair.consumer.runs[f"{mode}-pulled"]
+
+    assert_computed_locally(local)
+    assert_pulled_from_peer(pulled)
+    assert_same_output(pulled, local)
+    if pulled.blocks_from_peer is not None:  # a kvpeer consumer counts what it loaded
+        assert pulled.blocks_from_peer * BLOCK_TOKENS >= pulled.num_cached_tokens
+    report(record_property, f"{direction}_{mode}_pulled_generate_s", pulled.seconds)
+
+
+@needs_nixl
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_pull_of_corrupted_producer_kv_changes_the_output(
+    pairs: dict[str, Future[Pair]], direction: str
+) -> None:
+    pair = pairs[direction].result()
+    local, pulled = pair.producer.runs["corrupt-local"], pair.consumer.runs["corrupt-pulled"]
+
+    assert_computed_locally(local)
+    assert_pulled_from_peer(pulled)  # still loaded from the peer
+    assert_output_differs(pulled, local)
+
+
+@needs_nixl
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_neither_side_refused_the_others_connect(
+    pairs: dict[str, Future[Pair]], direction: str
+) -> None:
+    """Both sides check block length, hash seed and config fingerprint (each refuses a
+    non-empty fingerprint that differs from its own), and kvpeer sent one."""
+    pair = pairs[direction].result()
+    for outcome in (pair.producer, pair.consumer):
+        assert outcome.log_path is not None
+        log = outcome.log_path.read_text(encoding="utf-8", errors="replace")
+        found = [refusal for refusal in REFUSALS if refusal in log]
+        assert not found, f"{outcome.log_path}: {found}"
+
+
+def test_kvpeer_fingerprints_a_run_config_as_vllms_p2p_tier_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same run config gives the same ``config_fingerprint`` on both sides."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+    from vllm.v1.kv_offload.tiering.p2p.data.base import DataTransport
+
+    from kvpeer.integrations.vllm.tier import _fingerprint
+
+    run_config: dict[str, Any] = {
+        "model_name": "/models/tiny-llama-\u00e9",  # not ASCII: both escape it alike
+        "tokens_per_hash": 32,
+        "blocks_per_file": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "pcp_size": 1,
+        "dcp_size": 1,
+        "dtype": "torch.float32",
+        "kv_cache_groups": [
+            {"tokens_per_block": 32, "layer_names": ["model.layers.0.self_attn.attn"]}
+        ],
+        "inference_engine": "vllm",
+    }
+
+    class Mapper:
+        def get_run_config(self) -> dict[str, Any]:
+            return run_config
+
+    def from_offloading_spec(**kwargs: Any) -> Mapper:
+        assert kwargs["parallel_agnostic"] is True  # what vLLM's p2p tier asks for
+        return Mapper()
+
+    monkeypatch.setattr(FileMapper, "from_offloading_spec", from_offloading_spec)
+    spec = SimpleNamespace(blocks_per_chunk=1)
+
+    want = DataTransport._compute_fingerprint(run_config)
+    assert want
+    assert _fingerprint(spec) == want
