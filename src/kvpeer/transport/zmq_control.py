@@ -360,9 +360,11 @@ class ZmqControl:
         if _events(self._router) & zmq.POLLIN:
             return True
         for link in self._links.values():
+            if not link.alive:
+                continue  # its descriptors are not waited on; the pump releases it
             if link.monitor is not None and _events(link.monitor) & zmq.POLLIN:
                 return True
-            if link.socket is not None and link.alive:
+            if link.socket is not None:
                 events = _events(link.socket)
                 if events & zmq.POLLIN or (link.queue and events & zmq.POLLOUT):
                     return True
