@@ -81,7 +81,7 @@ class IdleSpec:
 
     @classmethod
     def full(cls, idle_s: float = 10.0) -> IdleSpec:
-        return cls("full", (BASELINE, VLLM_P2P, KVPEER_TCP, KVPEER_NIXL), idle_s, 3.0, 9, 2.0)
+        return cls("full", (BASELINE, VLLM_P2P, KVPEER_TCP, KVPEER_NIXL), idle_s, 3.0, 15, 2.0)
 
     @classmethod
     def quick(cls, idle_s: float = 4.0) -> IdleSpec:
