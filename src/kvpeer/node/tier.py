@@ -23,6 +23,11 @@ Invariants:
    serve window.
 7. Only a peer's ``connect`` opens a session; other frames from a peer with no
    live session are stragglers of an ended one and are dropped (counted).
+8. A session that ended because our link to the peer broke says goodbye on a
+   fresh link (best effort, once): the peer's link to us may still work, and a
+   vLLM peer, which never reads answers on its own connection, would otherwise
+   keep the session, wait out each load it sends us and take our next
+   ``connect`` for a duplicate.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpeer.config import TierConfig
-from kvpeer.errors import ProtocolError
+from kvpeer.errors import PeerLost, ProtocolError
 from kvpeer.node.params import LOCAL, Routing, parse_transfer_params, split_peer_id
 from kvpeer.protocol import PROTOCOL_VERSION, Codec, Connect, ConnectExtension, Disconnect
 from kvpeer.session import CloseKind, PeerSession, PollResult
@@ -478,6 +483,18 @@ class Tier:
         if self._peers.get(peer_id) is peer:
             del self._peers[peer_id]
         peer.link.close()
+        if closed.kind is CloseKind.UNREACHABLE:
+            self._say_goodbye(peer_id, closed.reason)
+
+    def _say_goodbye(self, peer_id: str, reason: str) -> None:
+        """A ``disconnect`` on a fresh link to ``peer_id``, which then closes (its
+        queued frame still goes out; see invariant 8)."""
+        try:
+            link = self._control.connect(peer_id)
+        except PeerLost:
+            return
+        link.transmit(self._codec.encode(Disconnect(reason=f"session ended: {reason}")))
+        link.close()
 
     # -- producer binding ------------------------------------------------------------
 
