@@ -1,16 +1,26 @@
-"""Tier invariant 8: when our link to a peer breaks, the peer still hears that the
-session ended (on a fresh link), so it stops using it at once.
+"""Tier invariants 8 and 9: a session's end reaches a peer that still reaches us, and
+refusing a peer does not loop.
+
+Invariant 8: when our link to a peer breaks, the peer still hears that the session
+ended (on a fresh link), so it stops using it at once.
 
 A vLLM 0.32 peer never reads answers on its own connection and keeps a session until
 it is told otherwise: without the goodbye it would send loads into the ended session,
 wait out each one (30 s, then 10 s for an abort ack), and take our next ``connect`` for
 a duplicate. The peer here is a kvpeer tier, which reacts to a ``disconnect`` the same
 way vLLM does: its session ends and its loads fail.
+
+Invariant 9: vLLM answers a ``disconnect`` on a session it already dropped with a new
+session and the same ``connect``. When both sides refuse each other (a fingerprint
+mismatch), opening a session for that connect would send our ``connect`` and goodbye
+again, and so on, many times a second (seen with real engines). An identical connect
+refused within ``handshake_timeout_s`` is refused without a session.
 """
 
 from __future__ import annotations
 
-from kvpeer.protocol import Connect, Disconnect
+from kvpeer.protocol import Codec, Connect, Disconnect
+from kvpeer.testing.network import MemoryControlLink
 from tests.node.tierkit import Cluster, TierNode, decoder, keys, prefiller
 
 KEYS = keys(1, 2, 3)
@@ -55,3 +65,63 @@ def test_after_the_goodbye_a_new_request_opens_a_fresh_session_that_works() -> N
     assert consumer.outcome(load) is True
     assert len(consumer.sent_of(Connect, to=producer)) == 2  # one per session
     assert len(producer.sent_of(Disconnect, to=consumer)) == 1  # said once
+
+
+def mismatched_pair(cluster: Cluster) -> tuple[TierNode, TierNode]:
+    """Two nodes whose config fingerprints differ: each refuses the other's connect."""
+    a = cluster.add("a", 1, {"config_fingerprint": "model-x", "handshake_timeout_s": 30})
+    b = cluster.add("b", 2, {"config_fingerprint": "model-y", "handshake_timeout_s": 30})
+    return a, b
+
+
+def reconnect(node: TierNode, peer: TierNode) -> MemoryControlLink:
+    """What vLLM does after our goodbye: a new connection and the same ``connect``."""
+    (hello,) = node.sent_of(Connect, to=peer)
+    link = node.control.inner.connect(peer.peer_id)
+    assert link.transmit(Codec().encode(hello))
+    return link
+
+
+def test_the_same_refused_connect_is_refused_without_a_session() -> None:
+    cluster = Cluster()
+    a, b = mismatched_pair(cluster)
+    a.load(a.request("c", prefiller("kv1", b)), KEYS)
+    cluster.run()
+    assert len(b.sent_of(Connect, to=a)) == 1
+    refused_before = b.stats().peers_refused
+
+    reconnect(a, b)
+    cluster.run(2)
+
+    assert len(b.sent_of(Connect, to=a)) == 1  # no new session, no new connect from b
+    assert b.stats().sessions == 0
+    assert b.stats().peers_refused == refused_before + 1
+    (*_, answer) = b.sent_of(Disconnect, to=a)
+    assert answer.reason.endswith("(this connect was refused before)")
+
+
+def test_a_refused_connect_counts_for_one_handshake_timeout() -> None:
+    cluster = Cluster()
+    a, b = mismatched_pair(cluster)
+    a.load(a.request("c", prefiller("kv1", b)), KEYS)
+    cluster.run()
+
+    cluster.advance(30)
+    reconnect(a, b)
+    cluster.run(2)
+
+    assert len(b.sent_of(Connect, to=a)) == 2  # a session again (and refused again)
+
+
+def test_a_different_connect_from_the_same_address_opens_a_session() -> None:
+    cluster = Cluster()
+    a, b = mismatched_pair(cluster)
+    a.load(a.request("c", prefiller("kv1", b)), KEYS)
+    cluster.run()
+
+    fixed = cluster.restart(a)  # its config fixed: no fingerprint of its own
+    b.store(b.request("p", decoder("kv2")), KEYS)
+    load, _ = fixed.load(fixed.request("c", prefiller("kv2", b)), KEYS)
+    cluster.run()
+
+    assert fixed.outcome(load) is True

@@ -28,10 +28,15 @@ Invariants:
    vLLM peer, which never reads answers on its own connection, would otherwise
    keep the session, wait out each load it sends us and take our next
    ``connect`` for a duplicate.
+9. A peer's ``connect`` identical to one we refused within ``handshake_timeout_s``
+   is refused on the peer's own connection without opening a session: a vLLM peer
+   answers our goodbye with a new session and the same ``connect``, and opening
+   a session for it (our ``connect``, then our goodbye) would loop.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -135,6 +140,8 @@ class Tier:
         self._unreleased: list[ServeRequest] = []
         self._refused = 0
         self._stray = 0  # frames from peers without a live session (not a connect)
+        # peer -> (digest of the connect we refused, when that stops counting, why)
+        self._refused_hellos: dict[str, tuple[bytes, float, str]] = {}
         self._blocks_loaded = 0
         self._load_seconds = 0.0
         self._codec = Codec()
@@ -427,6 +434,11 @@ class Tier:
             if not self._opens_session(frame):
                 self._stray += 1
                 return
+            refused = self._refused_hellos.get(peer_id)
+            if refused is not None and refused[0] == _digest(frame) and now < refused[1]:
+                self._refused += 1
+                self._refuse(peer_id, frame, f"{refused[2]} (this connect was refused before)")
+                return
             peer = self._peer(peer_id, now)
             if peer is None:
                 self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
@@ -436,6 +448,9 @@ class Tier:
         if not peer.session.alive:
             result = peer.session.poll(now)
             self._handle(peer_id, peer, result)
+            closed = result.closed
+            if closed is not None and closed.kind is CloseKind.REJECTED:
+                self._remember_refusal(peer_id, frame, closed.reason, now)
             if result.closed is not None and result.closed.kind is CloseKind.RESTARTED:
                 log.info("peer %s restarted; opening a fresh session", peer_id)
                 fresh = self._peer(peer_id, now)
@@ -575,8 +590,23 @@ class Tier:
             if now < expiry:
                 break
             del self._early_fetches[kv_request_id]
+        while self._refused_hellos:  # in expiry order: one timeout for all of them
+            peer_id, (_, expiry, _) = next(iter(self._refused_hellos.items()))
+            if now < expiry:
+                break
+            del self._refused_hellos[peer_id]
 
     # -- sessions ----------------------------------------------------------------------
+
+    def _remember_refusal(self, peer_id: str, frame: bytes, reason: str, now: float) -> None:
+        """Invariant 9: ``frame`` (a connect) made us refuse ``peer_id``."""
+        if not self._opens_session(frame):
+            return
+        self._refused_hellos.pop(peer_id, None)
+        expiry = now + self._config.handshake_timeout_s
+        self._refused_hellos[peer_id] = (_digest(frame), expiry, reason)
+        while len(self._refused_hellos) > self._config.max_peers:
+            del self._refused_hellos[next(iter(self._refused_hellos))]
 
     def _opens_session(self, frame: bytes) -> bool:
         try:
@@ -662,3 +692,7 @@ class Tier:
                 },
             ),
         )
+
+
+def _digest(frame: bytes) -> bytes:
+    return hashlib.blake2b(frame, digest_size=16).digest()
