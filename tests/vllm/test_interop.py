@@ -23,12 +23,17 @@ On each pair, one after the other:
    then negates every float of its primary region (``corrupt_primary``); B's pull
    of it must differ from A's local run, so the equality above compares the very
    bytes that crossed between the two implementations.
+3. Refusal (vLLM producer only): a third engine, a kvpeer consumer configured with
+   another ``config_fingerprint``, asks A for a PD prompt. vLLM refuses its connect
+   without telling it; kvpeer refuses vLLM's connect as well, so it computes locally
+   at once (not after its timeouts), and the refusals stop (no storm).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,11 +42,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.integrations.vllm.launcher import EngineLauncher, free_port
+from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, free_port
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 from tests.vllm.scenario import (
     BLOCK_TOKENS,
     CORRUPT_PRIMARY,
+    HOST,
     WARMUP,
     Pair,
     RecordProperty,
@@ -80,6 +86,12 @@ REFUSALS = (
 )
 # vLLM's consumer gives up on a load after 30 s (not configurable); ours waits as long.
 KVPEER_TIMEOUT_S = 30.0
+# The refused consumer's timeouts: it must fall back long before them (at the refusal).
+REFUSED_TIMEOUT_S = 60.0
+# Each side refuses the other's connect, once: vLLM answers kvpeer's goodbye with a
+# new session and the same connect, which kvpeer refuses without a session (tier
+# invariant 9). Before that, the two went on refusing each other many times a second.
+MAX_REFUSALS = 1
 
 Tier = Callable[[int], dict[str, Any]]
 
@@ -101,8 +113,39 @@ TIERS: dict[str, tuple[Tier, Tier]] = {  # direction -> (producer's tier, consum
 }
 
 
-def run_pair(launcher: EngineLauncher, direction: str, signals: Path) -> Pair:
+@dataclass(frozen=True)
+class Interop:
+    pair: Pair
+    consumer_peer: str  # the consumer's peer id, as the producer's log names it
+    refused: EngineOutcome | None  # a kvpeer consumer with another fingerprint
+
+
+def refused_consumer(
+    launcher: EngineLauncher, producer_port: int, ready: Path, finished: Path
+) -> dict[str, Any]:
+    """A kvpeer consumer whose ``config_fingerprint`` is not the producer's."""
+    tier = {
+        **kvpeer_tier(free_port(), "nixl", timeout_s=REFUSED_TIMEOUT_S),
+        "config_fingerprint": "not-this-model",
+    }
+    source = remote_source("remote_prefiller", request_id("refused"), producer_port)
+    return engine(
+        launcher,
+        tier,
+        [
+            WARMUP,
+            hold_until("waiting", ready),
+            generate("refused", PD_PROMPT, source),
+            signal(finished),
+        ],
+    )
+
+
+def run_pair(launcher: EngineLauncher, direction: str, signals: Path) -> Interop:
+    """The PD, symmetric and corrupted pulls; with a vLLM producer also the refusal."""
     producer_tier, consumer_tier = TIERS[direction]
+    with_refusal = direction == "vllm-to-kvpeer"
+    refused_done = signals / "refused"
     producer_port, consumer_port = free_port(), free_port()
     pd_id, symmetric_id = request_id(f"{direction}-pd"), request_id(f"{direction}-symmetric")
     corrupt_id = request_id(f"{direction}-corrupt")
@@ -120,6 +163,7 @@ def run_pair(launcher: EngineLauncher, direction: str, signals: Path) -> Pair:
             CORRUPT_PRIMARY,
             signal(corrupted),
             hold_until("serving-corrupt", done),
+            *([hold_until("refusing", refused_done)] if with_refusal else []),
         ],
     )
     consumer = engine(
@@ -146,17 +190,20 @@ def run_pair(launcher: EngineLauncher, direction: str, signals: Path) -> Pair:
             signal(done),
         ],
     )
-    a, b = launcher.run_together([(producer, True), (consumer, False)])
-    return Pair(a, b)
+    engines = [(producer, True), (consumer, False)]
+    if with_refusal:
+        engines.append((refused_consumer(launcher, producer_port, ready, refused_done), False))
+    a, b, *refused = launcher.run_together(engines)
+    return Interop(Pair(a, b), f"{HOST}:{consumer_port}", refused[0] if refused else None)
 
 
 @pytest.fixture(scope="module")
 def pairs(
     launcher: EngineLauncher, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Future[Pair]]:
+) -> dict[str, Future[Interop]]:
     """Both directions, started at once and awaited by the tests."""
 
-    def chain(direction: str) -> Callable[[], Pair]:
+    def chain(direction: str) -> Callable[[], Interop]:
         signals = tmp_path_factory.mktemp(f"signals-{direction}")
         return lambda: run_pair(launcher, direction, signals)
 
@@ -167,9 +214,9 @@ def pairs(
 @pytest.mark.parametrize("mode", ["pd", "symmetric"])
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_consumer_output_equals_the_producers_local_run(
-    pairs: dict[str, Future[Pair]], direction: str, mode: str, record_property: RecordProperty
+    pairs: dict[str, Future[Interop]], direction: str, mode: str, record_property: RecordProperty
 ) -> None:
-    pair = pairs[direction].result()
+    pair = pairs[direction].result().pair
     local, pulled = pair.producer.runs[f"{mode}-local"], pair.consumer.runs[f"{mode}-pulled"]
 
     assert_computed_locally(local)
@@ -183,9 +230,9 @@ def test_consumer_output_equals_the_producers_local_run(
 @needs_nixl
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_pull_of_corrupted_producer_kv_changes_the_output(
-    pairs: dict[str, Future[Pair]], direction: str
+    pairs: dict[str, Future[Interop]], direction: str
 ) -> None:
-    pair = pairs[direction].result()
+    pair = pairs[direction].result().pair
     local, pulled = pair.producer.runs["corrupt-local"], pair.consumer.runs["corrupt-pulled"]
 
     assert_computed_locally(local)
@@ -196,16 +243,42 @@ def test_pull_of_corrupted_producer_kv_changes_the_output(
 @needs_nixl
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_neither_side_refused_the_others_connect(
-    pairs: dict[str, Future[Pair]], direction: str
+    pairs: dict[str, Future[Interop]], direction: str
 ) -> None:
     """Both sides check block length, hash seed and config fingerprint (each refuses a
-    non-empty fingerprint that differs from its own), and kvpeer sent one."""
-    pair = pairs[direction].result()
-    for outcome in (pair.producer, pair.consumer):
+    non-empty fingerprint that differs from its own), and kvpeer sent one. (vLLM's
+    producer does refuse the refused consumer: its lines name that peer, not ours.)"""
+    interop = pairs[direction].result()
+    for outcome in (interop.pair.producer, interop.pair.consumer):
         assert outcome.log_path is not None
-        log = outcome.log_path.read_text(encoding="utf-8", errors="replace")
-        found = [refusal for refusal in REFUSALS if refusal in log]
+        lines = outcome.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        found = [
+            line
+            for line in lines
+            if any(refusal in line for refusal in REFUSALS)
+            and (outcome is interop.pair.consumer or interop.consumer_peer in line)
+        ]
         assert not found, f"{outcome.log_path}: {found}"
+
+
+@needs_nixl
+def test_kvpeer_consumer_refused_by_vllm_computes_locally_at_once(
+    pairs: dict[str, Future[Interop]],
+) -> None:
+    """vLLM refuses a connect without a word to the peer; kvpeer checks vLLM's connect
+    the same way, refuses it too and falls back at once, not after its timeouts."""
+    interop = pairs["vllm-to-kvpeer"].result()
+    refused = interop.refused
+    assert refused is not None
+    assert refused.log_path is not None
+    run, local = refused.runs["refused"], interop.pair.producer.runs["pd-local"]
+
+    assert_computed_locally(run)
+    assert_same_output(run, local)
+    assert run.seconds < REFUSED_TIMEOUT_S, "the fallback waited for a timeout"
+    log = refused.log_path.read_text(encoding="utf-8", errors="replace")
+    refusals = log.count("ended (rejected): config fingerprint mismatch")
+    assert refusals == MAX_REFUSALS, f"{refusals} sessions refused"
 
 
 def test_kvpeer_fingerprints_a_run_config_as_vllms_p2p_tier_does(
