@@ -1,6 +1,7 @@
 """kvpeer and vLLM 0.32's own ``p2p`` tier share KV both ways, in real engines, over NIXL.
 
-Two pairs of engines run at the same time, one per direction:
+Two pairs of engines run at the same time, one per direction (the first with a
+third engine, see 3.):
 
 - ``vllm-to-kvpeer``: producer A runs vLLM's ``p2p`` tier, consumer B kvpeer's
   ``KVPeerTier`` with ``data_transports: ["tcp", "nixl"]`` (kvpeer peers would get
@@ -26,7 +27,8 @@ On each pair, one after the other:
 3. Refusal (vLLM producer only): a third engine, a kvpeer consumer configured with
    another ``config_fingerprint``, asks A for a PD prompt. vLLM refuses its connect
    without telling it; kvpeer refuses vLLM's connect as well, so it computes locally
-   at once (not after its timeouts), and the refusals stop (no storm).
+   at once (not after its timeouts). Each side refuses once: vLLM's next, identical
+   connect is refused without a session (no refusal loop).
 """
 
 from __future__ import annotations
