@@ -22,11 +22,9 @@ loaded from A: kvpeer's counters say how many blocks and bytes, and vLLM's
 
 from __future__ import annotations
 
-import random
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,15 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["DATA_PLANES", "DemoResult", "ScenarioResult", "judge", "render", "run_demo"]
 
 DATA_PLANES = ("shm", "tcp", "nixl")
-HOST = "127.0.0.1"
 BLOCK_TOKENS = 32  # the runner's vLLM block size
-GENERATED_TOKENS = 8
-CPU_BYTES = 64 * 1024 * 1024
 LOGPROB_TOLERANCE = 1e-4
 PEER_TIMEOUT_S = 20.0  # lookup / load / handshake timeouts of both tiers
 SIGNAL_TIMEOUT_S = 600.0  # backstop only: a failed partner is stopped at once
 MAX_PROMPT_TOKENS = 448  # the runner's max_model_len (512) less room to generate
-VOCAB = (3, 512)  # token ids of the tiny model, past its special tokens
 
 Progress = Callable[[str], None]
 
@@ -101,11 +95,6 @@ def default_model_dir(cache_home: str | None = None) -> Path:
     return Path(cache_home or Path.home() / ".cache") / "kvpeer" / "tiny-llama"
 
 
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(*VOCAB) for _ in range(length)]
-
-
 def run_demo(
     *,
     data_plane: str = "shm",
@@ -124,6 +113,7 @@ def run_demo(
             f"prompt tokens {prompt_tokens}: must be {BLOCK_TOKENS * 2}..{MAX_PROMPT_TOKENS}"
         )
     _require(data_plane)
+    from kvpeer.integrations.vllm import scenario as sc
     from kvpeer.integrations.vllm.launcher import EngineLauncher, free_port
     from kvpeer.integrations.vllm.model import ensure_tiny_llama
 
@@ -136,41 +126,43 @@ def run_demo(
     launcher = EngineLauncher(model, logs, jobs=1)
     try:
         producer_port, consumer_port = free_port(), free_port()
-        pd_id, sym_id = (f"demo-{tag}-{uuid.uuid4().hex[:8]}" for tag in ("pd", "sym"))
-        pd_prompt, sym_prompt = prompt(1, prompt_tokens), prompt(2, prompt_tokens)
+        pd_id, sym_id = sc.request_id("demo-pd"), sc.request_id("demo-sym")
+        pd_prompt, sym_prompt = sc.prompt(1, prompt_tokens), sc.prompt(2, prompt_tokens)
         signals = {name: str(logs / f"{name}.signal") for name in ("a1", "b1", "a2", "b2")}
-        producer = _scenario(
+        producer = sc.engine_scenario(
             launcher.model,
             launcher.new_engine_id("kvpeer-demo-a"),
-            _tier(producer_port, data_plane, short_name=True),
+            sc.kvpeer_tier(producer_port, data_plane, PEER_TIMEOUT_S, short_name=True),
             [
-                _warmup(),
-                _generate("pd-local", pd_prompt, {"remote_decoder": {"kv_request_id": pd_id}}),
-                {"op": "signal", "file": signals["a1"]},
-                _hold("serving-pd", signals["b1"]),
-                _generate("symmetric-local", sym_prompt),
-                {"op": "signal", "file": signals["a2"]},
-                _hold("serving-symmetric", signals["b2"]),
+                sc.warmup(),
+                sc.generate("pd-local", pd_prompt, sc.remote_decoder(pd_id)),
+                sc.signal(signals["a1"]),
+                sc.hold_until("serving-pd", signals["b1"], SIGNAL_TIMEOUT_S),
+                sc.generate("symmetric-local", sym_prompt),
+                sc.signal(signals["a2"]),
+                sc.hold_until("serving-symmetric", signals["b2"], SIGNAL_TIMEOUT_S),
             ],
         )
-        consumer = _scenario(
+        consumer = sc.engine_scenario(
             launcher.model,
             launcher.new_engine_id("kvpeer-demo-b"),
-            _tier(consumer_port, data_plane),
+            sc.kvpeer_tier(consumer_port, data_plane, PEER_TIMEOUT_S),
             [
-                _warmup(),
-                _hold("waiting-pd", signals["a1"]),
-                _generate(
-                    "pd-pulled", pd_prompt, _source("remote_prefiller", pd_id, producer_port)
+                sc.warmup(),
+                sc.hold_until("waiting-pd", signals["a1"], SIGNAL_TIMEOUT_S),
+                sc.generate(
+                    "pd-pulled",
+                    pd_prompt,
+                    sc.remote_source("remote_prefiller", pd_id, producer_port),
                 ),
-                {"op": "signal", "file": signals["b1"]},
-                _hold("waiting-symmetric", signals["a2"]),
-                _generate(
+                sc.signal(signals["b1"]),
+                sc.hold_until("waiting-symmetric", signals["a2"], SIGNAL_TIMEOUT_S),
+                sc.generate(
                     "symmetric-pulled",
                     sym_prompt,
-                    _source("remote_kv_source", sym_id, producer_port),
+                    sc.remote_source("remote_kv_source", sym_id, producer_port),
                 ),
-                {"op": "signal", "file": signals["b2"]},
+                sc.signal(signals["b2"]),
             ],
         )
         progress(f"starting engine A (producer) and engine B (consumer), data plane {data_plane}")
@@ -287,64 +279,3 @@ def _rate(gbps: float | None) -> str:
 
 def _secs(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
-
-
-# -- scenario pieces ---------------------------------------------------------------
-
-
-def _tier(port: int, data_plane: str, *, short_name: bool = False) -> dict[str, Any]:
-    """A kvpeer tier entry; ``short_name`` uses the type kvpeer's vLLM plugin registers."""
-    entry: dict[str, Any] = (
-        {"type": "kvpeer"}
-        if short_name
-        else {"type": "KVPeerTier", "module_path": "kvpeer.integrations.vllm"}
-    )
-    return {
-        **entry,
-        "host": HOST,
-        "port": port,
-        "data_transports": [data_plane],
-        "load_timeout_s": PEER_TIMEOUT_S,
-        "lookup_timeout_s": PEER_TIMEOUT_S,
-        "handshake_timeout_s": PEER_TIMEOUT_S,
-    }
-
-
-def _scenario(
-    model: Path, engine_id: str, tier: dict[str, Any], steps: list[dict[str, Any]]
-) -> dict[str, Any]:
-    return {
-        "model": str(model),
-        "engine_id": engine_id,
-        "spec_name": "CpuTieringOffloadingSpec",
-        "cpu_bytes_to_use": CPU_BYTES,
-        "extra_config": {"secondary_tiers": [tier]},
-        "steps": steps,
-    }
-
-
-def _generate(
-    label: str, tokens: list[int], params: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    step: dict[str, Any] = {
-        "op": "generate",
-        "label": label,
-        "prompt": tokens,
-        "max_tokens": GENERATED_TOKENS,
-    }
-    if params is not None:
-        step["kv_transfer_params"] = params
-    return step
-
-
-def _warmup() -> dict[str, Any]:
-    """The first generate of an engine is slow; it must not count as a TTFT."""
-    return {**_generate("warmup", prompt(3, 40)), "max_tokens": 2}
-
-
-def _hold(label: str, until_file: str) -> dict[str, Any]:
-    return {"op": "hold", "label": label, "until_file": until_file, "timeout_s": SIGNAL_TIMEOUT_S}
-
-
-def _source(role: str, kv_request_id: str, port: int) -> dict[str, Any]:
-    return {role: {"kv_request_id": kv_request_id, "remote_host": HOST, "remote_port": port}}

@@ -1,29 +1,67 @@
-"""Building blocks of the two-engine vLLM scenarios (runner steps, tier entries, checks).
-
-A scenario is a JSON object for :mod:`kvpeer.integrations.vllm.runner`; the helpers
-here build its steps and the ``secondary_tiers`` entries, and check what came back.
+"""The two-engine vLLM tests' constants and checks, over the scenario builders of
+:mod:`kvpeer.integrations.vllm.scenario` (re-exported here with the tests' defaults).
 """
 
 from __future__ import annotations
 
-import random
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from kvpeer.integrations.vllm import scenario
 from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, Generation
+from kvpeer.integrations.vllm.scenario import (
+    CPU_BYTES,
+    GENERATED_TOKENS,
+    HOST,
+    SIGNAL_TIMEOUT_S,
+    generate,
+    hold_until,
+    prompt,
+    remote_decoder,
+    remote_source,
+    request_id,
+    signal,
+    vllm_p2p_tier,
+    warmup,
+)
+
+__all__ = [  # the package's builders, re-exported for the tests, and this module's own
+    "BLOCK_TOKENS",
+    "CORRUPT_PRIMARY",
+    "CPU_BYTES",
+    "GENERATED_TOKENS",
+    "HOST",
+    "LOGPROB_TOLERANCE",
+    "MIN_PEER_TOKENS",
+    "PEER_TIMEOUT_S",
+    "PROMPT_TOKENS",
+    "SIGNAL_TIMEOUT_S",
+    "WARMUP",
+    "Pair",
+    "RecordProperty",
+    "assert_computed_locally",
+    "assert_output_differs",
+    "assert_pulled_from_peer",
+    "assert_same_output",
+    "engine",
+    "generate",
+    "hold_until",
+    "kvpeer_tier",
+    "prompt",
+    "remote_decoder",
+    "remote_source",
+    "report",
+    "request_id",
+    "signal",
+    "vllm_p2p_tier",
+]
 
 PROMPT_TOKENS = 256
 BLOCK_TOKENS = 32
-GENERATED_TOKENS = 8
 MIN_PEER_TOKENS = PROMPT_TOKENS - BLOCK_TOKENS
 LOGPROB_TOLERANCE = 1e-4
-CPU_BYTES = 64 * 1024 * 1024
-HOST = "127.0.0.1"
 PEER_TIMEOUT_S = 10.0  # load, lookup and handshake timeouts of the kvpeer tiers
-SIGNAL_TIMEOUT_S = 300.0  # backstop only: a failed partner is stopped at once
 
 RecordProperty = Callable[[str, object], None]  # pytest's ``record_property`` fixture
 
@@ -34,79 +72,18 @@ class Pair:
     consumer: EngineOutcome
 
 
-def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(length)]
-
-
-WARMUP_PROMPT = prompt(14, length=40)  # the first generate of an engine is slow
-
-
 def kvpeer_tier(port: int, plane: str, timeout_s: float = PEER_TIMEOUT_S) -> dict[str, Any]:
-    return {
-        "type": "KVPeerTier",
-        "module_path": "kvpeer.integrations.vllm",
-        "host": HOST,
-        "port": port,
-        "data_transports": [plane],
-        "load_timeout_s": timeout_s,
-        "lookup_timeout_s": timeout_s,
-        "handshake_timeout_s": timeout_s,
-    }
-
-
-def vllm_p2p_tier(port: int) -> dict[str, Any]:
-    """vLLM 0.32's own ``p2p`` tier (NIXL over UCX; it has no timeouts to set)."""
-    return {"type": "p2p", "host": HOST, "port": port}
+    return scenario.kvpeer_tier(port, plane, timeout_s)
 
 
 def engine(
     launcher: EngineLauncher, tier: dict[str, Any], steps: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    return {
-        "model": str(launcher.model),
-        "engine_id": launcher.new_engine_id(),
-        "spec_name": "CpuTieringOffloadingSpec",
-        "cpu_bytes_to_use": CPU_BYTES,
-        "extra_config": {"secondary_tiers": [tier]},
-        "steps": steps,
-    }
+    return scenario.engine_scenario(launcher.model, launcher.new_engine_id(), tier, steps)
 
 
-def generate(label: str, tokens: list[int], params: dict[str, Any] | None = None) -> dict[str, Any]:
-    step: dict[str, Any] = {
-        "op": "generate",
-        "label": label,
-        "prompt": tokens,
-        "max_tokens": GENERATED_TOKENS,
-    }
-    if params is not None:
-        step["kv_transfer_params"] = params
-    return step
-
-
-WARMUP = {**generate("warmup", WARMUP_PROMPT), "max_tokens": 2}
+WARMUP = warmup()
 CORRUPT_PRIMARY = {"op": "corrupt_primary"}
-
-
-def signal(path: Path) -> dict[str, Any]:
-    return {"op": "signal", "file": str(path)}
-
-
-def hold_until(label: str, path: Path) -> dict[str, Any]:
-    return {"op": "hold", "label": label, "until_file": str(path), "timeout_s": SIGNAL_TIMEOUT_S}
-
-
-def remote_decoder(kv_request_id: str) -> dict[str, Any]:
-    return {"remote_decoder": {"kv_request_id": kv_request_id}}
-
-
-def remote_source(role: str, kv_request_id: str, port: int) -> dict[str, Any]:
-    return {role: {"kv_request_id": kv_request_id, "remote_host": HOST, "remote_port": port}}
-
-
-def request_id(tag: str) -> str:
-    return f"{tag}-{uuid.uuid4().hex[:12]}"
 
 
 # --- checks ------------------------------------------------------------------------------

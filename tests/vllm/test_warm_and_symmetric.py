@@ -14,12 +14,9 @@ consumer B in-process, so its kvpeer counters say how many blocks came from A.
 
 from __future__ import annotations
 
-import random
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -27,16 +24,23 @@ pytest.importorskip("vllm")
 
 from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, free_port
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
+from tests.vllm.scenario import (
+    BLOCK_TOKENS,
+    LOGPROB_TOLERANCE,
+    MIN_PEER_TOKENS,
+    WARMUP,
+    engine,
+    generate,
+    hold_until,
+    kvpeer_tier,
+    prompt,
+    remote_decoder,
+    remote_source,
+    request_id,
+    signal,
+)
 
-PROMPT_TOKENS = 256
-BLOCK_TOKENS = 32
-GENERATED_TOKENS = 8
-MIN_PEER_TOKENS = PROMPT_TOKENS - BLOCK_TOKENS
-LOGPROB_TOLERANCE = 1e-4
-CPU_BYTES = 64 * 1024 * 1024
-HOST = "127.0.0.1"
 PEER_TIMEOUT_S = 20.0
-SIGNAL_TIMEOUT_S = 300.0
 SHAPES = ("gpu-warm", "primary-warm", "symmetric")
 
 PLANES = [
@@ -45,105 +49,45 @@ PLANES = [
         "nixl", marks=pytest.mark.skipif(not NixlBackend.available(), reason=INSTALL_HINT)
     ),
 ]
-
-
-def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(length)]
-
-
 PROMPTS = {shape: prompt(21 + i) for i, shape in enumerate(SHAPES)}
-
-
-def generate(label: str, tokens: list[int], params: dict[str, Any] | None = None) -> dict[str, Any]:
-    step: dict[str, Any] = {
-        "op": "generate",
-        "label": label,
-        "prompt": tokens,
-        "max_tokens": GENERATED_TOKENS,
-    }
-    if params is not None:
-        step["kv_transfer_params"] = params
-    return step
-
-
-def hold(label: str, path: Path) -> dict[str, Any]:
-    return {"op": "hold", "label": label, "until_file": str(path), "timeout_s": SIGNAL_TIMEOUT_S}
-
-
-def signal(path: Path) -> dict[str, Any]:
-    return {"op": "signal", "file": str(path)}
-
-
-def engine(
-    launcher: EngineLauncher, port: int, plane: str, steps: list[dict[str, Any]]
-) -> dict[str, Any]:
-    tier = {
-        "type": "KVPeerTier",
-        "module_path": "kvpeer.integrations.vllm",
-        "host": HOST,
-        "port": port,
-        "data_transports": [plane],
-        "load_timeout_s": PEER_TIMEOUT_S,
-        "lookup_timeout_s": PEER_TIMEOUT_S,
-        "handshake_timeout_s": PEER_TIMEOUT_S,
-    }
-    return {
-        "model": str(launcher.model),
-        "engine_id": launcher.new_engine_id(),
-        "spec_name": "CpuTieringOffloadingSpec",
-        "cpu_bytes_to_use": CPU_BYTES,
-        "extra_config": {"secondary_tiers": [tier]},
-        "steps": steps,
-    }
 
 
 def run_pair(launcher: EngineLauncher, plane: str, signals: Path) -> tuple[EngineOutcome, ...]:
     producer_port, consumer_port = free_port(), free_port()
-    ids = {shape: f"{shape}-{plane}-{uuid.uuid4().hex[:8]}" for shape in SHAPES}
+    ids = {shape: request_id(f"{shape}-{plane}") for shape in SHAPES}
     ready = {shape: signals / f"ready-{shape}" for shape in SHAPES}
     pulled = {shape: signals / f"pulled-{shape}" for shape in SHAPES}
     warm, primary, symmetric = (PROMPTS[shape] for shape in SHAPES)
     producer_steps = [
-        {**generate("warmup", prompt(9, 40)), "max_tokens": 2},
+        WARMUP,
         # gpu-warm: computed first, then asked for by a decoder while still cached.
         generate("local-gpu-warm", warm),
-        generate("decoder-gpu-warm", warm, {"remote_decoder": {"kv_request_id": ids["gpu-warm"]}}),
+        generate("decoder-gpu-warm", warm, remote_decoder(ids["gpu-warm"])),
         signal(ready["gpu-warm"]),
-        hold("serving-gpu-warm", pulled["gpu-warm"]),
+        hold_until("serving-gpu-warm", pulled["gpu-warm"]),
         # primary-warm: the device prefix cache is emptied; the CPU primary keeps it.
         generate("local-primary-warm", primary),
         {"op": "reset_prefix_cache"},
-        generate(
-            "decoder-primary-warm",
-            primary,
-            {"remote_decoder": {"kv_request_id": ids["primary-warm"]}},
-        ),
+        generate("decoder-primary-warm", primary, remote_decoder(ids["primary-warm"])),
         signal(ready["primary-warm"]),
-        hold("serving-primary-warm", pulled["primary-warm"]),
+        hold_until("serving-primary-warm", pulled["primary-warm"]),
         generate("local-symmetric", symmetric),
         signal(ready["symmetric"]),
-        hold("serving-symmetric", pulled["symmetric"]),
+        hold_until("serving-symmetric", pulled["symmetric"]),
     ]
-    consumer_steps: list[dict[str, Any]] = [{**generate("warmup", prompt(9, 40)), "max_tokens": 2}]
+    consumer_steps = [WARMUP]
     for shape in SHAPES:
         role = "remote_kv_source" if shape == "symmetric" else "remote_prefiller"
-        source = {
-            role: {"kv_request_id": ids[shape], "remote_host": HOST, "remote_port": producer_port}
-        }
         consumer_steps += [
-            hold(f"waiting-{shape}", ready[shape]),
-            generate(f"pulled-{shape}", PROMPTS[shape], source),
+            hold_until(f"waiting-{shape}", ready[shape]),
+            generate(
+                f"pulled-{shape}", PROMPTS[shape], remote_source(role, ids[shape], producer_port)
+            ),
             signal(pulled[shape]),
         ]
-    return tuple(
-        launcher.run_together(
-            [
-                (engine(launcher, producer_port, plane, producer_steps), True),
-                (engine(launcher, consumer_port, plane, consumer_steps), False),
-            ]
-        )
-    )
+    producer = engine(launcher, kvpeer_tier(producer_port, plane, PEER_TIMEOUT_S), producer_steps)
+    consumer = engine(launcher, kvpeer_tier(consumer_port, plane, PEER_TIMEOUT_S), consumer_steps)
+    return tuple(launcher.run_together([(producer, True), (consumer, False)]))
 
 
 @pytest.fixture(scope="module")

@@ -119,58 +119,45 @@ def block_keys(tokens: Sequence[int]) -> tuple[list[bytes], str]:
 # -- engines -----------------------------------------------------------------------------
 
 
-def _tier(name: str, port: int) -> list[dict[str, Any]]:
+def _tiers(name: str, port: int) -> list[dict[str, Any]]:
+    from kvpeer.integrations.vllm import scenario as sc
+
     if name == BASELINE:
         return []
     if name == VLLM_P2P:
-        return [{"type": "p2p", "host": HOST, "port": port}]
+        return [sc.vllm_p2p_tier(port, host=HOST)]
     plane = {KVPEER_TCP: "tcp", KVPEER_NIXL: "nixl"}[name]
-    return [
-        {
-            "type": "KVPeerTier",
-            "module_path": "kvpeer.integrations.vllm",
-            "host": HOST,
-            "port": port,
-            "data_transports": [plane],
-        }
-    ]
+    return [sc.kvpeer_tier(port, plane, host=HOST)]
 
 
 def _scenario(
     launcher: EngineLauncher, name: str, port: int, spec: IdleSpec, signals: Path
 ) -> dict[str, Any]:
-    def generate(label: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
-        return {"op": "generate", "label": label, "prompt": tokens, "max_tokens": max_tokens}
+    from kvpeer.integrations.vllm import scenario as sc
 
     def until(label: str, file: Path) -> dict[str, Any]:
-        return {
-            "op": "hold",
-            "label": label,
-            "until_file": str(file),
-            "timeout_s": SIGNAL_TIMEOUT_S,
-        }
+        return sc.hold_until(label, file, SIGNAL_TIMEOUT_S)
 
     steps = [
-        generate("prompt", PROMPT, 8),
-        {"op": "signal", "file": str(signals / f"ready-{name}")},
+        sc.generate("prompt", PROMPT, max_tokens=8),
+        sc.signal(signals / f"ready-{name}"),
         until("waiting", signals / "go"),
         {"op": "hold", "label": "settling", "seconds": spec.settle_s},
         {"op": "hold", "label": "idle", "seconds": spec.idle_s},
-        {"op": "signal", "file": str(signals / f"idle-{name}")},
+        sc.signal(signals / f"idle-{name}"),
     ]
     if name in LOOKUP_TARGETS:  # its turn to be asked, then the lookups
         steps += [
             until("queued", signals / f"turn-{name}"),
             until("serving", signals / f"release-{name}"),
         ]
-    return {
-        "model": str(launcher.model),
-        "engine_id": launcher.new_engine_id(f"kvpeer-idle-{name}"),
-        "spec_name": "CpuTieringOffloadingSpec",
-        "cpu_bytes_to_use": CPU_BYTES,
-        "extra_config": {"secondary_tiers": _tier(name, port)},
-        "steps": steps,
-    }
+    return sc.engine_scenario(
+        launcher.model,
+        launcher.new_engine_id(f"kvpeer-idle-{name}"),
+        _tiers(name, port),
+        steps,
+        cpu_bytes=CPU_BYTES,
+    )
 
 
 def _wait_for(path: Path, engines: Future[list[EngineOutcome]], what: str) -> None:
