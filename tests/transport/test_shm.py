@@ -17,8 +17,9 @@ from kvpeer.errors import DataPlaneError
 from kvpeer.host import BlockPool
 from kvpeer.protocol import Connect, TransportOffer
 from kvpeer.session.ports import TransferEvent
+from kvpeer.transport.data import shm
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
-from kvpeer.transport.data.shm import INLINE_BYTES, ShmBackend, host_identity
+from kvpeer.transport.data.shm import INLINE_BYTES, PREFAULT_BYTES, ShmBackend, host_identity
 from tests.transport.conformance import TIMEOUT_S
 
 BLOCK = 4096
@@ -194,6 +195,44 @@ def test_bytes_reach_another_process() -> None:
             child.wait()
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_the_copy_thread_prefaults_a_new_mapping_after_add_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """add_peer runs inside the handshake: it must not wait for the peer's pages
+    (faulting in a 64 MiB region took 11-120 ms per side of a first PD pull). The copy
+    thread faults them in by pieces, and a small copy meanwhile still lands at once."""
+    held = threading.Event()
+    release = threading.Event()
+    pieces: list[tuple[str, int, int]] = []
+
+    def piece(mm: object, base: int, start: int, length: int) -> None:
+        pieces.append((threading.current_thread().name, start, length))
+        held.set()
+        assert release.wait(TIMEOUT_S)
+
+    monkeypatch.setattr(shm, "_prefault", piece)
+    pair = Pair(num_blocks=2 * PREFAULT_BYTES // INLINE_BYTES, block_len=INLINE_BYTES)
+    try:
+        pair.a.add_peer("B", pair.hello_b, pair.b.offer())  # returns with a piece held
+        assert held.wait(TIMEOUT_S)
+        data = os.urandom(INLINE_BYTES)
+        pair.a_pool.view[0:INLINE_BYTES] = data
+        transfer_id = pair.a.write_blocks("B", [0], [3])
+        assert [e.transfer_id for e in pair.a.poll("B") if e.success] == [transfer_id]
+        assert bytes(pair.b_pool.view[3 * INLINE_BYTES : 4 * INLINE_BYTES]) == data
+        release.set()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(pieces) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pieces == [
+            ("kvpeer-shm-copy", 0, PREFAULT_BYTES),
+            ("kvpeer-shm-copy", PREFAULT_BYTES, PREFAULT_BYTES),
+        ]
+    finally:
+        release.set()
+        pair.close()
 
 
 def test_remove_peer_during_a_copy_is_safe_and_silent() -> None:

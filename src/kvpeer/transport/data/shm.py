@@ -2,8 +2,9 @@
 
 The consumer's primary region is a file under ``/dev/shm``; its offer names the file,
 the host and the file's identity. A producer on the same host maps that file once at
-``add_peer`` (shared, read-write, prefaulted) and copies blocks into it with plain
-memory copies. The consumer takes no part in a write, so windows are not enforced
+``add_peer`` (shared, read-write) and copies blocks into it with plain memory copies.
+The mapping is prefaulted by the copy thread afterwards, so the handshake never waits
+for it. The consumer takes no part in a write, so windows are not enforced
 (``accept_writer`` has nothing to do): a one-sided write cannot be refused.
 
 Invariants:
@@ -19,6 +20,10 @@ Invariants:
    (released or abandoned) transfer is never reported.
 5. Contiguous runs (consecutive local *and* remote slots) are copied as one range, in
    chunks of at most :data:`CHUNK_BYTES` so a cancel or removal waits for one chunk.
+6. A new mapping's pages are faulted in by the copy thread, :data:`PREFAULT_BYTES`
+   at a time without the GIL, only while no transfer is queued: ``add_peer`` (on the
+   handshake's path) returns at once, and a transfer never waits for more than one
+   piece. A copy into a page not faulted in yet is correct, only slower.
 
 The region must outlive the backend: close the backend before unmapping the region.
 """
@@ -48,6 +53,8 @@ __all__ = ["CHUNK_BYTES", "ShmBackend", "ShmStatistics", "host_identity"]
 CHUNK_BYTES = 16 * 1024 * 1024
 #: Transfers up to this size are copied on the calling thread (cheaper than a thread hop).
 INLINE_BYTES = 256 * 1024
+#: The copy thread faults a new mapping in by pieces of this size (invariant 6).
+PREFAULT_BYTES = 4 * 1024 * 1024
 #: ``MADV_POPULATE_WRITE`` (Linux 5.14+); the ``mmap`` module exports it only from 3.13.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _JOIN_TIMEOUT_S = 10.0
@@ -85,7 +92,10 @@ class _Mapping:
     mm: mmap.mmap
     base: int  # address of its row 0
     num_blocks: int
-    users: int = 0  # transfers being copied into it right now
+    size: int = 0
+    users: int = 0  # transfers (or a prefault piece) using it right now
+    prefaulted: int = 0  # bytes from the start already faulted in
+    removed: bool = False
 
 
 @dataclass(slots=True)
@@ -145,6 +155,7 @@ class ShmBackend:
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
         self._queue: deque[_Transfer] = deque()
+        self._unfaulted: deque[_Mapping] = deque()  # mappings to prefault (invariant 6)
         self._transfers: dict[int, _Transfer] = {}
         self._peers: dict[str, _Mapping] = {}
         self._counters = _Counters()
@@ -211,7 +222,6 @@ class ShmBackend:
                 os.close(fd)
         except (OSError, ValueError) as exc:
             raise DataPlaneError(f"shm: cannot map {path} of {peer_id!r}: {exc}") from exc
-        _prefault(mm)
         anchor = ctypes.c_char.from_buffer(mm)
         base = ctypes.addressof(anchor)
         del anchor  # the export would keep the mapping from ever closing
@@ -219,7 +229,10 @@ class ShmBackend:
             if self._closed:
                 mm.close()
                 raise DataPlaneError("shm: backend is closed")
-            self._peers[peer_id] = _Mapping(mm, base, hello.num_blocks)
+            mapping = _Mapping(mm, base, hello.num_blocks, size)
+            self._peers[peer_id] = mapping
+            self._unfaulted.append(mapping)
+            self._lock.notify_all()
         return {}
 
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
@@ -233,6 +246,9 @@ class ShmBackend:
             self._counters.events.pop(peer_id, None)
             if mapping is None:
                 return
+            mapping.removed = True
+            with contextlib.suppress(ValueError):
+                self._unfaulted.remove(mapping)
             if not self._lock.wait_for(lambda: mapping.users == 0, timeout=_JOIN_TIMEOUT_S):
                 raise DataPlaneError(f"shm: copy into {peer_id!r} did not stop; mapping kept")
         mapping.mm.close()
@@ -334,13 +350,36 @@ class ShmBackend:
     def _run(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._queue or self._closed)
+                self._lock.wait_for(lambda: self._queue or self._unfaulted or self._closed)
                 if self._closed:
                     return
+                if not self._queue:
+                    self._prefault_piece()
+                    continue
                 transfer = self._queue.popleft()
                 transfer.state = _State.COPYING
                 transfer.mapping.users += 1
             self._finish(transfer, self._copy(transfer), notify=True)
+
+    def _prefault_piece(self) -> None:
+        """Fault in the next piece of the oldest unfaulted mapping (lock held on entry
+        and exit; released while the pages are faulted in)."""
+        mapping = self._unfaulted[0]
+        start = mapping.prefaulted
+        length = min(PREFAULT_BYTES, mapping.size - start)
+        mapping.users += 1
+        self._lock.release()
+        try:
+            _prefault(mapping.mm, mapping.base, start, length)
+        finally:
+            self._lock.acquire()
+            mapping.users -= 1
+            mapping.prefaulted = start + length
+            if (mapping.prefaulted >= mapping.size or mapping.removed) and (
+                self._unfaulted and self._unfaulted[0] is mapping
+            ):
+                self._unfaulted.popleft()
+            self._lock.notify_all()
 
     def _finish(self, transfer: _Transfer, copied: int, *, notify: bool) -> None:
         with self._lock:
@@ -376,17 +415,33 @@ class ShmBackend:
         return copied
 
 
-def _prefault(mm: mmap.mmap) -> None:
-    """Map every page of ``mm`` now: first touches run at a fraction of memcpy speed.
+def _prefault(mm: mmap.mmap, base: int, start: int, length: int) -> None:
+    """Fault in ``length`` bytes of ``mm`` from ``start`` (page aligned): first touches
+    run at a fraction of memcpy speed.
 
-    ``MADV_POPULATE_WRITE`` faults pages in writable without changing them. Older
-    kernels get one *read* per page: writing would race with the owner's own writes.
+    ``MADV_POPULATE_WRITE`` faults pages in writable without changing them; it is
+    called through ctypes, which releases the GIL (``mmap.madvise`` holds it, and
+    the engine thread with it). Older kernels get one *read* per page: writing
+    would race with the owner's own writes.
     """
+    if _LIBC is not None and _LIBC.madvise(base + start, length, _MADV_POPULATE_WRITE) == 0:
+        return
+    view = memoryview(mm)
     try:
-        mm.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):
-        view = memoryview(mm)
-        try:
-            bytes(view[:: mmap.PAGESIZE])
-        finally:
-            view.release()
+        bytes(view[start : start + length : mmap.PAGESIZE])
+    finally:
+        view.release()
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return libc
+
+
+_LIBC = _libc()
