@@ -135,6 +135,25 @@ def test_frames_arrive_in_order_in_both_directions(
     assert a.statistics().frames_sent == b.statistics().frames_received == len(frames)
 
 
+def test_a_first_frame_leaves_without_the_pump(controls: Callable[..., ZmqControl]) -> None:
+    """connect opens the socket at once and transmit sends on it: a first contact's
+    connect needs no driver wake-up (a starved driver delayed it by up to ~70 ms).
+    Closing the link right away still delivers it (last words linger)."""
+    a, b, c = controls(), controls(), controls()
+    link = a.connect(b.local_id)
+    assert link.transmit(b"first")
+    assert not link.queue
+    inbox = Inbox(b)  # ``a`` is never pumped
+    assert inbox.until(lambda: [f.frame for f in inbox.of(b)] == [b"first"])
+
+    goodbye = c.connect(b.local_id)
+    assert goodbye.transmit(b"goodbye")
+    goodbye.close()
+    c.flush()  # releases the link at once, before its connection may even be up
+    assert c.statistics().links == 0
+    assert inbox.until(lambda: [f.frame for f in inbox.of(b)][1:] == [b"goodbye"])
+
+
 def test_malformed_peer_id_is_a_dead_link_not_an_exception(
     controls: Callable[..., ZmqControl],
 ) -> None:

@@ -6,11 +6,12 @@ carries ours. Socket rules:
 
 1. Sockets are touched only by calls the owner serialises (the node's lock):
    :meth:`ZmqControl.receive` and :meth:`ZmqControl.flush` (the pump),
-   :meth:`ZmqLink.transmit`, :meth:`ZmqControl.refuse` and
-   :meth:`ZmqControl.close`. ``transmit`` sends at once, without blocking, on a
-   link whose socket is open and has nothing queued, so a frame from the engine
-   thread leaves without a hop through the driver; anything else is queued for
-   the pump. Only the pump opens and closes sockets.
+   :meth:`ZmqControl.connect`, :meth:`ZmqLink.transmit`, :meth:`ZmqControl.refuse`
+   and :meth:`ZmqControl.close`. ``connect`` opens the link's socket at once and
+   ``transmit`` sends at once, without blocking, on a link whose socket is open and
+   has nothing queued, so a frame from the engine thread - a first contact's
+   ``connect`` too - leaves without a hop through the driver; anything else is
+   queued for the pump. Only the pump closes sockets.
    :meth:`ZmqControl.wait` touches no socket: it sleeps on the file descriptors
    (``ZMQ_FD`` of each socket, the wake-up eventfd) the last pump gathered, so
    another thread may send while the driver sleeps. ``ZMQ_FD`` is
@@ -235,7 +236,10 @@ class ZmqControl:
             raise PeerLost("control transport is closed")
         link = ZmqLink(self, peer_id, self._max_queued)
         self._links[id(link)] = link
-        self.wake()
+        # Opened here, not by the next pump: a driver starved on a busy machine
+        # delayed first contacts by up to ~70 ms. A failure leaves a dead link.
+        self._open(link)
+        self._refresh_wait_set()  # wakes the driver to sleep on the new descriptors
         return link
 
     def flush(self) -> None:
@@ -467,8 +471,9 @@ class ZmqControl:
             self._answers.append(InboundFrame(link.peer_id, frame))
 
     def _send_last_words(self, link: ZmqLink) -> None:
-        """Best effort: a closed link's queued frames (a ``disconnect``) still go out."""
-        if not link.queue or link.dead_reason is not None:
+        """Best effort: a closed link's frames (a ``disconnect``) still go out, queued
+        ones and those sent at once that ZMQ may still hold (a fresh connection)."""
+        if link.dead_reason is not None or (not link.queue and link.socket is None):
             return
         if link.socket is None:
             self._open(link)
