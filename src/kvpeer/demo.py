@@ -118,9 +118,8 @@ def run_demo(
     from kvpeer.integrations.vllm.model import ensure_tiny_llama
 
     started = time.monotonic()
-    model = model_dir
-    progress(f"model: {model} (created on first use)")
-    ensure_tiny_llama(model)
+    progress(f"model: {model_dir} (created on first use)")
+    model = ensure_tiny_llama(model_dir)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
     launcher = EngineLauncher(model, logs, jobs=1)
@@ -185,13 +184,15 @@ def run_demo(
 
 
 def _require(data_plane: str) -> None:
+    """Fail before any work if vLLM (or NIXL for its plane) is missing. Only looks for
+    vLLM: importing it here would cost seconds, and only the engine processes use it."""
+    import importlib.util
+
     from kvpeer.errors import ConfigError
     from kvpeer.integrations.vllm import VLLM_INSTALL_HINT
 
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(f"kvpeer demo: {VLLM_INSTALL_HINT}") from exc
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"kvpeer demo: {VLLM_INSTALL_HINT}")
     if data_plane == "nixl":
         from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 

@@ -451,7 +451,7 @@ class Tier:
             closed = result.closed
             if closed is not None and closed.kind is CloseKind.REJECTED:
                 self._remember_refusal(peer_id, frame, closed.reason, now)
-            if result.closed is not None and result.closed.kind is CloseKind.RESTARTED:
+            if closed is not None and closed.kind is CloseKind.RESTARTED:
                 log.info("peer %s restarted; opening a fresh session", peer_id)
                 fresh = self._peer(peer_id, now)
                 if fresh is not None:
