@@ -115,9 +115,17 @@ def _endpoint(peer_id: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+# Plain ints: flag arithmetic on pyzmq's enums costs more than the socket call.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
 def _events(sock: zmq.Socket[bytes]) -> int:
-    """``ZMQ_EVENTS``: what the socket can do now (also runs its pending commands)."""
-    events = sock.getsockopt(zmq.EVENTS)
+    """``ZMQ_EVENTS``: what the socket can do now (also runs its pending commands).
+    Asking first is cheaper than a receive that raises ``Again``."""
+    events = sock.get(_EVENTS)
     assert isinstance(events, int)
     return events
 
@@ -154,13 +162,13 @@ class ZmqLink:
             self._owner.lose(self, f"more than {self._max_queued} frames waiting to be sent")
             return False
         self.queue.append(frame)
-        self._owner.wake()
+        self._owner.mark_dirty()
         return True
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._owner.wake()
+            self._owner.mark_dirty()
 
 
 class ZmqControl:
@@ -220,6 +228,7 @@ class ZmqControl:
         self._dropped = 0
         self._lost = 0
         self._closed = False
+        self._dirty = False  # a link has queued frames, or must be opened or released
         self._router_fd: int = self._router.fileno()
         self._wait_fds: tuple[int, ...] = ()
         self._poller = select.poll()
@@ -243,24 +252,24 @@ class ZmqControl:
         return link
 
     def flush(self) -> None:
-        """Open/close sockets, read monitors and send every queued frame."""
-        if self._closed:
+        """Send queued frames, open and release sockets: a no-op unless a link
+        queued a frame, closed or died since the last pump."""
+        if self._closed or not self._dirty:
             return
-        for link in list(self._links.values()):
-            self._pump_link(link)
-        self._refresh_wait_set()
-        if self._work_pending():
-            self.wake()  # ZMQ_FD will not signal what a pump left behind
+        self._pump()
 
     def receive(self) -> list[InboundFrame]:
-        """Pump: read the ROUTER, open/close sockets, send queued frames, read monitors."""
+        """Pump: read the ROUTER, then every link (monitor, answers, queued frames)."""
         if self._closed:
             return []
         self._drain_wake()
         frames: list[InboundFrame] = []
-        for _ in range(10_000):  # bounded: the driver loops again if more wait
+        router = self._router
+        for _ in range(10_000):  # bounded: the pump wakes the driver if more wait
+            if not _events(router) & _POLLIN:
+                break
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = router.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
             if len(parts) != 2:
@@ -279,7 +288,7 @@ class ZmqControl:
             self._received += 1
             frames.append(InboundFrame(peer_id, parts[1].bytes, source))
         # Pumped after the ROUTER was read: an arrived frame goes to dispatch first.
-        self.flush()
+        self._pump()
         frames.extend(self._answers)
         self._answers = []
         return frames
@@ -296,6 +305,11 @@ class ZmqControl:
         self._shutdown_context()
 
     # -- driver support ------------------------------------------------------------------
+
+    def mark_dirty(self) -> None:
+        """A link needs the pump (owner's lock held): wake the driver for it."""
+        self._dirty = True
+        self.wake()
 
     def wake(self) -> None:
         """Make the driver's :meth:`wait` return (callable from any thread)."""
@@ -325,14 +339,14 @@ class ZmqControl:
         if sock is None or not link.alive:
             return False
         try:
-            sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            sock.send(frame, _NOBLOCK, copy=len(frame) < 65536)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
             self._lose(link, f"send failed: {exc}")
             return True  # consumed: the link is dead now
         self._sent += 1
-        if _events(sock) & zmq.POLLIN:
+        if _events(sock) & _POLLIN:
             self.wake()  # the send may have eaten ZMQ_FD's edge for an inbound frame
         return True
 
@@ -359,21 +373,6 @@ class ZmqControl:
         self._poller, self._wait_fds = poller, fds
         self.wake()  # a driver asleep on the old set must sleep on this one
 
-    def _work_pending(self) -> bool:
-        """A socket holds work its ZMQ_FD may not signal again (pump, lock held)."""
-        if _events(self._router) & zmq.POLLIN:
-            return True
-        for link in self._links.values():
-            if not link.alive:
-                continue  # its descriptors are not waited on; the pump releases it
-            if link.monitor is not None and _events(link.monitor) & zmq.POLLIN:
-                return True
-            if link.socket is not None:
-                events = _events(link.socket)
-                if events & zmq.POLLIN or (link.queue and events & zmq.POLLOUT):
-                    return True
-        return False
-
     def _configure(self, sock: zmq.Socket[bytes]) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         interval, timeout = self._heartbeat
@@ -383,24 +382,36 @@ class ZmqControl:
         if self._ipv6:
             sock.setsockopt(zmq.IPV6, 1)
 
-    def _pump_link(self, link: ZmqLink) -> None:
+    def _pump(self) -> None:
+        """Pump every link; wake the driver if a socket was left with work its
+        ``ZMQ_FD`` will not signal again (rule 1)."""
+        self._dirty = False
+        pending = False
+        for link in list(self._links.values()):
+            pending |= self._pump_link(link)
+        self._refresh_wait_set()
+        if pending or _events(self._router) & _POLLIN:
+            self.wake()
+
+    def _pump_link(self, link: ZmqLink) -> bool:
+        """Open, read, send or release one link; True if it still has work."""
         if link.closed:
             self._send_last_words(link)
             self._release(link)
             del self._links[id(link)]
-            return
+            return False
         if link.dead_reason is not None:
-            return
+            return False
         if link.socket is None:
             self._open(link)
             if link.socket is None:
-                return
+                return False
         self._read_monitor(link)
         sock = link.socket
         self._read_answers(link, sock)
         while link.queue and link.alive:
             try:
-                sock.send(link.queue[0], zmq.NOBLOCK, copy=len(link.queue[0]) < 65536)
+                sock.send(link.queue[0], _NOBLOCK, copy=len(link.queue[0]) < 65536)
             except zmq.Again:
                 break  # high-water mark: try again on the next pump
             except zmq.ZMQError as exc:
@@ -408,6 +419,10 @@ class ZmqControl:
                 break
             link.queue.popleft()
             self._sent += 1
+        if not link.alive or link.socket is None:
+            return False
+        events = _events(sock)
+        return bool(events & _POLLIN or (link.queue and events & _POLLOUT))
 
     def _open(self, link: ZmqLink) -> None:
         try:
@@ -436,9 +451,9 @@ class ZmqControl:
         monitor = link.monitor
         if monitor is None:
             return
-        while True:
+        while _events(monitor) & _POLLIN:
             try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(monitor, _NOBLOCK)
             except zmq.Again:
                 return
             kind = int(event["event"])
@@ -463,8 +478,10 @@ class ZmqControl:
     def _read_answers(self, link: ZmqLink, sock: zmq.Socket[bytes]) -> None:
         """Frames a peer sent back on our DEALER (a refusal): delivered as from it."""
         for _ in range(64):
+            if not _events(sock) & _POLLIN:
+                return
             try:
-                frame = sock.recv(zmq.NOBLOCK)
+                frame = sock.recv(_NOBLOCK)
             except zmq.ZMQError:
                 return
             self._received += 1
@@ -494,6 +511,7 @@ class ZmqControl:
     def _lose(self, link: ZmqLink, reason: str) -> None:
         if link.dead_reason is None:
             link.dead_reason = reason
+            self._dirty = True  # its descriptors leave the wait set
             self._lost += 1
             log.info("control link to %s lost: %s", link.peer_id, reason)
 
