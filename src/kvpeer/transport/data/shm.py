@@ -9,8 +9,9 @@ for it. The consumer takes no part in a write, so windows are not enforced
 
 Invariants:
 
-1. One copy thread per backend runs transfers in submission order; ``write_blocks``
-   only validates and queues (it never copies on the caller's thread).
+1. A transfer of at most :data:`INLINE_BYTES` that finds nothing queued is copied
+   on the caller's thread (cheaper than a hop to another thread and back); every
+   other one is queued for the backend's copy thread, which runs them in order.
 2. Slots are checked against both regions before a transfer is queued; the copy
    thread copies raw addresses, so nothing unchecked ever reaches it.
 3. A peer's mapping is unmapped only when no copy uses it: ``remove_peer`` and
@@ -153,7 +154,12 @@ class ShmBackend:
         stat = os.stat(self._path)
         self._file_id = (stat.st_dev, stat.st_ino)
         self._ids = itertools.count(1)
-        self._lock = threading.Condition()
+        mutex = threading.Lock()
+        # Two conditions on one lock: the copy thread sleeps on _lock (work queued),
+        # remove_peer on _idle (a mapping's users dropped). A finished transfer then
+        # wakes nobody who has nothing to do.
+        self._lock = threading.Condition(mutex)
+        self._idle = threading.Condition(mutex)
         self._queue: deque[_Transfer] = deque()
         self._unfaulted: deque[_Mapping] = deque()  # mappings to prefault (invariant 6)
         self._transfers: dict[int, _Transfer] = {}
@@ -249,7 +255,7 @@ class ShmBackend:
             mapping.removed = True
             with contextlib.suppress(ValueError):
                 self._unfaulted.remove(mapping)
-            if not self._lock.wait_for(lambda: mapping.users == 0, timeout=_JOIN_TIMEOUT_S):
+            if not self._idle.wait_for(lambda: mapping.users == 0, timeout=_JOIN_TIMEOUT_S):
                 raise DataPlaneError(f"shm: copy into {peer_id!r} did not stop; mapping kept")
         mapping.mm.close()
 
@@ -325,6 +331,7 @@ class ShmBackend:
             for transfer in list(self._transfers.values()):
                 self._drop(transfer)
             self._lock.notify_all()
+            self._idle.notify_all()
         if self._thread is not threading.current_thread():  # notify may close us
             self._thread.join(_JOIN_TIMEOUT_S)
         with self._lock:
@@ -379,7 +386,7 @@ class ShmBackend:
                 self._unfaulted and self._unfaulted[0] is mapping
             ):
                 self._unfaulted.popleft()
-            self._lock.notify_all()
+            self._idle.notify_all()
 
     def _finish(self, transfer: _Transfer, copied: int, *, notify: bool) -> None:
         with self._lock:
@@ -392,7 +399,7 @@ class ShmBackend:
                 self._counters.events.setdefault(transfer.peer_id, []).append(
                     TransferEvent(transfer.transfer_id, True)
                 )
-            self._lock.notify_all()
+            self._idle.notify_all()
         if finished and notify:
             self._notify()
 
