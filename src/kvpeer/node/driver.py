@@ -11,10 +11,15 @@ Invariants:
    frame, a finished transfer), or the tier's next deadline comes, and at
    least every ``max_wait_s``. Everything that does not need the parent is
    therefore applied without waiting for an engine step; when peer work starts
-   waiting for a serve window, ``wake_host`` tells an idle engine to step. An
-   engine blocked in :meth:`DrivenTier.wait_for_work` polls too when a frame
-   or a completion arrives (whichever thread gets the lock first polls), so a
-   result reaches it without a hop through the driver thread.
+   waiting for a serve window, ``wake_host`` tells an idle engine to step.
+   One thread watches for frames: while an engine thread is blocked in
+   :meth:`DrivenTier.wait_for_work`, *it* polls when a frame, a wake-up or a
+   completion arrives, so a result reaches it without a hop through the driver
+   thread, and the driver only keeps the tier's timers (two threads woken by
+   one frame would only fight for the lock and the cores). The driver sleeps
+   on its own eventfd then; it is kicked when a timer moves earlier and when
+   the last engine thread leaves ``wait_for_work``, and then watches frames
+   again (a frame that arrived meanwhile keeps its descriptor readable).
 3. A crash in the driver fails every job the tier held (they come back from
    ``get_finished_jobs``) and raises :class:`DriverCrashed` on the engine's
    next call, once; afterwards the tier answers MISS and fails new jobs.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -89,6 +95,12 @@ class DrivenTier:
         self._wake_host = wake_host
         self._host_woken = False
         self._sleeps_until = 0.0  # when the driver wakes by itself next
+        self._deadline: float | None = None  # the tier's next timer, from the last poll
+        self._watchers = 0  # engine threads in wait_for_work (invariant 2)
+        # The driver's own wake-up (invariant 2): always watched by the driver only.
+        self._kick_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._kick_poller = select.poll()
+        self._kick_poller.register(self._kick_fd, select.POLLIN)
         tier.driven = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -97,25 +109,38 @@ class DrivenTier:
 
     def _run(self) -> None:
         try:
+            poll = True
             while not self._stop.is_set() and self._crash is None:
-                with self._lock:
-                    deadline, needs_serve = self._poll_locked()
-                if needs_serve and not self._host_woken and self._wake_host is not None:
+                wake_host = False
+                # An engine thread that watches frames was woken by whatever woke
+                # us: unless a timer is due, leave the poll to it (invariant 2).
+                if poll or self._clock() >= self._sleeps_until:
+                    with self._lock:
+                        _, needs_serve = self._poll_locked(driver=True)
+                    wake_host = needs_serve and not self._host_woken
+                    self._host_woken = needs_serve
+                if wake_host and self._wake_host is not None:
                     self._wake_host()  # once per wait for a serve window
-                self._host_woken = needs_serve
                 now = self._clock()
                 wait = self._max_wait
-                if deadline is not None:
+                if (deadline := self._deadline) is not None:
                     wait = min(wait, max(0.0, deadline - now))
                 self._sleeps_until = now + wait
-                self._waiter.wait(wait)
+                if self._watchers == 0:
+                    self._waiter.wait(wait, also=(self._kick_fd,))
+                else:
+                    self._kick_poller.poll(wait * 1000)
+                kicked = False
+                with contextlib.suppress(BlockingIOError):
+                    kicked = os.eventfd_read(self._kick_fd) > 0
+                poll = not kicked and self._watchers == 0
         except BaseException as exc:  # surfaced to the engine, never swallowed
             if self._crash is None:  # the wait itself broke
                 log.exception("kvpeer driver thread crashed")
                 with self._lock:
                     self._crashed(exc)
 
-    def _poll_locked(self) -> tuple[float | None, bool]:
+    def _poll_locked(self, *, driver: bool = False) -> tuple[float | None, bool]:
         """Poll the tier (lock held, any thread): its next deadline and whether peer
         work waits for a serve window. A crash fails every job and re-raises."""
         if self._crash is not None:
@@ -123,7 +148,9 @@ class DrivenTier:
         try:
             self._tier.poll()
             self._polls += 1
-            deadline = self._tier.next_deadline()
+            deadline = self._deadline = self._tier.next_deadline()
+            if not driver and deadline is not None and deadline < self._sleeps_until:
+                self._kick()  # the driver re-arms its timer
             needs_serve = self._tier.needs_serve()
             if needs_serve or self._tier.has_results():
                 self._want_serve()
@@ -137,6 +164,10 @@ class DrivenTier:
         self._crash = exc
         self._fail_all(f"driver crashed: {exc!r}")
         self._want_serve()
+
+    def _kick(self) -> None:
+        if self._kick_fd >= 0:
+            os.eventfd_write(self._kick_fd, 1)
 
     def _want_serve(self) -> None:
         if not self._serve_wanted.is_set():
@@ -154,9 +185,9 @@ class DrivenTier:
         try:
             if self._stop.is_set():
                 return
-            deadline, needs_serve = self._poll_locked()
-            if needs_serve or (deadline is not None and deadline < self._sleeps_until):
-                self._waiter.wake()  # the driver calls wake_host and re-arms its timer
+            _, needs_serve = self._poll_locked()
+            if needs_serve:
+                self._waiter.wake()  # a watching driver calls wake_host
         except BaseException:
             return  # recorded as a crash: the engine hears of it on its next call
         finally:
@@ -179,6 +210,20 @@ class DrivenTier:
         only when needed, e.g. an idle engine. While it waits, the calling thread
         polls the tier itself whenever a frame or a completion arrives."""
         deadline = self._clock() + timeout_s
+        with self._lock:
+            self._watchers += 1
+        try:
+            return self._wait_for_work(deadline)
+        finally:
+            with self._lock:
+                self._watchers -= 1
+                if self._watchers == 0:
+                    self._kick()  # the driver watches frames again
+
+    def _wait_for_work(self, deadline: float) -> bool:
+        # No poll before the first sleep: until now the driver watched, and what it
+        # has not handled yet keeps a descriptor readable, so the sleep returns.
+        woken = False
         while True:
             with self._lock:
                 self._check()
@@ -187,7 +232,8 @@ class DrivenTier:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wanted_fd)  # written again while wanted
                 try:
-                    self._poll_locked()
+                    if woken:
+                        self._poll_locked()
                 except Exception:
                     self._check()  # raises DriverCrashed
                     raise
@@ -198,6 +244,7 @@ class DrivenTier:
             if remaining <= 0:
                 return False
             self._waiter.wait(remaining, also=(self._wanted_fd,))
+            woken = True
 
     @property
     def crashed(self) -> bool:
@@ -248,11 +295,10 @@ class DrivenTier:
                 return
             self._tier.submit_load(job)
             # The fetch already left (frames go out under the lock); the driver
-            # only needs waking if the load's timer is due before it wakes anyway.
-            deadline = self._tier.next_deadline()
-            wake = deadline is not None and deadline < self._sleeps_until
-        if wake:
-            self._waiter.wake()
+            # only needs kicking if the load's timer is due before it wakes anyway.
+            deadline = self._deadline = self._tier.next_deadline()
+            if deadline is not None and deadline < self._sleeps_until:
+                self._kick()
 
     def get_finished_jobs(self) -> list[JobResult]:
         with self._lock:
@@ -298,7 +344,7 @@ class DrivenTier:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._waiter.wake()
+        self._kick()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         with self._lock:
@@ -306,3 +352,6 @@ class DrivenTier:
             if self._wanted_fd >= 0:
                 os.close(self._wanted_fd)
                 self._wanted_fd = -1
+            if self._kick_fd >= 0 and not self._thread.is_alive():
+                os.close(self._kick_fd)
+                self._kick_fd = -1
