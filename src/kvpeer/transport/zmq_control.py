@@ -265,7 +265,7 @@ class ZmqControl:
         self._drain_wake()
         frames: list[InboundFrame] = []
         router = self._router
-        for _ in range(10_000):  # bounded: the pump wakes the driver if more wait
+        for _ in range(10_000):  # bounded: the driver is woken if more wait
             if not _events(router) & _POLLIN:
                 break
             try:
@@ -287,6 +287,8 @@ class ZmqControl:
             source = address if isinstance(address, str) else None
             self._received += 1
             frames.append(InboundFrame(peer_id, parts[1].bytes, source))
+        else:
+            self.wake()  # cut short: frames still wait, and ZMQ_FD will not say so
         # Pumped after the ROUTER was read: an arrived frame goes to dispatch first.
         self._pump()
         frames.extend(self._answers)
@@ -390,7 +392,7 @@ class ZmqControl:
         for link in list(self._links.values()):
             pending |= self._pump_link(link)
         self._refresh_wait_set()
-        if pending or _events(self._router) & _POLLIN:
+        if pending:
             self.wake()
 
     def _pump_link(self, link: ZmqLink) -> bool:
@@ -471,9 +473,11 @@ class ZmqControl:
         if self._closed:
             return
         try:
-            self._router.send_multipart([peer_id.encode("utf-8"), frame], zmq.NOBLOCK)
+            self._router.send_multipart([peer_id.encode("utf-8"), frame], _NOBLOCK)
         except (zmq.ZMQError, UnicodeEncodeError):
             self._dropped += 1  # gone already, or its pipe is full: it was best effort
+        if _events(self._router) & _POLLIN:
+            self.wake()  # the send may have eaten ZMQ_FD's edge for an inbound frame
 
     def _read_answers(self, link: ZmqLink, sock: zmq.Socket[bytes]) -> None:
         """Frames a peer sent back on our DEALER (a refusal): delivered as from it."""
