@@ -230,6 +230,7 @@ class ProducerRole:
             self._fetched.append(kv_request_id)  # PD demand: the owner binds parked stores
         self._match(kv_request_id, request, round_, now)
         self._check_unmet(kv_request_id, request, round_, now)
+        self._collect_writes(now)
 
     def on_abort_fetch(self, message: AbortFetch, now: float) -> None:
         request = self._requests.get(message.kv_request_id)
@@ -296,6 +297,7 @@ class ProducerRole:
             if round_.demand:
                 self._match(kv_request_id, request, round_, now)
         self._prune(kv_request_id)
+        self._collect_writes(now)
 
     def finish_supply(self, kv_request_id: str, now: float) -> None:
         """Our request for the id finished: no more stores; unmet demand fails now."""
@@ -310,8 +312,7 @@ class ProducerRole:
 
     def tick(self, now: float) -> None:
         """Collect finished writes, drain deadlines and store timeouts."""
-        for event in self._data.poll(self._peer_id):
-            self._on_transfer_event(event.transfer_id, event.success, event.reason, now)
+        self._collect_writes(now, eager=False)
         for kv_request_id, seq in self._draining:
             round_ = self._requests[kv_request_id].rounds[seq]
             if now >= round_.drain_deadline:
@@ -330,6 +331,15 @@ class ProducerRole:
                 if supply.state is _State.AVAILABLE:
                     self._settle(supply, False, f"not fetched within {deadline:g}s")
             self._prune(job.kv_request_id)
+
+    def _collect_writes(self, now: float, *, eager: bool = True) -> None:
+        """Handle finished writes: from ``tick``, and right after a write started
+        (``eager``: a small write may be done already, and its reply goes out now
+        instead of at the end of the poll)."""
+        if eager and not self._transfers:
+            return
+        for event in self._data.poll(self._peer_id):
+            self._on_transfer_event(event.transfer_id, event.success, event.reason, now)
 
     def _expire_transfers(self, now: float) -> None:
         """Writes still running past ``transfer_timeout_s`` fail their round: the
