@@ -42,10 +42,12 @@ def test_frames_go_to_the_waiting_engine_and_back_to_the_driver(plane: str) -> N
 
     while_waiting = [thread for thread, waiting in polled if waiting]
     otherwise = [thread for thread, waiting in polled if not waiting]
-    # Each load's transfer_done arrives while the puller waits in wait_for_work;
-    # the driver never polls it (tcp's receiving thread may, when it completes).
-    assert len(while_waiting) >= 20
-    assert "kvpeer-driver" not in while_waiting
-    assert threading.main_thread().name in while_waiting
+    # A load's transfer_done mostly arrives while the puller waits in wait_for_work,
+    # and the puller polls it (tcp's receiving thread may too, when it completes).
+    # The driver gets one only if it woke for it just before the puller began to
+    # wait, or on a timer; with both threads watching it would get about half.
+    assert len(while_waiting) >= 10
+    assert while_waiting.count("kvpeer-driver") <= len(while_waiting) // 10
+    assert while_waiting.count(threading.main_thread().name) >= len(while_waiting) // 2
     # Lookup answers arrive while the puller does not wait: the driver reads them.
     assert "kvpeer-driver" in otherwise

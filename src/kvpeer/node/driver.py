@@ -92,6 +92,7 @@ class DrivenTier:
         # Readable while _serve_wanted is set: an engine asleep in wait_for_work
         # sleeps on it next to the waiter's descriptors.
         self._wanted_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wanted_written = False  # spares a read of an eventfd nobody wrote
         self._wake_host = wake_host
         self._host_woken = False
         self._sleeps_until = 0.0  # when the driver wakes by itself next
@@ -140,9 +141,12 @@ class DrivenTier:
                 with self._lock:
                     self._crashed(exc)
 
-    def _poll_locked(self, *, driver: bool = False) -> tuple[float | None, bool]:
+    def _poll_locked(
+        self, *, driver: bool = False, watcher: bool = False
+    ) -> tuple[float | None, bool]:
         """Poll the tier (lock held, any thread): its next deadline and whether peer
-        work waits for a serve window. A crash fails every job and re-raises."""
+        work waits for a serve window. A crash fails every job and re-raises.
+        ``watcher``: the caller is a thread in wait_for_work."""
         if self._crash is not None:
             return None, False
         try:
@@ -153,7 +157,8 @@ class DrivenTier:
                 self._kick()  # the driver re-arms its timer
             needs_serve = self._tier.needs_serve()
             if needs_serve or self._tier.has_results():
-                self._want_serve()
+                # The only waiting thread is this one: nobody sleeps on the eventfd.
+                self._want_serve(wake=not (watcher and self._watchers == 1))
         except BaseException as exc:
             log.exception("kvpeer driver crashed")
             self._crashed(exc)
@@ -169,10 +174,11 @@ class DrivenTier:
         if self._kick_fd >= 0:
             os.eventfd_write(self._kick_fd, 1)
 
-    def _want_serve(self) -> None:
+    def _want_serve(self, *, wake: bool = True) -> None:
         if not self._serve_wanted.is_set():
             self._serve_wanted.set()
-            if self._wanted_fd >= 0:
+            if wake and self._wanted_fd >= 0:
+                self._wanted_written = True
                 os.eventfd_write(self._wanted_fd, 1)
 
     def on_transfer_finished(self) -> None:
@@ -229,11 +235,13 @@ class DrivenTier:
                 self._check()
                 if self._wanted_fd < 0:  # shut down
                     return self._serve_wanted.is_set()
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self._wanted_fd)  # written again while wanted
+                if self._wanted_written:
+                    self._wanted_written = False
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._wanted_fd)  # written again while wanted
                 try:
                     if woken:
-                        self._poll_locked()
+                        self._poll_locked(watcher=True)
                 except Exception:
                     self._check()  # raises DriverCrashed
                     raise
