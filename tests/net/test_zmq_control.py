@@ -478,40 +478,6 @@ def test_a_wait_ends_when_an_extra_descriptor_is_readable(
         os.close(extra)
 
 
-def _wait_and_receive(control: ZmqControl, count: int) -> list[InboundFrame]:
-    """Receive the way the driver does: a wait, then a receive, until ``count`` frames."""
-    frames: list[InboundFrame] = []
-    deadline = time.monotonic() + DEADLINE_S
-    while len(frames) < count and time.monotonic() < deadline:
-        control.wait(0.5)
-        frames.extend(control.receive())
-    return frames
-
-
-def test_a_receive_after_a_wait_pumps_the_links_that_became_readable(
-    controls: Callable[..., ZmqControl],
-) -> None:
-    """After a wait, receive() pumps only the links whose descriptors were readable
-    (rule 1): an answer arriving on one of several DEALERs is still delivered, and a
-    send that left an answer unread wakes the next wait."""
-    a, b, c = controls(), controls(), controls()
-    to_b, to_c = a.connect(b.local_id), a.connect(c.local_id)
-    to_b.transmit(b"hello b")
-    to_c.transmit(b"hello c")
-    assert [f.frame for f in _wait_and_receive(b, 1)] == [b"hello b"]
-    assert [f.frame for f in _wait_and_receive(c, 1)] == [b"hello c"]
-    a.receive()  # a full pump: from here on, a receives only after waits
-
-    c.refuse(a.local_id, b"not you")
-    assert _wait_and_receive(a, 1) == [InboundFrame(c.local_id, b"not you")]
-
-    b.refuse(a.local_id, b"nor you")
-    time.sleep(0.05)  # the answer is in a's DEALER before a sends on it
-    to_b.transmit(b"again")  # the send runs the socket's commands: the edge is gone
-    assert _wait_and_receive(a, 1) == [InboundFrame(b.local_id, b"nor you")]
-    assert [f.frame for f in _wait_and_receive(b, 1)] == [b"again"]
-
-
 # -- a real node: clean start and stop --------------------------------------------------------
 
 

@@ -17,10 +17,7 @@ carries ours. Socket rules:
    another thread may send while the driver sleeps. ``ZMQ_FD`` is
    edge-triggered: whoever leaves a socket with work pending (a read cut short,
    a send that found it readable) wakes the driver, and a pump that changed the
-   set of descriptors wakes it so it sleeps on the new set. Hence a receive after
-   a wait pumps only the links whose descriptors that wait saw readable (every
-   link after a wake-up, or when nobody waited): a link left out was not touched,
-   so its descriptor stays readable for the next wait.
+   set of descriptors wakes it so it sleeps on the new set.
 2. Every queue is bounded. A peer whose queue overflows (it stopped reading
    and the socket's high-water mark is full) is declared dead.
 3. A DEALER that loses its connection after it was established (heartbeat
@@ -232,11 +229,6 @@ class ZmqControl:
         self._lost = 0
         self._closed = False
         self._dirty = False  # a link has queued frames, or must be opened or released
-        self._wake_pending = False  # wake() wrote the eventfd since it was drained
-        # Descriptors wait() saw readable since the last receive(): it pumps only
-        # their links, or every link after a wake-up or when nobody waited (None).
-        self._ready: set[int] | None = None
-        self._woken = False
         self._router_fd: int = self._router.fileno()
         self._wait_fds: tuple[int, ...] = ()
         self._poller = select.poll()
@@ -264,15 +256,13 @@ class ZmqControl:
         queued a frame, closed or died since the last pump."""
         if self._closed or not self._dirty:
             return
-        self._pump(None)
+        self._pump()
 
     def receive(self) -> list[InboundFrame]:
         """Pump: read the ROUTER, then every link (monitor, answers, queued frames)."""
         if self._closed:
             return []
         self._drain_wake()
-        ready = None if self._woken or self._dirty else self._ready
-        self._ready, self._woken = None, False
         frames: list[InboundFrame] = []
         router = self._router
         for _ in range(10_000):  # bounded: the driver is woken if more wait
@@ -300,7 +290,7 @@ class ZmqControl:
         else:
             self.wake()  # cut short: frames still wait, and ZMQ_FD will not say so
         # Pumped after the ROUTER was read: an arrived frame goes to dispatch first.
-        self._pump(ready)
+        self._pump()
         frames.extend(self._answers)
         self._answers = []
         return frames
@@ -325,7 +315,6 @@ class ZmqControl:
 
     def wake(self) -> None:
         """Make the driver's :meth:`wait` return (callable from any thread)."""
-        self._wake_pending = True
         if not self._closed:
             with contextlib.suppress(OSError):
                 os.eventfd_write(self._wake_fd, 1)
@@ -343,12 +332,7 @@ class ZmqControl:
             poller = select.poll()  # a poll object refuses concurrent poll() calls
             for fd in (*self._wait_fds, *also):
                 poller.register(fd, select.POLLIN)
-        events = poller.poll(None if timeout_s is None else max(0.0, timeout_s * 1000))
-        ready = {fd for fd, _ in events}
-        if self._wake_fd in ready:
-            self._woken = True  # a wake-up asks for every link to be pumped
-        # Racing waiters may lose each other's descriptors: those stay readable.
-        self._ready = ready if self._ready is None else self._ready | ready
+        poller.poll(None if timeout_s is None else max(0.0, timeout_s * 1000))
 
     def send_now(self, link: ZmqLink, frame: bytes) -> bool:
         """Send ``frame`` on ``link``'s open socket without blocking (owner's lock
@@ -400,21 +384,14 @@ class ZmqControl:
         if self._ipv6:
             sock.setsockopt(zmq.IPV6, 1)
 
-    def _pump(self, ready: set[int] | None) -> None:
-        """Pump the links whose descriptors were seen readable (all of them when
-        ``ready`` is None); wake the driver if a socket was left with work its
-        ``ZMQ_FD`` will not signal again (rule 1). A link left out keeps its
-        descriptor readable: nothing touched its socket, so the next wait sees it."""
+    def _pump(self) -> None:
+        """Pump every link; wake the driver if a socket was left with work its
+        ``ZMQ_FD`` will not signal again (rule 1)."""
+        self._dirty = False
         pending = False
-        if ready is None:
-            self._dirty = False
-            for link in list(self._links.values()):
-                pending |= self._pump_link(link)
-            self._refresh_wait_set()
-        else:
-            for link in list(self._links.values()):
-                if any(fd in ready for fd in link.fds):
-                    pending |= self._pump_link(link)
+        for link in list(self._links.values()):
+            pending |= self._pump_link(link)
+        self._refresh_wait_set()
         if pending:
             self.wake()
 
@@ -554,10 +531,8 @@ class ZmqControl:
             link.monitor = None
 
     def _drain_wake(self) -> None:
-        if self._wake_pending:  # a system call saved per poll (most have no wake-up)
-            self._wake_pending = False
-            with contextlib.suppress(BlockingIOError):
-                os.eventfd_read(self._wake_fd)
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._wake_fd)
 
     def _shutdown_context(self) -> None:
         if self._auth is not None:
