@@ -20,6 +20,8 @@ Invariants:
    on its own eventfd then; it is kicked when a timer moves earlier and when
    the last engine thread leaves ``wait_for_work``, and then watches frames
    again (a frame that arrived meanwhile keeps its descriptor readable).
+   A data plane's thread that finishes a transfer polls itself, waiting
+   briefly for the lock.
 3. A crash in the driver fails every job the tier held (they come back from
    ``get_finished_jobs``) and raises :class:`DriverCrashed` on the engine's
    next call, once; afterwards the tier answers MISS and fails new jobs.
@@ -46,6 +48,9 @@ from kvpeer.types import JobResult, Key, LookupResult, OffloadPolicy, RequestCon
 __all__ = ["DrivenTier", "DriverCrashed", "Waitable"]
 
 log = logging.getLogger("kvpeer.driver")
+
+#: How long a data plane's thread waits for the lock to poll a completion itself.
+COMPLETION_LOCK_WAIT_S = 0.002
 
 
 class DriverCrashed(KVPeerError):
@@ -183,9 +188,11 @@ class DrivenTier:
 
     def on_transfer_finished(self) -> None:
         """A data plane finished a transfer (its own thread, no backend lock held):
-        poll right here if the lock is free, so the completion goes out without
-        waking another thread; otherwise wake the driver, which polls next."""
-        if not self._lock.acquire(blocking=False):
+        poll right here, so the completion goes out without waking another thread.
+        The lock is usually held for a poll or an engine call (well under a
+        millisecond): wait that long for it, then leave the poll to whoever watches
+        (a thread that holds the lock may be waiting for this one to stop)."""
+        if not self._lock.acquire(timeout=COMPLETION_LOCK_WAIT_S):
             self._waiter.wake()
             return
         try:
