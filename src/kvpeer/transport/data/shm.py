@@ -52,8 +52,9 @@ __all__ = ["CHUNK_BYTES", "ShmBackend", "ShmStatistics", "host_identity"]
 
 #: Largest single copy: bounds how long a cancel or ``remove_peer`` waits for the thread.
 CHUNK_BYTES = 16 * 1024 * 1024
-#: Transfers up to this size are copied on the calling thread (cheaper than a thread hop).
-INLINE_BYTES = 256 * 1024
+#: Transfers up to this size are copied on the calling thread: 1 MiB takes ~0.1 ms
+#: here, less than handing it to the copy thread and being told back (~0.15 ms).
+INLINE_BYTES = 1024 * 1024
 #: The copy thread faults a new mapping in by pieces of this size (invariant 6).
 PREFAULT_BYTES = 4 * 1024 * 1024
 #: ``MADV_POPULATE_WRITE`` (Linux 5.14+); the ``mmap`` module exports it only from 3.13.

@@ -90,8 +90,9 @@ log = logging.getLogger("kvpeer.tcp")
 
 #: Kernel send/receive buffer of data sockets (capped by net.core.[rw]mem_max).
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-#: Transfers up to this size to an idle connection are sent by ``write_blocks`` itself.
-INLINE_BYTES = 256 * 1024
+#: Transfers up to this size to an idle connection are sent by ``write_blocks`` itself
+#: (the socket buffer takes them at once; waking the writer thread costs more).
+INLINE_BYTES = 1024 * 1024
 
 _MAX_SLOTS = limits.MAX_ITEMS  # a fetch names at most this many blocks
 _MAX_PENDING = 64  # inbound connections that have not bound to a peer yet
