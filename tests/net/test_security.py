@@ -344,7 +344,8 @@ def test_malformed_frame_ends_only_that_session(
         if connect_first:
             _handshake(attacker)
             assert node.has_session(attacker.peer_id)
-        if frame == b"<connect>":
+        if frame == b"<connect>":  # after the handshake completed (before it, re-acked)
+            attacker.send(attacker.ack())
             attacker.send(attacker.hello())
         else:
             attacker.send_raw(frame)

@@ -474,7 +474,7 @@ class TestHandshakeDeadline:
 
 
 class TestRepeatedHandshake:
-    """A second connect after the handshake: restart or protocol error."""
+    """A second connect: restart, protocol error, or (before our ack) the same grant again."""
 
     @staticmethod
     def busy_pair() -> tuple[SessionPair, int, int]:
@@ -519,6 +519,41 @@ class TestRepeatedHandshake:
         assert not pair.a.stores[store].success
         pair.pump()
         assert closed(pair.b).kind is CloseKind.DISCONNECTED
+
+    @pytest.mark.parametrize("kvpeer", [True, False], ids=["kvpeer", "vllm"])
+    def test_same_connect_before_our_ack_is_acked_again(self, kvpeer: bool) -> None:
+        """The peer started its side over before acknowledging us (vLLM opens a session
+        per accepted connection) and sent the same connect: the same ack again, and the
+        handshake completes with the ack that follows."""
+        pair = pair_with()
+        a = pair.a
+        a.session.start(pair.clock.now)
+        hello = make_hello("b", pair.b.region, boot_id=BOOT_B, kvpeer=kvpeer)
+        a.session.receive(CODEC.encode(hello), pair.clock.now)
+        a.session.receive(CODEC.encode(hello), pair.clock.now)
+        first, again = sent(a, ConnectAck)
+        assert again == first
+        assert a.plane.registered_peers() == ["b"]
+        assert not a.session.ready
+        a.session.receive(CODEC.encode(ConnectAck(peer_id="b")), pair.clock.now)
+        pair.poll()
+        assert a.closed is None
+        assert a.session.ready
+
+    def test_different_connect_before_our_ack_is_a_protocol_error(self) -> None:
+        """Only the very same connect is granted again: another region is a violation."""
+        pair = pair_with()
+        a = pair.a
+        a.session.start(pair.clock.now)
+        hello = make_hello("b", pair.b.region, kvpeer=False)
+        a.session.receive(CODEC.encode(hello), pair.clock.now)
+        moved = msgspec.structs.replace(hello, base_addr=hello.base_addr + 4096)
+        a.session.receive(CODEC.encode(moved), pair.clock.now)
+        pair.poll()
+        result = closed(a)
+        assert result.kind is CloseKind.PROTOCOL_ERROR
+        assert "duplicate connect" in result.reason
+        assert len(sent(a, ConnectAck)) == 1
 
     def test_duplicate_connect_ack_is_a_protocol_error(self) -> None:
         """A second connect_ack ends the session as PROTOCOL_ERROR."""

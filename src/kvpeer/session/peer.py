@@ -16,7 +16,10 @@ Invariants:
    peer's memory safely.
 3. Before the peer's ``connect`` only ``connect`` and ``disconnect`` are
    accepted. A second ``connect`` is a protocol error, or a restart when it
-   carries a different ``boot_id``.
+   carries a different ``boot_id``, or - until the peer acknowledged ours -
+   the very same ``connect`` again, which is acknowledged again: a peer that
+   started its side over before the handshake finished (vLLM opens a session
+   for every connection it accepts) asks once more for what we already granted.
 4. The handshake (both connects, both acks) must finish within
    ``handshake_timeout_s`` of :meth:`start`.
 5. A protocol error ends only this session: best-effort ``disconnect`` with
@@ -108,6 +111,7 @@ class PeerSession:
         self._peer_hello: Connect | None = None
         self._registered = False
         self._acked = False  # the peer acknowledged our connect
+        self._ack: ConnectAck | None = None  # ours to the peer's connect, once sent
         self._queue: list[Message] = []
         self._deferred_close: tuple[CloseKind, str] | None = None
         self._closed: SessionClosed | None = None
@@ -343,6 +347,9 @@ class PeerSession:
                     CloseKind.RESTARTED, "peer restarted (new boot id)", send_disconnect=False
                 )
                 return
+            if hello == previous and not self._acked and self._ack is not None:
+                self._transmit_now(self._ack)  # invariant 3: the same grant again
+                return
             raise ProtocolError("duplicate connect")
         self._peer_hello = hello
         reason = self._incompatibility(hello)
@@ -359,7 +366,8 @@ class PeerSession:
             if hello.kvpeer is not None
             else None
         )
-        self._transmit_now(ConnectAck(peer_id=self._hello.peer_id, kvpeer=extension))
+        self._ack = ConnectAck(peer_id=self._hello.peer_id, kvpeer=extension)
+        self._transmit_now(self._ack)
 
     def _incompatibility(self, hello: Connect) -> str | None:
         ours = self._hello
