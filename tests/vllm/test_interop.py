@@ -1,6 +1,6 @@
 """kvpeer and vLLM 0.32's own ``p2p`` tier share KV both ways, in real engines, over NIXL.
 
-Two pairs of engines run at the same time, one per direction (the first with a
+Two pairs of engines run one after the other, one per direction (the first with a
 third engine, see 3.):
 
 - ``vllm-to-kvpeer``: producer A runs vLLM's ``p2p`` tier, consumer B kvpeer's
@@ -203,13 +203,27 @@ def run_pair(launcher: EngineLauncher, direction: str, signals: Path) -> Interop
 def pairs(
     launcher: EngineLauncher, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Future[Interop]]:
-    """Both directions, started at once and awaited by the tests."""
+    """Both directions, one after the other, awaited by the tests.
 
-    def chain(direction: str) -> Callable[[], Interop]:
+    Not at once: vLLM's producer steps nonstop (its tier is polled by engine steps only),
+    and with the other pair's engines starting next to it on two cores, engines stalled
+    for tens of seconds, past ZMQ's 10 s heartbeat and the 30 s handshake deadline."""
+
+    def chain(direction: str, after: Future[Interop] | None) -> Callable[[], Interop]:
         signals = tmp_path_factory.mktemp(f"signals-{direction}")
-        return lambda: run_pair(launcher, direction, signals)
 
-    return {direction: launcher.submit(chain(direction)) for direction in DIRECTIONS}
+        def run() -> Interop:
+            if after is not None:
+                after.exception()  # waits; its own tests report how it went
+            return run_pair(launcher, direction, signals)
+
+        return run
+
+    pairs: dict[str, Future[Interop]] = {}
+    previous: Future[Interop] | None = None
+    for direction in DIRECTIONS:
+        previous = pairs[direction] = launcher.submit(chain(direction, previous))
+    return pairs
 
 
 @needs_nixl
