@@ -9,6 +9,7 @@ NIXL specifics: registration, remove-before-add, cancel, teardown and interop.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import multiprocessing
 import os
@@ -28,6 +29,7 @@ from kvpeer.errors import DataPlaneError
 from kvpeer.host import BlockPool
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportChoice
 from kvpeer.session.ports import TransferEvent
+from kvpeer.transport.data import nixl as nixl_module
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 from kvpeer.transport.data.planes import DataPlaneSet
@@ -378,6 +380,23 @@ def test_add_peer_again_replaces_the_registration(pair: tuple[Side, Side]) -> No
     assert pending not in events, "a transfer of the old registration was reported"
     assert write(a, b, [2], [9]).success
     assert b.block(9) == sent[2]
+
+
+def test_a_slow_registration_is_logged(
+    make_side: MakeSide, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine waits for a registration (it runs under the tier's lock): a slow one
+    is named in the log, a quick one is not."""
+    a, b = make_side("A"), make_side("B")
+    caplog.set_level(logging.WARNING, logger="kvpeer.nixl")
+    monkeypatch.setattr(nixl_module, "SLOW_REGISTRATION_S", 3600.0)
+    a.backend.add_peer(b.name, b.hello(), None)
+    assert not [r for r in caplog.records if "registering" in r.getMessage()]
+    monkeypatch.setattr(nixl_module, "SLOW_REGISTRATION_S", 0.0)
+    a.backend.add_peer(b.name, b.hello(), None)
+    (record,) = [r for r in caplog.records if "registering" in r.getMessage()]
+    assert b.name in record.getMessage()
+    assert f"{NUM_BLOCKS} x {BLOCK_LEN} bytes" in record.getMessage()
 
 
 def test_close_is_idempotent_and_final(pair: tuple[Side, Side]) -> None:

@@ -82,6 +82,9 @@ _IN_PROGRESS = ("PROC", "PEND")
 # idle, 114 us median write; 100 ms -> 0.004 cores, 122 us (the thread wakes on events,
 # so the wait bounds nothing a transfer needs).
 _PROGRESS_WAIT_US = 100_000
+# A peer's registration runs on the driver under the tier's lock, so engine calls wait
+# for it; longer than this is logged (it took 18 s once, on a starved 2-core machine).
+SLOW_REGISTRATION_S = 1.0
 _AGENT_CONFIG_LOCK = threading.Lock()
 
 # nixl ships no type information (its facade package has no py.typed), so its modules
@@ -308,6 +311,7 @@ class NixlBackend:
         extent = f"{hello.num_blocks} x {hello.block_len} bytes at {hello.base_addr:#x}"
         if hello.base_addr + hello.num_blocks * hello.block_len > _ADDRESS_LIMIT:
             raise DataPlaneError(f"nixl: {peer_id!r} region ({extent}) is not addressable")
+        started = time.monotonic()
         with self._agent_lock:
             if self._closed:
                 raise DataPlaneError("nixl: backend is closed")
@@ -331,6 +335,9 @@ class NixlBackend:
             with self._lock:
                 self._peers[peer_id] = _Peer(agent, dlist, hello.num_blocks)
                 self._agent_users[agent] += 1
+        took = time.monotonic() - started
+        if took > SLOW_REGISTRATION_S:
+            log.warning("nixl: registering %s (%s) took %.1f s", peer_id, extent, took)
         return {}
 
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
