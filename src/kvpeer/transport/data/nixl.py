@@ -83,7 +83,7 @@ _IN_PROGRESS = ("PROC", "PEND")
 # so the wait bounds nothing a transfer needs).
 _PROGRESS_WAIT_US = 100_000
 # A peer's registration runs on the driver under the tier's lock, so engine calls wait
-# for it; longer than this is logged (18 s was seen once, while the whole VM stalled).
+# for it; longer than this is logged (18 s seen once, as every engine on the machine stalled).
 SLOW_REGISTRATION_S = 1.0
 _AGENT_CONFIG_LOCK = threading.Lock()
 
