@@ -4,15 +4,13 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from kvpeer.integrations.vllm import scenario
 from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, Generation
+from kvpeer.integrations.vllm.runner import FreezeWatch
 from kvpeer.integrations.vllm.scenario import (
     CPU_BYTES,
     GENERATED_TOKENS,
@@ -72,37 +70,6 @@ RecordProperty = Callable[[str, object], None]  # pytest's ``record_property`` f
 # A stall of the whole machine this long (this process not scheduled at all) can expire
 # ZMQ's 10 s heartbeats on every link once it resumes (seen here: 14 s).
 FREEZE_S = 5.0
-
-
-class FreezeWatch:
-    """Measures the longest time this process went unscheduled while in the block: a
-    thread asks to wake every ``tick_s`` and records how late it woke."""
-
-    def __init__(self, tick_s: float = 0.05) -> None:
-        self._tick = tick_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="freeze-watch", daemon=True)
-        self.longest_s = 0.0
-
-    def _run(self) -> None:
-        last = time.monotonic()
-        while not self._stop.wait(self._tick):
-            now = time.monotonic()
-            self.longest_s = max(self.longest_s, now - last - self._tick)
-            last = now
-
-    def __enter__(self) -> FreezeWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @dataclass(frozen=True)

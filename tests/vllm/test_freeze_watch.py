@@ -6,7 +6,7 @@ import os
 import subprocess
 import time
 
-from tests.vllm.scenario import FreezeWatch
+from kvpeer.integrations.vllm.runner import FreezeWatch
 
 
 def test_a_stopped_process_is_seen_frozen() -> None:

@@ -216,27 +216,30 @@ def pairs(
 
     Not at once: vLLM's producer steps nonstop (its tier is polled by engine steps only);
     with the other pair's engines starting next to it, two cores ran 15-20 threads and a
-    pull took seconds. A pair during which the whole machine stopped for ``FREEZE_S`` or
-    more (this VM did, up to 14 s: every process, a bystander sampler too, so ZMQ's 10 s
-    heartbeats expired on resuming) and in which a pull failed runs once more."""
+    pull took seconds. A pair in which a pull failed while this process or one of the
+    engines did not run at all for ``FREEZE_S`` or more runs once more: this VM stalls
+    processes for up to 14 s (every one at times, a bystander sampler too), and ZMQ's 10 s
+    heartbeats then expire between healthy engines."""
 
     def chain(direction: str, after: Future[Interop] | None) -> Callable[[], Interop]:
         def attempt() -> tuple[Interop, float]:
             signals = tmp_path_factory.mktemp(f"signals-{direction}")
             with FreezeWatch() as watch:
                 interop = run_pair(launcher, direction, signals)
-            return interop, watch.longest_s
+            pair = interop.pair
+            stalls = (watch.longest_s, pair.producer.longest_stall_s, pair.consumer.longest_stall_s)
+            return interop, max(stalls)
 
         def run() -> Interop:
             if after is not None:
                 after.exception()  # waits; its own tests report how it went
-            interop, froze_s = attempt()
-            if froze_s < FREEZE_S or every_pull_loaded(interop):
+            interop, stall_s = attempt()
+            if stall_s < FREEZE_S or every_pull_loaded(interop):
                 return interop
-            # The whole machine stopped (this process too) long enough for ZMQ's
-            # heartbeats to expire: that run says nothing about either tier. Once more;
-            # the tests then judge the second run, whatever happened in it.
-            print(f"{direction}: machine froze {froze_s:.1f}s and a pull failed: run again")
+            # A process (or the whole machine) did not run at all for long enough that
+            # ZMQ's heartbeats could expire: that run says nothing about either tier. Once
+            # more; the tests then judge the second run, whatever happens in it.
+            print(f"{direction}: a process stalled {stall_s:.1f}s and a pull failed: run again")
             return attempt()[0]
 
         return run

@@ -85,6 +85,7 @@ class EngineOutcome:
     seconds: dict[str, float]
     holds: dict[str, Hold] = field(default_factory=dict)
     log_path: Path | None = None
+    longest_stall_s: float = 0.0  # longest stretch the runner process did not run
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ class EngineLauncher:
             seconds=raw["seconds"],
             holds={label: Hold(**hold) for label, hold in raw.get("holds", {}).items()},
             log_path=engine.log_path,
+            longest_stall_s=float(raw.get("longest_stall_s", 0.0)),
         )
 
     def close(self) -> list[Path]:

@@ -32,11 +32,14 @@ The last stdout line starting with ``RESULT_MARKER`` carries ``{"runs": {label:
 {"tokens", "logprobs", "num_cached_tokens", "seconds", "cpu_seconds", "ttft_s",
 "blocks_from_peer", "bytes_from_peer", "load_seconds"}}, "holds":
 {label: {"seconds", "cpu_seconds", "cpu_seconds_by_process"}}, "files": {...},
-"seconds": {...}}``; then the process exits at once. ``ttft_s`` is vLLM's
+"seconds": {...}, "longest_stall_s": float}``; then the process exits at once. ``ttft_s`` is vLLM's
 time to first token (engine-core clock); ``blocks_from_peer`` / ``bytes_from_peer`` /
 ``load_seconds`` count what kvpeer tiers of this process loaded from peers during the
 call, and how long those loads took from fetch to completion (``null``
 in multiprocessing mode, where the tier lives in the EngineCore process).
+``longest_stall_s`` is the longest stretch in which this process did not run at all
+(:class:`FreezeWatch`): a machine that stalls every process for ~10 s expires ZMQ's
+heartbeats between healthy engines.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 RESULT_MARKER = "KVPEER_ENGINE_RESULT "
@@ -249,6 +254,43 @@ def hold(step: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class FreezeWatch:
+    """The longest time this process went unscheduled while in the block: a thread asks
+    to wake every ``tick_s`` and records how late it woke."""
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self._tick = tick_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="freeze-watch", daemon=True)
+        self.longest_s = 0.0
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self._tick):
+            now = time.monotonic()
+            self.longest_s = max(self.longest_s, now - last - self._tick)
+            last = now
+
+    def start(self) -> FreezeWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> FreezeWatch:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
 def announce(what: str) -> None:
     """Tell a launcher following this engine's output what it does now."""
     print(STEP_MARKER + what, flush=True)
@@ -268,6 +310,7 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = {}
     holds: dict[str, dict[str, Any]] = {}
     files: dict[str, int] = {}
+    watch = FreezeWatch().start()  # the steps, not vLLM's start-up
     try:
         for index, step in enumerate(scenario["steps"]):
             step_started = time.monotonic()
@@ -299,8 +342,15 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
     finally:
         # Lets the connector release its shared region (the worker unlinks what it created).
         llm.llm_engine.engine_core.shutdown()
+        watch.stop()
     seconds["total"] = time.monotonic() - started
-    return {"runs": runs, "holds": holds, "files": files, "seconds": seconds}
+    return {
+        "runs": runs,
+        "holds": holds,
+        "files": files,
+        "seconds": seconds,
+        "longest_stall_s": watch.longest_s,
+    }
 
 
 if __name__ == "__main__":
