@@ -109,9 +109,9 @@ class PeerSession:
         self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings)
         self._started_at: float | None = None
         self._peer_hello: Connect | None = None
-        self._registered = False
         self._acked = False  # the peer acknowledged our connect
-        self._ack: ConnectAck | None = None  # ours to the peer's connect, once sent
+        # Our ack to the peer's connect, sent once it passed and the peer was registered.
+        self._ack: ConnectAck | None = None
         self._queue: list[Message] = []
         self._deferred_close: tuple[CloseKind, str] | None = None
         self._closed: SessionClosed | None = None
@@ -126,6 +126,11 @@ class PeerSession:
     @property
     def alive(self) -> bool:
         return self._closed is None
+
+    @property
+    def _registered(self) -> bool:
+        """The peer's connect passed and its region is registered with the data plane."""
+        return self._ack is not None
 
     @property
     def ready(self) -> bool:
@@ -359,7 +364,6 @@ class PeerSession:
             choice = self._data.register_peer(self.peer_id, hello)
         except (DataPlaneError, HandshakeRejected) as exc:
             raise HandshakeRejected(f"data plane refused the peer: {exc}") from exc
-        self._registered = True
         self._producer.set_consumer_region(hello.num_blocks)
         extension = (
             AckExtension(version=PROTOCOL_VERSION, transport=choice)
@@ -445,7 +449,7 @@ class PeerSession:
         stores, serves = self._producer.close(reason)
         if self._registered:
             self._data.unregister_peer(self.peer_id)
-            self._registered = False
+            self._ack = None
         self._closed = SessionClosed(
             kind=kind,
             reason=reason,
