@@ -13,6 +13,7 @@ PUBLIC_SURFACE: dict[str, list[str]] = {
         "HandshakeRejected",
         "KVPeerError",
         "Key",
+        "LocalFault",
         "LookupResult",
         "PeerLost",
         "ProtocolError",

@@ -5,6 +5,7 @@ from kvpeer.errors import (
     DataPlaneError,
     HandshakeRejected,
     KVPeerError,
+    LocalFault,
     PeerLost,
     ProtocolError,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "HandshakeRejected",
     "KVPeerError",
     "Key",
+    "LocalFault",
     "LookupResult",
     "PeerLost",
     "ProtocolError",

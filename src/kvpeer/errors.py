@@ -11,6 +11,7 @@ __all__ = [
     "DataPlaneError",
     "HandshakeRejected",
     "KVPeerError",
+    "LocalFault",
     "PeerLost",
     "ProtocolError",
 ]
@@ -36,7 +37,17 @@ class PeerLost(KVPeerError):
 
 
 class DataPlaneError(KVPeerError):
-    """A data plane could not register a peer or start/complete a transfer."""
+    """A data plane could not register a peer or start/complete a transfer.
+
+    Raised while handling something a peer sent, it is the peer's fault: the
+    session with that peer ends and every other session goes on.
+    """
+
+
+class LocalFault(DataPlaneError):
+    """A data plane failed through no fault of the peer (our backend closed, our
+    region unmapped, our NIXL agent broken). A session that meets it still ends,
+    but the fault is logged and counted as ours, not the peer's."""
 
 
 class ConfigError(KVPeerError, ValueError):
