@@ -7,6 +7,7 @@ where they enter kvpeer, with ``raise ... from``.
 from __future__ import annotations
 
 __all__ = [
+    "BudgetExceeded",
     "ConfigError",
     "DataPlaneError",
     "HandshakeRejected",
@@ -26,6 +27,11 @@ class ProtocolError(KVPeerError):
 
     Final for the session that saw it, never for the engine.
     """
+
+
+class BudgetExceeded(ProtocolError):
+    """A peer made us hold more on its behalf than its budget allows (bytes of
+    queued answers, parked demand, unanswered lookups). Ends that session."""
 
 
 class HandshakeRejected(KVPeerError):

@@ -70,8 +70,8 @@ def format_peer_id(host: str, port: int) -> str:
 def split_peer_id(peer_id: str) -> tuple[str, int] | None:
     """``(host, port)`` of ``host:port`` / ``[v6]:port``; None if it is neither."""
     host, sep, port_text = peer_id.rpartition(":")
-    if not sep or not port_text.isdigit() or not host:
-        return None
+    if not sep or not (port_text.isascii() and port_text.isdigit()) or not host:
+        return None  # ("²".isdigit() is True, and int() refuses it)
     port = int(port_text)
     if not 0 < port < 65536:
         return None

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,6 +101,8 @@ class TierStatistics:
     peers_refused: int
     stray_frames: int
     blocks_loaded: int  # since start: blocks successful loads brought from peers
+    #: since start: sessions ended, by :class:`CloseKind` value
+    sessions_ended: dict[str, int] = field(default_factory=dict)
 
 
 class Tier:
@@ -144,6 +147,7 @@ class Tier:
         self._refused_hellos: dict[str, tuple[bytes, float, str]] = {}
         self._blocks_loaded = 0
         self._load_seconds = 0.0
+        self._ended: Counter[str] = Counter()
         self._codec = Codec()
         self._shut_down = False
         #: True while a driver thread calls :meth:`poll`; engine calls then never
@@ -377,6 +381,7 @@ class Tier:
             peers_refused=self._refused,
             stray_frames=self._stray,
             blocks_loaded=self._blocks_loaded,
+            sessions_ended=dict(self._ended),
         )
 
     @property
@@ -480,7 +485,17 @@ class Tier:
         closed = result.closed
         if closed is None:
             return
-        log.warning("session %s ended (%s): %s", peer_id, closed.kind.value, closed.reason)
+        self._ended[closed.kind.value] += 1
+        if closed.kind in (CloseKind.INTERNAL_ERROR, CloseKind.LOCAL_FAULT):
+            log.error(
+                "session %s ended (%s): %s",
+                peer_id,
+                closed.kind.value,
+                closed.reason,
+                exc_info=closed.error,
+            )
+        else:
+            log.warning("session %s ended (%s): %s", peer_id, closed.kind.value, closed.reason)
         self._results.extend(JobResult(x.job_id, x.success) for x in closed.loads)
         self._results.extend(JobResult(x.job_id, x.success) for x in closed.stores)
         for kv_request_id in closed.failed_request_ids:

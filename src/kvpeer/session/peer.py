@@ -22,18 +22,35 @@ Invariants:
    for every connection it accepts) asks once more for what we already granted.
 4. The handshake (both connects, both acks) must finish within
    ``handshake_timeout_s`` of :meth:`start`.
-5. A protocol error ends only this session: best-effort ``disconnect`` with
-   the reason, then every job the session held fails. The ending is
-   reported exactly once, as :attr:`PollResult.closed` of the next poll.
+5. One exception boundary (:meth:`PeerSession._guard`) wraps every entry
+   point that runs on what the peer sent (``receive``, ``poll``, ``serve`` and
+   every consumer/producer call): nothing raised below it leaves the session.
+   What was raised names how the session ends: a protocol error
+   (``PROTOCOL_ERROR``), a failed handshake check (``REJECTED``), a data-plane
+   error the peer's values caused (``PEER_FAULT``), a fault of our own data
+   plane (``LOCAL_FAULT``), the peer's budget exceeded (``OVER_BUDGET``) or
+   any other exception - a bug of ours the peer's input reached
+   (``INTERNAL_ERROR``, kept in :attr:`SessionClosed.error` for the log).
+   Each ends only this session: best-effort ``disconnect`` with the reason,
+   then every job the session held fails. The ending is reported exactly
+   once, as :attr:`PollResult.closed` of the next poll. Misuse by the owner
+   (``receive`` before ``start``) still raises: that is not the peer's doing.
 6. Unknown message types are counted and ignored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvpeer.errors import DataPlaneError, HandshakeRejected, ProtocolError
+from kvpeer.errors import (
+    BudgetExceeded,
+    DataPlaneError,
+    HandshakeRejected,
+    LocalFault,
+    ProtocolError,
+)
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
     AbortAck,
@@ -209,34 +226,13 @@ class PeerSession:
         if self._closed is not None:
             return
         self._frames_in += 1
-        try:
-            message = self._codec.decode(frame)
-            self._dispatch(message, now)
-        except ProtocolError as exc:
-            self._end(CloseKind.PROTOCOL_ERROR, str(exc), send_disconnect=True)
-            return
-        except HandshakeRejected as exc:
-            self._end(CloseKind.REJECTED, str(exc), send_disconnect=True)
-            return
-        self._settle_deferred_close()
+        with self._guard():
+            self._dispatch(self._codec.decode(frame), now)
 
     def poll(self, now: float) -> PollResult:
         """Fire due timers and return everything that finished since last poll."""
-        if self._closed is None:
-            if (
-                not (self._acked and self._registered)
-                and self._started_at is not None
-                and now >= self._started_at + self._settings.handshake_timeout_s
-            ):
-                self._end(
-                    CloseKind.TIMEOUT,
-                    f"handshake not complete within {self._settings.handshake_timeout_s:g}s",
-                    send_disconnect=True,
-                )
-            else:
-                self._consumer.tick(now)
-                self._producer.tick(now)
-                self._settle_deferred_close()
+        with self._guard():
+            self._fire_timers(now)
         loads, expired = self._consumer.take_results()
         stores, fetched = self._producer.take_results()
         loads.extend(self._late_loads)
@@ -253,6 +249,22 @@ class PeerSession:
             closed=closed,
         )
 
+    def _fire_timers(self, now: float) -> None:
+        if self._closed is None:
+            if (
+                not (self._acked and self._registered)
+                and self._started_at is not None
+                and now >= self._started_at + self._settings.handshake_timeout_s
+            ):
+                self._end(
+                    CloseKind.TIMEOUT,
+                    f"handshake not complete within {self._settings.handshake_timeout_s:g}s",
+                    send_disconnect=True,
+                )
+            else:
+                self._consumer.tick(now)
+                self._producer.tick(now)
+
     def close(self, reason: str = "closed locally", kind: CloseKind = CloseKind.LOCAL) -> None:
         """End the session; the failed jobs arrive with the next :meth:`poll`."""
         self._end(kind, reason, send_disconnect=True)
@@ -263,12 +275,14 @@ class PeerSession:
         """None while the peer has not answered; a dead session answers MISS."""
         if self._closed is not None:
             return False
-        return self._consumer.register_probe(kv_request_id, key, now)
+        with self._guard():
+            return self._consumer.register_probe(kv_request_id, key, now)
+        return False  # the session ended inside the guard
 
     def flush_lookups(self) -> None:
         if self._closed is None:
-            self._consumer.flush()
-            self._settle_deferred_close()
+            with self._guard():
+                self._consumer.flush()
 
     def request_blocks(
         self,
@@ -283,32 +297,59 @@ class PeerSession:
                 LoadFinished(job_id, kv_request_id, False, f"session closed: {self._closed.reason}")
             )
             return
+        # Not guarded: a bad job is the engine's mistake (ProtocolError to the owner).
         self._consumer.request_blocks(job_id, kv_request_id, keys, slots, now)
         self._settle_deferred_close()
 
     def finish_consumer(self, kv_request_id: str, now: float) -> None:
         if self._closed is None:
-            self._consumer.finish(kv_request_id, now)
-            self._settle_deferred_close()
+            with self._guard():
+                self._consumer.finish(kv_request_id, now)
 
     # -- producer API ----------------------------------------------------------
 
     def serve(self, parent: Parent, now: float) -> None:
         if self._closed is None:
-            self._producer.serve(parent, now)
-            self._settle_deferred_close()
+            with self._guard():
+                self._producer.serve(parent, now)
 
     def add_supply(self, kv_request_id: str, job: StoreJob, now: float) -> bool:
         """Bind stored blocks to this peer; False (job untouched) if the session is closed."""
         if self._closed is not None:
             return False
-        self._producer.add_supply(kv_request_id, job, now)
-        self._settle_deferred_close()
-        return True
+        with self._guard():
+            self._producer.add_supply(kv_request_id, job, now)
+        return True  # taken: a session that ended just now fails the job itself
 
     def finish_supply(self, kv_request_id: str, now: float) -> None:
         if self._closed is None:
-            self._producer.finish_supply(kv_request_id, now)
+            with self._guard():
+                self._producer.finish_supply(kv_request_id, now)
+
+    # -- the exception boundary (invariant 5) -------------------------------------
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Run a step on the peer's input; whatever it raises ends this session."""
+        try:
+            yield
+        except BudgetExceeded as exc:  # a ProtocolError, named apart
+            self._end(CloseKind.OVER_BUDGET, str(exc))
+        except ProtocolError as exc:
+            self._end(CloseKind.PROTOCOL_ERROR, str(exc))
+        except HandshakeRejected as exc:
+            self._end(CloseKind.REJECTED, str(exc))
+        except LocalFault as exc:
+            self._end(CloseKind.LOCAL_FAULT, f"our data plane failed: {exc}", error=exc)
+        except DataPlaneError as exc:
+            self._end(CloseKind.PEER_FAULT, f"data plane: {exc}")
+        except Exception as exc:  # a bug of ours; the peer must not take the node down
+            self._end(
+                CloseKind.INTERNAL_ERROR,
+                f"internal error: {exc.__class__.__name__}: {exc}",
+                error=exc,
+            )
+        else:
             self._settle_deferred_close()
 
     # -- dispatch --------------------------------------------------------------
@@ -362,6 +403,8 @@ class PeerSession:
             raise HandshakeRejected(reason)
         try:
             choice = self._data.register_peer(self.peer_id, hello)
+        except LocalFault:
+            raise  # ours: the guard reports it as such
         except (DataPlaneError, HandshakeRejected) as exc:
             raise HandshakeRejected(f"data plane refused the peer: {exc}") from exc
         self._producer.set_consumer_region(hello.num_blocks)
@@ -438,7 +481,14 @@ class PeerSession:
             kind, reason = self._deferred_close
             self._end(kind, reason, send_disconnect=False)
 
-    def _end(self, kind: CloseKind, reason: str, *, send_disconnect: bool) -> None:
+    def _end(
+        self,
+        kind: CloseKind,
+        reason: str,
+        *,
+        send_disconnect: bool = True,
+        error: BaseException | None = None,
+    ) -> None:
         if self._closed is not None:
             return
         if send_disconnect and self._started_at is not None and self._deferred_close is None:
@@ -448,8 +498,12 @@ class PeerSession:
         loads, failed_ids = self._consumer.close(reason)
         stores, serves = self._producer.close(reason)
         if self._registered:
-            self._data.unregister_peer(self.peer_id)
             self._ack = None
+            try:
+                self._data.unregister_peer(self.peer_id)
+            except DataPlaneError as exc:  # ours: the session ends all the same
+                error = error or exc
+                reason = f"{reason}; forgetting the peer's region failed: {exc}"
         self._closed = SessionClosed(
             kind=kind,
             reason=reason,
@@ -457,4 +511,5 @@ class PeerSession:
             stores=tuple(stores),
             failed_request_ids=tuple(failed_ids),
             unreleased_serves=tuple(serves),
+            error=error,
         )

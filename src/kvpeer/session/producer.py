@@ -162,6 +162,9 @@ class ProducerRole:
         self._requests: dict[str, _Request] = {}
         self._transfers: WorkMap[int, _Transfer] = WorkMap()  # start order
         self._jobs_by_age: WorkMap[int, _Job] = WorkMap()  # insertion order == age order
+        # Every job not reported yet, wherever its supplies are: what close() must fail,
+        # even if an exception left a supply between two homes.
+        self._unreported: WorkMap[int, _Job] = WorkMap()
         self._jobs_open = 0
         self._serve_pending: WorkSet[str] = WorkSet()
         self._draining: WorkSet[tuple[str, int]] = WorkSet()
@@ -276,6 +279,7 @@ class ProducerRole:
         request = self._requests.setdefault(kv_request_id, _Request())
         tracked = _Job(job.job_id, kv_request_id, now, len(job.keys))
         self._jobs_by_age[job.job_id] = tracked
+        self._unreported[job.job_id] = tracked
         self._jobs_open += 1
         if round_seq is None:
             home = request.pool
@@ -385,7 +389,7 @@ class ProducerRole:
         """Abandon everything: fail every open job, hand back owed serves."""
         if self._transfers:
             self._data.cancel(list(self._transfers), wait=False)
-        for job in self._open_jobs():
+        for job in list(self._unreported.values()):
             for supply in job.supplies:
                 if supply.state is not _State.SETTLED:
                     self._settle(supply, False, reason)
@@ -396,6 +400,7 @@ class ProducerRole:
         self._requests.clear()
         self._transfers.clear()
         self._jobs_by_age.clear()
+        self._unreported.clear()
         self._serve_pending.clear()
         self._draining.clear()
         self._unreleased = []
@@ -659,20 +664,8 @@ class ProducerRole:
         job.reported = True
         self._jobs_open -= 1
         self._jobs_by_age.pop(job.job_id, None)
+        self._unreported.pop(job.job_id, None)
         self._results.append(StoreFinished(job.job_id, not job.failed, job.reason))
-
-    def _open_jobs(self) -> list[_Job]:
-        jobs: dict[int, _Job] = {}
-        for request in self._requests.values():
-            for supply in request.pool.values():
-                jobs[id(supply.job)] = supply.job
-            for round_ in request.rounds.values():
-                for supply in round_.supply.values():
-                    jobs[id(supply.job)] = supply.job
-        for transfer in self._transfers.values():
-            for supply in transfer.supplies:
-                jobs[id(supply.job)] = supply.job
-        return list(jobs.values())
 
     def _prune(self, kv_request_id: str) -> None:
         request = self._requests.get(kv_request_id)

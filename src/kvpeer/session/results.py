@@ -50,6 +50,10 @@ class CloseKind(enum.Enum):
     TIMEOUT = "timeout"  # handshake deadline passed
     RESTARTED = "restarted"  # the peer came back with a new boot id
     UNREACHABLE = "unreachable"  # the control link could not carry our frames
+    PEER_FAULT = "peer_fault"  # the peer's data-plane parameters or writes were unusable
+    LOCAL_FAULT = "local_fault"  # our own data plane failed (not the peer's doing)
+    OVER_BUDGET = "over_budget"  # the peer made us hold more than its budget
+    INTERNAL_ERROR = "internal_error"  # a bug of ours met the peer's input (logged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,8 @@ class SessionClosed:
     stores: tuple[StoreFinished, ...] = ()
     failed_request_ids: tuple[str, ...] = ()
     unreleased_serves: tuple[ServeRequest, ...] = ()
+    #: The exception that ended it, for ``INTERNAL_ERROR`` and ``LOCAL_FAULT`` (to log).
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)

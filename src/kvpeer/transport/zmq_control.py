@@ -110,7 +110,7 @@ class ZmqStatistics:
 
 def _endpoint(peer_id: str) -> str:
     host, sep, port = peer_id.rpartition(":")
-    if not sep or not port.isdigit() or not host:
+    if not sep or not (port.isascii() and port.isdigit()) or not host:
         raise PeerLost(f"peer id {peer_id!r} is not host:port")
     return f"tcp://{host}:{port}"
 
