@@ -256,6 +256,15 @@ def _count(low: int, high: int | None = None) -> Callable[[object], int]:
     return parse
 
 
+def _flag(value: object) -> bool:
+    """true/false (JSON booleans, or the strings a template renders); nothing else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise _Invalid(f"expected true or false, got {value!r}")
+
+
 def _host(value: object) -> str:
     if isinstance(value, str) and (text := value.strip()):
         address = _ip(text)
@@ -360,6 +369,9 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "heartbeat_timeout_s": _seconds,
         "max_peers": _count(1),
         "max_queued_messages": _count(1),
+        "max_handshakes_per_source": _count(1),
+        "max_peer_bytes": _count(1 << 20),
+        "trust_peer_addresses": _flag,
         "data_transports": _transports,
         "allowed_peers": _allowed_peers,
         "hash_seed": _optional_name,
@@ -433,6 +445,9 @@ class TierConfig:
     heartbeat_timeout_s: float = 10.0
     max_peers: int = 128
     max_queued_messages: int = 4096
+    max_handshakes_per_source: int = 8
+    max_peer_bytes: int = 64 << 20
+    trust_peer_addresses: bool = False
     data_transports: tuple[str, ...] = DATA_TRANSPORTS
     allowed_peers: AllowList = field(default_factory=AllowList.allow_all)
     hash_seed: str | None = None
@@ -478,4 +493,5 @@ class TierConfig:
             transfer_timeout_s=self.load_timeout_s + self.abort_ack_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
             max_queued_messages=self.max_queued_messages,
+            max_peer_bytes=self.max_peer_bytes,
         )

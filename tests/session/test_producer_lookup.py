@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvpeer.protocol import Codec, Fetch, Lookup, LookupResponse, Message, TransferDone, limits
-from kvpeer.session import CloseKind
+from kvpeer.session import CloseKind, SessionSettings
 from kvpeer.session.producer import MAX_QUEUED_LOOKUP_KEYS
 from kvpeer.testing import Node, SessionPair
 from kvpeer.types import Key
@@ -335,8 +335,9 @@ class TestOneResponsePerLookup:
 
 class TestLookupFlood:
     def test_queued_keys_beyond_the_cap_end_the_session(self) -> None:
-        """A peer queuing more lookup keys than the cap commits a protocol error."""
-        pair = SessionPair()
+        """A peer queuing more lookup keys than the cap commits a protocol error
+        (with a byte budget large enough not to end it first)."""
+        pair = SessionPair(settings=SessionSettings(max_peer_bytes=1 << 40))
         keys = tuple(i.to_bytes(3, "big") for i in range(limits.MAX_ITEMS))
         frame = Codec().encode(Lookup(kv_request_id=KV, keys=keys, round_seq=0))
         fitting = MAX_QUEUED_LOOKUP_KEYS // limits.MAX_ITEMS
@@ -351,3 +352,50 @@ class TestLookupFlood:
         assert pair.b.closed.kind is CloseKind.PROTOCOL_ERROR
         assert pair.b.parent.lookups == 0
         assert pair.b.parent.open_requests == {}
+
+    def test_lookups_beyond_the_byte_budget_end_the_session_over_budget(self) -> None:
+        """Queued lookups are charged in bytes; the one that would pass the peer's
+        budget ends the session (``over_budget``) and nothing of it stays pinned."""
+        budget = 4 << 20
+        pair = SessionPair(settings=SessionSettings(max_peer_bytes=budget))
+        keys = tuple(i.to_bytes(32, "big") for i in range(4096))  # 128 KiB of keys
+        frame = Codec().encode(Lookup(kv_request_id=KV, keys=keys, round_seq=0))
+        sent = 0
+        while pair.b.session.alive and sent < 100:
+            pair.b.session.receive(frame, pair.clock.now)
+            sent += 1
+        assert not pair.b.session.alive
+        assert 5 < sent < 40  # ended near the budget, not at the key cap
+        pair.poll()
+        assert pair.b.closed is not None
+        assert pair.b.closed.kind is CloseKind.OVER_BUDGET
+        assert "max_peer_bytes" in pair.b.closed.reason
+        assert pair.b.parent.open_requests == {}
+
+    def test_many_distinct_ids_are_charged_until_their_requests_end(self) -> None:
+        """Each id a peer names costs budget while the producer keeps state for it."""
+        pair = SessionPair(settings=SessionSettings(max_peer_bytes=1 << 20))
+        codec = Codec()
+        sent = 0
+        while pair.b.session.alive and sent < 10_000:
+            lookup = Lookup(kv_request_id=f"id-{sent}", keys=(b"k" * 32,), round_seq=0)
+            pair.b.session.receive(codec.encode(lookup), pair.clock.now)
+            pair.serve()
+            sent += 1
+        assert not pair.b.session.alive
+        assert 100 < sent < 10_000
+        pair.poll()
+        assert pair.b.closed is not None
+        assert pair.b.closed.kind is CloseKind.OVER_BUDGET
+
+    def test_one_lookup_whose_answer_would_be_too_big_ends_the_session(self) -> None:
+        """A lookup's answer echoes its keys: one may hold a sixteenth of the budget."""
+        pair = SessionPair(settings=SessionSettings(max_peer_bytes=16 << 20))
+        keys = tuple(i.to_bytes(256, "big") for i in range(4200))  # ~1.03 MiB of keys
+        pair.b.session.receive(
+            Codec().encode(Lookup(kv_request_id=KV, keys=keys, round_seq=0)), pair.clock.now
+        )
+        pair.poll()
+        assert pair.b.closed is not None
+        assert pair.b.closed.kind is CloseKind.OVER_BUDGET
+        assert "max_peer_bytes/16" in pair.b.closed.reason

@@ -82,6 +82,8 @@ def open_node(
         config.port,
         heartbeat_interval_s=config.heartbeat_interval_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
+        max_queued_frames=config.max_queued_messages,
+        max_link_bytes=config.max_peer_bytes,
         curve=curve,
     )
     completions = _Completions(control.wake)

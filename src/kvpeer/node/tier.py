@@ -32,11 +32,21 @@ Invariants:
    is refused on the peer's own connection without opening a session: a vLLM peer
    answers our goodbye with a new session and the same ``connect``, and opening
    a session for it (our ``connect``, then our goodbye) would loop.
+10. Nothing a peer names is dialed blindly. A session an inbound peer opens is
+    dialed back at the identity it claims only if that identity's host is the
+    IP address its connection comes from (unless ``trust_peer_addresses``).
+    A session is bound to the first address its peer's frames came from;
+    frames under its identity from elsewhere are dropped.
+11. One source address holds at most ``max_handshakes_per_source`` sessions
+    still in their handshake; a connect beyond that is refused, and eviction
+    takes handshaking sessions of the busiest source first, so one address
+    cannot flood everyone else out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 from collections import Counter
@@ -74,6 +84,8 @@ class _Peer:
     session: PeerSession
     link: ControlLink
     last_used: float
+    #: The address the peer's frames come from, once one arrived (invariant 10).
+    source: str | None = None
 
 
 @dataclass(slots=True)
@@ -425,12 +437,24 @@ class Tier:
 
     def _route(self, inbound: InboundFrame, now: float) -> None:
         peer_id, frame = inbound.peer_id, inbound.frame
-        source = inbound.source
+        source = _canonical_ip(inbound.source)
         if source is not None and not self._config.allowed_peers.allows_source(source):
             self._refused += 1
             self._refuse(peer_id, frame, f"connections from {source} are not in allowed_peers")
             return
         peer = self._peers.get(peer_id)
+        if peer is not None and peer.session.alive and source is not None:
+            if peer.source is None:
+                peer.source = source
+            elif peer.source != source:
+                self._stray += 1  # someone else claiming a live peer's identity
+                log.warning(
+                    "dropped a frame claiming to be %s from %s (its session is with %s)",
+                    peer_id,
+                    source,
+                    peer.source,
+                )
+                return
         if peer is None or not peer.session.alive:
             # Only a peer's connect opens a session. Anything else from a peer we
             # hold no live session with is a straggler of a session that ended (its
@@ -444,7 +468,12 @@ class Tier:
                 self._refused += 1
                 self._refuse(peer_id, frame, f"{refused[2]} (this connect was refused before)")
                 return
-            peer = self._peer(peer_id, now)
+            problem = self._inbound_problem(peer_id, source)
+            if problem is not None:
+                self._refused += 1
+                self._refuse(peer_id, frame, problem)
+                return
+            peer = self._peer(peer_id, now, source)
             if peer is None:
                 self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
                 return
@@ -458,7 +487,7 @@ class Tier:
                 self._remember_refusal(peer_id, frame, closed.reason, now)
             if closed is not None and closed.kind is CloseKind.RESTARTED:
                 log.info("peer %s restarted; opening a fresh session", peer_id)
-                fresh = self._peer(peer_id, now)
+                fresh = self._peer(peer_id, now, source)
                 if fresh is not None:
                     fresh.session.receive(frame, now)
 
@@ -643,7 +672,29 @@ class Tier:
         if kv_request_id in self._consumer_refs:
             self._failed.add(kv_request_id)
 
-    def _peer(self, peer_id: str, now: float) -> _Peer | None:
+    def _inbound_problem(self, peer_id: str, source: str | None) -> str | None:
+        """Why an inbound peer may not open a session (invariants 10 and 11), or None."""
+        if source is None:
+            return None  # a transport that cannot tell (in-memory): nothing to compare
+        if not self._config.trust_peer_addresses:
+            address = split_peer_id(peer_id)
+            claimed = _canonical_ip(address[0]) if address is not None else None
+            if claimed != source:
+                return (
+                    f"peer id {peer_id!r} does not name the address its connection comes "
+                    f"from ({source}); set trust_peer_addresses for peers behind NAT"
+                )
+        handshaking = sum(
+            1 for p in self._peers.values() if p.source == source and not p.session.ready
+        )
+        if handshaking >= self._config.max_handshakes_per_source:
+            return (
+                f"{source} already has {handshaking} sessions in their handshake "
+                f"(max_handshakes_per_source)"
+            )
+        return None
+
+    def _peer(self, peer_id: str, now: float, source: str | None = None) -> _Peer | None:
         """The live session toward ``peer_id``, opened if allowed and room permits."""
         peer = self._peers.get(peer_id)
         if peer is not None:
@@ -659,7 +710,7 @@ class Tier:
             return None
         link = self._control.connect(peer_id)
         session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
-        peer = _Peer(session, link, now)
+        peer = _Peer(session, link, now, source)
         self._peers[peer_id] = peer
         session.start(now)
         return peer
@@ -667,9 +718,11 @@ class Tier:
     def _evict_idle(self, now: float) -> bool:
         # Sessions still in their handshake go first, then the least recently used;
         # never one with work in flight, nor a ready one a live request pulls from.
+        # Among handshaking ones, those of the source holding the most go first.
         needed = {r.source.peer_id for r in self._requests.values() if r.source is not None}
+        crowd = Counter(p.source for p in self._peers.values() if not p.session.ready)
         idle = [
-            (peer.session.ready, peer.last_used, peer_id)
+            (peer.session.ready, -crowd[peer.source], peer.last_used, peer_id)
             for peer_id, peer in self._peers.items()
             if not peer.session.has_work() and not (peer.session.ready and peer_id in needed)
         ]
@@ -707,6 +760,22 @@ class Tier:
                 },
             ),
         )
+
+
+def _canonical_ip(text: str | None) -> str | None:
+    """``text`` as a canonical IP string (IPv4-mapped IPv6 as IPv4, no brackets),
+    or None when it is not an IP literal."""
+    if text is None:
+        return None
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
 
 
 def _digest(frame: bytes) -> bytes:

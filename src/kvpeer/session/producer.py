@@ -28,6 +28,10 @@ Invariants (per ``kv_request_id``):
    (written, released unused, failed, or timed out); it fails if any of its
    keys failed or timed out. Supply nobody fetched within ``store_timeout_s``
    of being pinned or bound is released.
+8. What the peer makes us hold - queued lookups, the demand of its fetches,
+   one entry per ``kv_request_id`` it named - is charged in bytes against
+   ``max_peer_bytes``; a lookup or fetch that would go over raises
+   :class:`~kvpeer.errors.BudgetExceeded` (the session ends).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpeer.errors import DataPlaneError, ProtocolError
+from kvpeer.errors import BudgetExceeded, DataPlaneError, ProtocolError
 from kvpeer.protocol import (
     AbortAck,
     AbortFetch,
@@ -56,6 +60,16 @@ __all__ = ["ProducerRole", "ProducerStatistics"]
 
 #: Unresolved inbound lookup keys one peer may keep queued at once.
 MAX_QUEUED_LOOKUP_KEYS = 1 << 20
+#: What we charge a peer's budget for state it makes us keep (invariant 8): a rough
+#: upper bound of CPython's cost per entry (object, dict slots, key references).
+REQUEST_BYTES = 1024
+ROUND_BYTES = 256
+LOOKUP_BYTES = 256
+KEY_ENTRY_BYTES = 160
+#: One lookup's keys may take at most ``max_peer_bytes // ANSWER_SHARE`` bytes: the
+#: answer echoes them, and libzmq may hold LINK_HWM + 1 = 17 answers for a peer that
+#: stopped reading before the control transport sees it (about one budget in all).
+ANSWER_SHARE = 16
 
 
 class _State(enum.Enum):
@@ -96,6 +110,7 @@ class _Round:
     inflight: set[int] = field(default_factory=set)
     reply: Message | None = None  # owed once in-flight writes drained
     drain_deadline: float = 0.0
+    charge: int = 0  # bytes of the peer's budget its demand holds (invariant 8)
 
 
 @dataclass(slots=True, eq=False)
@@ -106,6 +121,7 @@ class _InboundLookup:
     serve: ServeRequest | None = None
     answers: dict[Key, bool] = field(default_factory=dict)
     pending: dict[Key, None] = field(default_factory=dict)  # ordered set
+    charge: int = 0  # bytes of the peer's budget it holds (invariant 8)
 
 
 @dataclass(slots=True, eq=False)
@@ -170,6 +186,7 @@ class ProducerRole:
         self._draining: WorkSet[tuple[str, int]] = WorkSet()
         self._unreleased: list[ServeRequest] = []
         self._queued_lookup_keys = 0
+        self._held = 0  # budget charges of queued lookups and rounds' demand
         self._results: list[StoreFinished] = []
         self._fetched: list[str] = []
         self._lookups_answered = 0
@@ -184,6 +201,15 @@ class ProducerRole:
     # -- wire ----------------------------------------------------------------
 
     def on_lookup(self, message: Lookup, now: float) -> None:
+        key_bytes = sum(len(key) for key in message.keys)
+        if key_bytes > self._settings.max_peer_bytes // ANSWER_SHARE:
+            raise BudgetExceeded(
+                f"a lookup for {message.kv_request_id!r} with {key_bytes} bytes of keys: "
+                f"its answer may take at most max_peer_bytes/{ANSWER_SHARE} "
+                f"({self._settings.max_peer_bytes // ANSWER_SHARE})"
+            )
+        charge = _keys_cost(message.keys) + LOOKUP_BYTES
+        self._charge(charge, message.kv_request_id, "a lookup")
         request = self._requests.setdefault(message.kv_request_id, _Request())
         if message.round_seq <= request.closed_through:
             self._prune(message.kv_request_id)
@@ -193,9 +219,14 @@ class ProducerRole:
             raise ProtocolError(
                 f"more than {MAX_QUEUED_LOOKUP_KEYS} lookup keys queued by one peer"
             )
+        self._held += charge
         request.lookups.append(
             _InboundLookup(
-                message.round_seq, message.keys, now, pending=dict.fromkeys(message.keys)
+                message.round_seq,
+                message.keys,
+                now,
+                pending=dict.fromkeys(message.keys),
+                charge=charge,
             )
         )
         self._serve_pending.add(message.kv_request_id)
@@ -222,11 +253,16 @@ class ProducerRole:
             for seq, open_round in list(request.rounds.items()):
                 if open_round.demand is None and open_round.reply is None:
                     self._release_supply(open_round.supply, True, "")
+                    self._held -= open_round.charge
                     del request.rounds[seq]
             self._prune(kv_request_id)
             return
+        charge = _keys_cost(message.keys) + ROUND_BYTES
+        self._charge(charge, kv_request_id, "a fetch")
         if round_ is None:
             round_ = request.rounds[message.round_seq] = _Round(message.round_seq)
+        round_.charge += charge
+        self._held += charge
         round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
         round_.demanded = len(message.keys)
         if not round_.looked_up:
@@ -407,7 +443,21 @@ class ProducerRole:
         self._results = []
         self._fetched = []
         self._queued_lookup_keys = 0
+        self._held = 0
         return results, serves
+
+    def held_bytes(self) -> int:
+        """What the peer makes us hold, as charged against its budget (invariant 8)."""
+        return self._held + len(self._requests) * REQUEST_BYTES
+
+    def _charge(self, charge: int, kv_request_id: str, what: str) -> None:
+        """Raise BudgetExceeded if ``charge`` more bytes would put the peer over budget."""
+        held = self.held_bytes() + charge + REQUEST_BYTES
+        if held > self._settings.max_peer_bytes:
+            raise BudgetExceeded(
+                f"{what} for {kv_request_id!r} would make us hold {held} bytes for this "
+                f"peer (max_peer_bytes {self._settings.max_peer_bytes})"
+            )
 
     # -- introspection ---------------------------------------------------------
 
@@ -486,6 +536,7 @@ class ProducerRole:
         if lookup.pending:
             return False
         self._queued_lookup_keys -= len(lookup.keys)
+        self._held -= lookup.charge
         self._send(
             LookupResponse(
                 kv_request_id=kv_request_id,
@@ -505,6 +556,7 @@ class ProducerRole:
         for lookup in request.lookups:
             if lookup.round_seq <= through:
                 self._queued_lookup_keys -= len(lookup.keys)
+                self._held -= lookup.charge
                 if lookup.serve is not None:
                     self._unreleased.append(lookup.serve)
             else:
@@ -635,6 +687,7 @@ class ProducerRole:
     def _drop_round(self, kv_request_id: str, round_: _Round) -> None:
         request = self._requests[kv_request_id]
         del request.rounds[round_.seq]
+        self._held -= round_.charge
         self._prune(kv_request_id)
 
     # -- jobs ------------------------------------------------------------------
@@ -672,3 +725,7 @@ class ProducerRole:
         if request is not None and request.is_idle():
             del self._requests[kv_request_id]
             self._serve_pending.discard(kv_request_id)
+
+
+def _keys_cost(keys: tuple[Key, ...]) -> int:
+    return sum(len(key) for key in keys) + len(keys) * KEY_ENTRY_BYTES

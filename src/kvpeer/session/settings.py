@@ -23,6 +23,11 @@ class SessionSettings:
     ``handshake_timeout_s``: connected but not acknowledged -> dead.
     ``max_queued_messages``: messages held until the peer's ack; more ends
     the session.
+    ``max_peer_bytes``: what one peer may make us hold (queued lookups, parked
+    demand, per-request state); more ends the session. One lookup's keys may take
+    at most a sixteenth of it: its answer echoes them, and the control transport
+    holds a few answers a peer does not read before it notices (see
+    ``kvpeer.transport.zmq_control``, rule 2).
     """
 
     load_timeout_s: float = 30.0
@@ -34,6 +39,7 @@ class SessionSettings:
     transfer_timeout_s: float = 40.0
     handshake_timeout_s: float = 30.0
     max_queued_messages: int = 4096
+    max_peer_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

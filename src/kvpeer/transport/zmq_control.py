@@ -18,8 +18,12 @@ carries ours. Socket rules:
    edge-triggered: whoever leaves a socket with work pending (a read cut short,
    a send that found it readable) wakes the driver, and a pump that changed the
    set of descriptors wakes it so it sleeps on the new set.
-2. Every queue is bounded. A peer whose queue overflows (it stopped reading
-   and the socket's high-water mark is full) is declared dead.
+2. Every queue is bounded, in frames and in bytes. A link's DEALER holds at most
+   :data:`LINK_HWM` frames inside libzmq; past that, frames wait in our own
+   queue. What a peer that stopped reading makes us hold - our queue plus the
+   last ``LINK_HWM + 1`` frames handed to libzmq (all it can still hold) - is
+   checked against ``max_link_bytes`` whenever a frame has to wait; over it,
+   or over ``max_queued_frames``, the peer is declared dead.
 3. A DEALER that loses its connection after it was established (heartbeat
    timeout, peer closed) is dead; ZMQ's reconnect is not trusted to bring the
    same peer incarnation back - the session layer starts over instead.
@@ -63,6 +67,12 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _LAST_WORDS_LINGER_MS = 200
+#: Frames libzmq may hold for one peer (its send high-water mark); the rest wait
+#: in our byte-counted queue (rule 2).
+LINK_HWM = 16
+#: How long a control connection may take to finish ZMQ's own handshake (libzmq's
+#: default is 30 s: half-open connections would pile up for that long).
+ZMQ_HANDSHAKE_MS = 5000
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -133,11 +143,17 @@ def _events(sock: zmq.Socket[bytes]) -> int:
 class ZmqLink:
     """Our DEALER toward one peer; frames queue here until the driver sends them."""
 
-    def __init__(self, owner: ZmqControl, peer_id: str, max_queued: int) -> None:
+    def __init__(
+        self, owner: ZmqControl, peer_id: str, max_queued: int, max_bytes: int
+    ) -> None:
         self._owner = owner
         self._peer_id = peer_id
         self._max_queued = max_queued
+        self._max_bytes = max_bytes
         self.queue: deque[bytes] = deque()
+        self.queued_bytes = 0
+        # Sizes of the last frames handed to libzmq: all it can still hold (rule 2).
+        self.recent: deque[int] = deque(maxlen=LINK_HWM + 1)
         self.socket: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None
         self.fds: tuple[int, ...] = ()  # ZMQ_FD of socket and monitor, for wait()
@@ -161,9 +177,22 @@ class ZmqLink:
         if len(self.queue) >= self._max_queued:
             self._owner.lose(self, f"more than {self._max_queued} frames waiting to be sent")
             return False
+        held = self.queued_bytes + len(frame) + sum(self.recent)
+        if held > self._max_bytes:
+            self._owner.lose(
+                self,
+                f"the peer stopped reading: {held} bytes would wait for it "
+                f"(more than max_peer_bytes {self._max_bytes})",
+            )
+            return False
         self.queue.append(frame)
+        self.queued_bytes += len(frame)
         self._owner.mark_dirty()
         return True
+
+    def sent(self, frame: bytes) -> None:
+        """``frame`` was handed to libzmq (owner's lock held)."""
+        self.recent.append(len(frame))
 
     def close(self) -> None:
         if not self.closed:
@@ -183,12 +212,14 @@ class ZmqControl:
         heartbeat_timeout_s: float = 10.0,
         max_frame_bytes: int = limits.MAX_FRAME_BYTES,
         max_queued_frames: int = 4096,
+        max_link_bytes: int = 64 << 20,
         curve: CurveKeys | None = None,
         wake: Callable[[], None] | None = None,
     ) -> None:
         self._heartbeat = (int(heartbeat_interval_s * 1000), int(heartbeat_timeout_s * 1000))
         self._max_frame = max_frame_bytes
         self._max_queued = max_queued_frames
+        self._max_link_bytes = max_link_bytes
         self._curve = curve
         self._external_wake = wake
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -199,9 +230,14 @@ class ZmqControl:
         self._configure(self._router)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
-        # A restarted peer reconnects with the same identity: let the new connection
-        # take it over at once (its connect then carries the new boot id).
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A second connection claiming an identity that is connected already is not
+        # let in (ZMQ leaves it unread) until the first one is gone: no process can
+        # take a live peer's identity over. A restarted peer's old connection closes
+        # with its process, so its new one is let in (after a host crash: once the
+        # old connection's heartbeats expire).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        # A connection that never completes the ZMQ handshake is closed after this.
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)
         if curve is not None:
             self._auth = ThreadAuthenticator(self._context)
             self._auth.start()
@@ -243,7 +279,7 @@ class ZmqControl:
     def connect(self, peer_id: str) -> ZmqLink:
         if self._closed:
             raise PeerLost("control transport is closed")
-        link = ZmqLink(self, peer_id, self._max_queued)
+        link = ZmqLink(self, peer_id, self._max_queued, self._max_link_bytes)
         self._links[id(link)] = link
         # Opened here, not by the next pump: a driver starved on a busy machine
         # delayed first contacts by up to ~70 ms. A failure leaves a dead link.
@@ -348,6 +384,7 @@ class ZmqControl:
             self._lose(link, f"send failed: {exc}")
             return True  # consumed: the link is dead now
         self._sent += 1
+        link.sent(frame)
         if _events(sock) & _POLLIN:
             self.wake()  # the send may have eaten ZMQ_FD's edge for an inbound frame
         return True
@@ -419,7 +456,9 @@ class ZmqControl:
             except zmq.ZMQError as exc:
                 self._lose(link, f"send failed: {exc}")
                 break
-            link.queue.popleft()
+            frame = link.queue.popleft()
+            link.queued_bytes -= len(frame)
+            link.sent(frame)
             self._sent += 1
         if not link.alive or link.socket is None:
             return False
@@ -432,7 +471,7 @@ class ZmqControl:
             sock = self._context.socket(zmq.DEALER)
             self._configure(sock)
             sock.setsockopt(zmq.IDENTITY, self._local_id.encode())
-            sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.setsockopt(zmq.SNDHWM, LINK_HWM)
             if ":" in endpoint[6:].rpartition(":")[0]:
                 sock.setsockopt(zmq.IPV6, 1)
             if self._curve is not None:
