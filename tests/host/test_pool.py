@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import mmap
+import os
+import uuid
 
 import pytest
 
@@ -199,3 +201,16 @@ class TestBytesAndErrors:
     def test_non_int_slot_is_named(self, pool: BlockPool) -> None:
         with pytest.raises(ValueError, match=r"slot must be an int, got '1'"):
             pool.state("1")  # type: ignore[arg-type]
+
+
+def test_close_removes_the_file_even_while_a_view_is_still_exported() -> None:
+    """A data plane that did not let go (a stuck thread, a crashed driver) must not keep
+    the region's file in /dev/shm: close removes it and leaves the mapping to the process."""
+    path = f"/dev/shm/kvpeer-test-close-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    pool = BlockPool(4, 4096, shm_path=path)
+    held = pool.view[0:16]  # an export close() cannot undo
+    try:
+        pool.close()
+        assert not os.path.exists(path)
+    finally:
+        held.release()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import heapq
+import logging
 import mmap
 import os
 from collections import OrderedDict
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from kvpeer.types import Key, LookupResult
 
 __all__ = ["BlockPool", "PoolStatistics", "SlotState"]
+
+log = logging.getLogger("kvpeer.host")
 
 #: Prefault granularity: one written byte per page maps the whole region up front.
 _PAGE_SIZE = mmap.PAGESIZE
@@ -245,13 +248,19 @@ class BlockPool:
         return self._shm_path
 
     def close(self) -> None:
-        """Unmap the region (and remove its file). Views handed out must be released."""
-        self._view.release()
-        self._region.close()
-        if self._shm_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._shm_path)
-            self._shm_path = None
+        """Unmap the region and remove its file. Views handed out must be released;
+        if one still is (a data plane that did not stop), the file is removed all
+        the same and the mapping goes with the process (logged)."""
+        try:
+            self._view.release()
+            self._region.close()
+        except BufferError as exc:
+            log.warning("primary region still in use at close (%s); left mapped", exc)
+        finally:
+            if self._shm_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._shm_path)
+                self._shm_path = None
 
     # -- internals ---------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import TextIO
 from kvpeer.config import TierConfig
 from kvpeer.host import BlockPool, TieringHost
 from kvpeer.node.build import open_node
+from kvpeer.node.driver import DriverCrashed
 from kvpeer.node.synthetic import synthetic_block, synthetic_key
 from kvpeer.transport.data.base import PrimaryRegion
 
@@ -55,6 +56,7 @@ def serve(
     if "shm" in config.data_transports:
         shm_path = f"/dev/shm/kvpeer-serve-{os.getpid()}-{config.port}"
     pool = BlockPool(num_blocks, block_len, shm_path=shm_path)
+    status = 0
     try:
         preload_synthetic(pool, synthetic_blocks)
         region = PrimaryRegion(pool.view, num_blocks, block_len, pool.shm_path)
@@ -93,7 +95,11 @@ def serve(
                     )
         except KeyboardInterrupt:
             print("kvpeer serve: stopping", file=out, flush=True)
-        host.shutdown()
+        except DriverCrashed as exc:
+            print(f"kvpeer serve: stopping: {exc}", file=out, flush=True)
+            status = 1
+        finally:
+            host.shutdown()
     finally:
         pool.close()
-    return 0
+    return status
