@@ -741,3 +741,31 @@ def test_session_settings_carry_the_matching_durations() -> None:
         max_queued_messages=18,
     )
     assert TierConfig().session_settings() == SessionSettings()
+
+
+class TestUntrustedPeerKeys:
+    """The keys that bound what a peer can make a node do (issue 15)."""
+
+    def test_defaults(self) -> None:
+        config = TierConfig()
+        assert config.max_peer_bytes == 64 << 20
+        assert config.max_handshakes_per_source == 8
+        assert config.trust_peer_addresses is False
+        assert config.session_settings().max_peer_bytes == 64 << 20
+
+    @pytest.mark.parametrize(
+        ("given", "parsed"), [(True, True), ("false", False), (" TRUE ", True)]
+    )
+    def test_trust_peer_addresses_takes_booleans(self, given: object, parsed: bool) -> None:
+        assert TierConfig.from_dict({"trust_peer_addresses": given}).trust_peer_addresses is parsed
+
+    @pytest.mark.parametrize("given", [1, 0, "yes", None, "on"])
+    def test_trust_peer_addresses_refuses_anything_else(self, given: object) -> None:
+        with pytest.raises(ConfigError, match=r"trust_peer_addresses: expected true or false"):
+            TierConfig.from_dict({"trust_peer_addresses": given})
+
+    def test_a_budget_under_one_mebibyte_is_refused(self) -> None:
+        with pytest.raises(ConfigError, match=r"max_peer_bytes: expected an integer >= 1048576"):
+            TierConfig.from_dict({"max_peer_bytes": 4096})
+        with pytest.raises(ConfigError, match=r"max_handshakes_per_source"):
+            TierConfig.from_dict({"max_handshakes_per_source": 0})
