@@ -1,10 +1,11 @@
 """Conformance checks for data planes (the :class:`~kvpeer.session.ports.DataPlane` contract).
 
 A :class:`Cluster` builds nodes, each a data plane over its own :class:`BlockPool`, and
-connects pairs the way sessions do: ``register_peer`` with the peer's ``connect``
-(carrying our ``describe().offers``), then ``peer_acknowledged`` with the choice the
-other side returned. Every check in :data:`CHECKS` takes a factory of clusters, so one
-that needs a clean baseline (threads, file descriptors) can build its own.
+connects pairs the way sessions do: each grants the other, ``register_peer`` with the
+peer's ``connect`` (carrying our ``describe().offers``), then ``peer_acknowledged`` with
+the choice the other side returned. Every check in :data:`CHECKS` takes a factory of
+clusters, so one that needs a clean baseline (threads, file descriptors) can build its
+own.
 
 Planes run real threads: waits are deadline loops that poll until the event arrives
 (or :data:`TIMEOUT_S` passes), sleeping at most a millisecond between polls.
@@ -136,6 +137,8 @@ class Cluster:
 
     def connect(self, a: Node, b: Node) -> None:
         """Both handshakes, as two sessions do them."""
+        a.plane.grant(b.name)
+        b.plane.grant(a.name)
         a_writes_b = a.plane.register_peer(b.name, hello_of(b.name, b.plane))
         b_writes_a = b.plane.register_peer(a.name, hello_of(a.name, a.plane))
         a.plane.peer_acknowledged(b.name, b_writes_a)

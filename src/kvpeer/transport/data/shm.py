@@ -245,6 +245,12 @@ class ShmBackend:
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
         """Nothing to do: the peer writes into our file without us."""
 
+    def grant(self, peer_id: str) -> None:
+        """Nothing to do yet."""
+
+    def revoke(self, peer_id: str) -> None:
+        """Nothing to do yet."""
+
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
             mapping = self._peers.pop(peer_id, None)
