@@ -39,6 +39,7 @@ __all__ = [
     "Cluster",
     "ClusterFactory",
     "FakeCluster",
+    "NamedBackendCluster",
     "Node",
     "Windows",
     "hello_of",
@@ -50,6 +51,8 @@ BLOCK_LEN = 4096
 NUM_BLOCKS = 32
 
 BackendFactory = Callable[[PrimaryRegion, Callable[[], None]], Backend]
+#: A factory of backends that need the node's name (its control identity).
+NamedBackendFactory = Callable[[str, PrimaryRegion, Callable[[], None]], Backend]
 
 
 class Windows(enum.Enum):
@@ -192,11 +195,27 @@ class BackendCluster(Cluster):
         self.shm = shm
         self.windows = windows
 
+    def _new_backend(self, name: str, region: PrimaryRegion, notify: Callable[[], None]) -> Backend:
+        return self._backend(region, notify)
+
     def _make(self, name: str, pool: BlockPool) -> Node:
         region = PrimaryRegion(pool.view, pool.num_blocks, pool.block_len, pool.shm_path)
         notified = threading.Event()
-        plane = DataPlaneSet(region, [self._backend(region, notified.set)])
+        plane = DataPlaneSet(region, [self._new_backend(name, region, notified.set)])
         return Node(name, pool, plane, notified)
+
+
+class NamedBackendCluster(BackendCluster):
+    """A :class:`BackendCluster` whose backends are told their node's name."""
+
+    def __init__(self, backend: NamedBackendFactory, *, shm: bool, windows: Windows) -> None:
+        super().__init__(
+            lambda region, notify: backend("", region, notify), shm=shm, windows=windows
+        )
+        self._named = backend
+
+    def _new_backend(self, name: str, region: PrimaryRegion, notify: Callable[[], None]) -> Backend:
+        return self._named(name, region, notify)
 
 
 ClusterFactory = Callable[[], Cluster]
