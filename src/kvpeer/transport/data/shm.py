@@ -291,6 +291,7 @@ class ShmBackend:
             self._peers[peer_id] = mapping
             self._unfaulted.append(mapping)
             self._lock.notify_all()
+        log.info("shm: mapped the region of %s (%d bytes)", peer_id, size)
         return {}
 
     def grant(self, peer_id: str) -> None:

@@ -377,13 +377,13 @@ class GrantServer:
             self._refuse(conn, "malformed request")
             return
         producer, consumer = request
-        if consumer != self._local_id:
-            self._refuse(conn, f"this region belongs to {self._local_id!r}, not {consumer!r}")
-            return
         with self._lock:
             granted = producer in self._grants
         if not granted:
             self._refuse(conn, f"{producer!r} holds no session with {self._local_id!r}")
+            return
+        if consumer != self._local_id:
+            self._refuse(conn, f"this region belongs to {self._local_id!r}, not {consumer!r}")
             return
         with self._lock:
             self._served += 1  # before it goes: the producer may look at once
