@@ -5,6 +5,7 @@ and arbitrary offers. Each ends in a refusal with nothing mapped and nothing lea
 from __future__ import annotations
 
 import array
+import errno
 import os
 import secrets
 import socket
@@ -266,3 +267,48 @@ def test_any_offer_is_usable_or_refused_never_an_exception(pair: Pair, data: st.
         return
     assert offer.get("socket") == pair.b.offer()["socket"]  # only B's real offer maps
     pair.a.remove_peer("B")
+
+
+class _FailingListener:
+    """A listener whose first ``failures`` accepts fail as if out of descriptors."""
+
+    def __init__(self, inner: socket.socket, failures: int) -> None:
+        self._inner = inner
+        self.failures = failures
+        self.accepts = 0
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def accept(self) -> tuple[socket.socket, object]:
+        self.accepts += 1
+        if self.accepts <= self.failures:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self._inner.accept()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def test_an_owner_out_of_descriptors_pauses_instead_of_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed accept leaves the connection pending: polling on at once would wake
+    the server in a loop. It pauses, then serves the request."""
+    listen = shmgrant._listen
+    made: list[_FailingListener] = []
+
+    def failing_listen() -> tuple[str, _FailingListener]:
+        name, inner = listen()
+        made.append(_FailingListener(inner, failures=2))
+        return name, made[-1]
+
+    monkeypatch.setattr(shmgrant, "_listen", failing_listen)
+    pair = Pair()
+    try:
+        started = time.monotonic()
+        pair.a.add_peer("B", pair.hello_b, pair.b.offer())
+        assert time.monotonic() - started >= 2 * shmgrant._ACCEPT_PAUSE_S * 0.9
+        assert made[-1].accepts <= 4  # the two failures, then the request (and EAGAIN)
+    finally:
+        pair.close()

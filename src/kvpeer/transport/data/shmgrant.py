@@ -85,6 +85,9 @@ MAX_FDS = 4
 MAX_PENDING = 16
 SERVE_TIMEOUT_S = 0.5
 _BACKLOG = 16
+#: After a failed accept (out of descriptors): stop polling the listener this long,
+#: or its still-pending connection would wake us in a loop.
+_ACCEPT_PAUSE_S = 0.1
 _JOIN_TIMEOUT_S = 10.0
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -307,19 +310,22 @@ class GrantServer:
         listener = self._listener.fileno()
         poller.register(listener, select.POLLIN)
         pending: dict[int, _Pending] = {}
+        paused_until = 0.0
         try:
             while True:
+                wakeups = [p.deadline for p in pending.values()]
+                if paused_until:
+                    wakeups.append(paused_until)
                 wait_ms = -1
-                if pending:
-                    first = min(p.deadline for p in pending.values())
-                    wait_ms = max(0, int((first - time.monotonic()) * 1000) + 1)
+                if wakeups:
+                    wait_ms = max(0, int((min(wakeups) - time.monotonic()) * 1000) + 1)
                 ready = poller.poll(wait_ms)
                 with self._lock:
                     if self._closed:
                         return
                 for fd, _ in ready:
-                    if fd == listener:
-                        self._accept(poller, pending)
+                    if fd == listener and not self._accept(poller, pending):
+                        paused_until = time.monotonic() + _ACCEPT_PAUSE_S
                     elif fd in pending:
                         waiting = pending.pop(fd)
                         poller.unregister(fd)
@@ -330,9 +336,12 @@ class GrantServer:
                     poller.unregister(fd)
                     pending.pop(fd).conn.close()
                     self._count_refusal()
-                # Full: leave further connections in the kernel's backlog until a slot
-                # frees up (they wait; nothing is refused for being early).
-                poller.modify(listener, select.POLLIN if len(pending) < MAX_PENDING else 0)
+                if paused_until and now >= paused_until:
+                    paused_until = 0.0
+                # Full (or paused): leave further connections in the kernel's backlog
+                # until a slot frees up (they wait; nothing is refused for being early).
+                listening = len(pending) < MAX_PENDING and not paused_until
+                poller.modify(listener, select.POLLIN if listening else 0)
         except Exception:
             # A bug: stop answering at once (peers then fail fast and pick another
             # plane) instead of leaving connections to pile up in the backlog.
@@ -343,15 +352,16 @@ class GrantServer:
             for waiting in pending.values():
                 waiting.conn.close()
 
-    def _accept(self, poller: select.poll, pending: dict[int, _Pending]) -> None:
+    def _accept(self, poller: select.poll, pending: dict[int, _Pending]) -> bool:
+        """Accept what waits, up to the cap; False if accepting failed (pause)."""
         while len(pending) < MAX_PENDING:
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                return True
             except OSError as exc:  # e.g. out of descriptors: the others still get served
                 log.warning("shm: cannot accept a region request: %s", exc)
-                return
+                return False
             conn.setblocking(False)
             try:
                 refusal = self._policy.refusal(peer_credentials(conn))
@@ -361,6 +371,7 @@ class GrantServer:
             # socket with unread data would reset the connection, reason unread.
             pending[conn.fileno()] = _Pending(conn, time.monotonic() + SERVE_TIMEOUT_S, refusal)
             poller.register(conn.fileno(), select.POLLIN)
+        return True
 
     def _answer(self, waiting: _Pending) -> None:
         conn = waiting.conn
