@@ -179,7 +179,9 @@ def open_pool_node(
     try:
         preload_synthetic(pool, synthetic)
         region = PrimaryRegion(pool.view, num_blocks, block_len, pool.shm_path)
-        return pool, open_node(tier_config(planes, host, port, **settings), region)
+        # Nodes of this process (a test may run two) may map each other's shm regions.
+        config = tier_config(planes, host, port, **settings)
+        return pool, open_node(config, region, shm_same_process=True)
     except BaseException:
         pool.close()
         raise

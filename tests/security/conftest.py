@@ -1,6 +1,7 @@
-"""Attacker-side tests reuse the real-network fixtures: subprocess nodes that are
-always stopped, a ZMQ context, and the checks that no thread dies and no /dev/shm
-file is left behind."""
+"""The real-network fixtures of tests/net (subprocess nodes that are always stopped, a
+ZMQ context, no thread exception and no /dev/shm file left behind), reused as they are."""
+
+from __future__ import annotations
 
 from tests.net.conftest import (
     _no_shm_left,

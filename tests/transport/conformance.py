@@ -1,10 +1,11 @@
 """Conformance checks for data planes (the :class:`~kvpeer.session.ports.DataPlane` contract).
 
 A :class:`Cluster` builds nodes, each a data plane over its own :class:`BlockPool`, and
-connects pairs the way sessions do: ``register_peer`` with the peer's ``connect``
-(carrying our ``describe().offers``), then ``peer_acknowledged`` with the choice the
-other side returned. Every check in :data:`CHECKS` takes a factory of clusters, so one
-that needs a clean baseline (threads, file descriptors) can build its own.
+connects pairs the way sessions do: each grants the other, ``register_peer`` with the
+peer's ``connect`` (carrying our ``describe().offers``), then ``peer_acknowledged`` with
+the choice the other side returned. Every check in :data:`CHECKS` takes a factory of
+clusters, so one that needs a clean baseline (threads, file descriptors) can build its
+own.
 
 Planes run real threads: waits are deadline loops that poll until the event arrives
 (or :data:`TIMEOUT_S` passes), sleeping at most a millisecond between polls.
@@ -38,6 +39,7 @@ __all__ = [
     "Cluster",
     "ClusterFactory",
     "FakeCluster",
+    "NamedBackendCluster",
     "Node",
     "Windows",
     "hello_of",
@@ -49,6 +51,8 @@ BLOCK_LEN = 4096
 NUM_BLOCKS = 32
 
 BackendFactory = Callable[[PrimaryRegion, Callable[[], None]], Backend]
+#: A factory of backends that need the node's name (its control identity).
+NamedBackendFactory = Callable[[str, PrimaryRegion, Callable[[], None]], Backend]
 
 
 class Windows(enum.Enum):
@@ -136,6 +140,8 @@ class Cluster:
 
     def connect(self, a: Node, b: Node) -> None:
         """Both handshakes, as two sessions do them."""
+        a.plane.grant(b.name)
+        b.plane.grant(a.name)
         a_writes_b = a.plane.register_peer(b.name, hello_of(b.name, b.plane))
         b_writes_a = b.plane.register_peer(a.name, hello_of(a.name, a.plane))
         a.plane.peer_acknowledged(b.name, b_writes_a)
@@ -189,11 +195,27 @@ class BackendCluster(Cluster):
         self.shm = shm
         self.windows = windows
 
+    def _new_backend(self, name: str, region: PrimaryRegion, notify: Callable[[], None]) -> Backend:
+        return self._backend(region, notify)
+
     def _make(self, name: str, pool: BlockPool) -> Node:
         region = PrimaryRegion(pool.view, pool.num_blocks, pool.block_len, pool.shm_path)
         notified = threading.Event()
-        plane = DataPlaneSet(region, [self._backend(region, notified.set)])
+        plane = DataPlaneSet(region, [self._new_backend(name, region, notified.set)])
         return Node(name, pool, plane, notified)
+
+
+class NamedBackendCluster(BackendCluster):
+    """A :class:`BackendCluster` whose backends are told their node's name."""
+
+    def __init__(self, backend: NamedBackendFactory, *, shm: bool, windows: Windows) -> None:
+        super().__init__(
+            lambda region, notify: backend("", region, notify), shm=shm, windows=windows
+        )
+        self._named = backend
+
+    def _new_backend(self, name: str, region: PrimaryRegion, notify: Callable[[], None]) -> Backend:
+        return self._named(name, region, notify)
 
 
 ClusterFactory = Callable[[], Cluster]

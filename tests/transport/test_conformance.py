@@ -19,6 +19,7 @@ from tests.transport.conformance import (
     Cluster,
     ClusterFactory,
     FakeCluster,
+    NamedBackendCluster,
     Windows,
 )
 
@@ -28,7 +29,12 @@ def memory_cluster() -> Cluster:
 
 
 def shm_cluster() -> Cluster:
-    return BackendCluster(ShmBackend, shm=True, windows=Windows.UNENFORCED)
+    # Both nodes live in this process: same_process lets them trust each other.
+    return NamedBackendCluster(
+        lambda name, region, notify: ShmBackend(region, notify, local_id=name, same_process=True),
+        shm=True,
+        windows=Windows.UNENFORCED,
+    )
 
 
 def tcp_cluster() -> Cluster:

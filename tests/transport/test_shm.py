@@ -1,121 +1,249 @@
-"""The shm data plane: offers, same-host checks, copies, and safe unmapping."""
+"""The shm data plane: its offer, the same-host proof (grants, credentials, the plane
+set's fallback), copies, and safe unmapping. Hostile owners and producers:
+test_shm_hostile.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import uuid
-from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from kvpeer.errors import DataPlaneError
+from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.host import BlockPool
-from kvpeer.protocol import Connect, TransportOffer
-from kvpeer.session.ports import TransferEvent
+from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportOffer
 from kvpeer.transport.data import shm
-from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.base import WriteWindow
+from kvpeer.transport.data.planes import DataPlaneSet
 from kvpeer.transport.data.shm import INLINE_BYTES, PREFAULT_BYTES, ShmBackend, host_identity
+from kvpeer.transport.data.shmgrant import is_socket_name
+from kvpeer.transport.data.tcp import TcpBackend
 from tests.transport.conformance import TIMEOUT_S
+from tests.transport.shmpair import (
+    BLOCK,
+    Pair,
+    backend,
+    hello,
+    open_fds_to,
+    pair,
+    region_of,
+    shm_path,
+    wait_event,
+)
 
-BLOCK = 4096
+__all__ = ["pair"]  # the fixture, imported for pytest
 
-
-def shm_path() -> str:
-    return f"/dev/shm/kvpeer-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def region_of(pool: BlockPool) -> PrimaryRegion:
-    return PrimaryRegion(pool.view, pool.num_blocks, pool.block_len, pool.shm_path)
-
-
-def hello(num_blocks: int, block_len: int = BLOCK) -> Connect:
-    return Connect(
-        peer_id="B",
-        agent_metadata=b"",
-        base_addr=0,
-        num_blocks=num_blocks,
-        block_len=block_len,
-        hash_seed="seed",
-    )
-
-
-def wait_event(backend: ShmBackend, peer: str, transfer_id: int) -> TransferEvent:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        for event in backend.poll(peer):
-            assert event.transfer_id == transfer_id
-            return event
-        time.sleep(0.0005)
-    pytest.fail(f"transfer {transfer_id} not reported in {TIMEOUT_S} s")
-
-
-class Pair:
-    """Producer A (a backend over its pool) and consumer B (just a shared pool)."""
-
-    def __init__(self, num_blocks: int = 16, block_len: int = BLOCK) -> None:
-        self.a_pool = BlockPool(num_blocks, block_len, shm_path=shm_path())
-        self.b_pool = BlockPool(num_blocks, block_len, shm_path=shm_path())
-        self.notified = threading.Event()
-        self.a = ShmBackend(region_of(self.a_pool), self.notified.set)
-        self.b = ShmBackend(region_of(self.b_pool), lambda: None)
-        self.hello_b = hello(num_blocks, block_len)
-
-    def close(self) -> None:
-        self.a.close()
-        self.b.close()
-        self.a_pool.close()
-        self.b_pool.close()
-
-
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    pair = Pair()
-    yield pair
-    pair.close()
+# -- the offer ---------------------------------------------------------------------------
 
 
 def test_needs_a_shared_file() -> None:
     pool = BlockPool(2, BLOCK)
     try:
         with pytest.raises(DataPlaneError, match="shared-memory file"):
-            ShmBackend(region_of(pool), lambda: None)
+            backend(pool, "A")
     finally:
         pool.close()
 
 
-def test_offer_names_file_host_and_size(pair: Pair) -> None:
+def test_offer_names_a_socket_size_and_host_but_no_file(pair: Pair) -> None:
     offer = pair.b.offer()
-    assert offer["path"] == pair.b_pool.shm_path
-    assert offer["host_id"] == host_identity()
+    assert set(offer) == {"socket", "size", "host_id"}
+    assert is_socket_name(offer["socket"])
+    assert offer["socket"] != pair.a.offer()["socket"]
     assert offer["size"] == 16 * BLOCK
+    assert offer["host_id"] == host_identity()
     assert pair.a.usable_with(offer, pair.hello_b)
 
 
+def _other_hex() -> str:
+    return secrets.token_hex(16)
+
+
 @pytest.mark.parametrize(
-    "change",
+    ("change", "reason"),
     [
-        {"host_id": "another-host"},
-        {"path": "/dev/shm/kvpeer-test-no-such-file"},
-        {"size": 8 * BLOCK},
-        {"inode": 1},
+        ({"host_id": "another-host"}, "another host"),
+        ({"socket": None}, "socket name"),
+        ({"socket": "ABCDEF0123456789ABCDEF0123456789"}, "socket name"),  # uppercase
+        ({"socket": "0123456789abcdef0123456789abcde"}, "socket name"),  # 31 characters
+        ({"socket": "0123456789abcdef0123456789abcdeg"}, "socket name"),
+        ({"socket": "../../../dev/shm/x"}, "socket name"),
+        ({"socket": 12345}, "socket name"),
+        ({"size": 8 * BLOCK}, "size"),
+        ({"size": str(16 * BLOCK)}, "size"),
+        ({"size": None}, "size"),
     ],
-    ids=["other-host", "missing-file", "wrong-size", "other-file"],
+    ids=[
+        "other-host",
+        "no-socket",
+        "uppercase-hex",
+        "short-hex",
+        "not-hex",
+        "a-path",
+        "an-int",
+        "wrong-size",
+        "size-as-text",
+        "no-size",
+    ],
 )
-def test_not_usable_unless_same_host_and_file(pair: Pair, change: TransportOffer) -> None:
-    offer = {**pair.b.offer(), **change}
-    assert not pair.a.usable_with(offer, pair.hello_b)
-    with pytest.raises(DataPlaneError, match="cannot map"):
-        pair.a.add_peer("B", pair.hello_b, offer)
+def test_malformed_offers_are_not_usable(
+    pair: Pair, change: dict[str, object], reason: str
+) -> None:
+    offer = {k: v for k, v in {**pair.b.offer(), **change}.items() if v is not None}
+    assert not pair.a.usable_with(offer, pair.hello_b)  # type: ignore[arg-type]
+    with pytest.raises(DataPlaneError, match=reason):
+        pair.a.add_peer("B", pair.hello_b, offer)  # type: ignore[arg-type]
+    assert pair.b.statistics().regions_served == 0
 
 
-def test_not_usable_when_the_peer_region_differs(pair: Pair) -> None:
+def test_a_size_that_differs_from_the_connect_is_not_usable(pair: Pair) -> None:
     assert not pair.a.usable_with(pair.b.offer(), hello(8))
     assert not pair.a.usable_with(None, pair.hello_b)
+
+
+def test_an_old_style_offer_naming_a_file_is_never_opened(pair: Pair, tmp_path: Path) -> None:
+    """The bug this plane had: a peer named any file of the right size and we wrote it."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * 16 * BLOCK)
+    offer: TransportOffer = {"path": str(victim), "size": 16 * BLOCK, "host_id": host_identity()}
+    assert not pair.a.usable_with(offer, pair.hello_b)
+    with pytest.raises(DataPlaneError):
+        pair.a.add_peer("B", pair.hello_b, offer)
+    assert open_fds_to(str(victim)) == []
+    assert victim.read_bytes() == b"v" * 16 * BLOCK
+
+
+def test_our_own_offer_is_refused(pair: Pair) -> None:
+    """A peer that copies our offer into its connect must not make us map our region."""
+    own = {**pair.a.offer(), "size": 16 * BLOCK}
+    assert not pair.a.usable_with(own, pair.hello_b)
+    with pytest.raises(DataPlaneError, match="our own socket"):
+        pair.a.add_peer("B", pair.hello_b, own)
+
+
+def test_a_socket_nobody_serves_fails_fast(pair: Pair) -> None:
+    offer = {**pair.b.offer(), "socket": _other_hex()}
+    assert pair.a.usable_with(offer, pair.hello_b)  # well-formed: the proof decides
+    started = time.monotonic()
+    with pytest.raises(DataPlaneError, match="no region"):
+        pair.a.add_peer("B", pair.hello_b, offer)
+    assert time.monotonic() - started < 0.5
+    assert pair.a.statistics().peers == 0
+
+
+# -- grants --------------------------------------------------------------------------------
+
+
+def test_an_ungranted_producer_is_refused_with_a_reason(pair: Pair) -> None:
+    pair.b.revoke("A")
+    with pytest.raises(DataPlaneError, match="owner refused: 'A' holds no session"):
+        pair.a.add_peer("B", pair.hello_b, pair.b.offer())
+    stats = pair.b.statistics()
+    assert (stats.granted, stats.regions_served, stats.requests_refused) == (0, 0, 1)
+    assert pair.a.statistics().peers == 0
+
+
+def test_grant_then_revoke(pair: Pair) -> None:
+    assert pair.b.statistics().granted == 1
+    pair.a.add_peer("B", pair.hello_b, pair.b.offer())
+    assert pair.b.statistics().regions_served == 1
+    pair.b.revoke("A")
+    pair.b.revoke("A")  # idempotent
+    assert pair.b.statistics().granted == 0
+    with pytest.raises(DataPlaneError, match="holds no session"):
+        pair.a.add_peer("B", pair.hello_b, pair.b.offer())
+    pair.b.grant("A")
+    pair.a.add_peer("B", pair.hello_b, pair.b.offer())
+    assert pair.b.statistics().regions_served == 2
+
+
+def test_a_request_on_behalf_of_another_peer_is_refused(pair: Pair) -> None:
+    """Relay: X put B's offer into its own connect to A. A asks B for a region on
+    behalf of its session with X; B granted A, but the request is not addressed to B."""
+    with pytest.raises(DataPlaneError, match="belongs to 'B', not 'X'"):
+        pair.a.add_peer("X", pair.hello_b, pair.b.offer())
+    assert pair.b.statistics().regions_served == 0
+
+
+def test_a_uid_outside_allowed_uids_is_refused_by_either_side() -> None:
+    other = os.getuid() + 1
+    pool_a = BlockPool(4, BLOCK, shm_path=shm_path())
+    pool_b = BlockPool(4, BLOCK, shm_path=shm_path())
+    strict = backend(pool_a, "A", allowed_uids=frozenset({other}))
+    lenient = backend(pool_a, "A2")  # its region is the same file: fine for this test
+    owner = backend(pool_b, "B", allowed_uids=frozenset({other}))
+    plain_owner = backend(pool_b, "B2")
+    try:
+        owner.grant("A2")
+        plain_owner.grant("A")
+        with pytest.raises(DataPlaneError, match="refused by us: uid"):
+            strict.add_peer("B2", hello(4), plain_owner.offer())
+        with pytest.raises(DataPlaneError, match="owner refused: uid"):
+            lenient.add_peer("B", hello(4), owner.offer())
+        assert owner.statistics().requests_refused == 1
+    finally:
+        for each in (strict, lenient, owner, plain_owner):
+            each.close()
+        pool_a.close()
+        pool_b.close()
+
+
+def test_a_region_served_by_this_very_process_is_refused_by_default(pair: Pair) -> None:
+    producer = backend(pair.a_pool, "A", same_process=False)
+    try:
+        with pytest.raises(DataPlaneError, match="this very process"):
+            producer.add_peer("B", pair.hello_b, pair.b.offer())
+    finally:
+        producer.close()
+
+
+def test_the_plane_set_falls_back_to_tcp_when_the_proof_fails() -> None:
+    pools = [BlockPool(8, BLOCK, shm_path=shm_path()) for _ in range(2)]
+    planes = [
+        DataPlaneSet(
+            region_of(pool),
+            [backend(pool, name), TcpBackend(region_of(pool), lambda: None)],
+        )
+        for pool, name in zip(pools, "AB", strict=True)
+    ]
+    a, b = planes
+    try:
+        region = b.describe()
+        hello_b = Connect(
+            peer_id="B",
+            agent_metadata=b"",
+            base_addr=0,
+            num_blocks=region.num_blocks,
+            block_len=region.block_len,
+            hash_seed="seed",
+            kvpeer=ConnectExtension(
+                version=PROTOCOL_VERSION, boot_id=os.urandom(16), transports=region.offers
+            ),
+        )
+        choice = a.register_peer("B", hello_b)  # B never granted A
+        assert choice is not None
+        assert choice.name == "tcp"
+        a.unregister_peer("B")
+        b.grant("A")
+        choice = a.register_peer("B", hello_b)
+        assert choice is not None
+        assert choice.name == "shm"
+        b.revoke("A")
+    finally:
+        for plane in planes:
+            plane.close()
+        for pool in pools:
+            pool.close()
+
+
+# -- copies ------------------------------------------------------------------------------
 
 
 def test_copy_lands_notifies_and_counts(pair: Pair) -> None:
@@ -150,7 +278,8 @@ def test_large_copy_runs_on_the_thread_and_notifies() -> None:
 
 
 def test_bytes_reach_another_process() -> None:
-    """The consumer's region lives in a child process; our copy lands in its memory."""
+    """The consumer's region and backend live in a child process (another pid: no
+    ``same_process`` needed); it grants us, we map its region and copy into it."""
     path = shm_path()
     child = subprocess.Popen(
         [
@@ -158,12 +287,19 @@ def test_bytes_reach_another_process() -> None:
             "-c",
             textwrap.dedent(
                 f"""
-                import sys
+                import json, sys
                 from kvpeer.host import BlockPool
+                from kvpeer.transport.data.base import PrimaryRegion
+                from kvpeer.transport.data.shm import ShmBackend
                 pool = BlockPool(4, {BLOCK}, shm_path={path!r})
-                print("ready", flush=True)
+                region = PrimaryRegion(pool.view, 4, {BLOCK}, pool.shm_path)
+                backend = ShmBackend(region, lambda: None, local_id="child")
+                backend.grant("parent")
+                print(json.dumps(backend.offer()), flush=True)
                 sys.stdin.readline()
                 print(bytes(pool.view[{BLOCK} : {2 * BLOCK}]).hex(), flush=True)
+                print(backend.statistics().regions_served, flush=True)
+                backend.close()
                 pool.close()
                 """
             ),
@@ -173,22 +309,23 @@ def test_bytes_reach_another_process() -> None:
         text=True,
     )
     pool = BlockPool(4, BLOCK, shm_path=shm_path())
-    backend = ShmBackend(region_of(pool), lambda: None)
+    producer = ShmBackend(region_of(pool), lambda: None, local_id="parent")
     try:
         assert child.stdout is not None
         assert child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
-        offer: TransportOffer = {"path": path, "host_id": host_identity(), "size": 4 * BLOCK}
-        backend.add_peer("child", hello(4), offer)
+        offer = json.loads(child.stdout.readline())
+        assert "path" not in offer
+        producer.add_peer("child", hello(4), offer)
         data = os.urandom(BLOCK)
         pool.view[0:BLOCK] = data
-        assert wait_event(backend, "child", backend.write_blocks("child", [0], [1])).success
+        assert wait_event(producer, "child", producer.write_blocks("child", [0], [1])).success
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == data.hex()
+        assert child.stdout.readline().strip() == "1"
         assert child.wait(TIMEOUT_S) == 0
     finally:
-        backend.close()
+        producer.close()
         pool.close()
         if child.poll() is None:
             child.kill()
@@ -273,13 +410,24 @@ def test_busy_copy_is_reported_after_a_waiting_cancel() -> None:
         pair.close()
 
 
-def test_writes_after_close_fail_and_close_is_idempotent(pair: Pair) -> None:
+def test_after_close_writes_and_registrations_are_local_faults(pair: Pair) -> None:
     pair.a.add_peer("B", pair.hello_b, pair.b.offer())
     pair.a.close()
     pair.a.close()
-    with pytest.raises(DataPlaneError, match="closed"):
+    with pytest.raises(LocalFault, match="closed"):
         pair.a.write_blocks("B", [0], [0])
+    with pytest.raises(LocalFault, match="closed"):
+        pair.a.add_peer("B", pair.hello_b, pair.b.offer())
     assert pair.a.statistics().peers == 0
+    pair.a.grant("B")  # never raises
+    assert pair.a.statistics().granted == 0
+
+
+def test_close_stops_serving_our_region(pair: Pair) -> None:
+    offer = pair.b.offer()
+    pair.b.close()
+    with pytest.raises(DataPlaneError, match="no region"):
+        pair.a.add_peer("B", pair.hello_b, offer)
 
 
 def test_accept_writer_is_a_no_op(pair: Pair) -> None:

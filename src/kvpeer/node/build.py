@@ -35,6 +35,9 @@ def _backends(
     region: PrimaryRegion,
     notify: Callable[[], None],
     completions: Callable[[], None],
+    *,
+    local_id: str,
+    shm_same_process: bool,
 ) -> list[Backend]:
     backends: list[Backend] = []
     for name in config.data_transports:
@@ -44,7 +47,9 @@ def _backends(
                 continue
             from kvpeer.transport.data.shm import ShmBackend
 
-            backends.append(ShmBackend(region, completions))
+            backends.append(
+                ShmBackend(region, completions, local_id=local_id, same_process=shm_same_process)
+            )
         elif name == "tcp":
             from kvpeer.transport.data.tcp import TcpBackend
 
@@ -68,8 +73,12 @@ def open_node(
     hash_seed: str | Callable[[], str] | None = None,
     clock: Callable[[], float] = time.monotonic,
     wake_host: Callable[[], None] | None = None,
+    shm_same_process: bool = False,
 ) -> DrivenTier:
-    """Bind the control port, start the data planes and the driver thread."""
+    """Bind the control port, start the data planes and the driver thread.
+
+    ``shm_same_process``: let the shm plane exchange regions with other nodes of this
+    very process (tests run several in one; otherwise such a region is refused)."""
     curve = None
     if config.curve is not None:
         curve = CurveKeys.load(
@@ -88,7 +97,15 @@ def open_node(
     )
     completions = _Completions(control.wake)
     try:
-        data = DataPlaneSet(region, _backends(config, region, control.wake, completions))
+        backends = _backends(
+            config,
+            region,
+            control.wake,
+            completions,
+            local_id=control.local_id,
+            shm_same_process=shm_same_process,
+        )
+        data = DataPlaneSet(region, backends)
     except (ConfigError, DataPlaneError):
         control.close()
         raise

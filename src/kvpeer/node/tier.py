@@ -541,6 +541,7 @@ class Tier:
             del self._early_fetches[kv_request_id]
         if self._peers.get(peer_id) is peer:
             del self._peers[peer_id]
+            self._data.revoke(peer_id)
         peer.link.close()
         if closed.kind is CloseKind.UNREACHABLE:
             self._say_goodbye(peer_id, closed.reason)
@@ -709,6 +710,7 @@ class Tier:
             self._refused += 1
             return None
         link = self._control.connect(peer_id)
+        self._data.grant(peer_id)
         session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
         peer = _Peer(session, link, now, source)
         self._peers[peer_id] = peer

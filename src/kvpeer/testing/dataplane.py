@@ -111,6 +111,7 @@ class FakeDataPlane:
         self._peers: dict[str, _Peer] = {}
         self._open: dict[str, dict[int, int]] = {}  # peer id -> slots opened for its writes
         self._events: dict[str, list[TransferEvent]] = {}
+        self.granted: set[str] = set()  # peer ids granted and not revoked
         fabric.planes[node_id] = self
 
     # -- DataPlane --------------------------------------------------------------
@@ -201,6 +202,12 @@ class FakeDataPlane:
 
     def describe(self) -> LocalRegion:
         return LocalRegion(num_blocks=self.region.num_blocks, block_len=self.region.block_len)
+
+    def grant(self, peer_id: str) -> None:
+        self.granted.add(peer_id)
+
+    def revoke(self, peer_id: str) -> None:
+        self.granted.discard(peer_id)
 
     def close(self) -> None:
         self._peers.clear()

@@ -81,4 +81,13 @@ class LocalRegion:
 class NodeDataPlane(DataPlane, Protocol):
     def describe(self) -> LocalRegion: ...
 
+    def grant(self, peer_id: str) -> None:
+        """We open a session toward ``peer_id``: it may use what our offers hand out
+        on proof (called before our ``connect`` goes to it; never raises)."""
+        ...
+
+    def revoke(self, peer_id: str) -> None:
+        """The session with ``peer_id`` ended: undo :meth:`grant`."""
+        ...
+
     def close(self) -> None: ...

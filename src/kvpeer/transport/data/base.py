@@ -23,6 +23,11 @@ peer's region (producer push) and reports completion per peer. Contract:
    holding the backend's lock, from a thread that waits for nothing the backend's
    own methods wait for.
 7. ``close`` releases everything and is idempotent.
+8. ``grant(peer_id)`` is called when the node opens a session toward ``peer_id``,
+   before our ``connect`` (with ``offer()``) goes to it, and ``revoke(peer_id)``
+   when that session ends. A plane whose offer lets a peer take something of ours
+   on proof of who it is (``shm``: our region's descriptor) gives it only to
+   granted peer ids. Neither call blocks nor raises.
 """
 
 from __future__ import annotations
@@ -132,3 +137,7 @@ class Backend(Protocol):
     def cancel(self, transfer_ids: Sequence[int], *, wait: bool) -> list[int]: ...
 
     def close(self) -> None: ...
+
+    def grant(self, peer_id: str) -> None: ...
+
+    def revoke(self, peer_id: str) -> None: ...

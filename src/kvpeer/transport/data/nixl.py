@@ -609,6 +609,14 @@ class NixlBackend:
         except Exception as exc:
             log.warning("nixl: agent %s: cannot %s: %s", self._agent_name, what, _describe(exc))
 
+    # -- grants (the agent metadata in our connect is all a peer gets) ----------------
+
+    def grant(self, peer_id: str) -> None:
+        """Nothing to do."""
+
+    def revoke(self, peer_id: str) -> None:
+        """Nothing to do."""
+
 
 def _check_slots(slots: Sequence[int], limit: int, whose: str) -> None:
     for slot in slots:

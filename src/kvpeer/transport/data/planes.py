@@ -2,25 +2,31 @@
 
 Negotiation (PROTOCOL.md section 3): when the peer's ``connect`` lists kvpeer
 transports, we write into it with the first backend of our preference list that
-the peer offered and that works between the two (``usable_with``); the choice and
-its parameters go back in our ``connect_ack``. A peer without the kvpeer extension
-is a vLLM peer: we use NIXL with its ``agent_metadata``. The peer's ack tells us
-how it will write into us; that backend then accepts its writes through the
-peer's :class:`WriteWindow`. Transfer ids are unique across backends.
+the peer offered and that works between the two (``usable_with``, then ``add_peer``:
+a plane whose ``add_peer`` fails, e.g. ``shm`` when the same-host proof does, gives
+way to the next); the choice and its parameters go back in our ``connect_ack``. A
+peer without the kvpeer extension is a vLLM peer: we use NIXL with its
+``agent_metadata``. The peer's ack tells us how it will write into us; that backend
+then accepts its writes through the peer's :class:`WriteWindow`. Transfer ids are
+unique across backends.
+``grant``/``revoke`` go to every backend.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
-from kvpeer.errors import DataPlaneError, HandshakeRejected
+from kvpeer.errors import DataPlaneError, HandshakeRejected, LocalFault
 from kvpeer.protocol import Connect, TransportChoice
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.base import LocalRegion
 from kvpeer.transport.data.base import Backend, PrimaryRegion, WriteWindow
 
 __all__ = ["DataPlaneSet"]
+
+log = logging.getLogger("kvpeer.planes")
 
 
 class DataPlaneSet:
@@ -82,15 +88,24 @@ class DataPlaneSet:
             self._writers[peer_id] = nixl
             return None
         offers = extension.transports
+        failures: list[DataPlaneError] = []
         for backend in self._backends:
             offer = offers.get(backend.name)
-            if offer is not None and backend.usable_with(offer, hello):
+            if offer is None or not backend.usable_with(offer, hello):
+                continue
+            try:
                 params = backend.add_peer(peer_id, hello, offer)
-                self._writers[peer_id] = backend
-                return TransportChoice(name=backend.name, params=params)
-        raise DataPlaneError(
-            f"no common data plane: ours {self.backends}, the peer offers {sorted(offers)}"
-        )
+            except DataPlaneError as exc:
+                log.info("data plane %s unusable with %s: %s", backend.name, peer_id, exc)
+                failures.append(exc)
+                continue
+            self._writers[peer_id] = backend
+            return TransportChoice(name=backend.name, params=params)
+        reasons = "".join(f"; {exc}" for exc in failures)
+        message = f"no common data plane: ours {self.backends}, the peer offers {sorted(offers)}"
+        if failures and all(isinstance(exc, LocalFault) for exc in failures):
+            raise LocalFault(message + reasons)
+        raise DataPlaneError(message + reasons)
 
     def peer_acknowledged(self, peer_id: str, choice: TransportChoice | None) -> None:
         name = "nixl" if choice is None else choice.name
@@ -150,6 +165,14 @@ class DataPlaneSet:
                     del self._local[(id(backend), local_id)]
                     del self._global[transfer_id]
         return still
+
+    def grant(self, peer_id: str) -> None:
+        for backend in self._backends:
+            backend.grant(peer_id)
+
+    def revoke(self, peer_id: str) -> None:
+        for backend in self._backends:
+            backend.revoke(peer_id)
 
     def expect_writes(self, peer_id: str, slots: Sequence[int]) -> None:
         self._windows.setdefault(peer_id, WriteWindow()).open(slots)

@@ -1,11 +1,23 @@
 """The ``shm`` data plane: same-host writes straight into the peer's shared region.
 
-The consumer's primary region is a file under ``/dev/shm``; its offer names the file,
-the host and the file's identity. A producer on the same host maps that file once at
-``add_peer`` (shared, read-write) and copies blocks into it with plain memory copies.
-The mapping is prefaulted by the copy thread afterwards, so the handshake never waits
-for it. The consumer takes no part in a write, so windows are not enforced
-(``accept_writer`` has nothing to do): a one-sided write cannot be refused.
+The consumer's primary region is a shared-memory file. Its offer is
+``{"socket": <32 hex>, "size": <region bytes>, "host_id": <this boot of this host>}``:
+no path, device or inode. ``host_id`` only saves a connection attempt between
+hosts that are obviously different; it proves nothing (a peer can echo ours).
+
+The proof is :mod:`~kvpeer.transport.data.shmgrant`: each backend opens its *own*
+region file once, at construction, and serves that descriptor on an abstract Unix
+socket named by the hex. A producer on the same host connects to it at ``add_peer``,
+names itself (``local_id``) and the peer it registers, and receives the descriptor
+with ``SCM_RIGHTS`` from a process whose pid and uid the kernel reports
+(``SO_PEERCRED``); the owner sends it only to producers it has *granted* (``grant``
+when the node opens a session toward that peer id, ``revoke`` when it ends). The
+producer maps the descriptor once (shared, read-write) and copies blocks into it with
+plain memory copies; the copy thread prefaults the mapping afterwards, so the
+handshake never waits for it. The consumer takes no part in a write, so windows are
+not enforced (``accept_writer`` has nothing to do): a one-sided write cannot be
+refused. A failed proof is a :class:`~kvpeer.errors.DataPlaneError` from ``add_peer``
+and the plane set tries its next plane.
 
 Invariants:
 
@@ -25,7 +37,17 @@ Invariants:
    at a time without the GIL, only while no transfer is queued: ``add_peer`` (on the
    handshake's path) returns at once, and a transfer never waits for more than one
    piece. A copy into a page not faulted in yet is correct, only slower.
+7. No path a peer names is ever opened, and no socket but ``"\\0kvpeer-shm-" + hex``
+   of 32 validated hex characters is dialled. A mapped descriptor is a regular file
+   of exactly the peer's advertised size, opened read-write, that is not our own
+   region (same device and inode), received from a process of an allowed uid that
+   is not this one (unless ``same_process``).
+8. What a peer sends ends in ``False`` from ``usable_with`` or a ``DataPlaneError``
+   from ``add_peer``, never another exception; our own faults (backend closed, our
+   region unusable) are :class:`~kvpeer.errors.LocalFault`.
 
+Residual risk: an owner that shrinks its own file under a producer's mapping makes the
+producer's next copy fault (``SIGBUS``); only a local process of an allowed uid can.
 The region must outlive the backend: close the backend before unmapping the region.
 """
 
@@ -34,21 +56,30 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import fcntl
 import hashlib
 import itertools
+import logging
 import mmap
 import os
+import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvpeer.errors import DataPlaneError
+from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.protocol import Connect, TransportOffer
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.shmgrant import (
+    CredentialPolicy,
+    GrantServer,
+    is_socket_name,
+    request_region,
+)
 
-__all__ = ["CHUNK_BYTES", "ShmBackend", "ShmStatistics", "host_identity"]
+__all__ = ["CHUNK_BYTES", "REQUEST_TIMEOUT_S", "ShmBackend", "ShmStatistics", "host_identity"]
 
 #: Largest single copy: bounds how long a cancel or ``remove_peer`` waits for the thread.
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -60,6 +91,10 @@ PREFAULT_BYTES = 4 * 1024 * 1024
 #: ``MADV_POPULATE_WRITE`` (Linux 5.14+); the ``mmap`` module exports it only from 3.13.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _JOIN_TIMEOUT_S = 10.0
+#: How long ``add_peer`` waits, in total, for a peer's region descriptor.
+REQUEST_TIMEOUT_S = 1.0
+
+log = logging.getLogger("kvpeer.shm")
 
 
 def host_identity() -> str:
@@ -79,6 +114,9 @@ class ShmStatistics:
     completed: int
     cancelled: int  # released before they started or abandoned
     bytes_copied: int
+    granted: int  # peer ids that may receive our region's descriptor now
+    regions_served: int  # descriptors of our region handed to producers
+    requests_refused: int  # producers' requests for it we refused
 
 
 class _State(enum.Enum):
@@ -140,20 +178,43 @@ def _check_slots(slots: Sequence[int], limit: int, whose: str) -> None:
 class ShmBackend:
     """Implements :class:`~kvpeer.transport.data.base.Backend` over shared files."""
 
-    def __init__(self, region: PrimaryRegion, notify: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        region: PrimaryRegion,
+        notify: Callable[[], None],
+        *,
+        local_id: str,
+        allowed_uids: frozenset[int] | None = None,
+        same_process: bool = False,
+    ) -> None:
+        """``local_id``: our node's control identity (its peer id), which we name when we
+        ask a peer for its region. ``allowed_uids``: users whose processes may exchange
+        regions with us (default: ours only). ``same_process``: also with other nodes
+        of this process (tests build several; a node process otherwise runs one)."""
         if region.shm_path is None:
             raise DataPlaneError(
                 "the shm data plane needs a primary region backed by a shared-memory file "
                 "(e.g. BlockPool(..., shm_path='/dev/shm/...')); this region has none"
             )
         self._region = region
-        self._path = region.shm_path
+        self._local_id = local_id
         self._notify = notify
         self._host_id = host_identity()
         self._size = region.num_blocks * region.block_len
         self._base = region.base_addr
-        stat = os.stat(self._path)
-        self._file_id = (stat.st_dev, stat.st_ino)
+        self._policy = CredentialPolicy(
+            frozenset({os.getuid()}) if allowed_uids is None else frozenset(allowed_uids),
+            same_process,
+        )
+        # Our own region, opened once: the only path this plane ever opens.
+        self._fd = _open_own_region(region.shm_path, self._size)
+        try:
+            own = os.fstat(self._fd)
+            self._file_id = (own.st_dev, own.st_ino)
+            self._server = GrantServer(self._fd, local_id=local_id, policy=self._policy)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._ids = itertools.count(1)
         mutex = threading.Lock()
         # Two conditions on one lock: the copy thread sleeps on _lock (work queued),
@@ -177,70 +238,69 @@ class ShmBackend:
     # -- negotiation ---------------------------------------------------------------------
 
     def offer(self) -> TransportOffer:
-        return {
-            "path": self._path,
-            "host_id": self._host_id,
-            "size": self._size,
-            "device": self._file_id[0],
-            "inode": self._file_id[1],
-        }
+        if not self._server.alive:  # nothing answers: let peers pick another plane
+            return {"size": self._size, "host_id": self._host_id}
+        return {"socket": self._server.name, "size": self._size, "host_id": self._host_id}
 
     def agent_metadata(self) -> bytes:
         return b""
 
     def usable_with(self, offer: TransportOffer | None, hello: Connect) -> bool:
-        if offer is None or offer.get("host_id") != self._host_id:
-            return False
-        path = offer.get("path")
-        if not isinstance(path, str) or not path:
-            return False
-        try:
-            stat = os.stat(path)
-        except OSError:
-            return False
-        size = hello.num_blocks * hello.block_len
-        if offer.get("size") != size or stat.st_size != size:
-            return False
-        # The file must be the one the peer created, not a namesake in another mount.
-        return (
-            offer.get("device", stat.st_dev) == stat.st_dev
-            and offer.get("inode", stat.st_ino) == stat.st_ino
-        )
+        """Whether the offer is well-formed and could be ours to map (no I/O; the
+        proof happens in ``add_peer``)."""
+        return self._offer_refusal(offer, hello) is None
 
     def add_peer(
         self, peer_id: str, hello: Connect, offer: TransportOffer | None
     ) -> TransportOffer:
-        if offer is None or not self.usable_with(offer, hello):
-            raise DataPlaneError(f"shm: cannot map the region of {peer_id!r} (offer {offer!r})")
+        refusal = self._offer_refusal(offer, hello)
+        if refusal is not None:
+            raise DataPlaneError(f"shm: cannot use the offer of {peer_id!r}: {refusal}")
+        assert offer is not None
+        name = offer["socket"]
+        assert isinstance(name, str)
+        with self._lock:
+            if self._closed:
+                raise LocalFault("shm: backend is closed")
         self.remove_peer(peer_id)
-        path = offer["path"]
-        assert isinstance(path, str)
         size = hello.num_blocks * hello.block_len
+        fd = request_region(
+            name,
+            producer=self._local_id,
+            consumer=peer_id,
+            policy=self._policy,
+            timeout_s=REQUEST_TIMEOUT_S,
+        )
         try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                # The file we opened must be the one we checked: a copy past its end
-                # would raise SIGBUS and take the whole process down.
-                stat = os.fstat(fd)
-                if stat.st_size != size or offer.get("inode", stat.st_ino) != stat.st_ino:
-                    raise OSError(f"{path} changed after it was checked")
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
+            problem = self._descriptor_refusal(fd, size)
+            if problem is not None:
+                raise DataPlaneError(f"shm: the region of {peer_id!r} is unusable: {problem}")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)  # keeps its own duplicate
         except (OSError, ValueError) as exc:
-            raise DataPlaneError(f"shm: cannot map {path} of {peer_id!r}: {exc}") from exc
+            raise DataPlaneError(f"shm: cannot map the region of {peer_id!r}: {exc}") from exc
+        finally:
+            os.close(fd)
         anchor = ctypes.c_char.from_buffer(mm)
         base = ctypes.addressof(anchor)
         del anchor  # the export would keep the mapping from ever closing
         with self._lock:
             if self._closed:
                 mm.close()
-                raise DataPlaneError("shm: backend is closed")
+                raise LocalFault("shm: backend is closed")
             mapping = _Mapping(mm, base, hello.num_blocks, size)
             self._peers[peer_id] = mapping
             self._unfaulted.append(mapping)
             self._lock.notify_all()
+        log.info("shm: mapped the region of %s (%d bytes)", peer_id, size)
         return {}
+
+    def grant(self, peer_id: str) -> None:
+        """``peer_id`` may receive our region's descriptor (we open a session with it)."""
+        self._server.grant(peer_id)
+
+    def revoke(self, peer_id: str) -> None:
+        """``peer_id`` may not anymore (a mapping it already holds stays its own)."""
+        self._server.revoke(peer_id)
 
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
         """Nothing to do: the peer writes into our file without us."""
@@ -271,7 +331,7 @@ class ShmBackend:
             )
         with self._lock:
             if self._closed:
-                raise DataPlaneError("shm: backend is closed")
+                raise LocalFault("shm: backend is closed")
             mapping = self._peers.get(peer_id)
             if mapping is None:
                 raise DataPlaneError(f"shm: peer {peer_id!r} is not registered")
@@ -315,6 +375,7 @@ class ShmBackend:
         return busy
 
     def statistics(self) -> ShmStatistics:
+        grants = self._server.statistics()
         with self._lock:
             return ShmStatistics(
                 peers=len(self._peers),
@@ -322,6 +383,9 @@ class ShmBackend:
                 completed=self._counters.completed,
                 cancelled=self._counters.cancelled,
                 bytes_copied=self._counters.bytes_copied,
+                granted=grants.granted,
+                regions_served=grants.served,
+                requests_refused=grants.refused,
             )
 
     def close(self) -> None:
@@ -340,8 +404,41 @@ class ShmBackend:
             self._peers.clear()
         for mapping in mappings:
             mapping.mm.close()
+        self._server.close()  # its thread is stopped: nothing sends our descriptor now
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _offer_refusal(self, offer: TransportOffer | None, hello: Connect) -> str | None:
+        """Why ``offer`` cannot be a peer's region on this host, or None."""
+        if not isinstance(offer, dict):
+            return "no shm offer"
+        if offer.get("host_id") != self._host_id:
+            return "another host"
+        name = offer.get("socket")
+        if not is_socket_name(name):
+            return "no valid socket name (32 lowercase hex characters)"
+        if name == self._server.name:
+            return "the offer names our own socket"
+        size = offer.get("size")
+        expected = hello.num_blocks * hello.block_len
+        if isinstance(size, bool) or not isinstance(size, int) or size != expected:
+            return f"size {size!r:.40} is not the advertised region's {expected}"
+        return None
+
+    def _descriptor_refusal(self, fd: int, size: int) -> str | None:
+        """Why a received descriptor must not be mapped, or None (invariant 7)."""
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return f"not a regular file (mode {info.st_mode:#o})"
+        if info.st_size != size:
+            return f"{info.st_size} bytes, not {size}"
+        if (info.st_dev, info.st_ino) == self._file_id:
+            return "it is our own region"
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            return "not open for reading and writing"
+        return None
 
     def _drop(self, transfer: _Transfer) -> None:
         """Release or abandon ``transfer`` (lock held); it is never reported."""
@@ -421,6 +518,19 @@ class ShmBackend:
                 )
                 copied += size
         return copied
+
+
+def _open_own_region(path: str, size: int) -> int:
+    """Our region's file, opened once (a path of ours, never a peer's)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise LocalFault(f"shm: cannot open our own region {path}: {exc}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+        os.close(fd)
+        raise LocalFault(f"shm: our region {path} is not a {size}-byte regular file")
+    return fd
 
 
 def _prefault(mm: mmap.mmap, base: int, start: int, length: int) -> None:

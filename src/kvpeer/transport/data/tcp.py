@@ -705,6 +705,14 @@ class TcpBackend:
         thread.start()
         return thread
 
+    # -- grants (nothing of ours is handed out on proof: the peer only dials us) -------
+
+    def grant(self, peer_id: str) -> None:
+        """Nothing to do."""
+
+    def revoke(self, peer_id: str) -> None:
+        """Nothing to do."""
+
 
 def _stop_receiving(conn: _Inbound) -> None:
     """Wake ``conn``'s thread and wait until it no longer writes into our region."""
