@@ -1,7 +1,7 @@
 """The ``tcp`` data plane: a byte stream from producer to consumer, acknowledged.
 
 Every node listens on a data port (its offer: ``{"host", "port"}``). A producer that
-chose ``tcp`` for a peer opens one connection to the peer's port (``add_peer``, in a
+chose ``tcp`` for a peer opens one connection to the peer's data port (``add_peer``, in a
 thread of its own) and hands the peer a random token through the control channel
 (``connect_ack``); the consumer's ``accept_writer`` binds that token to the peer's
 :class:`~kvpeer.transport.data.base.WriteWindow`.
@@ -42,6 +42,16 @@ Invariants:
    next ``write_blocks``; nothing is resent.
 6. Every socket is closed by the thread that uses it, after it stopped using it
    and no inline send is using it.
+7. Nothing a peer names is dialed blindly: the producer dials the *peer's own host* (the
+   host of ``peer_id``, which the node took from the operator, the router or the
+   peer's control connection) at the port of its offer; the offer's host is ignored
+   unless the backend was built with ``trust_offered_hosts`` (NAT). A port is an
+   int in 1..65535 (not a bool).
+8. Errors: whatever a peer sent that we cannot use (an offer, a token, a peer id)
+   raises :class:`~kvpeer.errors.DataPlaneError`; our own failures (backend closed,
+   cannot listen, cannot start a thread) raise :class:`~kvpeer.errors.LocalFault`.
+   Nothing else escapes ``usable_with``, ``add_peer`` or ``accept_writer``. No socket
+   is waited on with ``select()``, which fails past descriptor 1023.
 
 The region must outlive the backend: close the backend before unmapping the region.
 """
@@ -61,10 +71,10 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvpeer.errors import DataPlaneError
+from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.protocol import Connect, TransportOffer, limits
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
@@ -77,12 +87,15 @@ from kvpeer.transport.data.tcpwire import SLOT as _SLOT
 from kvpeer.transport.data.tcpwire import VERSION as _VERSION
 from kvpeer.transport.data.tcpwire import WRITTEN as _WRITTEN
 from kvpeer.transport.data.tcpwire import Closed as _Closed
-from kvpeer.transport.data.tcpwire import address as _address
 from kvpeer.transport.data.tcpwire import check_slots as _check_slots
 from kvpeer.transport.data.tcpwire import listen as _listen
+from kvpeer.transport.data.tcpwire import offered_host as _offered_host
+from kvpeer.transport.data.tcpwire import offered_port as _offered_port
+from kvpeer.transport.data.tcpwire import peer_host as _peer_host
 from kvpeer.transport.data.tcpwire import recv_exact as _recv_exact
 from kvpeer.transport.data.tcpwire import runs as _runs
 from kvpeer.transport.data.tcpwire import tune as _tune
+from kvpeer.transport.data.tcpwire import valid_token as _valid_token
 
 __all__ = ["INLINE_BYTES", "SOCKET_BUFFER_BYTES", "TcpBackend", "TcpStatistics"]
 
@@ -97,7 +110,7 @@ INLINE_BYTES = 1024 * 1024
 _MAX_SLOTS = limits.MAX_ITEMS  # a fetch names at most this many blocks
 _MAX_PENDING = 64  # inbound connections that have not bound to a peer yet
 _JOIN_TIMEOUT_S = 5.0
-_CONNECT_POLL_S = 0.05
+_CONNECT_POLL_MS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +150,7 @@ class _Writer:
     """Our connection into one peer (producer side)."""
 
     peer_id: str
-    host: str
+    host: str  # what we dial: the peer's own host, or the one it offered (if trusted)
     port: int
     token: str
     num_blocks: int
@@ -182,9 +195,13 @@ class TcpBackend:
         hello_timeout_s: float = 10.0,
         connect_timeout_s: float = 10.0,
         socket_buffer: int | None = SOCKET_BUFFER_BYTES,
+        trust_offered_hosts: bool = False,
     ) -> None:
         """``host``/``port``: where we listen (port 0: any free port); ``advertise_host``:
-        what peers dial instead of ``host`` (needed when binding a wildcard address)."""
+        the host our offer names instead of ``host`` (peers dial it only if they trust
+        offered hosts); ``trust_offered_hosts``: dial the host a peer's offer names
+        instead of the peer's own host (NAT; see invariant 7)."""
+        self._trust_offered_hosts = trust_offered_hosts
         self._region = region
         self._view = region.view.cast("B")  # our own view: released at close
         self._notify = notify
@@ -204,7 +221,7 @@ class TcpBackend:
         try:
             self._listener = _listen(host, port, socket_buffer)
         except OSError as exc:
-            raise DataPlaneError(f"tcp: cannot listen on {host!r} port {port}: {exc}") from exc
+            raise LocalFault(f"tcp: cannot listen on {host!r} port {port}: {exc}") from exc
         self._host = advertise_host or host
         self._port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
@@ -227,27 +244,32 @@ class TcpBackend:
         return b""
 
     def usable_with(self, offer: TransportOffer | None, hello: Connect) -> bool:
-        return _address(offer) is not None
+        return _offered_port(offer) is not None and _offered_host(offer) is not None
 
     def add_peer(
         self, peer_id: str, hello: Connect, offer: TransportOffer | None
     ) -> TransportOffer:
-        address = _address(offer)
-        if address is None:
-            raise DataPlaneError(f"tcp: {peer_id!r} offered no usable address: {offer!r}")
+        port, offered = _offered_port(offer), _offered_host(offer)
+        if port is None or offered is None:
+            raise DataPlaneError(f"tcp: {peer_id!r} offered no usable address: {offer!r:.200}")
+        host = offered if self._trust_offered_hosts else _peer_host(peer_id)
+        if host is None:
+            raise DataPlaneError(f"tcp: peer id {peer_id!r:.200} names no host to dial")
         token = secrets.token_hex(16)
         with self._lock:
             if self._closed:
-                raise DataPlaneError("tcp: backend is closed")
+                raise LocalFault("tcp: backend is closed")
             self._drop_writer(peer_id, "peer registered again")
-            self._open_writer(_Writer(peer_id, *address, token, hello.num_blocks))
+            self._open_writer(_Writer(peer_id, host, port, token, hello.num_blocks))
         return {"token": token}
 
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
-        token = params.get("token")
-        if not isinstance(token, str) or not 16 <= len(token) <= 255 or not token.isascii():
-            raise DataPlaneError(f"tcp: {peer_id!r} sent no valid token: {params!r}")
+        token = params.get("token") if isinstance(params, Mapping) else None
+        if not isinstance(token, str) or not _valid_token(token):
+            raise DataPlaneError(f"tcp: {peer_id!r} sent no valid token: {params!r:.200}")
         with self._lock:
+            if self._closed:
+                raise LocalFault("tcp: backend is closed")
             for old in [t for t, (p, _) in self._tokens.items() if p == peer_id]:
                 del self._tokens[old]
             self._tokens[token] = (peer_id, window)
@@ -277,7 +299,7 @@ class TcpBackend:
             )
         with self._lock:
             if self._closed:
-                raise DataPlaneError("tcp: backend is closed")
+                raise LocalFault("tcp: backend is closed")
             writer = self._writers.get(peer_id)
             if writer is None:
                 raise DataPlaneError(f"tcp: peer {peer_id!r} is not registered")
@@ -434,8 +456,8 @@ class TcpBackend:
 
     def _open_writer(self, writer: _Writer) -> None:
         """Register ``writer`` and start its thread (lock held)."""
-        self._writers[writer.peer_id] = writer
         self._start(lambda: self._write_loop(writer), f"kvpeer-tcp-w-{writer.peer_id}")
+        self._writers[writer.peer_id] = writer
 
     def _write_loop(self, writer: _Writer) -> None:
         try:
@@ -464,7 +486,7 @@ class TcpBackend:
                     sock.sendall(view)
                 with self._lock:
                     self._counters.bytes_sent += send.nbytes
-        except OSError as exc:
+        except (OSError, LocalFault) as exc:
             with self._lock:
                 self._kill_writer(writer, f"connection to {writer.peer_id!r} failed: {exc}")
             self._notify()
@@ -549,14 +571,15 @@ class TcpBackend:
             try:
                 _tune(sock, self._buffer)
                 sock.setblocking(False)
+                poller = select.poll()  # not select(): it fails past descriptor 1023
+                poller.register(sock, select.POLLOUT)
                 code = sock.connect_ex(address)
                 while code in (errno.EINPROGRESS, errno.EALREADY):
                     if writer.dead or self._closed:
                         raise _Closed("writer removed while connecting")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"connect timed out after {self._connect_timeout_s} s")
-                    _, ready, _ = select.select([], [sock], [], _CONNECT_POLL_S)
-                    if ready:
+                    if poller.poll(_CONNECT_POLL_MS):
                         code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 if code:
                     raise OSError(code, errno.errorcode.get(code, str(code)))
@@ -691,7 +714,7 @@ class TcpBackend:
     # -- threads -------------------------------------------------------------------------
 
     def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
-        """Start a tracked daemon thread (lock held or not)."""
+        """Start a tracked daemon thread (lock held or not); LocalFault if we cannot."""
 
         def run() -> None:
             try:
@@ -701,8 +724,13 @@ class TcpBackend:
                     self._threads.discard(thread)
 
         thread = threading.Thread(target=run, name=name, daemon=True)
-        self._threads.add(thread)
-        thread.start()
+        with self._lock:
+            self._threads.add(thread)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # "can't start new thread"
+                self._threads.discard(thread)
+                raise LocalFault(f"tcp: cannot start a thread: {exc}") from exc
         return thread
 
 
