@@ -13,7 +13,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -398,13 +398,208 @@ class TestIPv6:
         check_unopened_slots_are_refused(tcp6_cluster)
 
 
-# -- what a hostile peer names ------------------------------------------------------------
+# -- a hostile peer on the data port ------------------------------------------------------------
 
+#: Scheduling slack on top of a deadline the backend promises (a busy 2-core machine).
+SLACK_S = 1.5
 TOKEN = b"ab" * 16
+
+
+def eventually(predicate: Callable[[], bool], timeout_s: float = TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def hello_bytes(token: bytes, *, magic: bytes = b"KVPD", version: int = 1) -> bytes:
     return magic + bytes([version, len(token)]) + token
+
+
+def transfer_bytes(transfer_id: int, slot: int, fill: int) -> bytes:
+    return struct.pack("!QIQ", transfer_id, 1, slot) + bytes([fill]) * BLOCK
+
+
+def dial(side: Side, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to ``side``'s data port from ``source`` (any 127.0.0.x is loopback)."""
+    sock = socket.socket()
+    try:
+        sock.bind((source, 0))
+        sock.settimeout(TIMEOUT_S)
+        sock.connect(("127.0.0.1", side.backend.port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def closed_within(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the peer closes ``sock`` (EOF or reset) within ``timeout_s``, reading
+    whatever came first."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            if not sock.recv(65536):
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+class TestHelloDeadline:
+    def test_a_dripped_hello_is_closed_at_its_deadline(self) -> None:
+        """One byte every 0.1 s: each byte used to restart the timeout, so the hello
+        (38 bytes, 3.8 s) outlived a 0.5 s timeout and bound."""
+        b = Side(hello_timeout_s=0.5)
+        try:
+            b.backend.accept_writer(A, {"token": TOKEN.decode()}, b.window)
+            with dial(b) as sock:
+                started, closed = time.monotonic(), False
+                for byte in hello_bytes(TOKEN):
+                    try:
+                        sock.send(bytes([byte]))
+                    except OSError:
+                        closed = True
+                    if closed or closed_within(sock, 0.1):
+                        closed = True
+                        break
+                elapsed = time.monotonic() - started
+            assert closed, "a hello dripped byte by byte was never dropped"
+            assert elapsed < 0.5 + SLACK_S
+            stats = b.backend.statistics()
+            assert (stats.inbound, stats.pending, stats.rejected_connections) == (0, 0, 1)
+        finally:
+            b.close()
+
+
+class TestPendingCaps:
+    def test_one_source_holds_at_most_8_pending_connections(self, a: Side, b: Side) -> None:
+        flood = [dial(b, "127.0.0.7") for _ in range(20)]
+        try:
+            assert eventually(lambda: b.backend.statistics().evicted == 12)
+            assert b.backend.statistics().pending == 8
+            assert all(closed_within(sock, TIMEOUT_S) for sock in flood[:12]), "oldest first"
+            assert not any(closed_within(sock, 0.001) for sock in flood[12:])
+            link(a, b)
+            b.window.open([0])
+            assert wait_event(a, B, a.backend.write_blocks(B, [0], [0])).success
+        finally:
+            for sock in flood:
+                sock.close()
+
+    def test_a_full_gate_takes_a_writer_from_another_source(self, a: Side, b: Side) -> None:
+        """64 idle connections from 8 addresses; a writer from a 9th still binds, and the
+        oldest connection of a source holding the most makes room for it."""
+        flood = [dial(b, f"127.0.0.{10 + i // 8}") for i in range(64)]
+        try:
+            assert eventually(lambda: b.backend.statistics().pending == 64)
+            link(a, b)
+            b.window.open([0])
+            a.pool.view[0:BLOCK] = b"\x07" * BLOCK
+            assert wait_event(a, B, a.backend.write_blocks(B, [0], [0])).success
+            assert b.block(0) == b"\x07" * BLOCK
+            stats = b.backend.statistics()
+            assert (stats.evicted, stats.pending, stats.inbound) == (1, 63, 1)
+            assert closed_within(flood[0], TIMEOUT_S)
+            assert not any(closed_within(sock, 0.001) for sock in flood[1:])
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+class TestTokens:
+    @pytest.mark.parametrize(
+        "hello",
+        [
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            hello_bytes(TOKEN, version=2),
+            b"KVPD\x01\x00",
+            hello_bytes(b"a" * 15),
+            b"KVPD\x01\x10" + b"\xff" * 16,
+            hello_bytes(b"ab cd" * 4),
+        ],
+        ids=["http", "version", "empty-token", "short-token", "not-ascii", "space"],
+    )
+    def test_a_garbage_hello_is_closed_at_once(self, hello: bytes) -> None:
+        b = Side(hello_timeout_s=60.0)  # closing in time is not the deadline's doing
+        try:
+            with dial(b) as sock:
+                sock.sendall(hello)
+                assert closed_within(sock, TIMEOUT_S)
+            stats = b.backend.statistics()
+            assert (stats.rejected_connections, stats.pending, stats.inbound) == (1, 0, 0)
+        finally:
+            b.close()
+
+    def test_a_forged_token_never_binds(self, a: Side) -> None:
+        b = Side(hello_timeout_s=0.5)
+        try:
+            link(a, b)  # a token is registered, just not this one
+            b.window.open([1])
+            with dial(b) as sock:
+                sock.sendall(hello_bytes(b"cd" * 16) + transfer_bytes(1, 1, 0xFF))
+                assert closed_within(sock, 0.5 + SLACK_S)
+            assert b.block(1) == bytes(BLOCK)
+            assert b.backend.statistics().rejected_connections == 1
+            assert wait_event(a, B, a.backend.write_blocks(B, [0], [1])).success
+        finally:
+            b.close()
+
+    def test_a_replayed_token_does_not_bind_while_its_connection_lives(self, a: Side) -> None:
+        b = Side(hello_timeout_s=0.5)
+        try:
+            token = link(a, b)
+            b.window.open([0, 1])
+            assert wait_event(a, B, a.backend.write_blocks(B, [0], [0])).success
+            with dial(b, "127.0.0.8") as replay:
+                replay.sendall(hello_bytes(token.encode()) + transfer_bytes(1, 1, 0xFF))
+                assert closed_within(replay, 0.5 + SLACK_S)
+            assert b.block(1) == bytes(BLOCK), "a replayed token wrote into our region"
+            assert b.backend.statistics().inbound == 1
+            assert wait_event(a, B, a.backend.write_blocks(B, [0], [0])).success
+        finally:
+            b.close()
+
+    def test_a_token_binds_again_once_its_connection_ended(self, b: Side) -> None:
+        """The producer reconnects with its token after a broken connection; a hello
+        that comes while the old connection still lives waits for it to end."""
+        b.backend.accept_writer(A, {"token": TOKEN.decode()}, b.window)
+        b.window.open([0, 1])
+        first = dial(b)
+        second = dial(b)
+        try:
+            first.sendall(hello_bytes(TOKEN) + transfer_bytes(1, 0, 0x01))
+            assert first.recv(9) == struct.pack("!QB", 1, 0)
+            second.sendall(hello_bytes(TOKEN) + transfer_bytes(2, 1, 0x02))
+            second.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                second.recv(9)  # not bound: the first connection holds the token
+            first.close()
+            second.settimeout(TIMEOUT_S)
+            assert second.recv(9) == struct.pack("!QB", 2, 0)
+            assert b.block(1) == b"\x02" * BLOCK
+        finally:
+            first.close()
+            second.close()
+
+    def test_a_token_another_peer_registered_is_refused(self, b: Side) -> None:
+        b.backend.accept_writer(A, {"token": TOKEN.decode()}, b.window)
+        with pytest.raises(DataPlaneError, match="another peer"):
+            b.backend.accept_writer(B, {"token": TOKEN.decode()}, WriteWindow())
+
+    def test_a_new_token_ends_the_connection_of_the_old(self, b: Side) -> None:
+        b.backend.accept_writer(A, {"token": TOKEN.decode()}, b.window)
+        b.window.open([0])
+        with dial(b) as sock:
+            sock.sendall(hello_bytes(TOKEN) + transfer_bytes(1, 0, 0x01))
+            assert sock.recv(9) == struct.pack("!QB", 1, 0)
+            b.backend.accept_writer(A, {"token": "cd" * 16}, b.window)
+            assert closed_within(sock, TIMEOUT_S)
+        assert eventually(lambda: b.backend.statistics().inbound == 0)
 
 
 @contextlib.contextmanager

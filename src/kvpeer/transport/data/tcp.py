@@ -15,11 +15,9 @@ Stream protocol (all integers big-endian)::
     consumer -> producer, per transfer:
                                  u64 transfer id  u8 status (0 written, 1 refused)
 
-The hello carries only the token: the producer's backend does not know the peer id
-the consumer calls it by, and the token alone names the registration. The consumer
-waits up to ``hello_timeout_s`` for the hello and for its token to be registered (the
-connection may overtake the ``connect_ack`` that carries it); an unknown token closes
-the connection.
+The hello carries only the token (16..255 printable ASCII characters): the producer's
+backend does not know the peer id the consumer calls it by, and the token alone names
+the registration. The connection may overtake the ``connect_ack`` that carries it.
 
 Invariants:
 
@@ -52,6 +50,20 @@ Invariants:
    cannot listen, cannot start a thread) raise :class:`~kvpeer.errors.LocalFault`.
    Nothing else escapes ``usable_with``, ``add_peer`` or ``accept_writer``. No socket
    is waited on with ``select()``, which fails past descriptor 1023.
+9. Until it is bound, an inbound connection is *pending* and costs no thread: the
+   listener's thread reads every hello (:mod:`~kvpeer.transport.data.tcpgate`). A
+   connection not bound within ``hello_timeout_s`` of its accept is closed, however
+   its bytes trickle in. At most 8 connections per source address (IPv6: per /64)
+   and 64 in all are pending; a newcomer is always taken in, and the oldest pending
+   connection of its source (if that source is full) or of the source holding the
+   most (if all places are taken) is closed instead. So a flood from some addresses
+   never shuts out a writer from another, and threads are one per bound connection.
+10. A token binds at most one live connection, and one peer has at most one token
+    (registering a new one stops the connections of the old). A hello whose token is
+    unknown, or bound to a connection that still lives, waits (pending) and is closed
+    at its deadline; once the bound connection ends (the consumer frees the token
+    before the producer can see the end) the reconnect binds. Keepalives end dead
+    connections whose host vanished, so their token is not held for ever.
 
 The region must outlive the backend: close the backend before unmapping the region.
 """
@@ -65,7 +77,6 @@ import itertools
 import logging
 import secrets
 import select
-import selectors
 import socket
 import struct
 import threading
@@ -78,6 +89,7 @@ from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.protocol import Connect, TransportOffer, limits
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.tcpgate import HelloGate, Verdict
 from kvpeer.transport.data.tcpwire import ACK as _ACK
 from kvpeer.transport.data.tcpwire import HEADER as _HEADER
 from kvpeer.transport.data.tcpwire import HELLO as _HELLO
@@ -88,6 +100,7 @@ from kvpeer.transport.data.tcpwire import VERSION as _VERSION
 from kvpeer.transport.data.tcpwire import WRITTEN as _WRITTEN
 from kvpeer.transport.data.tcpwire import Closed as _Closed
 from kvpeer.transport.data.tcpwire import check_slots as _check_slots
+from kvpeer.transport.data.tcpwire import keepalive as _keepalive
 from kvpeer.transport.data.tcpwire import listen as _listen
 from kvpeer.transport.data.tcpwire import offered_host as _offered_host
 from kvpeer.transport.data.tcpwire import offered_port as _offered_port
@@ -108,7 +121,6 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 INLINE_BYTES = 1024 * 1024
 
 _MAX_SLOTS = limits.MAX_ITEMS  # a fetch names at most this many blocks
-_MAX_PENDING = 64  # inbound connections that have not bound to a peer yet
 _JOIN_TIMEOUT_S = 5.0
 _CONNECT_POLL_MS = 50
 
@@ -124,7 +136,9 @@ class TcpStatistics:
     acked: int  # transfers the peer acknowledged
     failed: int  # transfers reported as failed
     refused: int  # inbound transfers refused (slot not open)
-    rejected_connections: int  # bad hello, unknown token, too many pending
+    rejected_connections: int  # bad hello; token unknown or busy until the deadline
+    pending: int  # inbound connections not bound to a peer (yet)
+    evicted: int  # pending connections closed to make room for newcomers
 
 
 class _State(enum.Enum):
@@ -166,8 +180,9 @@ class _Inbound:
     """A connection a peer writes into us with (consumer side)."""
 
     sock: socket.socket
+    token: str
+    peer_id: str
     recv_lock: threading.Lock = field(default_factory=threading.Lock)
-    peer_id: str | None = None
     closed: bool = False
 
 
@@ -178,7 +193,6 @@ class _Counters:
     acked: int = 0
     failed: int = 0
     refused: int = 0
-    rejected: int = 0
 
 
 class TcpBackend:
@@ -192,21 +206,21 @@ class TcpBackend:
         port: int = 0,
         *,
         advertise_host: str | None = None,
-        hello_timeout_s: float = 10.0,
+        hello_timeout_s: float = 5.0,
         connect_timeout_s: float = 10.0,
         socket_buffer: int | None = SOCKET_BUFFER_BYTES,
         trust_offered_hosts: bool = False,
     ) -> None:
         """``host``/``port``: where we listen (port 0: any free port); ``advertise_host``:
         the host our offer names instead of ``host`` (peers dial it only if they trust
-        offered hosts); ``trust_offered_hosts``: dial the host a peer's offer names
-        instead of the peer's own host (NAT; see invariant 7)."""
-        self._trust_offered_hosts = trust_offered_hosts
+        offered hosts); ``hello_timeout_s``: how long an inbound connection may take,
+        from its accept, to bind; ``trust_offered_hosts``: dial the host a peer's offer
+        names instead of the peer's own host (NAT; see invariant 7)."""
         self._region = region
         self._view = region.view.cast("B")  # our own view: released at close
         self._notify = notify
-        self._hello_timeout_s = hello_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self._trust_offered_hosts = trust_offered_hosts
         self._buffer = socket_buffer
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
@@ -214,18 +228,23 @@ class TcpBackend:
         self._sends: dict[int, _Send] = {}
         self._events: dict[str, list[TransferEvent]] = {}
         self._tokens: dict[str, tuple[str, WriteWindow]] = {}  # token -> (peer, window)
+        self._bound: dict[str, _Inbound] = {}  # token -> its one live connection
         self._inbound: set[_Inbound] = set()
         self._threads: set[threading.Thread] = set()
         self._counters = _Counters()
         self._closed = False
         try:
-            self._listener = _listen(host, port, socket_buffer)
+            listener = _listen(host, port, socket_buffer)
         except OSError as exc:
             raise LocalFault(f"tcp: cannot listen on {host!r} port {port}: {exc}") from exc
         self._host = advertise_host or host
-        self._port: int = self._listener.getsockname()[1]
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._start(self._accept_loop, "kvpeer-tcp-listen")
+        self._port: int = listener.getsockname()[1]
+        self._gate = HelloGate(listener, hello_timeout_s, self._bind)
+        try:
+            self._start(self._gate.run, "kvpeer-tcp-listen")
+        except LocalFault:
+            self._gate.release()
+            raise
 
     @property
     def name(self) -> str:
@@ -270,10 +289,17 @@ class TcpBackend:
         with self._lock:
             if self._closed:
                 raise LocalFault("tcp: backend is closed")
-            for old in [t for t, (p, _) in self._tokens.items() if p == peer_id]:
+            holder = self._tokens.get(token)
+            if holder is not None and holder[0] != peer_id:
+                raise DataPlaneError(f"tcp: {peer_id!r} sent a token another peer registered")
+            stale = {t for t, (p, _) in self._tokens.items() if p == peer_id and t != token}
+            for old in stale:
                 del self._tokens[old]
             self._tokens[token] = (peer_id, window)
-            self._lock.notify_all()  # a connection may be waiting for this token
+            replaced = [c for c in self._inbound if c.token in stale]
+        self._gate.wake()  # a connection may be waiting for this token
+        for conn in replaced:
+            _stop_receiving(conn)
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
@@ -405,7 +431,7 @@ class TcpBackend:
             c = self._counters
             return TcpStatistics(
                 writers=len(self._writers),
-                inbound=sum(1 for conn in self._inbound if conn.peer_id is not None),
+                inbound=len(self._bound),
                 queued=sum(len(w.queue) for w in self._writers.values()),
                 in_flight=sum(len(w.inflight) for w in self._writers.values()),
                 bytes_sent=c.bytes_sent,
@@ -413,7 +439,9 @@ class TcpBackend:
                 acked=c.acked,
                 failed=c.failed,
                 refused=c.refused,
-                rejected_connections=c.rejected,
+                rejected_connections=self._gate.counters.rejected,
+                pending=self._gate.pending,
+                evicted=self._gate.counters.evicted,
             )
 
     def close(self) -> None:
@@ -429,8 +457,7 @@ class TcpBackend:
             self._tokens.clear()
             inbound = list(self._inbound)
             self._lock.notify_all()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
+        self._gate.close()
         for conn in inbound:
             _stop_receiving(conn)
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
@@ -446,8 +473,6 @@ class TcpBackend:
                 if any(t.is_alive() for t in threads):
                     log.warning("tcp: %d data threads did not stop", len(self._threads))
                     break
-        self._wake_r.close()
-        self._wake_w.close()
         with self._lock:
             if not self._threads:
                 self._view.release()
@@ -597,85 +622,48 @@ class TcpBackend:
 
     # -- consumer side -------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            try:
-                while not self._closed:
-                    for key, _ in selector.select():
-                        if key.fileobj is self._wake_r or self._closed:
-                            return
-                        try:
-                            sock, _ = self._listener.accept()
-                        except OSError:
-                            continue
-                        self._admit(sock)
-            finally:
-                self._listener.close()
-
-    def _admit(self, sock: socket.socket) -> None:
-        conn = _Inbound(sock)
+    def _bind(self, sock: socket.socket, token: str, source: str) -> Verdict:
+        """Bind a hello's connection to its token's peer (the gate's thread)."""
         with self._lock:
-            pending = sum(1 for c in self._inbound if c.peer_id is None)
-            if self._closed or pending >= _MAX_PENDING:
-                self._counters.rejected += 1
-                sock.close()
-                return
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._closed:
+                return Verdict.REFUSE
+            entry = self._tokens.get(token)
+            if entry is None or token in self._bound:
+                return Verdict.WAIT  # not registered yet, or its connection still lives
+            peer_id, window = entry
+            try:
+                sock.setblocking(True)
+                _keepalive(sock)
+            except OSError:
+                return Verdict.REFUSE
+            conn = _Inbound(sock, token, peer_id)
+            try:
+                self._start(lambda: self._receive_loop(conn, window), "kvpeer-tcp-r")
+            except LocalFault as exc:
+                log.warning("tcp: inbound connection of %r refused: %s", peer_id, exc)
+                return Verdict.REFUSE
+            self._bound[token] = conn
             self._inbound.add(conn)
-            self._start(lambda: self._receive_loop(conn), "kvpeer-tcp-r")
+        log.debug("tcp: inbound connection from %s bound to %r", source, peer_id)
+        return Verdict.BOUND
 
-    def _receive_loop(self, conn: _Inbound) -> None:
+    def _receive_loop(self, conn: _Inbound, window: WriteWindow) -> None:
         sock = conn.sock
         try:
-            window = self._bind(conn)
-            if window is None:
-                return
             self._receive_transfers(conn, window)
         except (OSError, _Closed) as exc:
             if not conn.closed:
-                log.debug("tcp: inbound connection from %s ended: %s", conn.peer_id, exc)
+                log.debug("tcp: inbound connection from %r ended: %s", conn.peer_id, exc)
         finally:
             conn.closed = True
+            with self._lock:  # free the token before the producer can see the end
+                self._inbound.discard(conn)
+                if self._bound.get(conn.token) is conn:
+                    del self._bound[conn.token]
+            self._gate.wake()  # its reconnect may be waiting
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            with self._lock:
-                self._inbound.discard(conn)
             sock.close()
-
-    def _bind(self, conn: _Inbound) -> WriteWindow | None:
-        """Read the hello and wait for its token; the peer's window, or None (closed)."""
-        deadline = time.monotonic() + self._hello_timeout_s
-        conn.sock.settimeout(self._hello_timeout_s)
-        hello = bytearray(_HELLO.size)
-        try:
-            _recv_exact(conn.sock, memoryview(hello))
-            magic, version, size = _HELLO.unpack(hello)
-            if magic != _MAGIC or version != _VERSION:
-                raise _Closed(f"bad hello {bytes(hello)!r}")
-            raw = bytearray(size)
-            _recv_exact(conn.sock, memoryview(raw))
-            token = raw.decode("ascii")
-        except (OSError, UnicodeDecodeError, _Closed) as exc:
-            log.info("tcp: inbound connection rejected: %s", exc)
-            with self._lock:
-                self._counters.rejected += 1
-            return None
-        with self._lock:
-            self._lock.wait_for(
-                lambda: token in self._tokens or conn.closed or self._closed,
-                timeout=max(0.0, deadline - time.monotonic()),
-            )
-            entry = self._tokens.get(token)
-            if entry is None or conn.closed or self._closed:
-                log.info("tcp: inbound connection rejected: unknown token")
-                self._counters.rejected += 1
-                return None
-            conn.peer_id, window = entry
-        conn.sock.settimeout(None)
-        return window
 
     def _receive_transfers(self, conn: _Inbound, window: WriteWindow) -> None:
         sock = conn.sock

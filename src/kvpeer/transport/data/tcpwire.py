@@ -23,6 +23,7 @@ __all__ = [
     "WRITTEN",
     "Closed",
     "check_slots",
+    "keepalive",
     "listen",
     "offered_host",
     "offered_port",
@@ -45,6 +46,13 @@ TOKEN_MIN, TOKEN_MAX = 16, 255
 _TOKEN = re.compile(rf"[!-~]{{{TOKEN_MIN},{TOKEN_MAX}}}")
 #: A host name or address literal as an offer may carry it (no spaces, no controls).
 _HOST = re.compile(r"[!-~]{1,253}")
+#: Dead inbound connections (the producer's host vanished) are noticed within about
+#: idle + interval x count seconds, which frees their token for a reconnect.
+_KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 15, 5, 3
+#: Connections the kernel completes before we accept them (capped by net.core.somaxconn).
+#: Queued ones cost no descriptor of ours; a short queue makes a burst of connections,
+#: a flood's or a fleet's, wait out SYN retransmits of a second and more.
+_BACKLOG = 1024
 
 
 class Closed(Exception):
@@ -64,7 +72,7 @@ def listen(host: str, port: int, buffer: int | None) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
         sock.bind(address)
-        sock.listen(64)
+        sock.listen(_BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -76,6 +84,17 @@ def tune(sock: socket.socket, buffer: int | None) -> None:
     if buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+
+
+def keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", _KEEPALIVE_COUNT),
+    ):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def recv_exact(sock: socket.socket, target: memoryview) -> None:
