@@ -53,7 +53,14 @@ def _backends(
         elif name == "tcp":
             from kvpeer.transport.data.tcp import TcpBackend
 
-            backends.append(TcpBackend(region, completions, host=config.host))
+            backends.append(
+                TcpBackend(
+                    region,
+                    completions,
+                    host=config.host,
+                    trust_offered_hosts=config.trust_peer_addresses,
+                )
+            )
         elif name == "nixl":
             from kvpeer.transport.data.nixl import NixlBackend
 

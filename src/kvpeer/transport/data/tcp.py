@@ -1,7 +1,7 @@
 """The ``tcp`` data plane: a byte stream from producer to consumer, acknowledged.
 
 Every node listens on a data port (its offer: ``{"host", "port"}``). A producer that
-chose ``tcp`` for a peer opens one connection to the peer's port (``add_peer``, in a
+chose ``tcp`` for a peer opens one connection to the peer's data port (``add_peer``, in a
 thread of its own) and hands the peer a random token through the control channel
 (``connect_ack``); the consumer's ``accept_writer`` binds that token to the peer's
 :class:`~kvpeer.transport.data.base.WriteWindow`.
@@ -15,11 +15,9 @@ Stream protocol (all integers big-endian)::
     consumer -> producer, per transfer:
                                  u64 transfer id  u8 status (0 written, 1 refused)
 
-The hello carries only the token: the producer's backend does not know the peer id
-the consumer calls it by, and the token alone names the registration. The consumer
-waits up to ``hello_timeout_s`` for the hello and for its token to be registered (the
-connection may overtake the ``connect_ack`` that carries it); an unknown token closes
-the connection.
+The hello carries only the token (16..255 printable ASCII characters): the producer's
+backend does not know the peer id the consumer calls it by, and the token alone names
+the registration. The connection may overtake the ``connect_ack`` that carries it.
 
 Invariants:
 
@@ -42,6 +40,30 @@ Invariants:
    next ``write_blocks``; nothing is resent.
 6. Every socket is closed by the thread that uses it, after it stopped using it
    and no inline send is using it.
+7. Nothing a peer names is dialed blindly: the producer dials the *peer's own host* (the
+   host of ``peer_id``, which the node took from the operator, the router or the
+   peer's control connection) at the port of its offer; the offer's host is ignored
+   unless the backend was built with ``trust_offered_hosts`` (NAT). A port is an
+   int in 1..65535 (not a bool).
+8. Errors: whatever a peer sent that we cannot use (an offer, a token, a peer id)
+   raises :class:`~kvpeer.errors.DataPlaneError`; our own failures (backend closed,
+   cannot listen, cannot start a thread) raise :class:`~kvpeer.errors.LocalFault`.
+   Nothing else escapes ``usable_with``, ``add_peer`` or ``accept_writer``. No socket
+   is waited on with ``select()``, which fails past descriptor 1023.
+9. Until it is bound, an inbound connection is *pending* and costs no thread: the
+   listener's thread reads every hello (:mod:`~kvpeer.transport.data.tcpgate`). A
+   connection not bound within ``hello_timeout_s`` of its accept is closed, however
+   its bytes trickle in. At most 8 connections per source address (IPv6: per /64)
+   and 64 in all are pending; a newcomer is always taken in, and the oldest pending
+   connection of its source (if that source is full) or of the source holding the
+   most (if all places are taken) is closed instead. So a flood from some addresses
+   never shuts out a writer from another, and threads are one per bound connection.
+10. A token binds at most one live connection, and one peer has at most one token
+    (registering a new one stops the connections of the old). A hello whose token is
+    unknown, or bound to a connection that still lives, waits (pending) and is closed
+    at its deadline; once the bound connection ends (the consumer frees the token
+    before the producer can see the end) the reconnect binds. Keepalives end dead
+    connections whose host vanished, so their token is not held for ever.
 
 The region must outlive the backend: close the backend before unmapping the region.
 """
@@ -55,19 +77,19 @@ import itertools
 import logging
 import secrets
 import select
-import selectors
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvpeer.errors import DataPlaneError
+from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.protocol import Connect, TransportOffer, limits
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.tcpgate import HelloGate, Verdict
 from kvpeer.transport.data.tcpwire import ACK as _ACK
 from kvpeer.transport.data.tcpwire import HEADER as _HEADER
 from kvpeer.transport.data.tcpwire import HELLO as _HELLO
@@ -77,12 +99,16 @@ from kvpeer.transport.data.tcpwire import SLOT as _SLOT
 from kvpeer.transport.data.tcpwire import VERSION as _VERSION
 from kvpeer.transport.data.tcpwire import WRITTEN as _WRITTEN
 from kvpeer.transport.data.tcpwire import Closed as _Closed
-from kvpeer.transport.data.tcpwire import address as _address
 from kvpeer.transport.data.tcpwire import check_slots as _check_slots
+from kvpeer.transport.data.tcpwire import keepalive as _keepalive
 from kvpeer.transport.data.tcpwire import listen as _listen
+from kvpeer.transport.data.tcpwire import offered_host as _offered_host
+from kvpeer.transport.data.tcpwire import offered_port as _offered_port
+from kvpeer.transport.data.tcpwire import peer_host as _peer_host
 from kvpeer.transport.data.tcpwire import recv_exact as _recv_exact
 from kvpeer.transport.data.tcpwire import runs as _runs
 from kvpeer.transport.data.tcpwire import tune as _tune
+from kvpeer.transport.data.tcpwire import valid_token as _valid_token
 
 __all__ = ["INLINE_BYTES", "SOCKET_BUFFER_BYTES", "TcpBackend", "TcpStatistics"]
 
@@ -95,9 +121,8 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 INLINE_BYTES = 1024 * 1024
 
 _MAX_SLOTS = limits.MAX_ITEMS  # a fetch names at most this many blocks
-_MAX_PENDING = 64  # inbound connections that have not bound to a peer yet
 _JOIN_TIMEOUT_S = 5.0
-_CONNECT_POLL_S = 0.05
+_CONNECT_POLL_MS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +136,9 @@ class TcpStatistics:
     acked: int  # transfers the peer acknowledged
     failed: int  # transfers reported as failed
     refused: int  # inbound transfers refused (slot not open)
-    rejected_connections: int  # bad hello, unknown token, too many pending
+    rejected_connections: int  # bad hello; token unknown or busy until the deadline
+    pending: int  # inbound connections not bound to a peer (yet)
+    evicted: int  # pending connections closed to make room for newcomers
 
 
 class _State(enum.Enum):
@@ -137,7 +164,7 @@ class _Writer:
     """Our connection into one peer (producer side)."""
 
     peer_id: str
-    host: str
+    host: str  # what we dial: the peer's own host, or the one it offered (if trusted)
     port: int
     token: str
     num_blocks: int
@@ -153,8 +180,9 @@ class _Inbound:
     """A connection a peer writes into us with (consumer side)."""
 
     sock: socket.socket
+    token: str
+    peer_id: str
     recv_lock: threading.Lock = field(default_factory=threading.Lock)
-    peer_id: str | None = None
     closed: bool = False
 
 
@@ -165,7 +193,6 @@ class _Counters:
     acked: int = 0
     failed: int = 0
     refused: int = 0
-    rejected: int = 0
 
 
 class TcpBackend:
@@ -179,17 +206,21 @@ class TcpBackend:
         port: int = 0,
         *,
         advertise_host: str | None = None,
-        hello_timeout_s: float = 10.0,
+        hello_timeout_s: float = 5.0,
         connect_timeout_s: float = 10.0,
         socket_buffer: int | None = SOCKET_BUFFER_BYTES,
+        trust_offered_hosts: bool = False,
     ) -> None:
         """``host``/``port``: where we listen (port 0: any free port); ``advertise_host``:
-        what peers dial instead of ``host`` (needed when binding a wildcard address)."""
+        the host our offer names instead of ``host`` (peers dial it only if they trust
+        offered hosts); ``hello_timeout_s``: how long an inbound connection may take,
+        from its accept, to bind; ``trust_offered_hosts``: dial the host a peer's offer
+        names instead of the peer's own host (NAT; see invariant 7)."""
         self._region = region
         self._view = region.view.cast("B")  # our own view: released at close
         self._notify = notify
-        self._hello_timeout_s = hello_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self._trust_offered_hosts = trust_offered_hosts
         self._buffer = socket_buffer
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
@@ -197,18 +228,23 @@ class TcpBackend:
         self._sends: dict[int, _Send] = {}
         self._events: dict[str, list[TransferEvent]] = {}
         self._tokens: dict[str, tuple[str, WriteWindow]] = {}  # token -> (peer, window)
+        self._bound: dict[str, _Inbound] = {}  # token -> its one live connection
         self._inbound: set[_Inbound] = set()
         self._threads: set[threading.Thread] = set()
         self._counters = _Counters()
         self._closed = False
         try:
-            self._listener = _listen(host, port, socket_buffer)
+            listener = _listen(host, port, socket_buffer)
         except OSError as exc:
-            raise DataPlaneError(f"tcp: cannot listen on {host!r} port {port}: {exc}") from exc
+            raise LocalFault(f"tcp: cannot listen on {host!r} port {port}: {exc}") from exc
         self._host = advertise_host or host
-        self._port: int = self._listener.getsockname()[1]
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._start(self._accept_loop, "kvpeer-tcp-listen")
+        self._port: int = listener.getsockname()[1]
+        self._gate = HelloGate(listener, hello_timeout_s, self._bind)
+        try:
+            self._start(self._gate.run, "kvpeer-tcp-listen")
+        except LocalFault:
+            self._gate.release()
+            raise
 
     @property
     def name(self) -> str:
@@ -227,31 +263,43 @@ class TcpBackend:
         return b""
 
     def usable_with(self, offer: TransportOffer | None, hello: Connect) -> bool:
-        return _address(offer) is not None
+        return _offered_port(offer) is not None and _offered_host(offer) is not None
 
     def add_peer(
         self, peer_id: str, hello: Connect, offer: TransportOffer | None
     ) -> TransportOffer:
-        address = _address(offer)
-        if address is None:
-            raise DataPlaneError(f"tcp: {peer_id!r} offered no usable address: {offer!r}")
+        port, offered = _offered_port(offer), _offered_host(offer)
+        if port is None or offered is None:
+            raise DataPlaneError(f"tcp: {peer_id!r} offered no usable address: {offer!r:.200}")
+        host = offered if self._trust_offered_hosts else _peer_host(peer_id)
+        if host is None:
+            raise DataPlaneError(f"tcp: peer id {peer_id!r:.200} names no host to dial")
         token = secrets.token_hex(16)
         with self._lock:
             if self._closed:
-                raise DataPlaneError("tcp: backend is closed")
+                raise LocalFault("tcp: backend is closed")
             self._drop_writer(peer_id, "peer registered again")
-            self._open_writer(_Writer(peer_id, *address, token, hello.num_blocks))
+            self._open_writer(_Writer(peer_id, host, port, token, hello.num_blocks))
         return {"token": token}
 
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
-        token = params.get("token")
-        if not isinstance(token, str) or not 16 <= len(token) <= 255 or not token.isascii():
-            raise DataPlaneError(f"tcp: {peer_id!r} sent no valid token: {params!r}")
+        token = params.get("token") if isinstance(params, Mapping) else None
+        if not isinstance(token, str) or not _valid_token(token):
+            raise DataPlaneError(f"tcp: {peer_id!r} sent no valid token: {params!r:.200}")
         with self._lock:
-            for old in [t for t, (p, _) in self._tokens.items() if p == peer_id]:
+            if self._closed:
+                raise LocalFault("tcp: backend is closed")
+            holder = self._tokens.get(token)
+            if holder is not None and holder[0] != peer_id:
+                raise DataPlaneError(f"tcp: {peer_id!r} sent a token another peer registered")
+            stale = {t for t, (p, _) in self._tokens.items() if p == peer_id and t != token}
+            for old in stale:
                 del self._tokens[old]
             self._tokens[token] = (peer_id, window)
-            self._lock.notify_all()  # a connection may be waiting for this token
+            replaced = [c for c in self._inbound if c.token in stale]
+        self._gate.wake()  # a connection may be waiting for this token
+        for conn in replaced:
+            _stop_receiving(conn)
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
@@ -277,7 +325,7 @@ class TcpBackend:
             )
         with self._lock:
             if self._closed:
-                raise DataPlaneError("tcp: backend is closed")
+                raise LocalFault("tcp: backend is closed")
             writer = self._writers.get(peer_id)
             if writer is None:
                 raise DataPlaneError(f"tcp: peer {peer_id!r} is not registered")
@@ -383,7 +431,7 @@ class TcpBackend:
             c = self._counters
             return TcpStatistics(
                 writers=len(self._writers),
-                inbound=sum(1 for conn in self._inbound if conn.peer_id is not None),
+                inbound=len(self._bound),
                 queued=sum(len(w.queue) for w in self._writers.values()),
                 in_flight=sum(len(w.inflight) for w in self._writers.values()),
                 bytes_sent=c.bytes_sent,
@@ -391,7 +439,9 @@ class TcpBackend:
                 acked=c.acked,
                 failed=c.failed,
                 refused=c.refused,
-                rejected_connections=c.rejected,
+                rejected_connections=self._gate.counters.rejected,
+                pending=self._gate.pending,
+                evicted=self._gate.counters.evicted,
             )
 
     def close(self) -> None:
@@ -407,8 +457,7 @@ class TcpBackend:
             self._tokens.clear()
             inbound = list(self._inbound)
             self._lock.notify_all()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
+        self._gate.close()
         for conn in inbound:
             _stop_receiving(conn)
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
@@ -424,8 +473,6 @@ class TcpBackend:
                 if any(t.is_alive() for t in threads):
                     log.warning("tcp: %d data threads did not stop", len(self._threads))
                     break
-        self._wake_r.close()
-        self._wake_w.close()
         with self._lock:
             if not self._threads:
                 self._view.release()
@@ -434,8 +481,8 @@ class TcpBackend:
 
     def _open_writer(self, writer: _Writer) -> None:
         """Register ``writer`` and start its thread (lock held)."""
-        self._writers[writer.peer_id] = writer
         self._start(lambda: self._write_loop(writer), f"kvpeer-tcp-w-{writer.peer_id}")
+        self._writers[writer.peer_id] = writer
 
     def _write_loop(self, writer: _Writer) -> None:
         try:
@@ -464,7 +511,7 @@ class TcpBackend:
                     sock.sendall(view)
                 with self._lock:
                     self._counters.bytes_sent += send.nbytes
-        except OSError as exc:
+        except (OSError, LocalFault) as exc:
             with self._lock:
                 self._kill_writer(writer, f"connection to {writer.peer_id!r} failed: {exc}")
             self._notify()
@@ -549,14 +596,15 @@ class TcpBackend:
             try:
                 _tune(sock, self._buffer)
                 sock.setblocking(False)
+                poller = select.poll()  # not select(): it fails past descriptor 1023
+                poller.register(sock, select.POLLOUT)
                 code = sock.connect_ex(address)
                 while code in (errno.EINPROGRESS, errno.EALREADY):
                     if writer.dead or self._closed:
                         raise _Closed("writer removed while connecting")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"connect timed out after {self._connect_timeout_s} s")
-                    _, ready, _ = select.select([], [sock], [], _CONNECT_POLL_S)
-                    if ready:
+                    if poller.poll(_CONNECT_POLL_MS):
                         code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 if code:
                     raise OSError(code, errno.errorcode.get(code, str(code)))
@@ -574,85 +622,48 @@ class TcpBackend:
 
     # -- consumer side -------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            try:
-                while not self._closed:
-                    for key, _ in selector.select():
-                        if key.fileobj is self._wake_r or self._closed:
-                            return
-                        try:
-                            sock, _ = self._listener.accept()
-                        except OSError:
-                            continue
-                        self._admit(sock)
-            finally:
-                self._listener.close()
-
-    def _admit(self, sock: socket.socket) -> None:
-        conn = _Inbound(sock)
+    def _bind(self, sock: socket.socket, token: str, source: str) -> Verdict:
+        """Bind a hello's connection to its token's peer (the gate's thread)."""
         with self._lock:
-            pending = sum(1 for c in self._inbound if c.peer_id is None)
-            if self._closed or pending >= _MAX_PENDING:
-                self._counters.rejected += 1
-                sock.close()
-                return
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._closed:
+                return Verdict.REFUSE
+            entry = self._tokens.get(token)
+            if entry is None or token in self._bound:
+                return Verdict.WAIT  # not registered yet, or its connection still lives
+            peer_id, window = entry
+            try:
+                sock.setblocking(True)
+                _keepalive(sock)
+            except OSError:
+                return Verdict.REFUSE
+            conn = _Inbound(sock, token, peer_id)
+            try:
+                self._start(lambda: self._receive_loop(conn, window), "kvpeer-tcp-r")
+            except LocalFault as exc:
+                log.warning("tcp: inbound connection of %r refused: %s", peer_id, exc)
+                return Verdict.REFUSE
+            self._bound[token] = conn
             self._inbound.add(conn)
-            self._start(lambda: self._receive_loop(conn), "kvpeer-tcp-r")
+        log.debug("tcp: inbound connection from %s bound to %r", source, peer_id)
+        return Verdict.BOUND
 
-    def _receive_loop(self, conn: _Inbound) -> None:
+    def _receive_loop(self, conn: _Inbound, window: WriteWindow) -> None:
         sock = conn.sock
         try:
-            window = self._bind(conn)
-            if window is None:
-                return
             self._receive_transfers(conn, window)
         except (OSError, _Closed) as exc:
             if not conn.closed:
-                log.debug("tcp: inbound connection from %s ended: %s", conn.peer_id, exc)
+                log.debug("tcp: inbound connection from %r ended: %s", conn.peer_id, exc)
         finally:
             conn.closed = True
+            with self._lock:  # free the token before the producer can see the end
+                self._inbound.discard(conn)
+                if self._bound.get(conn.token) is conn:
+                    del self._bound[conn.token]
+            self._gate.wake()  # its reconnect may be waiting
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            with self._lock:
-                self._inbound.discard(conn)
             sock.close()
-
-    def _bind(self, conn: _Inbound) -> WriteWindow | None:
-        """Read the hello and wait for its token; the peer's window, or None (closed)."""
-        deadline = time.monotonic() + self._hello_timeout_s
-        conn.sock.settimeout(self._hello_timeout_s)
-        hello = bytearray(_HELLO.size)
-        try:
-            _recv_exact(conn.sock, memoryview(hello))
-            magic, version, size = _HELLO.unpack(hello)
-            if magic != _MAGIC or version != _VERSION:
-                raise _Closed(f"bad hello {bytes(hello)!r}")
-            raw = bytearray(size)
-            _recv_exact(conn.sock, memoryview(raw))
-            token = raw.decode("ascii")
-        except (OSError, UnicodeDecodeError, _Closed) as exc:
-            log.info("tcp: inbound connection rejected: %s", exc)
-            with self._lock:
-                self._counters.rejected += 1
-            return None
-        with self._lock:
-            self._lock.wait_for(
-                lambda: token in self._tokens or conn.closed or self._closed,
-                timeout=max(0.0, deadline - time.monotonic()),
-            )
-            entry = self._tokens.get(token)
-            if entry is None or conn.closed or self._closed:
-                log.info("tcp: inbound connection rejected: unknown token")
-                self._counters.rejected += 1
-                return None
-            conn.peer_id, window = entry
-        conn.sock.settimeout(None)
-        return window
 
     def _receive_transfers(self, conn: _Inbound, window: WriteWindow) -> None:
         sock = conn.sock
@@ -691,7 +702,7 @@ class TcpBackend:
     # -- threads -------------------------------------------------------------------------
 
     def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
-        """Start a tracked daemon thread (lock held or not)."""
+        """Start a tracked daemon thread (lock held or not); LocalFault if we cannot."""
 
         def run() -> None:
             try:
@@ -701,8 +712,13 @@ class TcpBackend:
                     self._threads.discard(thread)
 
         thread = threading.Thread(target=run, name=name, daemon=True)
-        self._threads.add(thread)
-        thread.start()
+        with self._lock:
+            self._threads.add(thread)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # "can't start new thread"
+                self._threads.discard(thread)
+                raise LocalFault(f"tcp: cannot start a thread: {exc}") from exc
         return thread
 
     # -- grants (nothing of ours is handed out on proof: the peer only dials us) -------

@@ -3,12 +3,12 @@ described in :mod:`kvpeer.transport.data.tcp`)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvpeer.errors import DataPlaneError
-from kvpeer.protocol import TransportOffer
 
 __all__ = [
     "ACK",
@@ -17,15 +17,21 @@ __all__ = [
     "MAGIC",
     "REFUSED",
     "SLOT",
+    "TOKEN_MAX",
+    "TOKEN_MIN",
     "VERSION",
     "WRITTEN",
     "Closed",
-    "address",
     "check_slots",
+    "keepalive",
     "listen",
+    "offered_host",
+    "offered_port",
+    "peer_host",
     "recv_exact",
     "runs",
     "tune",
+    "valid_token",
 ]
 
 MAGIC = b"KVPD"
@@ -35,6 +41,18 @@ HEADER = struct.Struct("!QI")
 ACK = struct.Struct("!QB")
 SLOT = struct.Struct("!Q")
 WRITTEN, REFUSED = 0, 1
+#: A token is 16..255 printable ASCII characters without spaces (its length is a u8).
+TOKEN_MIN, TOKEN_MAX = 16, 255
+_TOKEN = re.compile(rf"[!-~]{{{TOKEN_MIN},{TOKEN_MAX}}}")
+#: A host name or address literal as an offer may carry it (no spaces, no controls).
+_HOST = re.compile(r"[!-~]{1,253}")
+#: Dead inbound connections (the producer's host vanished) are noticed within about
+#: idle + interval x count seconds, which frees their token for a reconnect.
+_KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 15, 5, 3
+#: Connections the kernel completes before we accept them (capped by net.core.somaxconn).
+#: Queued ones cost no descriptor of ours; a short queue makes a burst of connections,
+#: a flood's or a fleet's, wait out SYN retransmits of a second and more.
+_BACKLOG = 1024
 
 
 class Closed(Exception):
@@ -54,7 +72,7 @@ def listen(host: str, port: int, buffer: int | None) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
         sock.bind(address)
-        sock.listen(64)
+        sock.listen(_BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -68,6 +86,17 @@ def tune(sock: socket.socket, buffer: int | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
 
 
+def keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", _KEEPALIVE_COUNT),
+    ):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def recv_exact(sock: socket.socket, target: memoryview) -> None:
     while target.nbytes:
         received = sock.recv_into(target)
@@ -76,15 +105,38 @@ def recv_exact(sock: socket.socket, target: memoryview) -> None:
         target = target[received:]
 
 
-def address(offer: TransportOffer | None) -> tuple[str, int] | None:
-    if offer is None:
+def valid_token(token: object) -> bool:
+    return isinstance(token, str) and _TOKEN.fullmatch(token) is not None
+
+
+def offered_port(offer: Mapping[str, object] | None) -> int | None:
+    """The offer's port if it is an int in 1..65535 (a bool is not a port)."""
+    port = offer.get("port") if isinstance(offer, Mapping) else None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         return None
-    host, port = offer.get("host"), offer.get("port")
-    if not isinstance(host, str) or not host or isinstance(port, bool):
+    return port
+
+
+def offered_host(offer: Mapping[str, object] | None) -> str | None:
+    """The offer's host if it looks like a host name or address literal."""
+    host = offer.get("host") if isinstance(offer, Mapping) else None
+    if not isinstance(host, str) or _HOST.fullmatch(host) is None:
         return None
-    if not isinstance(port, int) or not 0 < port < 65536:
+    return host
+
+
+def peer_host(peer_id: str) -> str | None:
+    """The host of a peer id ``host:port`` / ``[v6]:port``; None if it is neither."""
+    host, sep, port = peer_id.rpartition(":")
+    if not sep or not 0 < len(port) <= 5 or not port.isascii() or not port.isdigit():
         return None
-    return host, port
+    if not 0 < int(port) < 65536:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None  # an IPv6 literal must be bracketed
+    return host if _HOST.fullmatch(host) else None
 
 
 def check_slots(slots: Sequence[int], limit: int, whose: str) -> None:
