@@ -156,7 +156,7 @@ def test_a_connect_flood_from_one_address_does_not_starve_a_legitimate_peer(
     max_handshakes_per_source of them, the node's own links stay bounded, and the
     legitimate peer is admitted and served within its handshake time."""
     cap, per_source, flood = 16, 4, 2000
-    zmq_context.setsockopt(zmq.MAX_SOCKETS, 8192)
+    zmq_context.set(zmq.MAX_SOCKETS, 8192)
     with ServingNode("tcp", max_peers=cap, max_handshakes_per_source=per_source) as node:
         dealers: list[zmq.Socket[bytes]] = []
         peak_sessions = peak_links = 0

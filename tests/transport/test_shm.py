@@ -209,7 +209,11 @@ def test_the_plane_set_falls_back_to_tcp_when_the_proof_fails() -> None:
     planes = [
         DataPlaneSet(
             region_of(pool),
-            [backend(pool, name), TcpBackend(region_of(pool), lambda: None)],
+            # The nodes are named "A" and "B", not host:port: tcp dials what they offer.
+            [
+                backend(pool, name),
+                TcpBackend(region_of(pool), lambda: None, trust_offered_hosts=True),
+            ],
         )
         for pool, name in zip(pools, "AB", strict=True)
     ]
