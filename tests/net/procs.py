@@ -38,6 +38,7 @@ import zmq
 
 from kvpeer.config import TierConfig
 from kvpeer.host import BlockPool, TieringHost
+from kvpeer.integrations.vllm import launcher
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.params import split_peer_id
@@ -110,12 +111,8 @@ def wait_until(
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the kernel's pick for a fresh bind)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nothing listens on right now, outside the kernel's ephemeral range."""
+    return launcher.free_port(host)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -110,12 +111,25 @@ def engine_env(*, multiprocessing: bool) -> dict[str, str]:
     return env
 
 
+#: Ports handed out for a later bind come from below the kernel's ephemeral range
+#: (32768-60999 by default): a port the kernel picked for us is picked again for the
+#: next outbound connection, and an engine that binds it a second later finds it taken.
+_PORTS = range(20000, 32000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's pick for a fresh bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
+    """A TCP port nothing listens on right now, outside the ephemeral range."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    chooser = random.Random()
+    for _ in range(200):
+        port = chooser.choice(_PORTS)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
         return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on {host}")
 
 
 def shm_files(engine_id: str) -> list[Path]:
