@@ -364,6 +364,8 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "unbound_store_timeout_s": _seconds,
         "tombstone_retention_s": _duration(2 * MAX_SECONDS),  # default is 2 x load
         "handshake_timeout_s": _seconds,
+        "peer_wait_s": _seconds,
+        "peer_retry_max_s": _seconds,
         "abort_drain_timeout_s": _seconds,
         "heartbeat_interval_s": _seconds,
         "heartbeat_timeout_s": _seconds,
@@ -440,6 +442,8 @@ class TierConfig:
     unbound_store_timeout_s: float = 60.0
     tombstone_retention_s: float = 60.0
     handshake_timeout_s: float = 30.0
+    peer_wait_s: float = 2.0
+    peer_retry_max_s: float = 30.0
     abort_drain_timeout_s: float = 5.0
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
@@ -492,6 +496,7 @@ class TierConfig:
             abort_drain_timeout_s=self.abort_drain_timeout_s,
             transfer_timeout_s=self.load_timeout_s + self.abort_ack_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
+            peer_wait_s=self.peer_wait_s,
             max_queued_messages=self.max_queued_messages,
             max_peer_bytes=self.max_peer_bytes,
         )

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from kvpeer.node.tier import FIRST_RETRY_S
 from kvpeer.protocol import (
     Connect,
     ConnectAck,
@@ -256,6 +257,16 @@ def test_unresponsive_peer_resolves_to_local_compute(
         assert pulled_in <= 1.0 + SLACK_S, f"lookups took {pulled_in:.2f}s"
         assert all(consumer.is_zero(slot) for slot in range(8))
 
+        assert wait_until(lambda: not consumer.has_session(peer_id))
+        # Backed off (it never answered): the next request computes at once...
+        at_once = consumer.start_pd_load(
+            peer_id, f"pd-{uuid.uuid4().hex}", keys_of(range(8)), range(8)
+        )
+        at_once.finish()
+        assert not at_once.submitted
+        assert set(at_once.answers) == {LookupResult.MISS}
+        # ...and once the back-off passed, a load tries again and fails in time.
+        time.sleep(FIRST_RETRY_S)  # the back-off is wall-clock time: wait it out
         load = consumer.start_pd_load(
             peer_id, f"pd-{uuid.uuid4().hex}", keys_of(range(8)), range(8)
         )
@@ -338,3 +349,28 @@ def test_late_fetch_for_reaped_stores_is_rejected_at_once(producer: StartNode) -
 
         assert rejected_in <= SLACK_S, f"rejected after {rejected_in:.2f}s, not at once"
         assert all(consumer.is_zero(slot) for slot in range(8))
+
+
+def test_a_refused_peer_costs_a_request_milliseconds_and_is_used_again_once_it_is_back(
+    serve: StartNode,
+) -> None:
+    """Nothing listens: the PD load fails as soon as the connection is refused (not
+    after ``handshake_timeout_s``); while backed off, requests compute at once; a
+    node started at that address later is used again after the back-off."""
+    port = free_port()
+    peer_id = f"127.0.0.1:{port}"
+    with LocalNode("tcp") as consumer:
+        pd_id = f"pd-{uuid.uuid4().hex}"
+        load = consumer.start_pd_load(peer_id, pd_id, keys_of(range(8)), range(8))
+        try:
+            assert load.wait() is False
+            took = time.monotonic() - load.submitted_at
+        finally:
+            load.finish()
+        assert took <= 0.25 + SLACK_S / 2, f"a refused connection cost the load {took:.2f}s"
+        assert consumer.statistics().sessions_ended.get("unreachable") == 1
+
+        back = serve(plane="tcp", port=port)
+        assert back.peer_id == peer_id
+        assert wait_until(lambda: (consumer.pull(peer_id, keys_of(range(8)), range(8)).loaded))
+        assert_pull_works(consumer, peer_id, range(48, 64))

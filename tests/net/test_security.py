@@ -243,14 +243,14 @@ def test_connect_flood_from_many_fake_peers_stays_under_the_peer_cap(
 
             # Wave 1, one at a time: every connect is seen (it holds a session) before the next.
             for _ in range(fakes_per_wave):
-                fake = RawPeer(zmq_context, node.peer_id, listen=False)
+                fake = RawPeer(zmq_context, node.peer_id)
                 fakes.append(fake)
                 fake.send(fake.hello(data_port=sink.port))
                 assert wait_until(partial(node.has_session, fake.peer_id))
                 peak = max(peak, node.statistics().sessions)
             # Wave 2, all at once, sampled while the node works through it.
             burst = [
-                RawPeer(zmq_context, node.peer_id, listen=False) for _ in range(fakes_per_wave)
+                RawPeer(zmq_context, node.peer_id) for _ in range(fakes_per_wave)
             ]
             fakes.extend(burst)
             for fake in burst:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
+from kvpeer.node.tier import FIRST_RETRY_S
 from kvpeer.protocol import Connect, Fetch, Lookup
 from kvpeer.types import Key, LookupResult, OffloadPolicy, RequestContext
 from tests.node.tierkit import (
@@ -329,8 +330,8 @@ class TestMissUntilFinished:
     @pytest.mark.parametrize(
         "timeouts",
         [
-            {"lookup_timeout_s": 5, "handshake_timeout_s": 30},
-            {"lookup_timeout_s": 30, "handshake_timeout_s": 5},
+            {"lookup_timeout_s": 5, "handshake_timeout_s": 30, "peer_wait_s": 60},
+            {"lookup_timeout_s": 30, "handshake_timeout_s": 5, "peer_wait_s": 60},
         ],
         ids=["lookup-timeout", "handshake-timeout"],
     )
@@ -349,8 +350,44 @@ class TestMissUntilFinished:
         assert a.lookup(req, *KEYS, key(9)) == [MISS] * 4
         assert a.unreported() == set()
         a.finish(req)
+        cluster.advance(FIRST_RETRY_S)  # a peer that timed out is backed off this long
+        cluster.step()
         again = a.request("c-again", {"remote_kv_source": ghost("kv1")})
         assert a.lookup(again, *KEYS) == [RETRY] * 3
+
+    def test_a_silent_peer_costs_a_request_peer_wait_s_then_is_backed_off(
+        self, cluster: Cluster
+    ) -> None:
+        """Invariant 12 of the tier and 4 of the session: probes toward a peer that never
+        answers turn MISS after ``peer_wait_s`` (not the 30 s session timeouts); the next
+        requests naming it compute at once until its retry time, which doubles."""
+        a = cluster.add("a", 1, {"peer_wait_s": 2})
+        req = a.request("c", {"remote_kv_source": ghost("kv1")})
+        assert a.lookup(req, *KEYS) == [RETRY] * 3
+        cluster.run(3)
+        cluster.advance(1.9)
+        cluster.step()
+        assert a.lookup(req, *KEYS) == [RETRY] * 3
+        cluster.advance(0.1)
+        cluster.step()
+        assert a.lookup(req, *KEYS) == [MISS] * 3
+        a.finish(req)
+        at_once = a.request("c2", {"remote_kv_source": ghost("kv2")})
+        assert a.lookup(at_once, *KEYS) == [MISS] * 3  # backed off: no new session
+        a.finish(at_once)
+        cluster.advance(FIRST_RETRY_S)
+        cluster.step()
+        retry = a.request("c3", {"remote_kv_source": ghost("kv3")})
+        assert a.lookup(retry, *KEYS) == [RETRY] * 3  # one new attempt
+        cluster.advance(2)
+        cluster.step()
+        assert a.lookup(retry, *KEYS) == [MISS] * 3
+        a.finish(retry)
+        cluster.advance(FIRST_RETRY_S)  # the back-off doubled: still backed off
+        cluster.step()
+        later = a.request("c4", {"remote_kv_source": ghost("kv4")})
+        assert a.lookup(later, *KEYS) == [MISS] * 3
+        assert a.unreported() == set()
 
     def test_other_requests_of_the_peer_are_unaffected(self, cluster: Cluster) -> None:
         a, b = cluster.add("a", 1), cluster.add("b", 2)

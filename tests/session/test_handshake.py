@@ -392,17 +392,40 @@ class TestHandshakeDeadline:
         (goodbye,) = sent(pair.a, Disconnect)
         assert goodbye.reason == result.reason
 
-    def test_timeout_fails_jobs_queued_before_the_ack(self) -> None:
-        """A load still queued for the handshake fails when the deadline passes."""
+    def test_a_load_waits_on_a_silent_peer_only_peer_wait_s(self) -> None:
+        """Invariant 4: a load queued for a peer that never answered fails at
+        ``peer_wait_s``, not at the handshake deadline, and its fetch never leaves."""
         pair = pair_with()
-        pair.a.session.start(pair.clock.now)
+        started = pair.clock.now
+        pair.a.session.start(started)
         load = pair.next_job_id()
         pair.a.session.request_blocks(load, "r", [b"k"], [3], pair.clock.now)
-        pair.clock.advance(pair.settings.handshake_timeout_s)
+        assert pair.a.session.next_deadline() == started + pair.settings.peer_wait_s
+        advance_to(pair, started + pair.settings.peer_wait_s)
+        pair.poll()
+        assert closed(pair.a).kind is CloseKind.UNREACHABLE
+        assert "peer_wait_s" in closed(pair.a).reason
+        assert not pair.a.loads[load].success
+        assert Fetch not in kinds(pair.a)
+
+    def test_a_peer_that_answered_gets_the_whole_handshake_time(self) -> None:
+        """A peer whose connect arrived is alive: a queued load then waits for the
+        handshake deadline (its registration may be slow), not ``peer_wait_s``."""
+        pair = pair_with()
+        started = pair.clock.now
+        pair.a.session.start(started)
+        pair.b.session.start(started)
+        # Only b's connect reaches a; nothing a sends ever reaches b (no ack comes back).
+        pair.a.session.receive(pair.link.b_to_a.in_transit.popleft(), pair.clock.now)
+        load = pair.next_job_id()
+        pair.a.session.request_blocks(load, "r", [b"k"], [3], pair.clock.now)
+        advance_to(pair, started + pair.settings.peer_wait_s + 1.0)
+        pair.poll()
+        assert pair.a.closed is None
+        advance_to(pair, started + pair.settings.handshake_timeout_s)
         pair.poll()
         assert closed(pair.a).kind is CloseKind.TIMEOUT
         assert not pair.a.loads[load].success
-        assert Fetch not in kinds(pair.a)
 
     def test_refusing_link_leaves_the_peer_to_time_out(self) -> None:
         """b's link refuses frames: b is unreachable at once, a times out at its deadline."""

@@ -41,6 +41,11 @@ Invariants:
     still in their handshake; a connect beyond that is refused, and eviction
     takes handshaking sessions of the busiest source first, so one address
     cannot flood everyone else out.
+12. A peer whose session ended unreachable (or timed out) before it ever
+    acknowledged us is backed off: requests naming it compute locally at once
+    until its retry time, which doubles from :data:`FIRST_RETRY_S` up to
+    ``peer_retry_max_s`` with each failed attempt; the first session that
+    completes its handshake clears it.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ __all__ = ["Tier", "TierStatistics"]
 log = logging.getLogger("kvpeer.tier")
 
 DEFAULT_HASH_SEED = "vllm-none-hash"
+#: The first back-off after a peer could not be reached (invariant 12).
+FIRST_RETRY_S = 1.0
 
 
 @dataclass(slots=True)
@@ -160,6 +167,8 @@ class Tier:
         self._blocks_loaded = 0
         self._load_seconds = 0.0
         self._ended: Counter[str] = Counter()
+        # peer -> (no new session before this time, the back-off that set it)
+        self._backoff: dict[str, tuple[float, float]] = {}
         self._codec = Codec()
         self._shut_down = False
         #: True while a driver thread calls :meth:`poll`; engine calls then never
@@ -176,7 +185,14 @@ class Tier:
             log.warning("request %s runs locally for that role: %s", request.req_id, problem)
         now = self._clock()
         source = routing.source
-        if source is not None and self._peer(source.peer_id, now) is None:
+        backed_off = source is not None and self._backed_off(source.peer_id, now)
+        if backed_off:
+            log.info(
+                "request %s: peer %s was unreachable a moment ago; computing locally",
+                request.req_id,
+                source.peer_id if source is not None else "",
+            )
+        elif source is not None and self._peer(source.peer_id, now) is None:
             log.warning(
                 "request %s: peer %s refused (allow-list or peer cap); computing locally",
                 request.req_id,
@@ -189,6 +205,8 @@ class Tier:
             self._consumer_refs[source.kv_request_id] = (
                 self._consumer_refs.get(source.kv_request_id, 0) + 1
             )
+            if backed_off:
+                self._fail_id(source.kv_request_id)  # MISS at once (invariant 12)
         destination = routing.destination
         if destination is None:
             return OffloadPolicy.CHUNK_LEVEL
@@ -543,7 +561,10 @@ class Tier:
             del self._peers[peer_id]
             self._data.revoke(peer_id)
         peer.link.close()
-        if closed.kind is CloseKind.UNREACHABLE:
+        unreachable = closed.kind in (CloseKind.UNREACHABLE, CloseKind.TIMEOUT)
+        if unreachable and not peer.session.answered:
+            self._back_off(peer_id, self._clock())  # and no goodbye: nobody to hear it
+        elif closed.kind is CloseKind.UNREACHABLE:
             self._say_goodbye(peer_id, closed.reason)
 
     def _say_goodbye(self, peer_id: str, reason: str) -> None:
@@ -672,6 +693,26 @@ class Tier:
     def _fail_id(self, kv_request_id: str) -> None:
         if kv_request_id in self._consumer_refs:
             self._failed.add(kv_request_id)
+
+    def _backed_off(self, peer_id: str, now: float) -> bool:
+        """Invariant 12: no new session toward ``peer_id`` yet."""
+        entry = self._backoff.get(peer_id)
+        if entry is None:
+            return False
+        peer = self._peers.get(peer_id)
+        if peer is not None and peer.session.answered:
+            del self._backoff[peer_id]  # it came back
+            return False
+        return now < entry[0]
+
+    def _back_off(self, peer_id: str, now: float) -> None:
+        previous = self._backoff.pop(peer_id, None)
+        delay = FIRST_RETRY_S if previous is None else previous[1] * 2
+        delay = min(delay, self._config.peer_retry_max_s)
+        self._backoff[peer_id] = (now + delay, delay)
+        log.info("peer %s unreachable: no new session toward it for %gs", peer_id, delay)
+        while len(self._backoff) > 4 * self._config.max_peers:  # bounded, oldest first
+            del self._backoff[next(iter(self._backoff))]
 
     def _inbound_problem(self, peer_id: str, source: str | None) -> str | None:
         """Why an inbound peer may not open a session (invariants 10 and 11), or None."""

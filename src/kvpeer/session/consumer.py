@@ -354,6 +354,10 @@ class ConsumerRole:
     def has_lookup_work(self) -> bool:
         return bool(self._to_flush)
 
+    def waits_on_peer(self) -> bool:
+        """A load in flight, or a probe not answered yet: a request waits on the peer."""
+        return bool(self._with_loads or self._with_probes or self._to_flush)
+
     def statistics(self) -> ConsumerStatistics:
         in_flight = aborting = 0
         for kv_request_id in self._with_loads:

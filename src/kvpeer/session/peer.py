@@ -21,7 +21,10 @@ Invariants:
    started its side over before the handshake finished (vLLM opens a session
    for every connection it accepts) asks once more for what we already granted.
 4. The handshake (both connects, both acks) must finish within
-   ``handshake_timeout_s`` of :meth:`start`.
+   ``handshake_timeout_s`` of :meth:`start`. A request does not wait that long
+   on a peer that never answered: once a load or probe waits and nothing at all
+   came from the peer within ``peer_wait_s`` of :meth:`start`, the session ends
+   as ``UNREACHABLE`` (its queued frames are dropped unsent).
 5. One exception boundary (:meth:`PeerSession._guard`) wraps every entry
    point that runs on what the peer sent (``receive``, ``poll``, ``serve`` and
    every consumer/producer call): nothing raised below it leaves the session.
@@ -155,6 +158,11 @@ class PeerSession:
         return self._acked and self._registered and self._closed is None
 
     @property
+    def answered(self) -> bool:
+        """The peer acknowledged our connect (at some point; stays True after close)."""
+        return self._acked
+
+    @property
     def peer_hello(self) -> Connect | None:
         """The peer's ``connect``, once received."""
         return self._peer_hello
@@ -194,6 +202,8 @@ class PeerSession:
         ]
         if not (self._acked and self._registered) and self._started_at is not None:
             deadlines.append(self._started_at + self._settings.handshake_timeout_s)
+            if self._frames_in == 0 and self._consumer.waits_on_peer():
+                deadlines.append(self._started_at + self._settings.peer_wait_s)
         return min(deadlines, default=None)
 
     def statistics(self) -> SessionStatistics:
@@ -251,7 +261,14 @@ class PeerSession:
 
     def _fire_timers(self, now: float) -> None:
         if self._closed is None:
-            if (
+            if self._silent_too_long(now):
+                self._end(
+                    CloseKind.UNREACHABLE,
+                    f"the peer did not answer within peer_wait_s "
+                    f"({self._settings.peer_wait_s:g}s)",
+                    send_disconnect=False,
+                )
+            elif (
                 not (self._acked and self._registered)
                 and self._started_at is not None
                 and now >= self._started_at + self._settings.handshake_timeout_s
@@ -264,6 +281,15 @@ class PeerSession:
             else:
                 self._consumer.tick(now)
                 self._producer.tick(now)
+
+    def _silent_too_long(self, now: float) -> bool:
+        """Invariant 4: a request waits, and nothing came from the peer in time."""
+        return (
+            self._frames_in == 0
+            and self._started_at is not None
+            and now >= self._started_at + self._settings.peer_wait_s
+            and self._consumer.waits_on_peer()
+        )
 
     def close(self, reason: str = "closed locally", kind: CloseKind = CloseKind.LOCAL) -> None:
         """End the session; the failed jobs arrive with the next :meth:`poll`."""

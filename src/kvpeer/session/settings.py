@@ -21,6 +21,9 @@ class SessionSettings:
     ``transfer_timeout_s``: producer, a write still running this long fails its
     round (by then the consumer's load timed out and its abort went unanswered).
     ``handshake_timeout_s``: connected but not acknowledged -> dead.
+    ``peer_wait_s``: how long a request waits on a peer that has not answered at
+    all (not even its ``connect``) before the session is given up as unreachable;
+    the session itself would wait ``handshake_timeout_s``.
     ``max_queued_messages``: messages held until the peer's ack; more ends
     the session.
     ``max_peer_bytes``: what one peer may make us hold (queued lookups, parked
@@ -38,6 +41,7 @@ class SessionSettings:
     abort_drain_timeout_s: float = 5.0
     transfer_timeout_s: float = 40.0
     handshake_timeout_s: float = 30.0
+    peer_wait_s: float = 2.0
     max_queued_messages: int = 4096
     max_peer_bytes: int = 64 << 20
 

@@ -25,8 +25,9 @@ carries ours. Socket rules:
    checked against ``max_link_bytes`` whenever a frame has to wait; over it,
    or over ``max_queued_frames``, the peer is declared dead.
 3. A DEALER that loses its connection after it was established (heartbeat
-   timeout, peer closed) is dead; ZMQ's reconnect is not trusted to bring the
-   same peer incarnation back - the session layer starts over instead.
+   timeout, peer closed), or whose first connect fails (refused, unreachable),
+   is dead; ZMQ's reconnect is not trusted to bring the same peer incarnation
+   back - the session layer starts over instead.
 4. ``MAXMSGSIZE`` bounds inbound frames; anything but two frames with a UTF-8
    identity is dropped and counted.
 5. With CURVE, the ROUTER only accepts clients whose public key is in the
@@ -60,6 +61,7 @@ log = logging.getLogger("kvpeer.zmq")
 
 _MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_CLOSED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -500,6 +502,11 @@ class ZmqControl:
             kind = int(event["event"])
             if kind == zmq.EVENT_CONNECTED:
                 link.connected_once = True
+            elif kind == zmq.EVENT_CONNECT_RETRIED and not link.connected_once:
+                # The first connect failed (refused, unreachable): say so now rather
+                # than let ZMQ retry while requests wait (rule 3).
+                self._lose(link, "cannot connect (refused or unreachable)")
+                return
             elif kind & _HANDSHAKE_FAILED:
                 self._lose(link, "security handshake failed (CURVE keys?)")
                 return
