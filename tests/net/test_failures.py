@@ -7,6 +7,8 @@ heartbeats of 0.2 s / 1 s here, so a frozen peer is declared dead in about a sec
 
 from __future__ import annotations
 
+import glob
+import os
 import signal
 import time
 import uuid
@@ -374,3 +376,16 @@ def test_a_refused_peer_costs_a_request_milliseconds_and_is_used_again_once_it_i
         assert back.peer_id == peer_id
         assert wait_until(lambda: (consumer.pull(peer_id, keys_of(range(8)), range(8)).loaded))
         assert_pull_works(consumer, peer_id, range(48, 64))
+
+
+def test_the_region_file_of_a_killed_node_is_removed_by_the_next_node(serve: StartNode) -> None:
+    """SIGKILL leaves nothing to clean up with; the next node started on the machine
+    removes the files its claim names (kvpeer.host.claims)."""
+    victim = serve(plane="shm")
+    left = glob.glob(f"/dev/shm/kvpeer-serve-{victim.pid}-*")
+    assert len(left) == 1
+    victim.kill()
+    assert os.path.exists(left[0]), "setup: SIGKILL should leave the file behind"
+    with LocalNode("tcp"):  # any node: it sweeps when it opens
+        assert not os.path.exists(left[0])
+    assert not glob.glob(f"/dev/shm/kvpeer-claim-kvpeer-serve-{victim.pid}-*")

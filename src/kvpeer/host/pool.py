@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvpeer.host.claims import Claim
 from kvpeer.types import Key, LookupResult
 
 __all__ = ["BlockPool", "PoolStatistics", "SlotState"]
@@ -82,10 +83,18 @@ class BlockPool:
         self._block_len = block_len
         size = num_blocks * block_len
         self._shm_path = shm_path
+        self._claim: Claim | None = None
         if shm_path is None:
             self._region = mmap.mmap(-1, size)  # anonymous: page-aligned
         else:
-            fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # Claimed first (kvpeer.host.claims): if this process dies without close(),
+            # the next node started here removes the file.
+            self._claim = Claim(shm_path)
+            try:
+                fd = os.open(shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except OSError:
+                self._claim.release()
+                raise
             try:
                 os.ftruncate(fd, size)
                 self._region = mmap.mmap(fd, size)
@@ -261,6 +270,9 @@ class BlockPool:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._shm_path)
                 self._shm_path = None
+            if self._claim is not None:
+                self._claim.release()
+                self._claim = None
 
     # -- internals ---------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from kvpeer.config import TierConfig
 from kvpeer.errors import ConfigError, DataPlaneError
+from kvpeer.host.claims import sweep
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.tier import Tier
 from kvpeer.transport.data.base import Backend, PrimaryRegion
@@ -85,7 +86,10 @@ def open_node(
     """Bind the control port, start the data planes and the driver thread.
 
     ``shm_same_process``: let the shm plane exchange regions with other nodes of this
-    very process (tests run several in one; otherwise such a region is refused)."""
+    very process (tests run several in one; otherwise such a region is refused).
+    First, region files that processes which died left in /dev/shm are removed
+    (``kvpeer.host.claims``)."""
+    sweep()
     curve = None
     if config.curve is not None:
         curve = CurveKeys.load(

@@ -49,6 +49,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpeer.config import TierConfig
 from kvpeer.errors import ConfigError
+from kvpeer.host.claims import Claim
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
 from kvpeer.transport.data.base import PrimaryRegion
@@ -210,6 +211,9 @@ class KVPeerTier(SecondaryTierManager):
         self._config = TierConfig.from_dict(config)
         engine_id = str(offloading_spec.config.engine_id)
         self._region = _region(primary_kv_view, engine_id)
+        # vLLM's region file outlives an engine that is killed: our claim lets the
+        # next node started on this machine remove it (kvpeer.host.claims).
+        self._claim = Claim(self._region.shm_path) if self._region.shm_path else None
         self._node: DrivenTier = open_node(
             self._config, self._region, hash_seed=_hash_seed, wake_host=_EngineWaker()
         )
@@ -284,6 +288,10 @@ class KVPeerTier(SecondaryTierManager):
     def shutdown(self) -> None:
         _LIVE.discard(self)
         self._node.shutdown()
+        if self._claim is not None:
+            # Unlocked, not removed: vLLM's CPU region file stays until this engine's
+            # process is gone, then the next node's sweep removes it with the claim.
+            self._claim.release(remove_claim=False)
         # Our flat view exports vLLM's mapping; until it is released vLLM cannot
         # unmap its primary region ("cannot close exported pointers exist").
         try:
