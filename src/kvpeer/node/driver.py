@@ -100,6 +100,7 @@ class DrivenTier:
         self._wanted_written = False  # spares a read of an eventfd nobody wrote
         self._wake_host = wake_host
         self._host_woken = False
+        self._wakeups = 0
         self._sleeps_until = 0.0  # when the driver wakes by itself next
         self._deadline: float | None = None  # the tier's next timer, from the last poll
         self._watchers = 0  # engine threads in wait_for_work (invariant 2)
@@ -126,6 +127,7 @@ class DrivenTier:
                     wake_host = needs_serve and not self._host_woken
                     self._host_woken = needs_serve
                 if wake_host and self._wake_host is not None:
+                    self._wakeups += 1
                     self._wake_host()  # once per wait for a serve window
                 now = self._clock()
                 wait = self._max_wait
@@ -264,6 +266,11 @@ class DrivenTier:
     @property
     def crashed(self) -> bool:
         return self._crash is not None
+
+    @property
+    def wakeups(self) -> int:
+        """Times the driver asked an idle host to step (one int: any thread)."""
+        return self._wakeups
 
     @property
     def polls(self) -> int:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 from kvpeer.config import TierConfig
 from kvpeer.errors import PeerLost, ProtocolError
+from kvpeer.node.counters import CounterSnapshot, TierCounters
 from kvpeer.node.params import LOCAL, Routing, parse_transfer_params, split_peer_id
 from kvpeer.protocol import PROTOCOL_VERSION, Codec, Connect, ConnectExtension, Disconnect
 from kvpeer.session import CloseKind, PeerSession, PollResult
@@ -167,6 +168,8 @@ class Tier:
         self._blocks_loaded = 0
         self._load_seconds = 0.0
         self._ended: Counter[str] = Counter()
+        self._counters = TierCounters()
+        self._block_len: int | None = None
         # peer -> (no new session before this time, the back-off that set it)
         self._backoff: dict[str, tuple[float, float]] = {}
         self._codec = Codec()
@@ -215,6 +218,11 @@ class Tier:
         return OffloadPolicy.REQUEST_LEVEL
 
     def lookup(self, key: Key, request: RequestContext) -> LookupResult:
+        result = self._lookup(key, request)
+        self._counters.lookups[result.name] += 1
+        return result
+
+    def _lookup(self, key: Key, request: RequestContext) -> LookupResult:
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None or source.kv_request_id in self._failed:
             return LookupResult.MISS
@@ -414,6 +422,45 @@ class Tier:
             sessions_ended=dict(self._ended),
         )
 
+    def counters(self) -> CounterSnapshot:
+        """Since-start event counts and histograms, live sessions included
+        (under the node's lock, like :meth:`statistics`)."""
+        c = self._counters
+        served, unknown = c.retired_blocks_served, c.retired_unknown_messages
+        timeouts: Counter[str] = Counter()
+        timeouts.update(c.retired_timeouts)
+        timeouts.update(c.timeouts)
+        for peer in self._peers.values():
+            stats = peer.session.statistics()
+            served += stats.producer.blocks_written
+            unknown += stats.unknown_messages
+            timeouts.update(stats.consumer.timeouts)
+            timeouts.update(stats.producer.timeouts)
+        timeouts["handshake"] += self._ended[CloseKind.TIMEOUT.value]
+        return CounterSnapshot(
+            lookups=dict(c.lookups),
+            loads_ok=c.loads_ok,
+            loads_failed=c.loads_failed,
+            sessions_opened=c.sessions_opened,
+            late_fetches_rejected=c.late_fetches_rejected,
+            stores_reaped=c.stores_reaped,
+            blocks_served=served,
+            unknown_messages=unknown,
+            timeouts=dict(timeouts),
+            lookup_seconds=c.lookup_seconds.snapshot(),
+            load_seconds=c.load_seconds.snapshot(),
+            load_bytes=c.load_bytes.snapshot(),
+        )
+
+    def _retire(self, session: PeerSession) -> None:
+        """Keep what an ending session counted (counters invariant 3)."""
+        stats = session.statistics()
+        c = self._counters
+        c.retired_blocks_served += stats.producer.blocks_written
+        c.retired_unknown_messages += stats.unknown_messages
+        c.retired_timeouts.update(stats.consumer.timeouts)
+        c.retired_timeouts.update(stats.producer.timeouts)
+
     @property
     def blocks_loaded(self) -> int:
         """Blocks successful loads brought from peers since start (one int: safe to
@@ -425,6 +472,13 @@ class Tier:
         """Seconds successful loads took, fetch to completion, summed (like
         :attr:`blocks_loaded`, readable from any thread)."""
         return self._load_seconds
+
+    @property
+    def block_len(self) -> int:
+        """Bytes of one block of the primary region (what one block moves)."""
+        if self._block_len is None:
+            self._block_len = self._data.describe().block_len
+        return self._block_len
 
     @property
     def peer_id(self) -> str:
@@ -510,11 +564,19 @@ class Tier:
                     fresh.session.receive(frame, now)
 
     def _handle(self, peer_id: str, peer: _Peer, result: PollResult) -> None:
+        counters = self._counters
+        for seconds in result.lookup_seconds:
+            counters.lookup_seconds.observe(seconds)
         for load in result.loads:
             self._results.append(JobResult(load.job_id, load.success))
             self._blocks_loaded += load.blocks
             self._load_seconds += load.seconds
-            if not load.success:
+            if load.success:
+                counters.loads_ok += 1
+                counters.load_seconds.observe(load.seconds)
+                counters.load_bytes.observe(load.blocks * self.block_len)
+            else:
+                counters.loads_failed += 1
                 log.info(
                     "load %s of %s from %s failed: %s",
                     load.job_id,
@@ -533,6 +595,8 @@ class Tier:
         if closed is None:
             return
         self._ended[closed.kind.value] += 1
+        counters.loads_failed += len(closed.loads)
+        self._retire(peer.session)
         if closed.kind in (CloseKind.INTERNAL_ERROR, CloseKind.LOCAL_FAULT):
             log.error(
                 "session %s ended (%s): %s",
@@ -582,6 +646,7 @@ class Tier:
     def _on_fetch(self, peer_id: str, peer: _Peer, kv_request_id: str) -> None:
         now = self._clock()
         if kv_request_id in self._tombstones:
+            self._counters.late_fetches_rejected += 1
             log.info(
                 "late fetch for %s from %s rejected (stores were reaped)", kv_request_id, peer_id
             )
@@ -641,6 +706,8 @@ class Tier:
                 len(parked.jobs),
             )
             self._results.extend(JobResult(job.job_id, False) for job in parked.jobs)
+            self._counters.stores_reaped += len(parked.jobs)
+            self._counters.timeouts["unbound_store"] += 1
             self._tombstones.pop(kv_request_id, None)
             self._tombstones[kv_request_id] = now + self._config.tombstone_retention_s
 
@@ -755,6 +822,7 @@ class Tier:
         session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
         peer = _Peer(session, link, now, source)
         self._peers[peer_id] = peer
+        self._counters.sessions_opened += 1
         session.start(now)
         return peer
 

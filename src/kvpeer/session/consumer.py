@@ -30,6 +30,7 @@ Invariants (per ``kv_request_id``):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +88,8 @@ class ConsumerStatistics:
     lookups_sent: int
     fetches_sent: int
     stale_answers: int
+    #: since start, by kind: ``load``, ``abort_ack``, ``lookup``
+    timeouts: dict[str, int] = field(default_factory=dict)
 
 
 class ConsumerRole:
@@ -116,6 +119,8 @@ class ConsumerRole:
         self._lookups_sent = 0
         self._fetches_sent = 0
         self._stale_answers = 0
+        self._timeouts: Counter[str] = Counter()
+        self._lookup_waits: list[float] = []  # probe registered -> answered, per answer
 
     # -- engine-facing -------------------------------------------------------
 
@@ -232,7 +237,7 @@ class ConsumerRole:
 
     # -- wire ----------------------------------------------------------------
 
-    def on_lookup_response(self, message: LookupResponse) -> None:
+    def on_lookup_response(self, message: LookupResponse, now: float) -> None:
         request = self._requests.get(message.kv_request_id)
         # Answers for a round we already closed must not resolve the next round.
         if request is None or (
@@ -240,10 +245,14 @@ class ConsumerRole:
         ):
             self._stale_answers += 1
             return
+        oldest: float | None = None
         for key, hit in zip(message.keys, message.hits, strict=True):
             if key in request.probes and request.probes[key] is None:
                 request.probes[key] = hit
-                del request.waiting_since[key]
+                since = request.waiting_since.pop(key)
+                oldest = since if oldest is None else min(oldest, since)
+        if oldest is not None:
+            self._lookup_waits.append(now - oldest)
         if not request.waiting_since:
             self._with_probes.discard(message.kv_request_id)
 
@@ -273,6 +282,7 @@ class ConsumerRole:
             for round_seq, load in list(request.loads.items()):
                 if load.aborted_at is None:
                     if now >= load.submitted_at + self._settings.load_timeout_s:
+                        self._timeouts["load"] += 1
                         self._abort(
                             kv_request_id,
                             round_seq,
@@ -281,6 +291,7 @@ class ConsumerRole:
                             f"no transfer_done within {self._settings.load_timeout_s:g}s",
                         )
                 elif now >= load.aborted_at + self._settings.abort_ack_timeout_s:
+                    self._timeouts["abort_ack"] += 1
                     self._complete(
                         kv_request_id,
                         round_seq,
@@ -301,6 +312,7 @@ class ConsumerRole:
             request = self._requests[kv_request_id]
             oldest = next(iter(request.waiting_since.values()))
             if now >= oldest + self._settings.lookup_timeout_s:
+                self._timeouts["lookup"] += 1
                 for key in request.waiting_since:
                     request.probes[key] = False
                 request.waiting_since.clear()
@@ -326,6 +338,12 @@ class ConsumerRole:
         finished, expired = self._finished, self._expired
         self._finished, self._expired = [], []
         return finished, expired
+
+    def take_lookup_seconds(self) -> list[float]:
+        """How long each answered lookup waited (oldest probe it answered), since
+        the last call."""
+        waits, self._lookup_waits = self._lookup_waits, []
+        return waits
 
     def close(self, reason: str) -> tuple[list[LoadFinished], list[str]]:
         """Fail every load; return them and the ids that can no longer resolve."""
@@ -372,6 +390,7 @@ class ConsumerRole:
             lookups_sent=self._lookups_sent,
             fetches_sent=self._fetches_sent,
             stale_answers=self._stale_answers,
+            timeouts=dict(self._timeouts),
         )
 
     # -- internals -------------------------------------------------------------

@@ -257,6 +257,7 @@ class PeerSession:
             fetched_ids=tuple(fetched),
             expired_probe_ids=tuple(expired),
             closed=closed,
+            lookup_seconds=tuple(self._consumer.take_lookup_seconds()),
         )
 
     def _fire_timers(self, now: float) -> None:
@@ -264,8 +265,7 @@ class PeerSession:
             if self._silent_too_long(now):
                 self._end(
                     CloseKind.UNREACHABLE,
-                    f"the peer did not answer within peer_wait_s "
-                    f"({self._settings.peer_wait_s:g}s)",
+                    f"the peer did not answer within peer_wait_s ({self._settings.peer_wait_s:g}s)",
                     send_disconnect=False,
                 )
             elif (
@@ -399,7 +399,7 @@ class PeerSession:
             case Lookup():
                 self._producer.on_lookup(message, now)
             case LookupResponse():
-                self._consumer.on_lookup_response(message)
+                self._consumer.on_lookup_response(message, now)
             case Fetch():
                 self._producer.on_fetch(message, now)
             case TransferDone():

@@ -37,6 +37,7 @@ Invariants (per ``kv_request_id``):
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -157,6 +158,8 @@ class ProducerStatistics:
     blocks_written: int
     rounds_succeeded: int
     rounds_failed: int
+    #: since start, by kind: ``lookup_pending``, ``store``, ``transfer``, ``abort_drain``
+    timeouts: dict[str, int] = field(default_factory=dict)
 
 
 class ProducerRole:
@@ -193,6 +196,7 @@ class ProducerRole:
         self._blocks_written = 0
         self._rounds_ok = 0
         self._rounds_failed = 0
+        self._timeouts: Counter[str] = Counter()
 
     def set_consumer_region(self, num_blocks: int) -> None:
         """The peer's advertised slot count; every fetch index is checked against it."""
@@ -356,6 +360,7 @@ class ProducerRole:
         for kv_request_id, seq in self._draining:
             round_ = self._requests[kv_request_id].rounds[seq]
             if now >= round_.drain_deadline:
+                self._timeouts["abort_drain"] += 1
                 self._data.cancel(list(round_.inflight), wait=False)
                 for transfer_id in list(round_.inflight):
                     self._forget_transfer(round_, transfer_id, False, "abandoned after drain")
@@ -367,6 +372,7 @@ class ProducerRole:
             if now < job.bound_at + deadline:
                 break
             del self._jobs_by_age[job_id]
+            self._timeouts["store"] += 1
             for supply in job.supplies:
                 if supply.state is _State.AVAILABLE:
                     self._settle(supply, False, f"not fetched within {deadline:g}s")
@@ -393,6 +399,7 @@ class ProducerRole:
                 return  # start order: every later one is younger
             round_ = self._requests[transfer.kv_request_id].rounds[transfer.round_seq]
             if round_.reply is None:
+                self._timeouts["transfer"] += 1
                 self._fail_round(
                     transfer.kv_request_id,
                     round_,
@@ -486,6 +493,7 @@ class ProducerRole:
             blocks_written=self._blocks_written,
             rounds_succeeded=self._rounds_ok,
             rounds_failed=self._rounds_failed,
+            timeouts=dict(self._timeouts),
         )
 
     # -- lookups ---------------------------------------------------------------
@@ -520,6 +528,8 @@ class ProducerRole:
                     hits.append(key)
                     continue
                 answer = False if result is LookupResult.MISS or expired else None
+                if expired and result is not LookupResult.MISS:
+                    self._timeouts["lookup_pending"] += 1
             if answer is not None:
                 lookup.answers[key] = answer
                 del lookup.pending[key]

@@ -92,8 +92,15 @@ class PollResult:
     fetched_ids: tuple[str, ...] = ()
     expired_probe_ids: tuple[str, ...] = ()
     closed: SessionClosed | None = field(default=None)
+    #: how long each answered consumer lookup waited (probe registered -> answer)
+    lookup_seconds: tuple[float, ...] = ()
 
     def is_empty(self) -> bool:
         return not (
-            self.loads or self.stores or self.fetched_ids or self.expired_probe_ids or self.closed
+            self.loads
+            or self.stores
+            or self.fetched_ids
+            or self.expired_probe_ids
+            or self.closed
+            or self.lookup_seconds
         )

@@ -1,0 +1,112 @@
+"""Monotonic event counters and histograms the tier keeps for its metrics.
+
+Invariants:
+
+1. Everything here only grows (counters, histogram buckets, sums): a reader
+   takes a :meth:`TierCounters.snapshot` and computes deltas itself, so any
+   number of readers (a Prometheus scrape, vLLM's ``get_stats``) coexist.
+2. No Prometheus or vLLM object lives here: readers translate snapshots.
+3. Counts of a session survive its end: what a closed session counted
+   (blocks served, timeouts, unknown messages) is folded into ``retired``.
+4. A histogram keeps its last :data:`RECENT` observations so that a reader
+   that needs raw samples (vLLM's IPC) can take the ones since its last read.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "FETCH_SECONDS_BUCKETS",
+    "FETCH_SIZE_BUCKETS",
+    "LOOKUP_SECONDS_BUCKETS",
+    "CounterSnapshot",
+    "Histogram",
+    "HistogramSnapshot",
+    "TierCounters",
+]
+
+#: Raw observations a histogram keeps for readers that need samples (invariant 4).
+RECENT = 4096
+LOOKUP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                          2.5, 5.0, 10.0, 30.0)  # fmt: skip
+FETCH_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
+FETCH_SIZE_BUCKETS = tuple(float(4096 * 4**i) for i in range(10))  # 4 KiB .. 1 GiB
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """``counts[i]``: observations <= ``buckets[i]`` (not cumulative); the last
+    entry of ``counts`` is the overflow (> the last bound)."""
+
+    buckets: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float
+    count: int
+    recent: tuple[float, ...]
+
+
+class Histogram:
+    """Fixed buckets, a sum, a count and the most recent raw observations."""
+
+    __slots__ = ("_buckets", "_count", "_counts", "_recent", "_total")
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self._buckets = tuple(float(b) for b in buckets)
+        if list(self._buckets) != sorted(set(self._buckets)):
+            raise ValueError(f"bucket bounds must increase: {self._buckets}")
+        self._counts = [0] * (len(self._buckets) + 1)
+        self._total = 0.0
+        self._count = 0
+        self._recent: deque[float] = deque(maxlen=RECENT)
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._buckets, value)] += 1
+        self._total += value
+        self._count += 1
+        self._recent.append(value)
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(
+            self._buckets, tuple(self._counts), self._total, self._count, tuple(self._recent)
+        )
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What the tier counts as events happen (one instance per tier)."""
+
+    lookups: Counter[str] = field(default_factory=Counter)  # by LookupResult name, lower
+    loads_ok: int = 0
+    loads_failed: int = 0
+    sessions_opened: int = 0
+    late_fetches_rejected: int = 0
+    stores_reaped: int = 0
+    retired_blocks_served: int = 0
+    retired_unknown_messages: int = 0
+    retired_timeouts: Counter[str] = field(default_factory=Counter)
+    timeouts: Counter[str] = field(default_factory=Counter)  # tier-level kinds
+    lookup_seconds: Histogram = field(default_factory=lambda: Histogram(LOOKUP_SECONDS_BUCKETS))
+    load_seconds: Histogram = field(default_factory=lambda: Histogram(FETCH_SECONDS_BUCKETS))
+    load_bytes: Histogram = field(default_factory=lambda: Histogram(FETCH_SIZE_BUCKETS))
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSnapshot:
+    """Frozen, since-start values of :class:`TierCounters` plus live sessions' counts."""
+
+    lookups: dict[str, int]
+    loads_ok: int
+    loads_failed: int
+    sessions_opened: int
+    late_fetches_rejected: int
+    stores_reaped: int
+    blocks_served: int
+    unknown_messages: int
+    timeouts: dict[str, int]
+    lookup_seconds: HistogramSnapshot
+    load_seconds: HistogramSnapshot
+    load_bytes: HistogramSnapshot
