@@ -36,9 +36,11 @@ FORBIDDEN_MODULES = frozenset(
 # Layers above each core package (imports point down only).
 HIGHER_LAYERS: dict[str, frozenset[str]] = {
     "protocol": frozenset(
-        {"session", "node", "transport", "testing", "cli", "integrations", "tier"}
+        {"session", "node", "metrics", "transport", "testing", "cli", "integrations", "tier"}
     ),
-    "session": frozenset({"node", "transport", "testing", "cli", "integrations", "tier"}),
+    "session": frozenset(
+        {"node", "metrics", "transport", "testing", "cli", "integrations", "tier"}
+    ),
 }
 
 
@@ -188,3 +190,14 @@ class TestImportSideEffects:
         )
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == "['zmq']"
+
+
+def test_node_does_not_import_metrics() -> None:
+    """kvpeer.metrics reads nodes; nodes never know about it (it sits above node)."""
+    offending = [
+        f"{file_id(path)} line {line}: {name}"
+        for path in sorted((SRC / "node").rglob("*.py"))
+        for line, name in imported_modules(parse(path), package_of(path))
+        if name.startswith("kvpeer.metrics") or name.startswith("prometheus_client")
+    ]
+    assert offending == []

@@ -12,13 +12,16 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpeer.checkconfig import check_transfer_config
 from kvpeer.config import TierConfig
 from kvpeer.errors import KVPeerError
+
+if TYPE_CHECKING:
+    from kvpeer.node.driver import DrivenTier
 
 __all__ = ["main"]
 
@@ -108,8 +111,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         synthetic_blocks=args.synthetic_blocks,
         duration_s=args.duration,
         ready_file=args.ready_file,
+        attach=_metrics_server(config.host, args.metrics_port),
         out=sys.stdout,
     )
+
+
+def _metrics_server(
+    host: str, port: int | None
+) -> Callable[[DrivenTier], Callable[[], None]] | None:
+    """What serves a node's metrics on ``port`` (None: no metrics)."""
+    if port is None:
+        return None
+
+    def attach(node: DrivenTier) -> Callable[[], None]:
+        from kvpeer.metrics.prom import MetricsServer
+
+        server = MetricsServer(node, host, port)
+        print(f"kvpeer serve: metrics at http://{host}:{server.port}/metrics", flush=True)
+        return server.close
+
+    return attach
 
 
 def _cmd_bench_tier(args: argparse.Namespace) -> int:
@@ -205,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--duration", type=float, help="stop after this many seconds")
     serve.add_argument("--ready-file", help="write the node's peer id here once it listens")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus kvpeer_* metrics at http://HOST:P/metrics (0 = any free port)",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines")

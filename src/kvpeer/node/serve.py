@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from kvpeer.config import TierConfig
 from kvpeer.host import BlockPool, TieringHost
 from kvpeer.node.build import open_node
-from kvpeer.node.driver import DriverCrashed
+from kvpeer.node.driver import DrivenTier, DriverCrashed
 from kvpeer.node.synthetic import synthetic_block, synthetic_key
 from kvpeer.transport.data.base import PrimaryRegion
 
@@ -49,9 +50,13 @@ def serve(
     synthetic_blocks: int = 0,
     duration_s: float | None = None,
     ready_file: str | None = None,
+    attach: Callable[[DrivenTier], Callable[[], None]] | None = None,
     out: TextIO,
 ) -> int:
-    """Run until interrupted (or ``duration_s``); returns the exit status."""
+    """Run until interrupted (or ``duration_s``); returns the exit status.
+
+    ``attach`` is called with the node once it listens (e.g. to serve its
+    metrics, a layer above this one); what it returns is called at the end."""
     shm_path = None
     if "shm" in config.data_transports:
         shm_path = f"/dev/shm/kvpeer-serve-{os.getpid()}-{config.port}"
@@ -74,6 +79,7 @@ def serve(
             print(
                 f"kvpeer serve: preloaded {synthetic_blocks} synthetic blocks", file=out, flush=True
             )
+        detach = attach(node) if attach is not None else None
         if ready_file:
             Path(ready_file).write_text(peer_id)
         print("kvpeer serve: serving; Ctrl-C to stop", file=out, flush=True)
@@ -99,6 +105,8 @@ def serve(
             print(f"kvpeer serve: stopping: {exc}", file=out, flush=True)
             status = 1
         finally:
+            if detach is not None:
+                detach()
             host.shutdown()
     finally:
         pool.close()

@@ -1,0 +1,94 @@
+"""The catalog as Prometheus metrics: a collector over one node, in a private registry.
+
+Nothing is counted here: each scrape takes one :class:`~kvpeer.metrics.reading.NodeReading`
+(under the node's lock) and renders every catalog series, zeros included.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvpeer.metrics.catalog import CATALOG, MetricType
+from kvpeer.metrics.reading import ThreadCpu, read_node, values
+from kvpeer.node.counters import HistogramSnapshot
+from kvpeer.node.driver import DrivenTier
+
+__all__ = ["PREFIX", "MetricsServer", "NodeCollector", "registry_for"]
+
+PREFIX = "kvpeer_"
+
+
+def _buckets(snapshot: HistogramSnapshot) -> list[tuple[str, float]]:
+    cumulative = 0
+    out: list[tuple[str, float]] = []
+    for bound, count in zip((*snapshot.buckets, math.inf), snapshot.counts, strict=True):
+        cumulative += count
+        out.append(("+Inf" if bound == math.inf else repr(bound), float(cumulative)))
+    return out
+
+
+class NodeCollector(Collector):
+    """Reads ``node`` at each scrape and yields every catalog metric as ``kvpeer_*``."""
+
+    def __init__(self, node: DrivenTier, prefix: str = PREFIX) -> None:
+        self._node = node
+        self._prefix = prefix
+        self._cpu = ThreadCpu()
+
+    def collect(self) -> Iterator[Metric]:
+        current = values(read_node(self._node, self._cpu))
+        for metric in CATALOG:
+            name = self._prefix + metric.name
+            labels = list(metric.labels)
+            family: CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
+            if metric.type is MetricType.COUNTER:
+                family = CounterMetricFamily(name, metric.help, labels=labels)
+            elif metric.type is MetricType.GAUGE:
+                family = GaugeMetricFamily(name, metric.help, labels=labels)
+            else:
+                family = HistogramMetricFamily(name, metric.help, labels=labels)
+            for label_values, value in current[metric.name].items():
+                if isinstance(value, HistogramSnapshot):
+                    assert isinstance(family, HistogramMetricFamily)
+                    family.add_metric(list(label_values), _buckets(value), value.total)
+                else:
+                    assert not isinstance(family, HistogramMetricFamily)
+                    family.add_metric(list(label_values), value)
+            yield family
+
+
+def registry_for(node: DrivenTier) -> CollectorRegistry:
+    """A private registry (never prometheus-client's global one) with ``node``'s metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(node))
+    return registry
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP for one node, on a daemon thread."""
+
+    def __init__(self, node: DrivenTier, host: str, port: int) -> None:
+        self._server: WSGIServer
+        self._thread: threading.Thread
+        self._server, self._thread = start_http_server(port, host, registry_for(node))
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)

@@ -1,0 +1,133 @@
+"""Two standalone nodes pulling, seen through real HTTP ``/metrics`` scrapes.
+
+The producer is a ``kvpeer serve --metrics-port`` process; the consumer a node in
+this process with its own metrics server. Every number is checked against what
+actually moved.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpeer.metrics.catalog import CATALOG, INFO, MetricType
+from kvpeer.metrics.prom import MetricsServer
+from tests.net.procs import (
+    BLOCK_LEN,
+    LocalNode,
+    NodeProcess,
+    free_port,
+    keys_of,
+    start_serve,
+    wait_until,
+)
+
+HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[("kvpeer_" + name, frozenset(labels.items()))]
+
+
+def histogram_count(samples: Samples, name: str) -> float:
+    return value(samples, name + "_count")
+
+
+@pytest.fixture
+def producer(tmp_path: Path) -> Iterator[tuple[NodeProcess, int]]:
+    port = free_port()
+    node = start_serve(tmp_path, config=HEARTBEATS, args=["--metrics-port", str(port)])
+    try:
+        assert node.wait_for_output("metrics at"), node.log()
+        yield node, port
+    finally:
+        node.stop()
+
+
+def test_every_series_exists_at_zero_before_the_first_event(
+    producer: tuple[NodeProcess, int],
+) -> None:
+    _, port = producer
+    samples = scrape(port)
+    for metric in CATALOG:
+        name = "kvpeer_" + metric.name
+        if metric.name == INFO:
+            (info,) = [labels for (n, labels) in samples if n == name]
+            assert dict(info)["data_planes"] == "tcp"
+            continue
+        for label_values in metric.label_values:
+            labels = frozenset(zip(metric.labels, label_values, strict=True))
+            if metric.type is MetricType.HISTOGRAM:
+                assert samples[(name + "_count", labels)] == 0
+                assert samples[(name + "_bucket", labels | {("le", "+Inf")})] == 0
+            elif metric.name != "thread_cpu_seconds_total":
+                assert samples[(name, labels)] == 0, name
+
+
+def test_pulled_bytes_equal_served_bytes_and_a_killed_producer_fails_fetches(
+    producer: tuple[NodeProcess, int],
+) -> None:
+    serve, serve_port = producer
+    with LocalNode("tcp", config=HEARTBEATS) as consumer:
+        server = MetricsServer(consumer.node, "127.0.0.1", 0)
+        try:
+            first = consumer.pull(serve.peer_id, keys_of(range(8)), range(8))
+            second = consumer.pull(serve.peer_id, keys_of(range(8, 20)), range(8, 20))
+            assert (first.loaded, second.loaded) == (True, True)
+            consumer.assert_blocks(range(20), range(20))
+            moved = 20 * BLOCK_LEN
+
+            mine, theirs = scrape(server.port), scrape(serve_port)
+            assert value(mine, "pulled_bytes_total") == moved
+            assert value(theirs, "served_bytes_total") == moved
+            assert value(mine, "pulled_blocks_total") == 20
+            assert value(theirs, "served_blocks_total") == 20
+            assert value(mine, "fetches_total", result="ok") == 2
+            assert histogram_count(mine, "fetch_duration_seconds") == 2
+            assert histogram_count(mine, "fetch_size_bytes") == 2
+            assert value(mine, "fetch_size_bytes_sum") == moved
+            assert histogram_count(mine, "lookup_duration_seconds") >= 2
+            assert value(mine, "lookups_total", result="retry") >= 20
+            assert value(mine, "lookups_total", result="hit") >= 20
+            assert value(mine, "sessions") == value(theirs, "sessions") == 1
+            assert value(mine, "session_events_total", event="opened") == 1
+            assert value(theirs, "thread_cpu_seconds_total") >= 0  # serve's engine thread polls
+
+            # A PD load the producer never serves, then the producer dies.
+            load = consumer.start_pd_load(
+                serve.peer_id, f"gone-{uuid.uuid4().hex}", keys_of(range(4)), range(32, 36)
+            )
+            assert wait_until(lambda: value(scrape(server.port), "loads_in_flight") == 1)
+            serve.kill()
+            assert load.wait() is False
+            load.finish()
+            after = scrape(server.port)
+            assert value(after, "fetches_total", result="failed") == 1
+            assert value(after, "fetches_total", result="ok") == 2
+            assert value(after, "session_events_total", event="closed") == 1
+            closed = {
+                dict(labels)["kind"]: v
+                for (name, labels), v in after.items()
+                if name == "kvpeer_sessions_closed_total" and v
+            }
+            assert closed == {"unreachable": 1}, closed
+            assert value(after, "sessions") == 0
+            assert value(after, "loads_in_flight") == 0
+        finally:
+            server.close()
