@@ -23,10 +23,14 @@ from collections.abc import Collection, Iterable
 from types import FrameType
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult as VllmLookupResult,
 )
 from vllm.v1.kv_offload.base import (
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -50,6 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpeer.config import TierConfig
 from kvpeer.errors import ConfigError
 from kvpeer.host.claims import Claim
+from kvpeer.integrations.vllm.metrics import StatsSource, metric_definitions
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
 from kvpeer.transport.data.base import PrimaryRegion
@@ -218,6 +223,7 @@ class KVPeerTier(SecondaryTierManager):
             self._config, self._region, hash_seed=_hash_seed, wake_host=_EngineWaker()
         )
         self._serve_contexts: dict[str, ReqContext] = {}
+        self._stats = StatsSource(self._node)
         _LIVE.add(self)
         log.warning(
             "kvpeer tier %s ready: %d blocks x %d bytes, data planes %s",
@@ -248,6 +254,16 @@ class KVPeerTier(SecondaryTierManager):
         )
 
     # -- SecondaryTierManager --------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """kvpeer's catalog as ``vllm:kvpeer_*`` (kvpeer.integrations.vllm.metrics)."""
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self._stats.take()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         policy = self._node.on_new_request(self._context(req_context))
