@@ -133,6 +133,23 @@ def _metrics_server(
     return attach
 
 
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from kvpeer.metrics.view import fetch, metrics_url, render
+
+    target = args.metrics_url or args.target
+    if not target:
+        print("kvpeer stats: name HOST:PORT or --metrics-url URL", file=sys.stderr)
+        return 2
+    url = metrics_url(target)
+    try:
+        text = fetch(url)
+    except OSError as exc:
+        print(f"kvpeer stats: cannot read {url}: {exc}", file=sys.stderr)
+        return 1
+    print(render(text, url))
+    return 0
+
+
 def _cmd_bench_tier(args: argparse.Namespace) -> int:
     from kvpeer.bench import tier
 
@@ -232,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus kvpeer_* metrics at http://HOST:P/metrics (0 = any free port)",
     )
     serve.set_defaults(func=_cmd_serve)
+
+    stats = commands.add_parser("stats", help="one screen of a live node, from its metrics")
+    stats.add_argument("target", nargs="?", help="HOST:PORT of the metrics port, or a URL")
+    stats.add_argument("--metrics-url", help="the /metrics URL (kvpeer serve or vLLM)")
+    stats.set_defaults(func=_cmd_stats)
 
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
     benches = bench.add_subparsers(dest="bench", required=True)
