@@ -211,3 +211,16 @@ def by_name() -> dict[str, Metric]:
 def series_count() -> int:
     """How many series the catalog has (histograms count once)."""
     return sum(max(1, len(m.label_values)) for m in CATALOG)
+
+
+def markdown_table() -> str:
+    """The README's table of metrics (a test keeps the two equal)."""
+    rows = ["| metric | type | labels (values) | meaning |", "|---|---|---|---|"]
+    for m in CATALOG:
+        if m.labels and m.label_values:
+            values = ", ".join(v[0] if len(v) == 1 else "/".join(v) for v in m.label_values)
+            labels = f"`{'`, `'.join(m.labels)}` ({values})"
+        else:
+            labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
+        rows.append(f"| `kvpeer_{m.name}` | {m.type.value} | {labels} | {m.help} |")
+    return "\n".join(rows)
