@@ -58,8 +58,17 @@ def unavailable() -> str | None:
     probe = f"kvpeer-probe-{os.getpid()}-{next(_numbers)}"
     made = _run(["ip", "netns", "add", probe], check=False)
     if made.returncode != 0:
-        return f"cannot create a network namespace (needs CAP_NET_ADMIN): {made.stderr.strip()}"
-    _run(["ip", "netns", "delete", probe], check=False)
+        return (
+            "cannot create a network namespace (needs root: CAP_SYS_ADMIN and "
+            f"CAP_NET_ADMIN): {made.stderr.strip()}"
+        )
+    try:  # a veth pair inside the probe namespace: goes with it
+        pair = ("name", "probe0", "type", "veth", "peer", "name", "probe1")
+        veth = _run(["ip", "-n", probe, "link", "add", *pair], check=False)
+        if veth.returncode != 0:
+            return f"cannot create a veth pair (kernel without veth?): {veth.stderr.strip()}"
+    finally:
+        _run(["ip", "netns", "delete", probe], check=False)
     return None
 
 

@@ -416,7 +416,10 @@ def test_partitioned_in_the_middle_of_a_transfer(partition: Partition) -> None:
     still had in flight lands in those slots after the heal."""
     count = 64
     server = partition.serve(blocks=count, block_len=BIG_BLOCK, synthetic=count)
-    partition.pair.limit_rate("256mbit")
+    try:
+        partition.pair.limit_rate("256mbit")
+    except RuntimeError as exc:
+        pytest.skip(f"cannot slow the link to cut a transfer in its middle: {exc}")
     with partition.consumer(num_blocks=2 * count, block_len=BIG_BLOCK) as consumer:
         ledger = Ledger(consumer)
         request = Request(ledger, server.peer_id, name="big")
