@@ -411,13 +411,13 @@ def test_partitioned_during_a_pd_fetch(partition: Partition) -> None:
 
 
 def test_partitioned_in_the_middle_of_a_transfer(partition: Partition) -> None:
-    """64 blocks of 1 MiB over a link shaped to 256 Mbit/s (about 2 s): cut once the first
+    """64 blocks of 1 MiB over a link shaped to 128 Mbit/s (about 4 s): cut once the first
     8 blocks landed. The load fails within heartbeat_timeout_s, and nothing the producer
     still had in flight lands in those slots after the heal."""
     count = 64
     server = partition.serve(blocks=count, block_len=BIG_BLOCK, synthetic=count)
     try:
-        partition.pair.limit_rate("256mbit")
+        partition.pair.limit_rate("128mbit")
     except RuntimeError as exc:
         pytest.skip(f"cannot slow the link to cut a transfer in its middle: {exc}")
     with partition.consumer(num_blocks=2 * count, block_len=BIG_BLOCK) as consumer:
