@@ -657,9 +657,17 @@ def _environment() -> dict[str, str]:
 
 
 def _launch(
-    command: list[str], workdir: Path, name: str, shm_patterns: Sequence[str]
+    command: list[str],
+    workdir: Path,
+    name: str,
+    shm_patterns: Sequence[str],
+    netns: str | None = None,
 ) -> NodeProcess:
+    """Start ``command``; inside network namespace ``netns`` if given (``ip netns exec``
+    execs it, so the process is the node itself)."""
     log_path = workdir / f"{name}.log"
+    if netns is not None:
+        command = ["ip", "netns", "exec", netns, *command]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             command,
@@ -692,8 +700,10 @@ def start_serve(
     config: Mapping[str, object] | None = None,
     args: Sequence[str] = (),
     wait: bool = True,
+    netns: str | None = None,
 ) -> NodeProcess:
-    """``kvpeer serve`` with ``synthetic`` preloaded blocks; returns once it listens."""
+    """``kvpeer serve`` with ``synthetic`` preloaded blocks; returns once it listens
+    (inside network namespace ``netns`` if given)."""
     name = f"serve-{uuid.uuid4().hex[:8]}"
     ready = workdir / f"{name}.ready"
     command = [
@@ -720,7 +730,7 @@ def start_serve(
         *_write_config(workdir, name, config),
         *args,
     ]
-    node = _launch(command, workdir, name, ["/dev/shm/kvpeer-serve-{pid}-*"])
+    node = _launch(command, workdir, name, ["/dev/shm/kvpeer-serve-{pid}-*"], netns)
     node.ready_file = ready
     if wait:
         node.wait_ready()
@@ -741,10 +751,12 @@ def start_producer(
     port: int = 0,
     config: Mapping[str, object] | None = None,
     wait: bool = True,
+    netns: str | None = None,
 ) -> NodeProcess:
     """A PD producer process (this file's ``producer`` program) storing synthetic blocks
     ``0..count-1`` for each of ``kv_request_ids`` in ``batches``, ``interval_s`` apart,
-    after ``delay_s``; returns once it listens (with ``wait``)."""
+    after ``delay_s``; returns once it listens (with ``wait``), inside network
+    namespace ``netns`` if given."""
     name = f"producer-{uuid.uuid4().hex[:8]}"
     shm_path = unique_shm_path("producer") if plane == "shm" else ""
     command = [
@@ -772,7 +784,7 @@ def start_producer(
         shm_path,
         *_write_config(workdir, name, config),
     ]
-    node = _launch(command, workdir, name, [shm_path] if shm_path else [])
+    node = _launch(command, workdir, name, [shm_path] if shm_path else [], netns)
     if wait:
         node.wait_ready()
     return node
