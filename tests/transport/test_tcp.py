@@ -676,6 +676,17 @@ class TestDialing:
             a.backend.add_peer(peer_id, hello(16), {"host": "127.0.0.1", "port": 5702})
         assert a.backend.statistics().writers == 0
 
+    @pytest.mark.parametrize("host", ["h" * 64, "a." + "b" * 70 + ".c"])
+    def test_a_host_the_resolver_refuses_fails_the_writer_not_the_thread(
+        self, a: Side, host: str
+    ) -> None:
+        """A name with a label over 63 characters makes ``getaddrinfo`` raise
+        UnicodeError, not OSError: the writer fails, no thread dies."""
+        a.backend.add_peer(f"{host}:5702", hello(16), {"host": "127.0.0.1", "port": 5702})
+        transfer = a.backend.write_blocks(f"{host}:5702", [0], [0])
+        assert eventually(lambda: bool(a.backend.poll(f"{host}:5702")))
+        assert transfer > 0
+
     @pytest.mark.parametrize("port", [0, -1, 65536, True, "5702", 2**40])
     def test_the_offered_port_is_checked(self, a: Side, port: int | str) -> None:
         offer: dict[str, str | int] = {"host": "127.0.0.1", "port": port}

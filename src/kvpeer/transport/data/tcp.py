@@ -589,9 +589,11 @@ class TcpBackend:
     def _connect(self, writer: _Writer) -> socket.socket:
         deadline = time.monotonic() + self._connect_timeout_s
         error: OSError = OSError(f"no address for {writer.host!r}")
-        for family, kind, proto, _, address in socket.getaddrinfo(
-            writer.host, writer.port, type=socket.SOCK_STREAM
-        ):
+        try:
+            infos = socket.getaddrinfo(writer.host, writer.port, type=socket.SOCK_STREAM)
+        except (UnicodeError, ValueError) as exc:  # e.g. a DNS label over 63 characters
+            raise OSError(f"cannot resolve {writer.host!r}: {exc}") from exc
+        for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
             try:
                 _tune(sock, self._buffer)
