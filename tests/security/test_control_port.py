@@ -289,3 +289,27 @@ def test_a_control_connection_that_never_speaks_zmq_is_closed_in_seconds() -> No
         finally:
             for conn in idle:
                 conn.close()
+
+
+def test_frames_under_the_nodes_own_identity_are_dropped(
+    serve: StartNode, zmq_context: ZmqContext
+) -> None:
+    """Found by the fuzzer: three connects under the node's own peer id, with fresh
+    boot ids, made the node dial itself and abort inside libzmq seconds later."""
+    node = serve(plane="tcp")
+    mirror = zmq_context.socket(zmq.DEALER)
+    mirror.setsockopt(zmq.LINGER, 0)
+    mirror.setsockopt(zmq.IDENTITY, node.peer_id.encode())
+    mirror.connect(f"tcp://{node.peer_id}")
+    try:
+        for _ in range(3):
+            mirror.send(CODEC.encode(_hello(node.peer_id)))
+            time.sleep(0.01)  # the reproduction's pacing, not a wait for anything
+    finally:
+        mirror.close()
+    deadline = time.monotonic() + 4.0  # the abort came about 3 s later
+    with LocalNode("tcp") as legit:
+        while time.monotonic() < deadline:
+            assert_pull_works(legit, node.peer_id)
+        assert node.alive()
+    assert "Assertion failed" not in node.log()

@@ -32,7 +32,8 @@ Invariants:
    is refused on the peer's own connection without opening a session: a vLLM peer
    answers our goodbye with a new session and the same ``connect``, and opening
    a session for it (our ``connect``, then our goodbye) would loop.
-10. Nothing a peer names is dialed blindly. A session an inbound peer opens is
+10. Nothing a peer names is dialed blindly, ourselves least of all (frames under
+    our own identity are dropped). A session an inbound peer opens is
     dialed back at the identity it claims only if that identity's host is the
     IP address its connection comes from (unless ``trust_peer_addresses``).
     A session is bound to the first address its peer's frames came from;
@@ -509,6 +510,9 @@ class Tier:
 
     def _route(self, inbound: InboundFrame, now: float) -> None:
         peer_id, frame = inbound.peer_id, inbound.frame
+        if peer_id == self._control.local_id:
+            self._stray += 1  # someone using our own identity: never a session with us
+            return
         source = _canonical_ip(inbound.source)
         if source is not None and not self._config.allowed_peers.allows_source(source):
             self._refused += 1
@@ -811,7 +815,11 @@ class Tier:
                 return peer
             self._handle(peer_id, peer, peer.session.poll(now))  # reap the dead one first
         address = split_peer_id(peer_id)
-        if address is None or not self._config.allowed_peers.allows(*address):
+        if (
+            address is None
+            or peer_id == self._control.local_id
+            or not self._config.allowed_peers.allows(*address)
+        ):
             self._refused += 1
             return None
         if len(self._peers) >= self._config.max_peers and not self._evict_idle(now):
