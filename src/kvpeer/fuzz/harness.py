@@ -1,0 +1,613 @@
+"""Drive a real node with generated frames and watch it (``kvpeer fuzz``).
+
+The run: start ``kvpeer serve`` over synthetic blocks on every data plane; attach
+the fuzz identities and the pacer; learn the node's ``connect``; then send
+generated cases without waiting for answers, echoing through the pacer every
+``batch`` frames so the node never falls more than two batches behind. Every
+``checkpoint_every`` frames: the node process lives, its log shows no crash, its
+resident memory and descriptors are within bounds, and a legitimate consumer on
+each data plane pulls synthetic blocks byte-exact. At the end every identity says
+goodbye, the node must drop back to about what it held before the fuzzing, a
+fresh consumer per plane is served, and SIGINT must stop the node with status 0
+and no shared-memory file left.
+
+A node that dies is recorded (its traceback and the cases sent since two echoes
+before) and, with ``keep_going``, started again so one run finds every distinct
+crash. :func:`reproduce` replays a crash's recent cases against fresh nodes and
+shrinks them to a minimal sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from kvpeer.fuzz.generator import Case, FrameGenerator, Target
+from kvpeer.fuzz.legit import LegitConsumer, PullOutcome
+from kvpeer.fuzz.peers import FuzzPeers, NodeHello, Sinks
+from kvpeer.fuzz.process import CRASH_MARKERS, Death, NodeProcess, Usage, deaths_in
+
+__all__ = ["CrashRecord", "FuzzResult", "FuzzSpec", "available_planes", "reproduce", "run_fuzz"]
+
+HASH_SEED = "vllm-none-hash"
+MiB = 1 << 20
+
+Progress = Callable[[str], None]
+
+
+def available_planes() -> tuple[str, ...]:
+    """shm and tcp, plus nixl where it is installed."""
+    from kvpeer.transport.data.nixl import NixlBackend
+
+    return ("shm", "tcp", "nixl") if NixlBackend.available() else ("shm", "tcp")
+
+
+@dataclass(frozen=True, slots=True)
+class FuzzSpec:
+    """One fuzzing run. Bounds are relative to the node's usage after warm-up.
+
+    ``rss_growth_bytes``: resident memory may exceed the post-warm-up figure by this
+    much at any checkpoint. ``fds_per_identity``: descriptors one peer's session may
+    hold (its DEALER and monitor, the inbound connection, a data connection), times
+    every identity that can hold a session, plus ``fd_slack``. At the end, after the
+    goodbyes, descriptors and threads must be back within ``end_slack`` of what the
+    node held before the first fuzz frame (plus the legitimate consumers' sessions).
+    """
+
+    frames: int = 1_000_000
+    seed: int = 0
+    planes: tuple[str, ...] = ("shm", "tcp")
+    listening: int = 40
+    deaf: int = 12
+    blocks: int = 256
+    block_len: int = 4096
+    batch: int = 400
+    checkpoint_every: int = 25_000
+    warmup: int = 10_000
+    rss_growth_bytes: int = 256 * MiB
+    fds_per_identity: int = 6
+    fd_slack: int = 64
+    end_slack: int = 24
+    sync_timeout_s: float = 60.0
+    settle_timeout_s: float = 30.0
+    keep_going: bool = True
+    exclude: tuple[str, ...] = ()  # case label prefixes not to send
+    node_log_level: str = "WARNING"
+    workdir: Path | None = None  # default: a temporary directory, kept only on problems
+
+    def __post_init__(self) -> None:
+        if self.frames < 1 or self.batch < 1 or self.checkpoint_every < 1:
+            raise ValueError("frames, batch and checkpoint_every must be positive")
+        unknown = sorted(set(self.planes) - {"shm", "tcp", "nixl"})
+        if unknown or not self.planes:
+            raise ValueError(f"data planes: choose from shm,tcp,nixl (got {list(self.planes)})")
+
+
+@dataclass(slots=True)
+class CrashRecord:
+    """One distinct crash (by signature): what the node logged the first time, how
+    often it happened, and the cases sent shortly before its first time."""
+
+    signature: str
+    kind: str  # "driver", "thread" or "process"
+    exception: str
+    traceback: str
+    returncode: int | None
+    first_at_frame: int
+    recent: list[Case]
+    count: int = 1
+    reproducer: list[Case] | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "signature": self.signature,
+            "kind": self.kind,
+            "exception": self.exception,
+            "traceback": self.traceback,
+            "returncode": self.returncode,
+            "first_at_frame": self.first_at_frame,
+            "count": self.count,
+            "recent_cases": len(self.recent),
+            "reproducer": None
+            if self.reproducer is None
+            else [describe_case(case) for case in self.reproducer],
+        }
+
+
+@dataclass(slots=True)
+class FuzzResult:
+    spec: FuzzSpec
+    seed: int
+    planes: tuple[str, ...]
+    frames_sent: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
+    by_label: Counter[str] = field(default_factory=Counter)
+    by_scenario: Counter[str] = field(default_factory=Counter)
+    reactions: Counter[str] = field(default_factory=Counter)
+    reaction_frames: int = 0
+    send_blocked: int = 0
+    slow_syncs: int = 0
+    crashes: list[CrashRecord] = field(default_factory=list)  # distinct, first seen first
+    driver_deaths: int = 0  # the driver thread or the whole process died
+    thread_deaths: int = 0  # another thread died (the process went on)
+    node_starts: int = 0
+    usage_start: Usage | None = None
+    usage_warm: Usage | None = None
+    usage_peak: Usage | None = None
+    usage_end: Usage | None = None
+    rss_bound: int = 0
+    fd_bound: int = 0
+    pulls: list[PullOutcome] = field(default_factory=list)
+    final_pulls: list[PullOutcome] = field(default_factory=list)
+    exit_status: int | None = None
+    shm_left: list[str] = field(default_factory=list)
+    dials: Counter[str] = field(default_factory=Counter)
+    peer_files_mapped: list[str] = field(default_factory=list)  # files outside /dev/shm
+    decoy_written: bool = False  # a peer-named file outside /dev/shm got block bytes
+    problems: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    node_log: str = ""
+
+    @property
+    def pulls_ok(self) -> int:
+        return sum(p.ok for p in (*self.pulls, *self.final_pulls))
+
+    @property
+    def pulls_failed(self) -> int:
+        return sum(not p.ok for p in (*self.pulls, *self.final_pulls))
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.crashes and self.pulls_failed == 0
+
+    @property
+    def rate(self) -> float:
+        return self.frames_sent / self.elapsed_s if self.elapsed_s else 0.0
+
+
+def describe_case(case: Case) -> dict[str, object]:
+    """A case as JSON: its label, identity and parts (decoded where they are msgpack)."""
+    return {
+        "label": case.label,
+        "scenario": case.scenario,
+        "identity": case.identity,
+        "sequence": case.sequence,
+        "parts": [_show(part) for part in case.parts],
+    }
+
+
+def _show(part: bytes, limit: int = 600) -> str:
+    import msgspec
+
+    try:
+        text = repr(msgspec.msgpack.decode(part))
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        text = "raw " + part[:200].hex()
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(part)} bytes)"
+    return text
+
+
+class _Run:
+    """State of one run (see the module docstring)."""
+
+    def __init__(self, spec: FuzzSpec, progress: Progress) -> None:
+        self.spec = spec
+        self.progress = progress
+        self.rng = random.Random(spec.seed ^ 0x1E617)
+        self.result = FuzzResult(spec, spec.seed, spec.planes)
+        self.own_workdir = spec.workdir is None
+        self.workdir = spec.workdir or Path(tempfile.mkdtemp(prefix="kvpeer-fuzz-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.node: NodeProcess | None = None
+        self.peers = FuzzPeers(
+            spec.listening, spec.deaf, block_len=spec.block_len, hash_seed=HASH_SEED
+        )
+        self.sinks = Sinks()
+        self.files = self._region_files()
+        self.consumers: list[LegitConsumer] = []
+        self.recent: deque[Case] = deque(maxlen=3 * spec.batch)
+        self.hello: NodeHello | None = None
+        self.parsed_to = 0  # how much of the node's log was searched for crashes
+        self.last_deaths: list[Death] = []  # what the last died() found
+        self.node_died = False  # the current node's death was recorded
+
+    # -- resources ---------------------------------------------------------------------
+
+    def _region_files(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Files of exactly our advertised region's size: two in /dev/shm, one decoy."""
+        size = 64 * self.spec.block_len
+        shm = tuple(f"/dev/shm/kvpeer-fuzz-{os.getpid()}-{i}" for i in range(2))
+        decoy = (str(self.workdir / "decoy-region"),)
+        for path in (*shm, *decoy):
+            with open(path, "wb") as handle:
+                handle.truncate(size)
+        return shm, decoy
+
+    def target(self) -> Target:
+        assert self.hello is not None
+        connect = self.hello.connect
+        return Target(
+            identities=self.peers.identities,
+            listening=self.peers.listening,
+            block_len=self.spec.block_len,
+            synthetic_blocks=self.spec.blocks,
+            odd_identities=self.peers.odd,
+            hash_seed=HASH_SEED,
+            our_blocks=64,
+            host_id=self.hello.host_id,
+            node_shm_path=self.hello.shm_path,
+            node_agent_metadata=connect.agent_metadata,
+            shm_files=self.files[0],
+            decoy_files=self.files[1],
+            tcp_sinks=self.sinks.addresses,
+            dead_port=1,
+        )
+
+    # -- the node ------------------------------------------------------------------------
+
+    def start_node(self) -> None:
+        spec = self.spec
+        self.result.node_starts += 1
+        node = NodeProcess(
+            self.workdir,
+            planes=spec.planes,
+            blocks=spec.blocks,
+            block_len=spec.block_len,
+            log_level=spec.node_log_level,
+            name=f"node-{self.result.node_starts}",
+        )
+        node.start()
+        self.node = node
+        self.parsed_to = 0
+        self.node_died = False
+        self.peers.attach(node.peer_id)
+        self.hello = self.peers.handshake_pacer(self.sinks.port)
+
+    def node_alive(self) -> bool:
+        return self.node is not None and self.node.alive()
+
+    def died(self) -> bool:
+        """Record what the node logged as crashes; True if it must be started again
+        (its process or its driver died)."""
+        node = self.node
+        assert node is not None
+        text = node.new_log()
+        logged = any(marker in text for marker in CRASH_MARKERS)
+        if node.alive() and not logged:
+            return False
+        time.sleep(0.3)  # let it finish writing the traceback (or exiting)
+        log = node.log()
+        deaths = deaths_in(log[self.parsed_to :])
+        self.parsed_to = len(log)
+        node.new_log()
+        if any(d.kind == "driver" for d in deaths):
+            self.node_died = True
+            deadline = time.monotonic() + 10.0
+            while node.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if node.alive():
+                self.result.problems.append("the node did not exit within 10 s of its driver crash")
+        if not node.alive() and not self.node_died:
+            self.node_died = True
+            status = node.returncode
+            name = f"signal {-status}" if status is not None and status < 0 else f"status {status}"
+            native = [
+                line.strip()
+                for line in log[-20_000:].splitlines()
+                if line.startswith(("Assertion failed", "Fatal Python error", "terminate called"))
+            ]
+            last_words = f"{native[-1]} ({name})" if native else f"exited with {name}"
+            deaths.append(Death("process", "", last_words, "", log[-3000:]))
+        self.last_deaths = deaths
+        for death in deaths:
+            self.record(death, node.returncode)
+        restart = not node.alive() or any(d.kind != "thread" for d in deaths)
+        if restart:
+            node.kill()
+            self.result.node_log = log[-20_000:]
+        return restart
+
+    def record(self, death: Death, returncode: int | None) -> None:
+        result = self.result
+        if death.kind == "thread":
+            result.thread_deaths += 1
+        else:
+            result.driver_deaths += 1
+        for crash in result.crashes:
+            if crash.signature == death.signature:
+                crash.count += 1
+                return
+        result.crashes.append(
+            CrashRecord(
+                death.signature,
+                death.kind,
+                death.exception,
+                death.traceback,
+                returncode,
+                result.frames_sent,
+                list(self.recent),
+            )
+        )
+        self.progress(f"new crash after {result.frames_sent:,} frames: {death.signature}")
+
+    # -- checks --------------------------------------------------------------------------
+
+    def check_usage(self, where: str) -> Usage:
+        assert self.node is not None
+        usage = self.node.usage()
+        result = self.result
+        peak = result.usage_peak
+        if peak is None:
+            result.usage_peak = usage
+        else:
+            result.usage_peak = Usage(
+                max(peak.rss_bytes, usage.rss_bytes),
+                max(peak.fds, usage.fds),
+                max(peak.threads, usage.threads),
+            )
+        if result.rss_bound and usage.rss_bytes > result.rss_bound:
+            result.problems.append(
+                f"{where}: RSS {usage.rss_bytes / MiB:.0f} MiB over the bound "
+                f"{result.rss_bound / MiB:.0f} MiB"
+            )
+        if result.fd_bound and usage.fds > result.fd_bound:
+            result.problems.append(f"{where}: {usage.fds} fds over the bound {result.fd_bound}")
+        mapped = self.node.mapped(self.files[1])
+        for path in mapped:
+            if path not in result.peer_files_mapped:
+                result.peer_files_mapped.append(path)
+        return usage
+
+    def pull_all(self, into: list[PullOutcome], consumers: Sequence[LegitConsumer]) -> None:
+        assert self.node is not None
+        for consumer in consumers:
+            outcome = consumer.pull(self.node.peer_id, self.spec.blocks, self.rng, timeout_s=15.0)
+            into.append(outcome)
+            if not outcome.ok:
+                self.progress(f"legitimate pull over {outcome.plane} failed: {outcome.detail}")
+
+    def open_consumers(self) -> list[LegitConsumer]:
+        consumers = []
+        for plane in self.spec.planes:
+            consumers.append(LegitConsumer(plane, self.spec.block_len, HASH_SEED))
+        return consumers
+
+    # -- the run -------------------------------------------------------------------------
+
+    def run(self) -> FuzzResult:
+        spec, result = self.spec, self.result
+        started = time.monotonic()
+        self.start_node()
+        assert self.node is not None
+        result.usage_start = self.node.usage()
+        self.consumers = self.open_consumers()
+        self.pull_all(result.pulls, self.consumers)
+        generator = FrameGenerator(self.target(), spec.seed, exclude=spec.exclude)
+        last_report = time.monotonic()
+        pending_sync = False
+        for case in generator:
+            if result.frames_sent >= spec.frames:
+                break
+            if not self.peers.send(case):
+                continue
+            result.frames_sent += 1
+            result.by_kind[case.kind] += 1
+            result.by_label[case.label] += 1
+            result.by_scenario[case.scenario] += 1
+            self.recent.append(case)
+            sent = result.frames_sent
+            alive = True
+            if sent % spec.batch == 0 or sent == spec.frames:
+                self.peers.drain()
+                if pending_sync and not self.peers.sync(spec.sync_timeout_s, self.node_alive):
+                    result.slow_syncs += 1
+                pending_sync = True
+                alive = not self.died()
+            if alive and sent == spec.warmup:
+                self.set_bounds()
+            if alive and sent % spec.checkpoint_every == 0:
+                alive = self.checkpoint(f"after {sent:,} frames")
+            if not alive:
+                if not spec.keep_going:
+                    break
+                self.start_node()
+                generator.target = self.target()
+                pending_sync = False
+            if time.monotonic() - last_report >= 5.0:
+                last_report = time.monotonic()
+                self.report_progress(started)
+        result.elapsed_s = time.monotonic() - started
+        if not result.rss_bound:
+            self.set_bounds()
+        self.finish()
+        result.elapsed_s = time.monotonic() - started
+        return result
+
+    def set_bounds(self) -> None:
+        assert self.node is not None
+        spec, result = self.spec, self.result
+        warm = result.usage_warm = self.node.usage()
+        start = result.usage_start or warm
+        result.rss_bound = warm.rss_bytes + spec.rss_growth_bytes
+        sessions = spec.listening + spec.deaf + len(self.peers.odd) + 1 + len(spec.planes)
+        result.fd_bound = start.fds + spec.fds_per_identity * sessions + spec.fd_slack
+
+    def checkpoint(self, where: str) -> bool:
+        """Usage within bounds and legitimate pulls; False if the node died."""
+        self.peers.drain()
+        if self.died():
+            return False
+        self.check_usage(where)
+        self.pull_all(self.result.pulls, self.consumers)
+        return not self.died()
+
+    def report_progress(self, started: float) -> None:
+        result = self.result
+        elapsed = time.monotonic() - started
+        usage = self.node.usage() if self.node is not None else Usage(0, 0, 0)
+        self.progress(
+            f"{result.frames_sent:,}/{self.spec.frames:,} frames, "
+            f"{result.frames_sent / max(elapsed, 1e-9):,.0f} frames/s, {elapsed:.0f} s, "
+            f"node RSS {usage.rss_bytes / MiB:.0f} MiB, {usage.fds} fds, "
+            f"{usage.threads} threads, crashes {len(result.crashes)}, "
+            f"pulls ok {result.pulls_ok} failed {result.pulls_failed}"
+        )
+
+    def finish(self) -> None:
+        """Goodbyes, then: back to its start-up usage, legitimate peers served, a clean
+        SIGINT (each step only while the node lives)."""
+        result = self.result
+        node = self.node
+        assert node is not None
+        self.peers.drain()
+        if not self.died():
+            self.check_usage("end of fuzzing")
+            self.peers.goodbye()
+            time.sleep(0.2)
+            self.peers.drain()
+            self.peers.detach()  # the node's inbound connections from us close too
+            self.settle()
+        if node.alive() and not self.died():
+            self.pull_all(result.pulls, self.consumers)
+            fresh = self.open_consumers()
+            try:
+                self.pull_all(result.final_pulls, fresh)
+            finally:
+                for consumer in fresh:
+                    consumer.close()
+        for consumer in self.consumers:
+            consumer.close()
+        self.consumers = []
+        if node.alive() and not self.died():
+            result.exit_status = node.stop()
+            if result.exit_status != 0:
+                result.problems.append(f"SIGINT: the node exited with {result.exit_status}")
+                result.node_log = node.log()[-20_000:]
+        result.shm_left = node.shm_files()
+        if result.shm_left:
+            result.problems.append(f"the node left shared-memory files: {result.shm_left}")
+        result.dials = Counter(self.sinks.dials)
+        result.reactions = Counter(self.peers.reactions.counts)
+        result.reaction_frames = self.peers.reactions.frames
+        result.send_blocked = self.peers.send_blocked
+        decoy = Path(self.files[1][0])
+        if any(decoy.read_bytes()):  # a finding of the report, not a failed run
+            result.decoy_written = True
+
+    def settle(self) -> None:
+        """Wait until the node holds about what it held before the fuzzing (its
+        sessions with the legitimate consumers aside); a problem if it does not."""
+        spec, result, node = self.spec, self.result, self.node
+        assert node is not None
+        start = result.usage_start
+        assert start is not None
+        limit_fds = start.fds + spec.end_slack + 8 * len(self.consumers)
+        limit_threads = start.threads + spec.end_slack
+        deadline = time.monotonic() + spec.settle_timeout_s
+        usage = node.usage()
+        while time.monotonic() < deadline and node.alive():
+            if usage.fds <= limit_fds and usage.threads <= limit_threads:
+                break
+            time.sleep(0.25)
+            usage = node.usage()
+        time.sleep(1.0)  # a node that dies of the goodbyes dies now (see the report)
+        if not node.alive():
+            return
+        usage = result.usage_end = node.usage()
+        if usage.fds > limit_fds:
+            result.problems.append(
+                f"after the goodbyes the node still holds {usage.fds} fds "
+                f"(started with {start.fds}; bound {limit_fds})"
+            )
+        if usage.threads > limit_threads:
+            result.problems.append(
+                f"after the goodbyes the node still runs {usage.threads} threads "
+                f"(started with {start.threads}; bound {limit_threads})"
+            )
+
+    def close(self) -> None:
+        for consumer in self.consumers:
+            with contextlib.suppress(Exception):
+                consumer.close()
+        if self.node is not None and self.node.alive():
+            self.node.kill()
+        self.peers.close()
+        self.sinks.close()
+        for path in self.files[0]:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        keep = self.result.problems or self.result.crashes
+        if self.own_workdir and not keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def run_fuzz(spec: FuzzSpec, progress: Progress | None = None) -> FuzzResult:
+    """Run ``spec`` against a fresh ``kvpeer serve``; never raises for what the node did."""
+    say = progress or (lambda message: None)
+    fuzz = _Run(spec, say)
+    try:
+        return fuzz.run()
+    finally:
+        fuzz.close()
+
+
+def reproduce(
+    spec: FuzzSpec, crash: CrashRecord, progress: Progress | None = None, *, budget: int = 40
+) -> list[Case] | None:
+    """A short case sequence that crashes a fresh node like ``crash`` did, or None.
+
+    Replays each identity's recent cases on its own (latest first), then drops cases
+    one at a time while the crash stays, within ``budget`` node starts.
+    """
+    say = progress or (lambda message: None)
+    fuzz = _Run(replace(spec, keep_going=False), say)
+    starts = 0
+
+    def crashes(cases: Sequence[Case]) -> bool:
+        nonlocal starts
+        starts += 1
+        fuzz.start_node()
+        assert fuzz.node is not None
+        for case in cases:
+            fuzz.peers.send(case)
+            time.sleep(0.002)
+        fuzz.peers.sync(5.0, fuzz.node_alive)
+        time.sleep(0.3)
+        fuzz.last_deaths = []
+        fuzz.died()
+        fuzz.node.kill()
+        return any(d.signature == crash.signature for d in fuzz.last_deaths)
+
+    try:
+        by_identity: dict[int, list[Case]] = {}
+        for case in crash.recent:
+            by_identity.setdefault(case.identity, []).append(case)
+        order = sorted(by_identity, key=lambda i: -crash.recent.index(by_identity[i][-1]))
+        found: list[Case] | None = None
+        for identity in order:
+            if starts >= budget:
+                break
+            if crashes(by_identity[identity]):
+                found = by_identity[identity]
+                break
+        if found is None:
+            say("could not reproduce the crash from one identity's cases")
+            return None
+        index = len(found) - 1
+        while index >= 0 and starts < budget:
+            shorter = found[:index] + found[index + 1 :]
+            if shorter and crashes(shorter):
+                found = shorter
+            index -= 1
+        return found
+    finally:
+        fuzz.close()
