@@ -36,10 +36,15 @@ FORBIDDEN_MODULES = frozenset(
 # Layers above each core package (imports point down only).
 HIGHER_LAYERS: dict[str, frozenset[str]] = {
     "protocol": frozenset(
-        {"session", "node", "transport", "testing", "cli", "integrations", "tier"}
+        {"session", "node", "transport", "testing", "cli", "integrations", "tier", "fuzz"}
     ),
-    "session": frozenset({"node", "transport", "testing", "cli", "integrations", "tier"}),
+    "session": frozenset({"node", "transport", "testing", "cli", "integrations", "tier", "fuzz"}),
 }
+# The fuzzer sits with bench and cli: it drives a real node from outside and may use
+# what a node is built of, never the sans-IO session core directly, nor test helpers.
+FUZZ_MAY_IMPORT = frozenset(
+    {"fuzz", "node", "protocol", "transport", "config", "host", "errors", "types"}
+)
 
 
 def core_files() -> list[Path]:
@@ -188,3 +193,30 @@ class TestImportSideEffects:
         )
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == "['zmq']"
+
+
+class TestFuzzLayer:
+    """kvpeer.fuzz imports only the layers it drives a node with."""
+
+    @pytest.mark.parametrize("path", sorted((SRC / "fuzz").rglob("*.py")), ids=file_id)
+    def test_fuzz_imports_allowed_layers_only(self, path: Path) -> None:
+        offending = [
+            f"line {line}: {name}"
+            for line, name in imported_modules(parse(path), package_of(path))
+            if name.startswith("kvpeer.") and name.split(".")[1] not in FUZZ_MAY_IMPORT
+        ]
+        assert offending == []
+
+    def test_nothing_below_imports_the_fuzzer(self) -> None:
+        below = [
+            path
+            for path in SRC.rglob("*.py")
+            if path.relative_to(SRC).parts[0] not in ("fuzz", "cli.py")
+        ]
+        offending = [
+            f"{file_id(path)} line {line}: {name}"
+            for path in below
+            for line, name in imported_modules(parse(path), package_of(path))
+            if name.startswith("kvpeer.fuzz")
+        ]
+        assert offending == []
