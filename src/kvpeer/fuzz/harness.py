@@ -13,8 +13,8 @@ and no shared-memory file left.
 
 A node that dies is recorded (its traceback and the cases sent since two echoes
 before) and, with ``keep_going``, started again so one run finds every distinct
-crash. :func:`reproduce` replays a crash's recent cases against fresh nodes and
-shrinks them to a minimal sequence.
+crash. With ``minimize``, each crash's recent cases are replayed against fresh
+nodes and shrunk to a short reproducer.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpeer.fuzz.generator import Case, FrameGenerator, Target
@@ -35,9 +35,11 @@ from kvpeer.fuzz.legit import LegitConsumer, PullOutcome
 from kvpeer.fuzz.peers import FuzzPeers, NodeHello, Sinks
 from kvpeer.fuzz.process import CRASH_MARKERS, Death, NodeProcess, Usage, deaths_in
 
-__all__ = ["CrashRecord", "FuzzResult", "FuzzSpec", "available_planes", "reproduce", "run_fuzz"]
+__all__ = ["CrashRecord", "FuzzResult", "FuzzSpec", "available_planes", "run_fuzz"]
 
 HASH_SEED = "vllm-none-hash"
+#: An echo this late means the node's driver was stuck on something a peer sent.
+STALL_S = 1.0
 MiB = 1 << 20
 
 Progress = Callable[[str], None]
@@ -134,7 +136,9 @@ class FuzzResult:
     reactions: Counter[str] = field(default_factory=Counter)
     reaction_frames: int = 0
     send_blocked: int = 0
-    slow_syncs: int = 0
+    slow_syncs: int = 0  # echoes that never came while the node lived
+    echo_max_s: float = 0.0  # the longest the node took to answer the pacer
+    stalls: int = 0  # echoes that took STALL_S or longer
     crashes: list[CrashRecord] = field(default_factory=list)  # distinct, first seen first
     driver_deaths: int = 0  # the driver thread or the whole process died
     thread_deaths: int = 0  # another thread died (the process went on)
@@ -219,6 +223,7 @@ class _Run:
         self.parsed_to = 0  # how much of the node's log was searched for crashes
         self.last_deaths: list[Death] = []  # what the last died() found
         self.node_died = False  # the current node's death was recorded
+        self.starts = 0
 
     # -- resources ---------------------------------------------------------------------
 
@@ -254,16 +259,18 @@ class _Run:
 
     # -- the node ------------------------------------------------------------------------
 
-    def start_node(self) -> None:
+    def start_node(self, *, counted: bool = True) -> None:
         spec = self.spec
-        self.result.node_starts += 1
+        self.starts += 1
+        if counted:
+            self.result.node_starts += 1
         node = NodeProcess(
             self.workdir,
             planes=spec.planes,
             blocks=spec.blocks,
             block_len=spec.block_len,
             log_level=spec.node_log_level,
-            name=f"node-{self.result.node_starts}",
+            name=f"node-{self.starts}",
         )
         node.start()
         self.node = node
@@ -272,12 +279,23 @@ class _Run:
         self.peers.attach(node.peer_id)
         self.hello = self.peers.handshake_pacer(self.sinks.port)
 
+    def echoed(self, seconds: float | None) -> None:
+        """The pacer's echo took ``seconds`` (None: never came): the node's stalls."""
+        result = self.result
+        if seconds is None:
+            if self.node_alive():
+                result.slow_syncs += 1
+            return
+        result.echo_max_s = max(result.echo_max_s, seconds)
+        if seconds >= STALL_S:
+            result.stalls += 1
+
     def node_alive(self) -> bool:
         return self.node is not None and self.node.alive()
 
-    def died(self) -> bool:
-        """Record what the node logged as crashes; True if it must be started again
-        (its process or its driver died)."""
+    def died(self, *, record: bool = True) -> bool:
+        """Record what the node logged as crashes (``record``: in the result too); True
+        if it must be started again (its process or its driver died)."""
         node = self.node
         assert node is not None
         text = node.new_log()
@@ -308,7 +326,7 @@ class _Run:
             last_words = f"{native[-1]} ({name})" if native else f"exited with {name}"
             deaths.append(Death("process", "", last_words, "", log[-3000:]))
         self.last_deaths = deaths
-        for death in deaths:
+        for death in deaths if record else ():
             self.record(death, node.returncode)
         restart = not node.alive() or any(d.kind != "thread" for d in deaths)
         if restart:
@@ -408,8 +426,8 @@ class _Run:
             alive = True
             if sent % spec.batch == 0 or sent == spec.frames:
                 self.peers.drain()
-                if pending_sync and not self.peers.sync(spec.sync_timeout_s, self.node_alive):
-                    result.slow_syncs += 1
+                if pending_sync:
+                    self.echoed(self.peers.sync(spec.sync_timeout_s, self.node_alive))
                 pending_sync = True
                 alive = not self.died()
             if alive and sent == spec.warmup:
@@ -492,9 +510,12 @@ class _Run:
             if result.exit_status != 0:
                 result.problems.append(f"SIGINT: the node exited with {result.exit_status}")
                 result.node_log = node.log()[-20_000:]
-        result.shm_left = node.shm_files()
-        if result.shm_left:
-            result.problems.append(f"the node left shared-memory files: {result.shm_left}")
+            result.shm_left = node.shm_files()
+            if result.shm_left:
+                result.problems.append(f"the node left shared-memory files: {result.shm_left}")
+        else:  # it crashed (recorded): what it could not clean up is the crash's doing
+            self.died()
+            node.kill()
         result.dials = Counter(self.sinks.dials)
         result.reactions = Counter(self.peers.reactions.counts)
         result.reaction_frames = self.peers.reactions.frames
@@ -534,6 +555,76 @@ class _Run:
                 f"(started with {start.threads}; bound {limit_threads})"
             )
 
+    # -- reproduction --------------------------------------------------------------------
+
+    def crashes_with(self, cases: Sequence[Case], signature: str) -> bool:
+        """Replay ``cases`` against a fresh node: does it die with ``signature``?"""
+        self.start_node(counted=False)
+        node = self.node
+        assert node is not None
+        for sent, case in enumerate(cases, 1):  # as fast as the run sent them
+            self.peers.send(case)
+            if sent % self.spec.batch == 0:
+                self.peers.sync(10.0, self.node_alive)
+        self.peers.sync(10.0, self.node_alive)
+        time.sleep(0.5)
+        self.last_deaths = []
+        self.died(record=False)
+        node.kill()
+        return any(death.signature == signature for death in self.last_deaths)
+
+    def reproduce(self, crash: CrashRecord, budget: int = 40) -> list[Case] | None:
+        """A short case sequence that crashes a fresh node like ``crash`` did, or None.
+
+        Replays the cases sent before the crash: first each identity's on their own
+        (latest first), else all of them less one identity at a time; then drops
+        chunks, halves down to single cases, while the crash stays (delta debugging).
+        At most ``budget`` node starts.
+        """
+        starts = 0
+
+        def crashes(cases: Sequence[Case]) -> bool:
+            nonlocal starts
+            starts += 1
+            return self.crashes_with(cases, crash.signature)
+
+        recent = list(crash.recent)
+        groups: dict[int, list[Case]] = {}
+        for case in recent:
+            groups.setdefault(case.identity, []).append(case)
+        latest_first = sorted(groups, key=lambda i: -max(recent.index(c) for c in groups[i]))
+        found: list[Case] | None = None
+        for identity in latest_first:
+            if starts >= budget // 2:
+                break
+            if crashes(groups[identity]):
+                found = groups[identity]
+                break
+        if found is None:
+            if not crashes(recent):
+                self.progress(f"{crash.signature}: the recent cases do not reproduce it")
+                return None
+            found = recent
+            for identity in latest_first:
+                if starts >= budget:
+                    break
+                fewer = [c for c in found if c.identity != identity]
+                if fewer and crashes(fewer):
+                    found = fewer
+        parts = 2  # delta debugging: drop ever smaller chunks while the crash stays
+        while len(found) > 1 and starts < budget:
+            size = -(-len(found) // parts)
+            for start in range(0, len(found), size):
+                fewer = found[:start] + found[start + size :]
+                if fewer and starts < budget and crashes(fewer):
+                    found, parts = fewer, max(parts - 1, 2)
+                    break
+            else:
+                if size == 1:
+                    break
+                parts = min(len(found), parts * 2)
+        return found
+
     def close(self) -> None:
         for consumer in self.consumers:
             with contextlib.suppress(Exception):
@@ -550,64 +641,21 @@ class _Run:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def run_fuzz(spec: FuzzSpec, progress: Progress | None = None) -> FuzzResult:
-    """Run ``spec`` against a fresh ``kvpeer serve``; never raises for what the node did."""
+def run_fuzz(
+    spec: FuzzSpec, progress: Progress | None = None, *, minimize: bool = False
+) -> FuzzResult:
+    """Run ``spec`` against a fresh ``kvpeer serve``; never raises for what the node did.
+    With ``minimize``, each crash then gets a short reproducer (see ``_Run.reproduce``)."""
     say = progress or (lambda message: None)
     fuzz = _Run(spec, say)
     try:
-        return fuzz.run()
-    finally:
-        fuzz.close()
-
-
-def reproduce(
-    spec: FuzzSpec, crash: CrashRecord, progress: Progress | None = None, *, budget: int = 40
-) -> list[Case] | None:
-    """A short case sequence that crashes a fresh node like ``crash`` did, or None.
-
-    Replays each identity's recent cases on its own (latest first), then drops cases
-    one at a time while the crash stays, within ``budget`` node starts.
-    """
-    say = progress or (lambda message: None)
-    fuzz = _Run(replace(spec, keep_going=False), say)
-    starts = 0
-
-    def crashes(cases: Sequence[Case]) -> bool:
-        nonlocal starts
-        starts += 1
-        fuzz.start_node()
-        assert fuzz.node is not None
-        for case in cases:
-            fuzz.peers.send(case)
-            time.sleep(0.002)
-        fuzz.peers.sync(5.0, fuzz.node_alive)
-        time.sleep(0.3)
-        fuzz.last_deaths = []
-        fuzz.died()
-        fuzz.node.kill()
-        return any(d.signature == crash.signature for d in fuzz.last_deaths)
-
-    try:
-        by_identity: dict[int, list[Case]] = {}
-        for case in crash.recent:
-            by_identity.setdefault(case.identity, []).append(case)
-        order = sorted(by_identity, key=lambda i: -crash.recent.index(by_identity[i][-1]))
-        found: list[Case] | None = None
-        for identity in order:
-            if starts >= budget:
-                break
-            if crashes(by_identity[identity]):
-                found = by_identity[identity]
-                break
-        if found is None:
-            say("could not reproduce the crash from one identity's cases")
-            return None
-        index = len(found) - 1
-        while index >= 0 and starts < budget:
-            shorter = found[:index] + found[index + 1 :]
-            if shorter and crashes(shorter):
-                found = shorter
-            index -= 1
-        return found
+        result = fuzz.run()
+        if minimize:
+            for crash in result.crashes:
+                say(f"minimizing {crash.signature}")
+                crash.reproducer = fuzz.reproduce(crash)
+                found = "none found" if crash.reproducer is None else len(crash.reproducer)
+                say(f"reproducer of {crash.signature}: {found} frames")
+        return result
     finally:
         fuzz.close()

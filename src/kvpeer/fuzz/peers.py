@@ -348,19 +348,21 @@ class FuzzPeers:
         shm = offers.get("shm", {})
         return NodeHello(node_hello, str(shm.get("host_id", "")), str(shm.get("path", "")))
 
-    def sync(self, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
-        """Echo through the pacer's session: True once the node answered everything the
-        pacer sent so far (and, fair-queued, about as much of every other identity)."""
+    def sync(self, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> float | None:
+        """Echo through the pacer's session: seconds until the node answered everything
+        the pacer sent so far (and, fair-queued, about as much of every other identity),
+        or None if it did not within ``timeout_s`` (or stopped being ``alive``)."""
         pacer = self._pacer
         assert pacer.dealer is not None
         self._pacer_round += 1
         echo = AbortFetch(kv_request_id="fuzz-pacer", round_seq=self._pacer_round)
+        started = time.monotonic()
         try:
             pacer.dealer.send(self.codec.encode(echo), zmq.NOBLOCK)
         except zmq.Again:
-            return False
+            return None
         answer = self._pacer_wait(AbortAck, timeout_s, round_seq=self._pacer_round, alive=alive)
-        return answer is not None
+        return None if answer is None else time.monotonic() - started
 
     def _pacer_wait(
         self,

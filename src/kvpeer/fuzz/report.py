@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from kvpeer.fuzz.harness import FuzzResult
+from kvpeer.fuzz.harness import STALL_S, FuzzResult
 from kvpeer.fuzz.legit import PullOutcome
 from kvpeer.fuzz.process import Usage
 
@@ -45,6 +45,8 @@ def to_json(result: FuzzResult) -> dict[str, Any]:
         "reactions": dict(result.reactions.most_common()),
         "send_blocked": result.send_blocked,
         "slow_syncs": result.slow_syncs,
+        "echo_max_s": round(result.echo_max_s, 3),
+        "stalls": result.stalls,
         "driver_deaths": result.driver_deaths,
         "thread_deaths": result.thread_deaths,
         "crashes": [crash.to_json() for crash in result.crashes],
@@ -134,8 +136,9 @@ def render(result: FuzzResult) -> str:
     planes = _by_plane(result.pulls)
     per_plane = ", ".join(f"{p} {c['ok']}/{c['ok'] + c['failed']}" for p, c in planes.items())
     fresh = sum(p.ok for p in result.final_pulls)
+    ok = sum(p.ok for p in result.pulls)
     lines.append(
-        f"legitimate pulls: {result.pulls_ok} ok, {result.pulls_failed} failed ({per_plane}); "
+        f"legitimate pulls: {ok} ok, {len(result.pulls) - ok} failed ({per_plane}); "
         f"fresh peers after the run: {fresh}/{len(result.final_pulls)} ok"
     )
     for pull in [p for p in (*result.pulls, *result.final_pulls) if not p.ok][:5]:
@@ -148,10 +151,11 @@ def render(result: FuzzResult) -> str:
         f"node stop: SIGINT -> exit {result.exit_status}; shared-memory files left: "
         f"{', '.join(result.shm_left) or 'none'}",
     ]
-    if result.send_blocked or result.slow_syncs:
-        lines.append(
-            f"sender: {result.send_blocked} frames not taken, {result.slow_syncs} echoes late"
-        )
+    lines.append(
+        f"node answers: the pacer's echo took at most {result.echo_max_s:.2f} s; "
+        f"{result.stalls} echoes took {STALL_S:g} s or more, {result.slow_syncs} never came; "
+        f"{result.send_blocked} frames not taken"
+    )
     for problem in result.problems:
         lines.append(f"problem: {problem}")
     verdict = "ok" if result.ok else "FAILED"
