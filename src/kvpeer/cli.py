@@ -220,11 +220,7 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
         f"{spec.frames:,} frames, seed {spec.seed}, data planes {','.join(planes)}; "
         "starting the node"
     )
-    result = harness.run_fuzz(spec, progress)
-    if args.minimize:
-        for crash in result.crashes:
-            progress(f"minimizing {crash.signature}")
-            crash.reproducer = harness.reproduce(spec, crash, progress)
+    result = harness.run_fuzz(spec, progress, minimize=args.minimize)
     print(json.dumps(report.to_json(result)) if args.json else report.render(result))
     return 0 if result.ok else 1
 
