@@ -357,5 +357,30 @@ def test_a_driver_crash_is_found_once() -> None:
     assert deaths[1].exception.endswith("sent no valid token: {}")
 
 
+EXIT_AFTER_CRASH = """\
+Traceback (most recent call last):
+  File "/src/kvpeer/node/serve.py", line 81, in serve
+    node.wait_for_work(0.5)
+kvpeer.node.driver.DriverCrashed: kvpeer driver thread crashed: DataPlaneError("tcp: ...")
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/src/kvpeer/cli.py", line 337, in main
+    return int(args.func(args))
+  File "/src/kvpeer/host/pool.py", line 250, in close
+    self._view.release()
+BufferError: cannot close exported pointers exist
+"""
+
+
+def test_a_failed_exit_after_a_driver_crash_is_its_own_death() -> None:
+    deaths = deaths_in(DRIVER_DEATH + EXIT_AFTER_CRASH)
+    assert [d.signature for d in deaths] == [
+        "driver: kvpeer.errors.DataPlaneError at tcp.py:accept_writer",
+        "exit: BufferError at pool.py:close",
+    ]
+
+
 def test_a_quiet_log_has_no_deaths() -> None:
     assert deaths_in("2026-12-01 14:41:47,295 kvpeer.tier WARNING session x ended\n") == []

@@ -104,7 +104,7 @@ class CrashRecord:
     often it happened, and the cases sent shortly before its first time."""
 
     signature: str
-    kind: str  # "driver", "thread" or "process"
+    kind: str  # "driver", "thread", "exit" or "process"
     exception: str
     traceback: str
     returncode: int | None
@@ -310,8 +310,6 @@ class _Run:
         time.sleep(0.3)  # let it finish writing the traceback (or exiting)
         log = node.log()
         deaths = deaths_in(log[self.parsed_to :])
-        self.parsed_to = len(log)
-        node.new_log()
         if any(d.kind == "driver" for d in deaths):
             self.node_died = True
             deadline = time.monotonic() + 10.0
@@ -319,6 +317,10 @@ class _Run:
                 time.sleep(0.1)
             if node.alive():
                 self.result.problems.append("the node did not exit within 10 s of its driver crash")
+            log = node.log()  # with whatever it said on its way out
+            deaths = deaths_in(log[self.parsed_to :])
+        self.parsed_to = len(log)
+        node.new_log()
         if not node.alive() and not self.node_died:
             self.node_died = True
             status = node.returncode
@@ -343,7 +345,7 @@ class _Run:
         result = self.result
         if death.kind == "thread":
             result.thread_deaths += 1
-        else:
+        elif death.kind != "exit":  # an exit crash follows a driver death, counted once
             result.driver_deaths += 1
         for crash in result.crashes:
             if crash.signature == death.signature:

@@ -54,7 +54,8 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warnin
 @dataclass(frozen=True, slots=True)
 class Death:
     """One crash the node logged: its driver (``driver``), another thread (``thread``),
-    or the process itself with no traceback (``process``)."""
+    the process's uncaught exception on its way out after a driver crash (``exit``), or
+    the process itself with no traceback (``process``)."""
 
     kind: str
     thread: str  # the dead thread's name, digits blanked ("" for the driver)
@@ -94,16 +95,40 @@ def deaths_in(log: str) -> list[Death]:
         thread = _THREAD.match(line)
         driver = "driver crashed" in line or "driver thread crashed" in line
         if thread or (driver and _LOG_RECORD.match(line)):
-            if current is not None:
-                found.append(_death(*current))
+            _close(current, found)
             current = ("thread", thread.group(1), []) if thread else ("driver", "", [])
             continue
         if _LOG_RECORD.match(line) or current is None:
             continue
         current[2].append(line)
-    if current is not None:
-        found.append(_death(*current))
+    _close(current, found)
     return [d for d in found if d.exception or d.kind == "driver"]
+
+
+def _close(block: tuple[str, str, list[str]] | None, found: list[Death]) -> None:
+    if block is None:
+        return
+    kind, thread, lines = block
+    if kind == "driver":
+        lines, after = _split_exit(lines)
+        found.append(_death(kind, thread, lines))
+        if after:
+            found.append(_death("exit", "", after))
+        return
+    found.append(_death(kind, thread, lines))
+
+
+def _split_exit(lines: list[str]) -> tuple[list[str], list[str]]:
+    """A driver crash's lines, and what followed its first traceback: the process's own
+    uncaught exception on its way out (``kvpeer serve`` failing to clean up), if any."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    if not starts:
+        return lines, []
+    end = next((i for i in range(starts[0], len(lines)) if _EXCEPTION.match(lines[i])), None)
+    later = [i for i in starts if end is not None and i > end]
+    if end is None or not later:
+        return lines, []
+    return lines[: end + 1], lines[later[0] :]
 
 
 class NodeProcess:
