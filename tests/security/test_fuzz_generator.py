@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from kvpeer.errors import ProtocolError
-from kvpeer.fuzz import generator as gen_module
 from kvpeer.fuzz import wire
 from kvpeer.fuzz.generator import MESSAGE_TYPES, SCENARIOS, Case, FrameGenerator, Target
+from kvpeer.fuzz.hostile import HOSTILE_ACKS, HOSTILE_CONNECTS
 from kvpeer.fuzz.mutations import SCHEMAS
 from kvpeer.fuzz.peers import normalize_reason
 from kvpeer.fuzz.process import deaths_in
@@ -116,9 +116,9 @@ def test_sizes_at_and_past_the_limits_are_sent(sample: list[Case]) -> None:
 
 def test_every_hostile_connect_and_ack_is_sent(sample: list[Case]) -> None:
     labels = labels_of(sample)
-    for name, _ in gen_module._HOSTILE_CONNECTS:
+    for name, _ in HOSTILE_CONNECTS:
         assert f"connect/{name}" in labels, name
-    for name, _ in gen_module._HOSTILE_ACKS:
+    for name, _ in HOSTILE_ACKS:
         assert f"connect_ack/{name}" in labels, name
 
 
