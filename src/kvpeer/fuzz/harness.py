@@ -469,6 +469,9 @@ class _Run:
     def checkpoint(self, where: str) -> bool:
         """Usage within bounds and legitimate pulls; False if the node died."""
         self.peers.drain()
+        # Everything sent so far is handled first: a crash it causes is the frames'
+        # doing, not something that happened to the legitimate peers' pulls.
+        self.echoed(self.peers.sync(self.spec.sync_timeout_s, self.node_alive))
         if self.died():
             return False
         self.check_usage(where)

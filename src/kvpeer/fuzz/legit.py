@@ -88,7 +88,7 @@ class LegitConsumer:
             return PullOutcome(self.plane, False, f"{exc!r}", time.monotonic() - started)
         seconds = time.monotonic() - started
         if result.hits != count or not result.loaded:
-            detail = f"{result.hits}/{count} hits, loaded={result.loaded}"
+            detail = f"{result.hits}/{count} hits, loaded={result.loaded}; {self._state()}"
             return PullOutcome(self.plane, False, detail, seconds)
         wrong = [
             index
@@ -98,6 +98,17 @@ class LegitConsumer:
         if wrong:
             return PullOutcome(self.plane, False, f"wrong bytes for blocks {wrong}", seconds)
         return PullOutcome(self.plane, True, "", seconds)
+
+    def _state(self) -> str:
+        """What this consumer's own node says, for a failed pull."""
+        if self.node.crashed:
+            return "the consumer's driver crashed"
+        with self.node.locked():
+            stats = self.node.tier.statistics()
+        return (
+            f"consumer sessions={stats.sessions} refused={stats.peers_refused} "
+            f"failed_ids={stats.failed_ids}"
+        )
 
     def close(self) -> None:
         if self._closed:

@@ -185,7 +185,10 @@ class NodeProcess:
             "--ready-file",
             str(self._ready),
         ]
+        # UCX's own default: its errors belong in the node's log (the fuzzer may have
+        # silenced them for itself, where they would corrupt --json on stdout).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env["UCX_LOG_LEVEL"] = "warn"
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
