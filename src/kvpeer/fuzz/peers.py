@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -244,7 +244,12 @@ class FuzzPeers:
         for _ in range(listening):
             router, port = self._router(host)
             self._identities.append(_Identity(f"{host}:{port}".encode(), router))
-        for port in _free_ports(host, deaf):
+        # Deaf identities' ports stay bound (not listening) for the whole run: nobody
+        # answers there, and no node or consumer started later can get one of them
+        # (a consumer on such a port would be impersonated by a fuzz identity).
+        self._reserved = _reserve_ports(host, deaf)
+        for sock in self._reserved:
+            port = sock.getsockname()[1]
             self._identities.append(_Identity(f"{host}:{port}".encode(), None))
         self._claimed = len(self._identities)
         router, port = self._router(host)
@@ -308,6 +313,8 @@ class FuzzPeers:
             if identity.router is not None:
                 identity.router.close(linger=0)
         self.context.destroy(linger=0)
+        for sock in self._reserved:
+            sock.close()
 
     # -- the pacer ---------------------------------------------------------------------------
 
@@ -438,15 +445,11 @@ class FuzzPeers:
                     identity.dealer.send(frame, zmq.NOBLOCK)
 
 
-def _free_ports(host: str, count: int) -> Sequence[int]:
-    """``count`` ports nothing listens on right now (bound once, then released)."""
+def _reserve_ports(host: str, count: int) -> list[socket.socket]:
+    """``count`` sockets bound to ports of their own, never listening."""
     socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            socks.append(sock)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        socks.append(sock)
+    return socks

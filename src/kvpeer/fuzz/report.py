@@ -61,6 +61,8 @@ def to_json(result: FuzzResult) -> dict[str, Any]:
         "legit_pulls": {
             "ok": result.pulls_ok,
             "failed": result.pulls_failed,
+            "cut_short_by_a_crash": len(result.pulls_cut_short),
+            "retried": result.pulls_retried,
             "by_plane": _by_plane(result.pulls),
             "fresh_peers_after": [p.to_json() for p in result.final_pulls],
             "failures": [p.to_json() for p in (*result.pulls, *result.final_pulls) if not p.ok],
@@ -141,6 +143,10 @@ def render(result: FuzzResult) -> str:
         f"legitimate pulls: {ok} ok, {len(result.pulls) - ok} failed ({per_plane}); "
         f"fresh peers after the run: {fresh}/{len(result.final_pulls)} ok"
     )
+    if result.pulls_retried:
+        lines.append(f"  {result.pulls_retried} failed once and were tried again")
+    if result.pulls_cut_short:
+        lines.append(f"  {len(result.pulls_cut_short)} more cut short by a crash of the node")
     for pull in [p for p in (*result.pulls, *result.final_pulls) if not p.ok][:5]:
         lines.append(f"  failed over {pull.plane}: {pull.detail}")
     lines += [
