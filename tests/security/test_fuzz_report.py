@@ -115,6 +115,7 @@ def _result(*, crashed: bool) -> FuzzResult:
                 2,
                 800,
                 [case],
+                799,
                 count=3,
                 reproducer=[case],
             )

@@ -110,6 +110,7 @@ class CrashRecord:
     returncode: int | None
     first_at_frame: int
     recent: list[Case]
+    first_recent_index: int  # the generator's index of recent[0]
     count: int = 1
     reproducer: list[Case] | None = None
 
@@ -226,6 +227,7 @@ class _Run:
         self.files = self._region_files()
         self.consumers: list[LegitConsumer] = []
         self.recent: deque[Case] = deque(maxlen=3 * spec.batch)
+        self.generated = 0  # cases the generator yielded (recent holds the last ones)
         self.hello: NodeHello | None = None
         self.parsed_to = 0  # how much of the node's log was searched for crashes
         self.last_deaths: list[Death] = []  # what the last died() found
@@ -343,6 +345,10 @@ class _Run:
             self.result.node_log = log[-20_000:]
         return restart
 
+    def sent_before_recent(self) -> int:
+        """How many cases the generator had yielded before ``recent[0]``."""
+        return self.generated - len(self.recent)
+
     def record(self, death: Death, returncode: int | None) -> None:
         result = self.result
         if death.kind == "thread":
@@ -362,6 +368,7 @@ class _Run:
                 returncode,
                 result.frames_sent,
                 list(self.recent),
+                self.sent_before_recent(),
             )
         )
         self.progress(f"new crash after {result.frames_sent:,} frames: {death.signature}")
@@ -448,13 +455,14 @@ class _Run:
         for case in generator:
             if result.frames_sent >= spec.frames:
                 break
+            self.generated += 1
+            self.recent.append(case)  # sent or not: positions follow the generator
             if not self.peers.send(case):
                 continue
             result.frames_sent += 1
             result.by_kind[case.kind] += 1
             result.by_label[case.label] += 1
             result.by_scenario[case.scenario] += 1
-            self.recent.append(case)
             sent = result.frames_sent
             alive = True
             if sent % spec.batch == 0 or sent == spec.frames:
@@ -593,12 +601,22 @@ class _Run:
 
     # -- reproduction --------------------------------------------------------------------
 
-    def crashes_with(self, cases: Sequence[Case], signature: str) -> bool:
-        """Replay ``cases`` against a fresh node: does it die with ``signature``?"""
+    def crashes_with(self, crash: CrashRecord, positions: Sequence[int]) -> tuple[bool, list[Case]]:
+        """Replay the cases at ``positions`` of ``crash.recent`` against a fresh node,
+        as fast as the run sent them: did it die the same way, and what was sent.
+
+        The cases are generated again for the fresh node (same seed, same positions):
+        some carry the node's own values (its NIXL metadata, its region's path), and
+        the dead node's would mean nothing to the new one.
+        """
         self.start_node(counted=False)
         node = self.node
         assert node is not None
-        for sent, case in enumerate(cases, 1):  # as fast as the run sent them
+        end = crash.first_recent_index + len(crash.recent)
+        generator = FrameGenerator(self.target(), self.spec.seed, exclude=self.spec.exclude)
+        again = generator.take(end)[crash.first_recent_index :]
+        cases = [again[i] for i in positions]
+        for sent, case in enumerate(cases, 1):
             self.peers.send(case)
             if sent % self.spec.batch == 0:
                 self.peers.sync(10.0, self.node_alive)
@@ -607,7 +625,7 @@ class _Run:
         self.last_deaths = []
         self.died(record=False)
         node.kill()
-        return any(death.signature == signature for death in self.last_deaths)
+        return any(death.signature == crash.signature for death in self.last_deaths), cases
 
     def reproduce(self, crash: CrashRecord, budget: int = 40) -> list[Case] | None:
         """A short case sequence that crashes a fresh node like ``crash`` did, or None.
@@ -618,18 +636,22 @@ class _Run:
         At most ``budget`` node starts.
         """
         starts = 0
+        shown: list[Case] = []
 
-        def crashes(cases: Sequence[Case]) -> bool:
-            nonlocal starts
+        def crashes(positions: Sequence[int]) -> bool:
+            nonlocal starts, shown
             starts += 1
-            return self.crashes_with(cases, crash.signature)
+            died, cases = self.crashes_with(crash, positions)
+            if died:
+                shown = cases
+            return died
 
-        recent = list(crash.recent)
-        groups: dict[int, list[Case]] = {}
-        for case in recent:
-            groups.setdefault(case.identity, []).append(case)
-        latest_first = sorted(groups, key=lambda i: -max(recent.index(c) for c in groups[i]))
-        found: list[Case] | None = None
+        everything = list(range(len(crash.recent)))
+        groups: dict[int, list[int]] = {}
+        for position, case in enumerate(crash.recent):
+            groups.setdefault(case.identity, []).append(position)
+        latest_first = sorted(groups, key=lambda identity: -groups[identity][-1])
+        found: list[int] | None = None
         for identity in latest_first:
             if starts >= budget // 2:
                 break
@@ -637,14 +659,14 @@ class _Run:
                 found = groups[identity]
                 break
         if found is None:
-            if not crashes(recent):
+            if not crashes(everything):
                 self.progress(f"{crash.signature}: the recent cases do not reproduce it")
                 return None
-            found = recent
+            found = everything
             for identity in latest_first:
                 if starts >= budget:
                     break
-                fewer = [c for c in found if c.identity != identity]
+                fewer = [p for p in found if crash.recent[p].identity != identity]
                 if fewer and crashes(fewer):
                     found = fewer
         parts = 2  # delta debugging: drop ever smaller chunks while the crash stays
@@ -659,7 +681,7 @@ class _Run:
                 if size == 1:
                     break
                 parts = min(len(found), parts * 2)
-        return found
+        return shown
 
     def close(self) -> None:
         for consumer in self.consumers:
