@@ -36,7 +36,8 @@ FORBIDDEN_MODULES = frozenset(
 # Layers above each core package (imports point down only).
 HIGHER_LAYERS: dict[str, frozenset[str]] = {
     "protocol": frozenset(
-        {"session", "node", "metrics", "transport", "testing", "cli", "integrations", "tier", "fuzz"}
+        {"session", "node", "metrics", "transport", "testing", "cli", "integrations", "tier",
+         "fuzz"}
     ),
     "session": frozenset(
         {"node", "metrics", "transport", "testing", "cli", "integrations", "tier", "fuzz"}
