@@ -687,7 +687,7 @@ class _Run:
         for consumer in self.consumers:
             with contextlib.suppress(Exception):
                 consumer.close()
-        if self.node is not None and self.node.alive():
+        if self.node is not None:  # a node that crashed leaves its region file: remove it
             self.node.kill()
         self.peers.close()
         self.sinks.close()
