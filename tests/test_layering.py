@@ -36,12 +36,18 @@ FORBIDDEN_MODULES = frozenset(
 # Layers above each core package (imports point down only).
 HIGHER_LAYERS: dict[str, frozenset[str]] = {
     "protocol": frozenset(
-        {"session", "node", "metrics", "transport", "testing", "cli", "integrations", "tier"}
+        {"session", "node", "metrics", "transport", "testing", "cli", "integrations", "tier",
+         "fuzz"}
     ),
     "session": frozenset(
-        {"node", "metrics", "transport", "testing", "cli", "integrations", "tier"}
+        {"node", "metrics", "transport", "testing", "cli", "integrations", "tier", "fuzz"}
     ),
 }
+# The fuzzer sits with bench and cli: it drives a real node from outside and may use
+# what a node is built of, never the sans-IO session core directly, nor test helpers.
+FUZZ_MAY_IMPORT = frozenset(
+    {"fuzz", "node", "protocol", "transport", "config", "host", "errors", "types"}
+)
 
 
 def core_files() -> list[Path]:
@@ -201,3 +207,30 @@ def test_node_does_not_import_metrics() -> None:
         if name.startswith("kvpeer.metrics") or name.startswith("prometheus_client")
     ]
     assert offending == []
+
+
+class TestFuzzLayer:
+    """kvpeer.fuzz imports only the layers it drives a node with."""
+
+    @pytest.mark.parametrize("path", sorted((SRC / "fuzz").rglob("*.py")), ids=file_id)
+    def test_fuzz_imports_allowed_layers_only(self, path: Path) -> None:
+        offending = [
+            f"line {line}: {name}"
+            for line, name in imported_modules(parse(path), package_of(path))
+            if name.startswith("kvpeer.") and name.split(".")[1] not in FUZZ_MAY_IMPORT
+        ]
+        assert offending == []
+
+    def test_nothing_below_imports_the_fuzzer(self) -> None:
+        below = [
+            path
+            for path in SRC.rglob("*.py")
+            if path.relative_to(SRC).parts[0] not in ("fuzz", "cli.py")
+        ]
+        offending = [
+            f"{file_id(path)} line {line}: {name}"
+            for path in below
+            for line, name in imported_modules(parse(path), package_of(path))
+            if name.startswith("kvpeer.fuzz")
+        ]
+        assert offending == []

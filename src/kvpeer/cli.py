@@ -1,4 +1,4 @@
-"""The ``kvpeer`` command: ``serve``, ``bench``, ``check-config``, ``demo``.
+"""The ``kvpeer`` command: ``serve``, ``bench``, ``check-config``, ``demo``, ``fuzz``.
 
 This module (with the vLLM adapter) is the only place that reads argv and
 environment variables.
@@ -231,6 +231,41 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_fuzz(args: argparse.Namespace) -> int:
+    # The legitimate consumers' UCX writes its errors to stdout (an interface that
+    # another test on the machine removed, say): that would corrupt the report.
+    os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+    from kvpeer.fuzz import harness, report
+
+    planes = tuple(args.data_planes or harness.available_planes())
+    try:
+        spec = harness.FuzzSpec(
+            frames=args.frames,
+            seed=args.seed,
+            planes=planes,
+            checkpoint_every=args.checkpoint_every,
+            warmup=min(args.frames, 10_000),
+            keep_going=not args.stop_on_crash,
+            exclude=tuple(args.exclude or ()),
+            workdir=Path(args.workdir) if args.workdir else None,
+        )
+    except ValueError as exc:
+        raise KVPeerError(str(exc)) from exc
+    if args.log_level.upper() == "WARNING":  # the legitimate consumers' goodbyes are noise
+        logging.getLogger("kvpeer").setLevel(logging.ERROR)
+
+    def progress(message: str) -> None:
+        print(f"kvpeer fuzz: {message}", file=sys.stderr, flush=True)
+
+    progress(
+        f"{spec.frames:,} frames, seed {spec.seed}, data planes {','.join(planes)}; "
+        "starting the node"
+    )
+    result = harness.run_fuzz(spec, progress, minimize=args.minimize)
+    print(json.dumps(report.to_json(result)) if args.json else report.render(result))
+    return 0 if result.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpeer", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=os.environ.get("KVPEER_LOG_LEVEL", "WARNING"))
@@ -304,6 +339,38 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=_cmd_demo)
+    fuzz = commands.add_parser(
+        "fuzz", help="drive a real node with generated hostile frames and watch it"
+    )
+    fuzz.add_argument(
+        "--frames", type=int, default=1_000_000, help="frames to send (default 1,000,000)"
+    )
+    fuzz.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    fuzz.add_argument(
+        "--data-planes",
+        type=_csv,
+        help="the node's planes (default: shm,tcp and nixl if installed)",
+    )
+    fuzz.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=25_000,
+        help="frames between checks of the node and legitimate pulls (default 25,000)",
+    )
+    fuzz.add_argument(
+        "--exclude",
+        action="append",
+        help="a case label prefix or scenario not to send, e.g. a known crash (repeatable)",
+    )
+    fuzz.add_argument(
+        "--stop-on-crash", action="store_true", help="stop at the first crash (default: restart)"
+    )
+    fuzz.add_argument(
+        "--minimize", action="store_true", help="shrink each crash to a short reproducer"
+    )
+    fuzz.add_argument("--workdir", help="keep the node's logs here (default: kept on failure)")
+    fuzz.add_argument("--json", action="store_true", help="print one JSON object")
+    fuzz.set_defaults(func=_cmd_fuzz)
     return parser
 
 
