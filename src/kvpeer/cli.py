@@ -70,6 +70,7 @@ def _tier_config(args: argparse.Namespace) -> TierConfig:
         "data_transports": args.data_planes,
         "hash_seed": args.hash_seed,
         "allowed_peers": args.allow,
+        "nixl_peers": args.nixl_peer,
     }
     mapping.update({k: v for k, v in overrides.items() if v is not None})
     if args.curve_secret or args.curve_server_public or args.curve_clients:
@@ -94,6 +95,12 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--allow", action="append", help="allowed peer: CIDR or host:port (repeatable)"
+    )
+    parser.add_argument(
+        "--nixl-peer",
+        action="append",
+        help="peer whose NIXL metadata this node loads: CIDR or host:port (repeatable; "
+        "default: the --allow list if given, else nobody)",
     )
     parser.add_argument("--curve-secret", help="CURVE: this node's secret key file")
     parser.add_argument("--curve-server-public", help="CURVE: the servers' public key file")
@@ -349,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz.add_argument(
         "--data-planes",
         type=_csv,
-        help="the node's planes (default: shm,tcp and nixl if installed)",
+        help="the node's planes (default: shm,tcp; a nixl node trusts no fuzz peer)",
     )
     fuzz.add_argument(
         "--checkpoint-every",

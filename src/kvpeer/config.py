@@ -328,6 +328,12 @@ def _allowed_peers(value: object) -> AllowList:
     return _allow_list(_names(value, "null, a list of CIDR / host:port strings"))
 
 
+def _nixl_peers(value: object) -> AllowList | None:
+    if value is None:
+        return None
+    return _allow_list(_names(value, "null, a list of CIDR / host:port strings"))
+
+
 def _curve(value: object) -> CurveConfig | None:
     if value is None:
         return None
@@ -376,6 +382,7 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "trust_peer_addresses": _flag,
         "data_transports": _transports,
         "allowed_peers": _allowed_peers,
+        "nixl_peers": _nixl_peers,
         "hash_seed": _optional_name,
         "config_fingerprint": _fingerprint,
         "curve": _curve,
@@ -454,6 +461,7 @@ class TierConfig:
     trust_peer_addresses: bool = False
     data_transports: tuple[str, ...] = DATA_TRANSPORTS
     allowed_peers: AllowList = field(default_factory=AllowList.allow_all)
+    nixl_peers: AllowList | None = None
     hash_seed: str | None = None
     config_fingerprint: str = ""
     curve: CurveConfig | None = None
@@ -478,8 +486,20 @@ class TierConfig:
         result: dict[str, Any] = {name: getattr(self, name) for name in _PARSERS}
         result["data_transports"] = list(self.data_transports)
         result["allowed_peers"] = self.allowed_peers.to_entries()
+        result["nixl_peers"] = None if self.nixl_peers is None else self.nixl_peers.to_entries()
         result["curve"] = None if self.curve is None else self.curve.to_dict()
         return result
+
+    def nixl_trusted(self) -> AllowList:
+        """Peers whose NIXL agent metadata we load (our nixl writes go where it says,
+        and NIXL parses it in native code). ``nixl_peers`` if given; otherwise
+        ``allowed_peers`` when it is an explicit list or CURVE authenticates peers;
+        otherwise nobody."""
+        if self.nixl_peers is not None:
+            return self.nixl_peers
+        if not self.allowed_peers.everyone or self.curve is not None:
+            return self.allowed_peers
+        return AllowList()
 
     @property
     def peer_id(self) -> str:

@@ -151,6 +151,8 @@ def tier_config(
         "data_transports": planes,
         "hash_seed": HASH_SEED,
     }
+    if "nixl" in planes:
+        mapping["nixl_peers"] = ["127.0.0.0/8"]  # every node of these tests is local
     mapping.update(overrides)
     return TierConfig.from_dict(mapping)
 
@@ -701,10 +703,14 @@ def start_serve(
     args: Sequence[str] = (),
     wait: bool = True,
     netns: str | None = None,
+    trust_local_nixl: bool = True,
 ) -> NodeProcess:
     """``kvpeer serve`` with ``synthetic`` preloaded blocks; returns once it listens
-    (inside network namespace ``netns`` if given)."""
+    (inside network namespace ``netns`` if given). With nixl it loads the NIXL
+    metadata of local peers unless ``trust_local_nixl`` is False (then of nobody)."""
     name = f"serve-{uuid.uuid4().hex[:8]}"
+    if "nixl" in plane.split(",") and trust_local_nixl:
+        args = ["--nixl-peer", "127.0.0.0/8", *args]
     ready = workdir / f"{name}.ready"
     command = [
         sys.executable,

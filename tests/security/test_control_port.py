@@ -28,6 +28,7 @@ from kvpeer.protocol import (
     Lookup,
     TransportChoice,
 )
+from kvpeer.transport.data.nixl import NixlBackend
 from kvpeer.transport.zmq_control import ZmqControl
 from tests.net.procs import (
     BLOCK_LEN,
@@ -313,3 +314,68 @@ def test_frames_under_the_nodes_own_identity_are_dropped(
             assert_pull_works(legit, node.peer_id)
         assert node.alive()
     assert "Assertion failed" not in node.log()
+
+
+# -- NIXL metadata is native code's input: only trusted peers' is loaded ------------------------
+
+
+def _forged_metadata(ours: bytes) -> bytes:
+    """The fuzzer's one-frame SIGSEGV: the node's own agent metadata with its agent name
+    changed (byte 45) and a descriptor's memory type corrupted (byte 420, bit 5)."""
+    forged = bytearray(ours)
+    forged[45] ^= 0x40
+    if len(forged) > 420:
+        forged[420] ^= 0x20
+    return bytes(forged)
+
+
+@pytest.mark.skipif(not NixlBackend.available(), reason="nixl is not installed")
+@pytest.mark.parametrize("extension", [False, True], ids=["vllm-style", "kvpeer-nixl-only"])
+def test_an_untrusted_peer_s_nixl_metadata_is_never_loaded(
+    serve: StartNode, zmq_context: ZmqContext, extension: bool
+) -> None:
+    node = serve(plane="tcp,nixl", trust_local_nixl=False)  # trusts nobody with nixl
+    attacker = RawPeer(zmq_context, node.peer_id)
+    try:
+        attacker.send(attacker.hello())
+        theirs = attacker.wait_for(Connect)
+        assert theirs is not None
+        assert theirs.agent_metadata, "the node offered no nixl"
+        attacker.close()
+        attacker = RawPeer(zmq_context, node.peer_id)
+        hello = attacker.hello()
+        kvpeer = (
+            msgspec.structs.replace(hello.kvpeer, transports={"nixl": {}})
+            if extension and hello.kvpeer is not None
+            else None
+        )
+        attacker.send(
+            msgspec.structs.replace(
+                hello,
+                agent_metadata=_forged_metadata(theirs.agent_metadata),
+                base_addr=theirs.base_addr,  # and aimed at the node's own region
+                kvpeer=kvpeer,
+            )
+        )
+        goodbye = attacker.wait_for(Disconnect)
+        assert goodbye is not None, f"no refusal; got {attacker.received}"
+        assert "not a trusted nixl peer" in goodbye.reason
+        assert node.alive()
+        with LocalNode("tcp") as legit:
+            assert_pull_works(legit, node.peer_id)
+        assert node.alive()
+    finally:
+        attacker.close()
+
+
+@pytest.mark.skipif(not NixlBackend.available(), reason="nixl is not installed")
+def test_nixl_peers_are_trusted_from_the_allow_list_or_nixl_peers() -> None:
+    from kvpeer.config import TierConfig
+
+    assert not TierConfig().nixl_trusted().allows("127.0.0.1", 5710)
+    listed = TierConfig.from_dict({"allowed_peers": ["10.0.0.0/8"]})
+    assert listed.nixl_trusted().allows("10.1.2.3", 5710)
+    assert not listed.nixl_trusted().allows("127.0.0.1", 5710)
+    only = TierConfig.from_dict({"nixl_peers": ["127.0.0.2/32"]})
+    assert only.nixl_trusted().allows("127.0.0.2", 1)
+    assert not only.nixl_trusted().allows("127.0.0.1", 1)

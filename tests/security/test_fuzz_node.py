@@ -50,10 +50,7 @@ def fuzz(seed: int, workdir: Path) -> FuzzResult:
     spec = FuzzSpec(
         frames=FRAMES_PER_RUN,
         seed=seed,
-        # Not nixl: a node that loads a peer's NIXL agent metadata can be crashed by
-        # one forged frame inside NIXL's native code (docs/security.md); until it
-        # loads metadata only from trusted peers, nixl is out of the hostile run.
-        planes=tuple(plane for plane in available_planes() if plane != "nixl"),
+        planes=available_planes(),  # nixl only trusts nixl_peers (docs/security.md)
         checkpoint_every=FRAMES_PER_RUN // 2,
         warmup=5_000,
         keep_going=False,  # a test stops at the first death (kvpeer fuzz goes on)

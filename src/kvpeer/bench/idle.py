@@ -217,6 +217,7 @@ def consumer(plane: str, block_len: int, hash_seed: str, blocks: int) -> Iterato
             "port": 0,
             "data_transports": [plane],
             "hash_seed": hash_seed,
+            "nixl_peers": ["127.0.0.0/8"],  # the engines it asks run on this machine
             # Longer than ours: an unanswered lookup is timed out here, not made a MISS.
             "lookup_timeout_s": 2 * LOOKUP_TIMEOUT_S,
             "handshake_timeout_s": LOOKUP_TIMEOUT_S,

@@ -43,6 +43,9 @@ from kvpeer.transport.data.base import PrimaryRegion
 
 __all__ = ["BenchSpec", "render", "run"]
 
+#: Both nodes of the benchmark are on this machine: trust each other's NIXL metadata.
+LOOPBACK = "127.0.0.0/8"
+
 KIB = 1024
 MIB = 1024 * KIB
 MAX_REGION_BYTES = 1024 * MIB  # per side
@@ -204,6 +207,7 @@ def producer(plane: str, block_len: int, blocks: int) -> Iterator[str]:
             sys.executable, "-m", "kvpeer", "serve", "--host", "127.0.0.1", "--port", "0",
             "--data-planes", plane, "--block-len", str(block_len), "--blocks", str(blocks),
             "--synthetic-blocks", str(blocks), "--ready-file", str(ready),
+            "--nixl-peer", LOOPBACK,
         ]  # fmt: skip
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
@@ -228,7 +232,7 @@ def _consumer(plane: str, block_len: int, blocks: int) -> tuple[Any, BlockPool]:
     pool = BlockPool(blocks, block_len, shm_path=shm_path)
     config = TierConfig.from_dict(
         {"host": "127.0.0.1", "port": 0, "data_transports": [plane],
-         "hash_seed": "vllm-none-hash"}
+         "hash_seed": "vllm-none-hash", "nixl_peers": [LOOPBACK]}
     )  # fmt: skip
     region = PrimaryRegion(pool.view, blocks, block_len, pool.shm_path)
     return open_node(config, region), pool

@@ -46,10 +46,11 @@ Progress = Callable[[str], None]
 
 
 def available_planes() -> tuple[str, ...]:
-    """shm and tcp, plus nixl where it is installed."""
-    from kvpeer.transport.data.nixl import NixlBackend
-
-    return ("shm", "tcp", "nixl") if NixlBackend.available() else ("shm", "tcp")
+    """shm and tcp. Not nixl by default: a node loads NIXL agent metadata only from
+    the peers it trusts for it (``nixl_peers``), which a hostile network is not, and
+    the fuzzer's legitimate consumer shares their address (``--data-planes`` may
+    still name nixl: then every nixl peer, the legitimate one too, is refused)."""
+    return ("shm", "tcp")
 
 
 @dataclass(frozen=True, slots=True)

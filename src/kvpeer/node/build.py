@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 
-from kvpeer.config import TierConfig
+from kvpeer.config import AllowList, TierConfig
 from kvpeer.errors import ConfigError, DataPlaneError
 from kvpeer.host.claims import sweep
 from kvpeer.node.driver import DrivenTier
+from kvpeer.node.params import split_peer_id
 from kvpeer.node.tier import Tier
 from kvpeer.transport.data.base import Backend, PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
@@ -29,6 +31,11 @@ class _Completions:
 
     def __call__(self) -> None:
         self.target()
+
+
+def _allows(allowed: AllowList, peer_id: str) -> bool:
+    address = split_peer_id(peer_id)
+    return address is not None and allowed.allows(*address)
 
 
 def _backends(
@@ -68,7 +75,8 @@ def _backends(
             if not NixlBackend.available():
                 log.info("data plane nixl skipped: nixl is not installed")
                 continue
-            backends.append(NixlBackend(region, notify))
+            trusted = functools.partial(_allows, config.nixl_trusted())
+            backends.append(NixlBackend(region, notify, trusted=trusted))
     if not backends:
         raise ConfigError(f"data_transports: none of {list(config.data_transports)!r} can run here")
     return backends

@@ -68,6 +68,8 @@ def kvpeer_tier(
         port=port,
         data_transports=[planes] if isinstance(planes, str) else list(planes),
     )
+    if "nixl" in entry["data_transports"]:
+        entry["nixl_peers"] = ["127.0.0.0/8"]  # the other engines run on this machine
     if timeout_s is not None:
         entry.update(load_timeout_s=timeout_s, lookup_timeout_s=timeout_s)
         entry.update(handshake_timeout_s=timeout_s)

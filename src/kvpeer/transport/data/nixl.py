@@ -42,6 +42,10 @@ Invariants:
    be enforced here (contract item 5 applies only to planes the consumer takes part in).
 8. NIXL's progress thread waits for UCX events up to ``_PROGRESS_WAIT_US`` instead of
    busy-polling (see :func:`_new_agent`): an idle node costs ~0 % of a core, not ~100 %.
+9. A peer's agent metadata is loaded only if ``trusted(peer_id)``: NIXL parses it in
+   native code (a forged one crashed the process with SIGSEGV) and it decides where our
+   writes go (a forged one aimed them at our own region). The node trusts the peers
+   of ``nixl_peers``, or of an explicit ``allowed_peers`` (``TierConfig.nixl_trusted``).
 """
 
 from __future__ import annotations
@@ -239,13 +243,16 @@ class NixlBackend:
         *,
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 4,
+        trusted: Callable[[str], bool] | None = None,
     ) -> None:
         """``backends``: NIXL backends the agent creates; ``num_threads``: worker threads
-        of backends that take one (UCX)."""
+        of backends that take one (UCX); ``trusted(peer_id)``: whether that peer's agent
+        metadata may be loaded (invariant 9; None: every peer's)."""
         if not self.available():
             raise DataPlaneError(INSTALL_HINT)
         self._region = region
         self._notify = notify
+        self._trusted = trusted
         self._agent_name = str(uuid.uuid4())
         self._agent_lock = threading.Lock()
         self._lock = threading.Condition()
@@ -303,6 +310,11 @@ class NixlBackend:
     ) -> TransportOffer:
         if not hello.agent_metadata:
             raise DataPlaneError(f"nixl: {peer_id!r} sent no agent metadata")
+        if self._trusted is not None and not self._trusted(peer_id):
+            raise DataPlaneError(
+                f"nixl: {peer_id!r} is not a trusted nixl peer (nixl_peers, or an explicit "
+                "allowed_peers): its NIXL agent metadata is not loaded"
+            )
         if hello.block_len != self._region.block_len:
             raise DataPlaneError(
                 f"nixl: {peer_id!r} has block_len {hello.block_len}, ours is "
