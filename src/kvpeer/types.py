@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 __all__ = [
@@ -92,7 +92,13 @@ class TransferJob:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """Outcome of a submitted job; every job is reported exactly once."""
+    """Outcome of a submitted job; every job is reported exactly once.
+
+    A successful load also says how long it took from its fetch (``transfer_seconds``)
+    and how many bytes it brought (``transfer_bytes``); they do not take part in
+    equality (a result is its job and its outcome)."""
 
     job_id: int
     success: bool
+    transfer_seconds: float | None = field(default=None, compare=False)
+    transfer_bytes: int | None = field(default=None, compare=False)

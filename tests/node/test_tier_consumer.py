@@ -198,6 +198,20 @@ class TestPrefillerLookups:
         assert a.stats().blocks_loaded == a.tier.blocks_loaded == len(KEYS)
         assert a.tier.load_seconds >= 0.25  # fetch to completion, on the tier's clock
         assert b.tier.blocks_loaded == 0  # counts what came in, not what went out
+        report = a.reports[job]  # what vLLM's per-tier read time and bytes are fed from
+        assert report.transfer_seconds is not None
+        assert report.transfer_seconds >= 0.25
+        assert report.transfer_bytes == len(KEYS) * a.region.block_len
+
+    def test_a_failed_load_reports_no_transfer(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        b.store(b.request("p", decoder("kv1")), KEYS)
+        req = a.request("c", prefiller("kv1", b))
+        b.plane.fail_next_writes = 1
+        job, _ = a.load(req, KEYS)
+        cluster.run()
+        assert a.outcome(job) is False
+        assert (a.reports[job].transfer_seconds, a.reports[job].transfer_bytes) == (None, None)
 
     def test_empty_load_succeeds_at_once(self, cluster: Cluster) -> None:
         a, b = cluster.add("a", 1), cluster.add("b", 2)

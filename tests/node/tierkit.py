@@ -131,6 +131,7 @@ class TierNode:
     job_ids: itertools.count[int]
     submitted: set[int] = field(default_factory=set)
     results: dict[int, bool] = field(default_factory=dict)
+    reports: dict[int, JobResult] = field(default_factory=dict)  # the whole report
     _next_load_slot: int = 0
 
     @property
@@ -205,6 +206,7 @@ class TierNode:
             serve_pin = job_id in self.parent.open_jobs and job_id not in self.submitted
             assert job_id in self.submitted or serve_pin, f"{self.peer_id}: unknown job {job_id}"
             self.results[job_id] = result.success
+            self.reports[job_id] = result
             if job_id in self.parent.open_jobs:
                 self.parent.job_finished(StoreFinished(job_id, result.success))
 

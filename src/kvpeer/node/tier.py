@@ -572,7 +572,14 @@ class Tier:
         for seconds in result.lookup_seconds:
             counters.lookup_seconds.observe(seconds)
         for load in result.loads:
-            self._results.append(JobResult(load.job_id, load.success))
+            self._results.append(
+                JobResult(
+                    load.job_id,
+                    load.success,
+                    load.seconds if load.success else None,
+                    load.blocks * self.block_len if load.success else None,
+                )
+            )
             self._blocks_loaded += load.blocks
             self._load_seconds += load.seconds
             if load.success:

@@ -279,7 +279,15 @@ class KVPeerTier(SecondaryTierManager):
         self._node.submit_load(self._job(job_metadata))
 
     def get_finished_jobs(self) -> Iterable[VllmJobResult]:
-        return [VllmJobResult(r.job_id, r.success) for r in self._node.get_finished_jobs()]
+        return [
+            VllmJobResult(
+                r.job_id,
+                r.success,
+                transfer_time=r.transfer_seconds,
+                transfer_bytes=r.transfer_bytes,
+            )
+            for r in self._node.get_finished_jobs()
+        ]
 
     def has_pending_work(self) -> bool:
         return self._node.has_pending_work()
