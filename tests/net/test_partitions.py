@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,21 +78,14 @@ class Partition:
 
     def serve(self, **kwargs: Any) -> NodeProcess:
         """``kvpeer serve`` inside the namespace (see ``procs.start_serve``)."""
-        node = start_serve(
-            self._workdir,
-            host=self.pair.inside_ip,
-            netns=self.pair.namespace,
-            config=HEARTBEATS,
-            wait=False,
-            **kwargs,
-        )
-        self.processes.append(node)
-        node.wait_ready()
-        return node
+        return self._start(start_serve, **kwargs)
 
     def producer(self, **kwargs: Any) -> NodeProcess:
         """The PD producer program inside the namespace (see ``procs.start_producer``)."""
-        node = start_producer(
+        return self._start(start_producer, **kwargs)
+
+    def _start(self, start: Callable[..., NodeProcess], **kwargs: Any) -> NodeProcess:
+        node = start(
             self._workdir,
             host=self.pair.inside_ip,
             netns=self.pair.namespace,
