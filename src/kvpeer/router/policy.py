@@ -1,0 +1,112 @@
+"""The contract between the router's HTTP edge and its decision core.
+
+The HTTP edge (``router.app``) owns sockets, health checks, retries and the two PD legs;
+the decision core (``router.index``, ``router.decide``) owns what each engine holds and
+which plan is predicted fastest. They meet here, in plain data and one protocol, so each
+side is tested without the other. The core is sans-IO: every call that depends on time
+takes ``now`` (seconds, ``time.monotonic()`` of the caller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+__all__ = ["EngineLoad", "EngineSpec", "Mode", "Outcome", "Plan", "Policy", "Role"]
+
+
+class Mode(StrEnum):
+    PD = "pd"  # prefill pool + decode pool: prefill leg, then decode leg pulls all
+    SHARED = "shared"  # every engine serves whole requests; pull a longer cached prefix
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine (one data-parallel rank) the router may send requests to."""
+
+    name: str  # unique, stable across restarts: "e0", "prefill-1", ...
+    url: str  # its OpenAI server, e.g. "http://127.0.0.1:8100"
+    peer_host: str  # its kvpeer tier's control address, named to other engines
+    peer_port: int  # already + its data-parallel rank
+    role: Role = Role.BOTH
+    kv_events: str | None = None  # its vLLM KV-event publisher, "tcp://host:port"
+    kv_events_replay: str | None = None  # its replay endpoint, if configured
+
+    @property
+    def peer(self) -> str:
+        return f"{self.peer_host}:{self.peer_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the edge knows of an engine's load when a request arrives."""
+
+    healthy: bool
+    in_flight: int  # requests sent and not finished
+    queued_prompt_tokens: int  # prompt tokens of requests sent whose first token is not back
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where one request goes.
+
+    ``engine`` serves the client's request (the decode engine in PD mode).
+    ``prefill_engine`` (PD only) runs the ``max_tokens=1`` producer leg first; ``None``
+    means decode-only. ``source`` (shared only) is named in ``remote_kv_source`` so
+    ``engine`` pulls the prefix it lacks; ``None`` means compute locally.
+    """
+
+    engine: str
+    prefill_engine: str | None = None
+    source: str | None = None
+    predicted_cached_tokens: int = 0  # prompt tokens ``engine`` will not compute
+    predicted_pulled_tokens: int = 0  # of those, pulled from ``source``/``prefill_engine``
+    predicted_ttft_s: float | None = None
+    reason: str = ""  # one short phrase for logs and the request trace
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the edge observed for one finished request (for online learning)."""
+
+    request_id: str
+    engine: str
+    ok: bool
+    prompt_tokens: int
+    cached_tokens: int | None  # the engine's ``usage.prompt_tokens_details.cached_tokens``
+    ttft_s: float | None  # first byte of the client's response, from the router's send
+    prefill_leg_s: float | None = None  # PD: the prefill leg's whole duration
+
+
+class Policy(Protocol):
+    """The decision core as the HTTP edge sees it. Never raises on engine data."""
+
+    def plan(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        loads: Mapping[str, EngineLoad],
+        now: float,
+    ) -> Plan:
+        """Choose; only engines with ``loads[name].healthy`` may appear in the plan."""
+        ...
+
+    def on_sent(self, request_id: str, plan: Plan, prompt: Sequence[int], now: float) -> None:
+        """The request went out as planned: add short-lived speculative index entries."""
+        ...
+
+    def on_outcome(self, outcome: Outcome, now: float) -> None:
+        """A request finished (or failed): learn rates, record predicted vs actual."""
+        ...
+
+    def on_engine_restart(self, engine: str, now: float) -> None:
+        """The edge saw the engine go away and come back: forget what it held."""
+        ...
