@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvpeer.host.claims import CLAIM_PREFIX
 from kvpeer.integrations.vllm.runner import RESULT_MARKER, STEP_MARKER
 
 RUNNER = "kvpeer.integrations.vllm.runner"
@@ -133,8 +134,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def shm_files(engine_id: str) -> list[Path]:
-    """The primary-region files vLLM maps for ``engine_id``."""
-    return sorted(SHM_DIR.glob(f"vllm_offload_{engine_id}*.mmap"))
+    """The primary-region files vLLM maps for ``engine_id``, and kvpeer's claims on them."""
+    region = f"vllm_offload_{engine_id}*.mmap"
+    return sorted([*SHM_DIR.glob(region), *SHM_DIR.glob(f"{CLAIM_PREFIX}{region}")])
 
 
 class EngineLauncher:

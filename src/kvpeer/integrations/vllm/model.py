@@ -1,11 +1,20 @@
-"""A tiny random Llama checkpoint that vLLM loads from a local directory (no hub).
+"""Random Llama checkpoints that vLLM loads from a local directory (no hub).
+
+Two shapes: :data:`TINY_LLAMA_CONFIG` (the tests' engines: fast to load and run) and
+:data:`SERVE_LLAMA_CONFIG` (the serving demo's: big enough that a long prompt takes
+a noticeable time to prefill on a CPU, which is what pulling KV saves).
 
 Weights are drawn with ``initializer_range=0.2`` so the model's outputs depend
 strongly on its KV cache: corrupted KV gives different tokens, which is what makes
 output equality a real test of moved KV bytes. The draw is seeded, so every engine
 that loads the checkpoint computes the same outputs and the same block hashes.
 
-``transformers`` and ``torch`` are imported only when a checkpoint must be written.
+Each checkpoint carries a word-level tokenizer whose words are ``t<id>`` (``"t5 t9"``
+is ``[5, 9]``, no special tokens added) and a chat template that concatenates the
+messages' contents, so an OpenAI server (``vllm serve``) can take text prompts,
+chat requests and ``/tokenize`` calls, and a text prompt and its token ids are one
+and the same request. ``transformers`` and ``torch`` are imported only when a
+checkpoint must be written.
 """
 
 from __future__ import annotations
@@ -17,7 +26,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_LLAMA_CONFIG", "ensure_tiny_llama"]
+__all__ = [
+    "SERVE_LLAMA_CONFIG",
+    "TINY_LLAMA_CONFIG",
+    "ensure_llama",
+    "ensure_tiny_llama",
+    "token_text",
+]
 
 TINY_LLAMA_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
@@ -35,6 +50,17 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
     "initializer_range": 0.2,
 }
+# The serving demo's model: a 1,024-token prompt takes about a second to prefill here.
+SERVE_LLAMA_CONFIG: dict[str, Any] = {
+    **TINY_LLAMA_CONFIG,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+}
 # Keys transformers writes back verbatim; they identify the checkpoint on reuse
 # (others, e.g. rope_theta, are rewritten into nested forms by newer versions).
 _IDENTITY_KEYS = (
@@ -51,10 +77,25 @@ _IDENTITY_KEYS = (
 _SEED = 0
 _WEIGHTS = "model.safetensors"
 _CONFIG = "config.json"
+_TOKENIZER = "tokenizer.json"
+# The chat template: the messages' contents, one after the other. A conversation's next
+# turn therefore extends the previous turn's prompt, as a real template's would.
+_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+def token_text(tokens: list[int]) -> str:
+    """The text whose tokenization is exactly ``tokens`` (ids past the special tokens)."""
+    return " ".join(f"t{token}" for token in tokens)
 
 
 def ensure_tiny_llama(path: str | os.PathLike[str]) -> Path:
-    """Return ``path`` holding the tiny Llama checkpoint, writing it only if needed.
+    """Return ``path`` holding the tiny Llama checkpoint, writing it only if needed."""
+    return ensure_llama(path, TINY_LLAMA_CONFIG)
+
+
+def ensure_llama(path: str | os.PathLike[str], config: dict[str, Any]) -> Path:
+    """Return ``path`` holding a random Llama of ``config``, writing it only if needed.
 
     A directory that already holds a complete checkpoint of this configuration is
     reused as is. Otherwise the checkpoint is written to a temporary sibling and its
@@ -63,12 +104,12 @@ def ensure_tiny_llama(path: str | os.PathLike[str]) -> Path:
     callers each move in identical files.
     """
     target = Path(path)
-    if _is_complete(target):
+    if _is_complete(target, config):
         return target
     target.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_checkpoint(staging)
+        _write_checkpoint(staging, config)
         names = sorted(entry.name for entry in staging.iterdir() if entry.name != _CONFIG)
         for name in [*names, _CONFIG]:
             os.replace(staging / name, target / name)
@@ -77,25 +118,47 @@ def ensure_tiny_llama(path: str | os.PathLike[str]) -> Path:
     return target
 
 
-def _is_complete(path: Path) -> bool:
-    """Whether ``path`` has weights and a config of :data:`TINY_LLAMA_CONFIG`'s shape."""
+def _is_complete(path: Path, expected: dict[str, Any]) -> bool:
+    """Whether ``path`` has weights, a tokenizer and a config of ``expected``'s shape."""
     weights = path / _WEIGHTS
     try:
         config = json.loads((path / _CONFIG).read_text(encoding="utf-8"))
-        has_weights = weights.stat().st_size > 0
+        has_weights = weights.stat().st_size > 0 and (path / _TOKENIZER).stat().st_size > 0
     except (OSError, ValueError):
         return False
     if not isinstance(config, dict) or config.get("architectures") != ["LlamaForCausalLM"]:
         return False
-    return has_weights and all(config.get(k) == TINY_LLAMA_CONFIG[k] for k in _IDENTITY_KEYS)
+    return has_weights and all(config.get(k) == expected[k] for k in _IDENTITY_KEYS)
 
 
-def _write_checkpoint(directory: Path) -> None:
+def _write_checkpoint(directory: Path, config: dict[str, Any]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # transformers' model constructors are untyped: the boundary is this one name.
     model_class: Any = LlamaForCausalLM
     torch.manual_seed(_SEED)
-    model = model_class(LlamaConfig(**TINY_LLAMA_CONFIG))
+    model = model_class(LlamaConfig(**config))
     model.save_pretrained(directory, safe_serialization=True)
+    _write_tokenizer(directory, int(config["vocab_size"]))
+
+
+def _write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer: word ``t<id>`` is token ``id``; nothing else is added."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {name: index for index, name in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"t{index}": index for index in range(len(SPECIAL_TOKENS), vocab_size)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[0]))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # transformers' tokenizer classes are untyped: the boundary is this one name.
+    tokenizer_class: Any = PreTrainedTokenizerFast
+    tokenizer = tokenizer_class(
+        tokenizer_object=core,
+        unk_token=SPECIAL_TOKENS[0],
+        bos_token=SPECIAL_TOKENS[1],
+        eos_token=SPECIAL_TOKENS[2],
+        chat_template=_CHAT_TEMPLATE,
+    )
+    tokenizer.save_pretrained(directory)

