@@ -73,8 +73,14 @@ def _prompt_len(body: Mapping[str, Any]) -> int:
 class FakeEngine:
     """One fake OpenAI server on loopback."""
 
-    def __init__(self, name: str = "fake", behaviour: Behaviour | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "fake",
+        behaviour: Behaviour | None = None,
+        journal: list[str] | None = None,
+    ) -> None:
         self.name = name
+        self.journal = journal if journal is not None else []  # "NAME:start" / "NAME:end"
         self.behaviour = behaviour or Behaviour()
         self.received: list[Received] = []
         self.release_last = asyncio.Event()
@@ -135,6 +141,15 @@ class FakeEngine:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._record(request)
+        self.journal.append(f"{self.name}:start")
+        try:
+            return await self._answer(request, body, chat=chat)
+        finally:
+            self.journal.append(f"{self.name}:end")
+
+    async def _answer(
+        self, request: web.Request, body: dict[str, Any], *, chat: bool
+    ) -> web.StreamResponse:
         b = self.behaviour
         if b.fail_status is not None and (b.fail_count is None or b.fail_count > 0):
             if b.fail_count is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -129,11 +128,10 @@ class EngineHealth:
         await asyncio.gather(*(self._check(session, url) for url in self._states))
 
     async def run(self, session: aiohttp.ClientSession) -> None:
-        """Check every ``interval_s`` until cancelled."""
+        """Check every ``interval_s`` until cancelled (the first round is the caller's)."""
         while True:
-            started = time.monotonic()
+            await asyncio.sleep(self._interval_s)
             await self.check_once(session)
-            await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started)))
 
     def statistics(self) -> HealthStatistics:
         up = tuple(e.name for e in self._entries if self.healthy(e.name))
