@@ -430,8 +430,9 @@ class Router:
             if removed:
                 self._counts["stripped"] += 1
                 self._metrics.stripped.inc()
-                log.warning("client request carried %s: removed (the router owns them)",
-                            ", ".join(removed))
+                # info, not warning: a client must not be able to flood the log
+                log.info("client request carried %s: removed (the router owns them)",
+                         ", ".join(removed))
             tokens = params.prompt_token_ids(body, chat=chat)
             if tokens is None:
                 tokens = await self._tokenize(request, body, chat=chat)
