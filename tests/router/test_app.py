@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sys
 from typing import Any
 
 import aiohttp
@@ -475,3 +478,34 @@ class TestEndpoints:
                 assert metrics["kvpeer_router_tokenize_failures_total"] == 1
 
         run(scenario())
+
+
+def test_kvpeer_router_command_serves_and_exits_cleanly_on_sigterm() -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("e0")
+        await engine.start()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvpeer.cli", "router", "--listen", "127.0.0.1:0",
+            "--engine", f"e0={engine.url},peer=127.0.0.1:5710",
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env,
+        )
+        assert process.stderr is not None
+        try:
+            line = b""
+            while b" on http://" not in line:
+                line = await asyncio.wait_for(process.stderr.readline(), 30)
+                assert line, "router exited before listening"
+            url = line.decode().rsplit(" on ", 1)[1].strip()
+            async with aiohttp.ClientSession() as client, client.post(
+                    url + "/v1/completions", json=completion()) as resp:
+                assert resp.status == 200
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+        finally:
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+            await engine.stop()
+
+    run(scenario())
