@@ -312,6 +312,38 @@ class TestFailures:
 
         run(scenario())
 
+    def test_an_engine_silent_mid_stream_ends_the_client_stream_after_the_read_timeout(
+        self,
+    ) -> None:
+        async def scenario() -> None:
+            async with fleet(choose=prefer("a", "b"), settings={"read_timeout_s": 0.3}) as f:
+                f.engines["a"].behaviour.hold_last = True  # and never released
+                async with f.client.post(f.url + "/v1/completions",
+                                         json=completion(stream=True)) as resp:
+                    events = [e async for e in read_events(resp)]
+                assert b'"t1 "' in events[1]
+                assert json.loads(events[-1][len(b"data: "):])["error"]["code"] == 502
+                metrics = await f.metrics()
+                ended = "kvpeer_router_requests_total{mode=shared,outcome=stream_error}"
+                assert metrics[ended] == 1
+
+        run(scenario())
+
+    def test_pd_retry_keeps_the_prefill_engine_that_ran(self) -> None:
+        async def scenario() -> None:
+            roles = {"p": "prefill", "d1": "decode", "d2": "decode"}
+            async with fleet("pd", roles, choose=prefer("d1", "d2", prefill_engine="p")) as f:
+                f.engines["d1"].behaviour.fail_status = 503
+                status, _ = await f.post("/v1/completions", completion())
+                assert status == 200
+                (first,) = f.engines["d1"].generation_bodies()
+                (second,) = f.engines["d2"].generation_bodies()
+                assert first["kv_transfer_params"] == second["kv_transfer_params"]
+                assert len(f.engines["p"].generation_bodies()) == 1  # one prefill leg
+                assert [plan.prefill_engine for plan in f.policy.sent] == ["p", "p"]
+
+        run(scenario())
+
     def test_killed_engine_process_retry_before_first_byte_and_mid_stream(self) -> None:
         """Real process death (SIGKILL): before the first byte it is retried; after, the
         client's stream ends with an error event rather than hanging."""

@@ -495,7 +495,8 @@ class Router:
                 replanned = self._plan(ctx, tried)
                 if replanned is None:
                     break
-                plan = replanned
+                # PD: the prefill leg already ran (or failed); the retry's plan says so
+                plan = replace(replanned, prefill_engine=prefill.name if prefill else None)
                 self._counts["retries"] += 1
                 self._metrics.retries.inc()
             entry = self.config.entry(plan.engine)
