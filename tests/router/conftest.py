@@ -9,6 +9,7 @@ Waiting is always on an event or condition with a bounded timeout, never a sleep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -187,7 +188,9 @@ class EngineProcess:
 
     def kill(self) -> None:
         if self.process.returncode is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            # asyncio's child watcher may have reaped it already without telling us yet
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     async def close(self) -> None:
         self.kill()
