@@ -1,4 +1,4 @@
-"""The ``kvpeer`` command: ``serve``, ``bench``, ``check-config``, ``demo``, ``fuzz``.
+"""The ``kvpeer`` command: ``serve``, ``router``, ``bench``, ``check-config``, ``demo``, ``fuzz``.
 
 This module (with the vLLM adapter) is the only place that reads argv and
 environment variables.
@@ -157,6 +157,25 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    from kvpeer.router import app, config
+
+    ready = Path(args.ready_file) if args.ready_file else None
+    return app.run(config.from_args(args), ready_file=ready)
+
+
+def _cmd_bench_router(args: argparse.Namespace) -> int:
+    from kvpeer.router import bench
+
+    def progress(message: str) -> None:
+        print(f"kvpeer bench router: {message}", file=sys.stderr, flush=True)
+
+    spec = bench.RouterBenchSpec.from_args(args)
+    result = bench.run(spec, progress)
+    print(json.dumps(result) if args.json else bench.render(result))
+    return 0
+
+
 def _cmd_bench_tier(args: argparse.Namespace) -> int:
     from kvpeer.bench import tier
 
@@ -297,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--metrics-url", help="the /metrics URL (kvpeer serve or vLLM)")
     stats.set_defaults(func=_cmd_stats)
 
+    from kvpeer.router.config import add_arguments as add_router_arguments
+
+    router = commands.add_parser(
+        "router", help="OpenAI-compatible HTTP router in front of vLLM engines (pd or shared)"
+    )
+    add_router_arguments(router)
+    router.set_defaults(func=_cmd_router)
+
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
     benches = bench.add_subparsers(dest="bench", required=True)
     tier = benches.add_parser("tier", help="tier step overhead and memory (in memory)")
@@ -325,6 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
     idle.add_argument("--log-dir", help="keep the engines' logs here")
     idle.add_argument("--json", action="store_true", help="print one JSON object")
     idle.set_defaults(func=_cmd_bench_idle)
+
+    from kvpeer.router.bench import add_arguments as add_bench_router_arguments
+
+    bench_router = benches.add_parser(
+        "router", help="router overhead: added latency and requests/s vs a direct baseline"
+    )
+    add_bench_router_arguments(bench_router)
+    bench_router.set_defaults(func=_cmd_bench_router)
 
     check = commands.add_parser(
         "check-config",

@@ -1,0 +1,740 @@
+"""The router's HTTP edge: an aiohttp server in front of vLLM OpenAI servers.
+
+Per generation request (``/v1/completions``, ``/v1/chat/completions``):
+
+1. Parse the body, strip what a client may not set (:func:`params.sanitize`), take the
+   prompt's token ids (given, or one ``/tokenize`` call; on any failure route by load).
+2. Ask the policy for a :class:`Plan` over the healthy engines. A policy that raises or
+   names an engine it may not use costs the request nothing: the edge falls back to
+   :class:`LoadOnlyPolicy` (or drops the invalid source / prefill engine).
+3. PD: run the prefill leg to completion; if it fails the request goes on decode-only
+   (counted as a fallback), never to a client error.
+4. Send the serving leg. Before the client's first byte — connect errors, 5xx, a hang
+   past ``read_timeout_s``, a stream that ends before its first event — the request is
+   retried on another healthy engine, at most ``retries`` times. After the first byte
+   nothing is retried: an engine that dies mid-stream ends the client's stream with an
+   SSE error event, and the connection closes. 4xx answers pass through unchanged.
+5. Stream events go to the client as they arrive; usage is read on the way (and the
+   usage chunk the router asked for is dropped), then the policy hears the outcome.
+
+Load (requests in flight, prompt tokens whose first byte is not back) is counted here,
+per engine, and handed to the policy with every plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpeer.router import params
+from kvpeer.router.config import EngineEntry, RouterConfig
+from kvpeer.router.health import EngineHealth
+from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
+from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
+
+__all__ = ["Router", "RouterStatistics", "bind", "run", "serve", "write_ready_file"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvpeer_router_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FORWARDED_HEADERS = ("Authorization",)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound TCP socket; port 0 picks a free port, read back with ``getsockname``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def write_ready_file(path: Path, text: str) -> None:
+    """Write atomically, so a poller never reads half a URL."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
+
+
+class _BeforeFirstByte(Exception):
+    """The serving leg failed before anything reached the client: it may be retried."""
+
+    def __init__(self, reason: str, status: int | None = None, body: bytes = b"",
+                 content_type: str = "application/json") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+def _reason(exc: BaseException) -> str:
+    """One engine-free word for an aiohttp failure (a metric label)."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
+        return "disconnect"
+    return "connection"
+
+
+@dataclass(slots=True)
+class _Load:
+    in_flight: int = 0
+    queued_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    request_id: str  # also the kv_request_id both PD legs carry
+    path: str
+    chat: bool
+    body: dict[str, Any]
+    tokens: list[int]
+    stream: bool
+    started: float
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStatistics:
+    requests: int
+    retries: int
+    prefill_fallbacks: int
+    policy_errors: int
+    stripped_client_params: int
+    in_flight: Mapping[str, int]
+
+
+class _Metrics:
+    """``kvpeer_router_*`` in a private registry (nothing global)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        self.requests = counter("requests", "Client requests by mode and outcome",
+                                ["mode", "outcome"])
+        self.retries = counter("retries", "Serving legs re-sent to another engine")
+        self.fallbacks = counter("fallbacks", "PD prefill legs that failed: decode-only")
+        self.upstream_errors = counter("upstream_errors", "Failed engine calls by reason",
+                                       ["reason"])
+        self.stripped = counter("client_kv_params_stripped",
+                                "Client requests that carried routing fields (removed)")
+        self.tokenize_failures = counter("tokenize_failures",
+                                         "Prompts routed by load because /tokenize failed")
+        self.policy_errors = counter("policy_errors", "Plans replaced by load-only", ["kind"])
+        self.restarts = counter("engine_restarts", "Engines seen down then up again")
+        self.predicted_cached = counter(
+            "predicted_cached_tokens", "Cached prompt tokens the plan predicted "
+            "(requests whose engine reported cached_tokens)")
+        self.actual_cached = counter("actual_cached_tokens",
+                                     "Cached prompt tokens the engine reported")
+        self.duration = Histogram(PREFIX + "request_duration_seconds",
+                                  "Client request duration", ["mode"],
+                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(PREFIX + "ttft_seconds",
+                              "Client request arrival to first byte sent to it", ["mode"],
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.prefill_leg = Histogram(PREFIX + "prefill_leg_seconds",
+                                     "PD prefill leg duration (successful legs)",
+                                     buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class _LiveCollector(Collector):
+    """Gauges read at scrape time: engine health, in-flight load, the policy's own stats."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        up = GaugeMetricFamily(PREFIX + "engine_up", "1 if the engine is routable",
+                               labels=["engine"])
+        flight = GaugeMetricFamily(PREFIX + "in_flight", "Requests sent and not finished",
+                                   labels=["engine"])
+        for entry in router.config.engines:
+            up.add_metric([entry.name], float(router.health.healthy(entry.name)))
+            flight.add_metric([entry.name], float(router.load_of(entry.name).in_flight))
+        yield up
+        yield flight
+        yield GaugeMetricFamily(PREFIX + "engines_healthy", "Routable engines",
+                                value=float(len(router.health.statistics().up)))
+        for key, value in _policy_numbers(router.policy).items():
+            yield GaugeMetricFamily(PREFIX + "policy_" + key, f"policy statistic {key}",
+                                    value=value)
+
+
+def _policy_numbers(policy: object) -> dict[str, float]:
+    """Numeric fields of ``policy.stats()`` (or ``statistics()``), if it offers either."""
+    method = getattr(policy, "stats", None) or getattr(policy, "statistics", None)
+    if not callable(method):
+        return {}
+    try:
+        stats = method()
+    except Exception:
+        log.exception("policy statistics failed")
+        return {}
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        items: Mapping[str, object] = dataclasses.asdict(stats)
+    elif isinstance(stats, Mapping):
+        items = stats
+    else:
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in items.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and str(k).isidentifier()
+    }
+
+
+class Router:
+    """One router: its aiohttp app, client session, health loop and metrics."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        policy: Policy | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config
+        self._fallback = LoadOnlyPolicy(config.specs, config.mode)
+        self.policy: Policy = policy if policy is not None else self._fallback
+        self.registry = registry or CollectorRegistry()
+        self._metrics = _Metrics(self.registry)
+        self.registry.register(_LiveCollector(self))
+        self.health = EngineHealth(
+            config.engines,
+            self._on_restart,
+            interval_s=config.health_interval_s,
+            timeout_s=config.health_timeout_s,
+        )
+        self._loads = {entry.name: _Load() for entry in config.engines}
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=config.connect_timeout_s,
+            sock_read=config.read_timeout_s,
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._counts = {"requests": 0, "retries": 0, "fallbacks": 0, "policy_errors": 0,
+                        "stripped": 0}
+        self.url = ""
+        app = web.Application(client_max_size=config.max_body_bytes)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics_page)
+        self.app = app
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self, host: str | None = None, port: int | None = None) -> str:
+        """Check every engine once, then listen; returns ``http://host:port``."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=self._timeout,
+        )
+        await self.health.check_once(self._session)
+        self._health_task = asyncio.create_task(self.health.run(self._session))
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        host = self.config.listen_host if host is None else host
+        sock = bind(host, self.config.listen_port if port is None else port)
+        await web.SockSite(self._runner, sock).start()
+        bound = sock.getsockname()[1]
+        self.url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Router.start() first"
+        return self._session
+
+    def load_of(self, name: str) -> _Load:
+        return self._loads[name]
+
+    def statistics(self) -> RouterStatistics:
+        c = self._counts
+        return RouterStatistics(
+            c["requests"], c["retries"], c["fallbacks"], c["policy_errors"], c["stripped"],
+            {name: load.in_flight for name, load in self._loads.items()},
+        )
+
+    # -- the policy, guarded ---------------------------------------------------------
+
+    def _on_restart(self, name: str) -> None:
+        self._metrics.restarts.inc()
+        try:
+            self.policy.on_engine_restart(name, time.monotonic())
+        except Exception:
+            log.exception("policy.on_engine_restart(%s) failed", name)
+
+    def _policy_error(self, kind: str) -> None:
+        self._counts["policy_errors"] += 1
+        self._metrics.policy_errors.labels(kind).inc()
+
+    def _plan(self, ctx: _Request, exclude: set[str]) -> Plan | None:
+        """A valid plan over healthy engines not in ``exclude``, or None if none can serve."""
+        loads = {
+            name: EngineLoad(
+                healthy=name not in exclude and self.health.healthy(name),
+                in_flight=load.in_flight,
+                queued_prompt_tokens=load.queued_prompt_tokens,
+            )
+            for name, load in self._loads.items()
+        }
+        pd = self.config.mode is Mode.PD
+        servers = [e.name for e in self.config.engines
+                   if loads[e.name].healthy and (not pd or e.spec.role in DECODE_ROLES)]
+        if not servers:
+            return None
+        now = time.monotonic()
+        try:
+            plan = self.policy.plan(ctx.request_id, ctx.tokens, loads, now)
+        except Exception:
+            log.exception("policy.plan failed for %s: routing by load", ctx.request_id)
+            self._policy_error("raised")
+            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now)
+        if plan.engine not in servers:
+            log.warning("plan for %s names %r, not a healthy serving engine: load only",
+                        ctx.request_id, plan.engine)
+            self._policy_error("invalid_engine")
+            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now)
+        other = plan.prefill_engine if pd else plan.source
+        if other is not None and not (
+            self.config.has(other)
+            and loads[other].healthy
+            and other != plan.engine
+            and (not pd or self.config.entry(other).spec.role in PREFILL_ROLES)
+        ):
+            log.warning("plan for %s names %r as its %s: dropped", ctx.request_id, other,
+                        "prefill engine" if pd else "source")
+            self._policy_error("invalid_peer")
+            plan = replace(plan, prefill_engine=None, source=None)
+        return replace(plan, source=None) if pd else replace(plan, prefill_engine=None)
+
+    def _sent(self, ctx: _Request, plan: Plan) -> None:
+        try:
+            self.policy.on_sent(ctx.request_id, plan, ctx.tokens, time.monotonic())
+        except Exception:
+            log.exception("policy.on_sent failed")
+
+    def _outcome(self, outcome: Outcome) -> None:
+        try:
+            self.policy.on_outcome(outcome, time.monotonic())
+        except Exception:
+            log.exception("policy.on_outcome failed")
+
+    # -- handlers --------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        stats = self.health.statistics()
+        status = 200 if stats.up else 503
+        return web.json_response(
+            {"status": "ok" if stats.up else "no healthy engine", "up": list(stats.up),
+             "down": list(stats.down)}, status=status)
+
+    async def _metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s * 5)
+        for entry in self.config.engines:
+            if not self.health.healthy(entry.name):
+                continue
+            try:
+                async with self.session.get(f"{entry.spec.url}/v1/models", timeout=timeout,
+                                            headers=self._headers(entry, request)) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        return web.Response(body=body, status=200,
+                                            content_type="application/json")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self._metrics.upstream_errors.labels(_reason(exc)).inc()
+        return _error(503, "no healthy engine answered /v1/models", "service_unavailable")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, chat=False)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, chat=True)
+
+    def _headers(self, entry: EngineEntry, request: web.Request | None = None,
+                 request_id: str | None = None) -> dict[str, str]:
+        headers = entry.headers()
+        if request is not None:
+            headers.update({k: request.headers[k] for k in FORWARDED_HEADERS
+                            if k in request.headers})
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        return headers
+
+    async def _generation(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        mode = self.config.mode.value
+        self._counts["requests"] += 1
+        outcome = "cancelled"
+        try:
+            try:
+                raw = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                outcome = "bad_request"
+                return _error(400, "request body is not JSON", "invalid_request_error")
+            if not isinstance(raw, dict):
+                outcome = "bad_request"
+                return _error(400, "request body is not a JSON object", "invalid_request_error")
+            body, removed = params.sanitize(raw)
+            if removed:
+                self._counts["stripped"] += 1
+                self._metrics.stripped.inc()
+                # info, not warning: a client must not be able to flood the log
+                log.info("client request carried %s: removed (the router owns them)",
+                         ", ".join(removed))
+            tokens = params.prompt_token_ids(body, chat=chat)
+            if tokens is None:
+                tokens = await self._tokenize(request, body, chat=chat)
+            ctx = _Request(
+                request_id=uuid.uuid4().hex,
+                path="/v1/chat/completions" if chat else "/v1/completions",
+                chat=chat,
+                body=body,
+                tokens=tokens,
+                stream=body.get("stream") is True,
+                started=started,
+                headers={k: request.headers[k] for k in FORWARDED_HEADERS
+                         if k in request.headers},
+            )
+            response, outcome = await self._route(request, ctx)
+            return response
+        finally:
+            self._metrics.requests.labels(mode, outcome).inc()
+            self._metrics.duration.labels(mode).observe(time.monotonic() - started)
+
+    async def _tokenize(self, request: web.Request, body: Mapping[str, Any], *,
+                        chat: bool) -> list[int]:
+        """The prompt's token ids from the least-loaded healthy engine, or [] (load only)."""
+        query = params.tokenize_body(body, chat=chat) if self.config.tokenize else None
+        healthy = [e for e in self.config.engines if self.health.healthy(e.name)]
+        if query is None or not healthy:
+            return []
+        entry = min(healthy, key=lambda e: (self._loads[e.name].in_flight,
+                                            self._loads[e.name].queued_prompt_tokens))
+        try:
+            async with self.session.post(
+                f"{entry.spec.url}/tokenize", json=query,
+                headers=self._headers(entry, request),
+                timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout_s),
+            ) as resp:
+                document = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.info("tokenize on %s failed (%s): routing by load", entry.name, exc)
+            document = None
+        tokens = document.get("tokens") if isinstance(document, dict) else None
+        if isinstance(tokens, list) and all(type(t) is int for t in tokens):
+            return tokens
+        self._metrics.tokenize_failures.inc()
+        return []
+
+    # -- routing ---------------------------------------------------------------------
+
+    async def _route(self, request: web.Request, ctx: _Request) -> tuple[web.StreamResponse, str]:
+        tried: set[str] = set()
+        plan = self._plan(ctx, tried)
+        if plan is None:
+            return _error(503, "no healthy engine", "service_unavailable"), "unavailable"
+        prefill: EngineSpec | None = None
+        prefill_s: float | None = None
+        if plan.prefill_engine is not None:
+            prefill, prefill_s = await self._prefill_leg(request, ctx, plan.prefill_engine)
+        failure: _BeforeFirstByte | None = None
+        for attempt in range(self.config.retries + 1):
+            if attempt:
+                replanned = self._plan(ctx, tried)
+                if replanned is None:
+                    break
+                # PD: the prefill leg already ran (or failed); the retry's plan says so
+                plan = replace(replanned, prefill_engine=prefill.name if prefill else None)
+                self._counts["retries"] += 1
+                self._metrics.retries.inc()
+            entry = self.config.entry(plan.engine)
+            if self.config.mode is Mode.PD:
+                named = prefill if prefill is not None and prefill.name != entry.name else None
+                leg = params.decode_leg(ctx.body, ctx.request_id, named)
+            else:
+                source = self.config.entry(plan.source).spec if plan.source else None
+                leg = params.shared_leg(ctx.body, ctx.request_id, source)
+            self._sent(ctx, plan)
+            try:
+                return await self._forward(request, ctx, entry, leg, plan, prefill_s)
+            except _BeforeFirstByte as exc:
+                failure = exc
+                tried.add(entry.name)
+                self._metrics.upstream_errors.labels(exc.reason).inc()
+                log.warning("request %s on %s failed before its first byte: %s",
+                            ctx.request_id, entry.name, exc.reason)
+        if failure is not None and failure.status is not None:
+            return web.Response(body=failure.body, status=failure.status,
+                                content_type=failure.content_type), "upstream_error"
+        if failure is None:
+            return _error(503, "no healthy engine", "service_unavailable"), "unavailable"
+        return _error(502, f"engines failed: {failure.reason}", "upstream_error"), "upstream_error"
+
+    async def _prefill_leg(self, request: web.Request, ctx: _Request,
+                           name: str) -> tuple[EngineSpec | None, float | None]:
+        """Run the producer leg to completion; (its engine, seconds) or (None, None)."""
+        entry = self.config.entry(name)
+        leg = params.prefill_leg(ctx.body, ctx.request_id, chat=ctx.chat)
+        load = self._loads[name]
+        load.in_flight += 1
+        load.queued_prompt_tokens += len(ctx.tokens)
+        sent = time.monotonic()
+        try:
+            async with self.session.post(
+                entry.spec.url + ctx.path, json=leg,
+                headers=self._headers(entry, request, ctx.request_id),
+            ) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    elapsed = time.monotonic() - sent
+                    self._metrics.prefill_leg.observe(elapsed)
+                    return entry.spec, elapsed
+                reason = f"status_{resp.status // 100}xx"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            reason = _reason(exc)
+            if reason == "connect":
+                self.health.mark_down(name, str(exc))
+        finally:
+            load.in_flight -= 1
+            load.queued_prompt_tokens -= len(ctx.tokens)
+        self._metrics.upstream_errors.labels(reason).inc()
+        self._metrics.fallbacks.inc()
+        self._counts["fallbacks"] += 1
+        log.warning("request %s: prefill leg on %s failed (%s): decode-only",
+                    ctx.request_id, name, reason)
+        return None, None
+
+    async def _forward(self, request: web.Request, ctx: _Request, entry: EngineEntry,
+                       leg: dict[str, Any], plan: Plan,
+                       prefill_s: float | None) -> tuple[web.StreamResponse, str]:
+        """Send the serving leg and answer the client from it.
+
+        Raises :class:`_BeforeFirstByte` while nothing has been sent to the client.
+        """
+        leg, strip_usage = params.want_usage(leg)
+        load = self._loads[entry.name]
+        load.in_flight += 1
+        load.queued_prompt_tokens += len(ctx.tokens)
+        queued = True
+        sent = time.monotonic()
+        ok = False
+        usage: params.Usage | None = None
+        ttft: float | None = None
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                upstream = await self.session.post(
+                    entry.spec.url + ctx.path, json=leg,
+                    headers=self._headers(entry, request, ctx.request_id),
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    self.health.mark_down(entry.name, str(exc))
+                raise _BeforeFirstByte(_reason(exc)) from exc
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            if upstream.status >= 500:
+                raise _BeforeFirstByte(f"status_{upstream.status // 100}xx", upstream.status,
+                                       await _read_quietly(upstream),
+                                       content_type.split(";")[0])
+            if not ctx.stream or upstream.status != 200 or "event-stream" not in content_type:
+                try:
+                    data = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise _BeforeFirstByte(_reason(exc)) from exc
+                ok = upstream.status == 200
+                if ok:
+                    try:
+                        usage = params.read_usage(json.loads(data))
+                    except ValueError:
+                        usage = None
+                self._metrics.ttft.labels(self.config.mode.value).observe(
+                    time.monotonic() - ctx.started)
+                response = web.Response(body=data, status=upstream.status,
+                                        content_type=content_type.split(";")[0])
+                return response, "ok" if ok else "client_error"
+            stream = params.StreamFilter(strip_usage=strip_usage)
+            first = b""
+            try:
+                while not first:
+                    chunk = await upstream.content.readany()
+                    if not chunk:
+                        first = stream.flush()
+                        break
+                    first = stream.feed(chunk)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _BeforeFirstByte(_reason(exc)) from exc
+            if not first:
+                raise _BeforeFirstByte("empty_stream")
+            client = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                 "Cache-Control": "no-cache",
+                                                 "X-Kvpeer-Request-Id": ctx.request_id})
+            try:
+                await client.prepare(request)
+                await client.write(first)
+                now = time.monotonic()
+                ttft = now - sent
+                self._metrics.ttft.labels(self.config.mode.value).observe(now - ctx.started)
+                load.queued_prompt_tokens -= len(ctx.tokens)
+                queued = False
+                failed = await self._relay(upstream, client, stream)
+            except ConnectionResetError:
+                log.info("request %s: the client went away mid-stream", ctx.request_id)
+                return client, "client_gone"
+            usage = stream.usage
+            if failed is not None:
+                self._metrics.upstream_errors.labels(failed).inc()
+                log.warning("request %s: %s died mid-stream (%s)", ctx.request_id, entry.name,
+                            failed)
+                message = {"error": {"message": f"engine failed mid-stream: {failed}",
+                                     "type": "upstream_error", "code": 502}}
+                await client.write(f"data: {json.dumps(message)}\n\n".encode())
+                await client.write_eof()
+                return client, "stream_error"
+            ok = True
+            await client.write_eof()
+            return client, "ok"
+        finally:
+            if upstream is not None:
+                if not ok:
+                    upstream.close()  # never hand a half-read connection back to the pool
+                upstream.release()
+            load.in_flight -= 1
+            if queued:
+                load.queued_prompt_tokens -= len(ctx.tokens)
+            self._finished(ctx, entry, plan, ok, usage, ttft, prefill_s)
+
+    async def _relay(self, upstream: aiohttp.ClientResponse, client: web.StreamResponse,
+                     stream: params.StreamFilter) -> str | None:
+        """Copy the rest of the stream; the engine-side failure reason, or None at its end.
+
+        A client that went away raises out of ``client.write`` (ConnectionResetError).
+        """
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return _reason(exc)
+            if not chunk:
+                tail = stream.flush()
+                if tail:
+                    await client.write(tail)
+                return None
+            out = stream.feed(chunk)
+            if out:
+                await client.write(out)
+
+    def _finished(self, ctx: _Request, entry: EngineEntry, plan: Plan, ok: bool,
+                  usage: params.Usage | None, ttft: float | None,
+                  prefill_s: float | None) -> None:
+        cached = usage.cached_tokens if usage is not None else None
+        prompt = usage.prompt_tokens if usage is not None and usage.prompt_tokens else None
+        if ok and cached is not None:
+            self._metrics.predicted_cached.inc(plan.predicted_cached_tokens)
+            self._metrics.actual_cached.inc(cached)
+        self._outcome(Outcome(
+            request_id=ctx.request_id,
+            engine=entry.name,
+            ok=ok,
+            prompt_tokens=prompt if prompt is not None else len(ctx.tokens),
+            cached_tokens=cached,
+            ttft_s=ttft,
+            prefill_leg_s=prefill_s,
+        ))
+
+
+async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    except (aiohttp.ClientError, TimeoutError):
+        return b""
+
+
+async def serve(
+    config: RouterConfig,
+    policy: Policy | None = None,
+    ready_file: Path | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run until SIGINT/SIGTERM (or ``stop``), then close cleanly."""
+    router = Router(config, policy)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        url = await router.start()
+        log.warning("kvpeer router (%s mode, %d engines) on %s", config.mode.value,
+                    len(config.engines), url)
+        if ready_file is not None:
+            write_ready_file(ready_file, url)
+        await stop.wait()
+    finally:
+        await router.stop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def run(config: RouterConfig, ready_file: Path | None = None) -> int:
+    """Serve until a signal; on uvloop when it is installed (vLLM ships it): the edge is
+    event-loop bound, and uvloop cuts its per-request cost."""
+    try:
+        import uvloop
+
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config, ready_file=ready_file))
+    return 0

@@ -1,0 +1,369 @@
+"""The router's configuration: one frozen object, built and validated in one place.
+
+It comes from a TOML file (``mode``, ``listen``, timeouts, ``[[engine]]`` tables) and/or
+command-line flags (``--engine NAME=URL,peer=H:P,role=...``); flags override the file's
+scalars and add engines. Every bad value raises one :class:`~kvpeer.errors.ConfigError`
+naming where it came from, the key and the value, because an operator reading a
+half-applied config at 3 a.m. needs the line, not a traceback.
+
+An engine table with ``dp_size = N`` expands to N :class:`EngineEntry` s, one per
+data-parallel rank, named ``NAME-dpR``, whose kvpeer peer port is ``peer port + R`` (the
+tier binds port + DP rank). ``url`` is either one URL for all ranks (vLLM's single API
+server; the router then names the rank in the ``X-data-parallel-rank`` header) or a list
+of one URL per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvpeer.errors import ConfigError
+from kvpeer.router.policy import EngineSpec, Mode, Role
+
+__all__ = [
+    "EngineEntry",
+    "RouterConfig",
+    "add_arguments",
+    "from_args",
+    "from_mapping",
+    "load_file",
+    "parse_engine_flag",
+    "parse_host_port",
+]
+
+ENGINE_KEYS = frozenset(
+    {"name", "url", "peer", "role", "kv_events", "kv_events_replay", "dp_size"}
+)
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEntry:
+    """One routable engine (one DP rank) and how to address it over HTTP."""
+
+    spec: EngineSpec
+    dp_rank: int | None = None  # sent as X-data-parallel-rank: one URL serves several ranks
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def headers(self) -> dict[str, str]:
+        """Headers every request to this engine carries (the DP rank, if shared URL)."""
+        return {} if self.dp_rank is None else {DP_RANK_HEADER: str(self.dp_rank)}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything ``kvpeer router`` needs; validated on construction."""
+
+    mode: Mode
+    engines: tuple[EngineEntry, ...]
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8000
+    retries: int = 2  # extra attempts on another engine, only before the client's first byte
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 600.0  # longest silence from an engine (a non-streamed answer
+    # arrives whole, so this bounds a whole generation)
+    tokenize: bool = True  # ask an engine's /tokenize for text prompts
+    tokenize_timeout_s: float = 5.0
+    max_body_bytes: int = 64 << 20
+    _by_name: dict[str, EngineEntry] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        object.__setattr__(self, "_by_name", {e.name: e for e in self.engines})
+
+    @property
+    def specs(self) -> tuple[EngineSpec, ...]:
+        return tuple(entry.spec for entry in self.engines)
+
+    def entry(self, name: str) -> EngineEntry:
+        return self._by_name[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._by_name
+
+
+SCALARS: dict[str, type] = {
+    "retries": int,
+    "health_interval_s": float,
+    "health_timeout_s": float,
+    "connect_timeout_s": float,
+    "read_timeout_s": float,
+    "tokenize": bool,
+    "tokenize_timeout_s": float,
+    "max_body_bytes": int,
+}
+
+
+def _validate(config: RouterConfig) -> None:
+    if not isinstance(config.mode, Mode):
+        raise ConfigError(f"mode: {config.mode!r} is not one of pd, shared")
+    _check_port("listen", config.listen_port, allow_zero=True)
+    if config.retries < 0 or config.retries > 10:
+        raise ConfigError(f"retries: {config.retries!r} must be within 0..10")
+    for key in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
+                "read_timeout_s", "tokenize_timeout_s"):
+        value = getattr(config, key)
+        if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{key}: {value!r} must be a positive number of seconds")
+    if config.max_body_bytes < 1024:
+        raise ConfigError(f"max_body_bytes: {config.max_body_bytes!r} is below 1024")
+    if not config.engines:
+        raise ConfigError("no engines: give [[engine]] tables or --engine NAME=URL,peer=H:P")
+    names: set[str] = set()
+    peers: dict[str, str] = {}
+    targets: dict[tuple[str, int | None], str] = {}
+    for entry in config.engines:
+        spec = entry.spec
+        if spec.name in names:
+            raise ConfigError(f"engine {spec.name!r}: duplicate engine name")
+        names.add(spec.name)
+        if spec.peer in peers:
+            raise ConfigError(
+                f"engine {spec.name!r}: peer {spec.peer} is also engine {peers[spec.peer]!r}"
+            )
+        peers[spec.peer] = spec.name
+        target = (spec.url, entry.dp_rank)
+        if target in targets:
+            raise ConfigError(
+                f"engine {spec.name!r}: url {spec.url} is also engine {targets[target]!r}"
+            )
+        targets[target] = spec.name
+        if config.mode is Mode.SHARED and spec.role is not Role.BOTH:
+            raise ConfigError(
+                f"engine {spec.name!r}: role {spec.role.value!r} means nothing in shared "
+                "mode (every engine serves whole requests); drop it or use mode = \"pd\""
+            )
+    if config.mode is Mode.PD:
+        prefill = [e.name for e in config.engines if e.spec.role in (Role.PREFILL, Role.BOTH)]
+        decode = [e.name for e in config.engines if e.spec.role in (Role.DECODE, Role.BOTH)]
+        if not prefill or not decode or len(config.engines) < 2:
+            raise ConfigError(
+                "mode pd needs at least one prefill-capable and one decode-capable engine "
+                f"on two engines (prefill: {prefill or 'none'}, decode: {decode or 'none'})"
+            )
+
+
+def _check_port(where: str, port: int, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= 65535:
+        raise ConfigError(f"{where}: port {port!r} out of range {low}..65535")
+
+
+def parse_host_port(where: str, text: object, *, allow_zero: bool = False) -> tuple[str, int]:
+    """``"host:port"`` / ``"[v6]:port"`` -> (host, port); errors name ``where``."""
+    if not isinstance(text, str) or ":" not in text:
+        raise ConfigError(f"{where}: {text!r} is not host:port")
+    host, _, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or any(c.isspace() for c in host):
+        raise ConfigError(f"{where}: {text!r} has no host")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"{where}: {text!r}: port {port_text!r} is not a number") from None
+    _check_port(f"{where} {text!r}", port, allow_zero=allow_zero)
+    return host, port
+
+
+def _check_url(where: str, url: object) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}: url {url!r} is not a string")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{where}: url {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}: url {url!r} is not an http(s)://host[:port] URL")
+    if port == 0:
+        raise ConfigError(f"{where}: url {url!r}: port out of range 1..65535")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{where}: url {url!r} must be the server's root, without a path")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _number(where: str, value: object, kind: type) -> Any:
+    """A number, also from a string ("180"); booleans are not numbers."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: {value!r} is not true/false")
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: {value!r} is not a number")
+    try:
+        number = kind(value) if isinstance(value, str | int | float) else None
+    except ValueError:
+        number = None
+    if number is None or (kind is int and isinstance(value, float) and value != number):
+        noun = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{where}: {value!r} is not {noun}")
+    return number
+
+
+def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
+    unknown = sorted(set(table) - ENGINE_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(ENGINE_KEYS)}")
+    name = table.get("name")
+    if not isinstance(name, str) or not name or any(c.isspace() or c in "=,\"" for c in name):
+        raise ConfigError(f"{where}: name {name!r} must be a non-empty word")
+    where = f"engine {name!r}"
+    for key in ("url", "peer"):
+        if key not in table:
+            raise ConfigError(f"{where}: {key} is missing")
+    dp_size = _number(f"{where}: dp_size", table.get("dp_size", 1), int)
+    if not 1 <= dp_size <= 1024:
+        raise ConfigError(f"{where}: dp_size {dp_size!r} must be within 1..1024")
+    raw_urls = table["url"]
+    if isinstance(raw_urls, list):
+        if len(raw_urls) != dp_size:
+            raise ConfigError(
+                f"{where}: url lists {len(raw_urls)} URLs but dp_size is {dp_size} "
+                "(one URL per rank, or one URL for all)"
+            )
+        urls = [_check_url(where, url) for url in raw_urls]
+        shared_url = False
+    else:
+        urls = [_check_url(where, raw_urls)] * dp_size
+        shared_url = dp_size > 1
+    host, port = parse_host_port(f"{where}: peer", table["peer"])
+    if port + dp_size - 1 > 65535:
+        raise ConfigError(
+            f"{where}: peer port {port} + dp_size {dp_size} - 1 is beyond 65535"
+        )
+    role_text = table.get("role", Role.BOTH.value)
+    try:
+        role = Role(role_text)
+    except ValueError:
+        raise ConfigError(
+            f"{where}: role {role_text!r} is not one of {[r.value for r in Role]}"
+        ) from None
+    kv_events = table.get("kv_events")
+    replay = table.get("kv_events_replay")
+    for key, value in (("kv_events", kv_events), ("kv_events_replay", replay)):
+        if value is not None and not (isinstance(value, str) and "://" in value):
+            raise ConfigError(f"{where}: {key} {value!r} is not an endpoint like tcp://h:p")
+    entries = []
+    for rank in range(dp_size):
+        spec = EngineSpec(
+            name=name if dp_size == 1 else f"{name}-dp{rank}",
+            url=urls[rank],
+            peer_host=host,
+            peer_port=port + rank,
+            role=role,
+            kv_events=kv_events,
+            kv_events_replay=replay,
+        )
+        entries.append(EngineEntry(spec, rank if shared_url else None))
+    return entries
+
+
+def parse_engine_flag(text: str) -> dict[str, Any]:
+    """``NAME=URL,peer=H:P[,role=R][,dp_size=N][,kv_events=E]`` -> an engine table."""
+    head, _, rest = text.partition(",")
+    name, eq, url = head.partition("=")
+    if not eq or not name or not url:
+        raise ConfigError(f"--engine {text!r}: expected NAME=URL,peer=HOST:PORT[,role=...]")
+    table: dict[str, Any] = {"name": name.strip(), "url": url.strip()}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--engine {text!r}: {item!r} is not key=value")
+        if key in table:
+            raise ConfigError(f"--engine {text!r}: {key} given twice")
+        table[key.strip()] = value.strip()
+    return table
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def from_mapping(
+    mapping: Mapping[str, Any],
+    source: str = "config",
+    extra_engines: Sequence[Mapping[str, Any]] = (),
+) -> RouterConfig:
+    """Build from a parsed TOML document (plus engine tables from flags)."""
+    known = {"mode", "listen", "engine", *SCALARS}
+    unknown = sorted(set(mapping) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {unknown}; known: {sorted(known)}")
+    mode_text = mapping.get("mode", Mode.SHARED.value)
+    try:
+        mode = Mode(mode_text)
+    except ValueError:
+        raise ConfigError(f"{source}: mode {mode_text!r} is not one of pd, shared") from None
+    host, port = parse_host_port(
+        f"{source}: listen", mapping.get("listen", "127.0.0.1:8000"), allow_zero=True
+    )
+    tables = mapping.get("engine", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"{source}: engine must be [[engine]] tables")
+    engines: list[EngineEntry] = []
+    for index, table in enumerate([*tables, *extra_engines]):
+        engines.extend(_engine_entries(f"{source}: engine #{index + 1}", table))
+    scalars = {
+        key: _number(f"{source}: {key}", mapping[key], kind)
+        for key, kind in SCALARS.items()
+        if key in mapping
+    }
+    return RouterConfig(
+        mode=mode, engines=tuple(engines), listen_host=host, listen_port=port, **scalars
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``kvpeer router`` flags; each overrides the config file's value."""
+    parser.add_argument("--config", help="TOML file: mode, listen, [[engine]] tables, timeouts")
+    parser.add_argument("--mode", choices=[m.value for m in Mode], help="pd or shared")
+    parser.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8000)")
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        help="NAME=URL,peer=HOST:PORT[,role=prefill|decode|both][,dp_size=N]"
+        "[,kv_events=tcp://H:P] (repeatable; adds to the file's engines)",
+    )
+    parser.add_argument("--retries", help="attempts on another engine before the first byte")
+    parser.add_argument("--health-interval", dest="health_interval_s", help="seconds")
+    parser.add_argument("--health-timeout", dest="health_timeout_s", help="seconds")
+    parser.add_argument("--read-timeout", dest="read_timeout_s", help="seconds")
+    parser.add_argument(
+        "--no-tokenize", action="store_true", help="never call /tokenize (text prompts: load only)"
+    )
+    parser.add_argument("--ready-file", help="write http://HOST:PORT here once listening")
+
+
+def from_args(args: argparse.Namespace) -> RouterConfig:
+    mapping: dict[str, Any] = load_file(Path(args.config)) if args.config else {}
+    source = args.config or "flags"
+    for key in ("mode", "listen", "retries", "health_interval_s", "health_timeout_s",
+                "read_timeout_s"):
+        value = getattr(args, key, None)
+        if value is not None:
+            mapping[key] = value
+    if args.no_tokenize:
+        mapping["tokenize"] = False
+    flags = [parse_engine_flag(text) for text in args.engine]
+    return from_mapping(mapping, source, flags)
+

@@ -1,0 +1,136 @@
+"""Router configuration: TOML and flags in, one validated object or one clear error out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpeer.cli import build_parser
+from kvpeer.errors import ConfigError
+from kvpeer.router.config import from_args, from_mapping, parse_engine_flag
+from kvpeer.router.policy import Mode, Role
+
+TOML = """
+mode = "pd"
+listen = "0.0.0.0:9000"
+retries = 1
+health_interval_s = "0.5"
+
+[[engine]]
+name = "prefill"
+url = "http://10.1.0.1:8100"
+peer = "10.1.0.1:5710"
+role = "prefill"
+kv_events = "tcp://10.1.0.1:5557"
+
+[[engine]]
+name = "decode"
+url = ["http://10.1.0.2:8100", "http://10.1.0.2:8101"]
+peer = "10.1.0.2:5710"
+role = "decode"
+dp_size = 2
+"""
+
+
+def engines(*tables: dict[str, Any]) -> dict[str, Any]:
+    return {"mode": "shared", "engine": list(tables)}
+
+
+def engine(name: str = "e0", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "url": "http://127.0.0.1:8100", "peer": "127.0.0.1:5710", **extra}
+
+
+def test_toml_file_with_dp_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(TOML)
+    config = from_args(build_parser().parse_args(["router", "--config", str(path)]))
+    assert config.mode is Mode.PD
+    assert (config.listen_host, config.listen_port) == ("0.0.0.0", 9000)
+    assert config.retries == 1
+    assert config.health_interval_s == 0.5
+    assert [e.name for e in config.engines] == ["prefill", "decode-dp0", "decode-dp1"]
+    decode1 = config.entry("decode-dp1")
+    assert decode1.spec.url == "http://10.1.0.2:8101"
+    assert decode1.spec.peer == "10.1.0.2:5711"
+    assert decode1.spec.role is Role.DECODE
+    assert decode1.headers() == {}  # its own URL: no rank header
+    assert config.entry("prefill").spec.kv_events == "tcp://10.1.0.1:5557"
+
+
+def test_one_url_for_several_ranks_sends_the_rank_header() -> None:
+    config = from_mapping(engines(engine(dp_size=3)))
+    assert [e.spec.peer_port for e in config.engines] == [5710, 5711, 5712]
+    assert config.entry("e0-dp2").headers() == {"X-data-parallel-rank": "2"}
+
+
+def test_flags_add_engines_and_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(TOML)
+    args = build_parser().parse_args([
+        "router", "--config", str(path), "--listen", "127.0.0.1:0", "--retries", "0",
+        "--engine", "extra=http://10.1.0.3:8100,peer=10.1.0.3:5710,role=both",
+        "--no-tokenize",
+    ])
+    config = from_args(args)
+    assert config.listen_port == 0
+    assert config.retries == 0
+    assert config.tokenize is False
+    assert config.entry("extra").spec.role is Role.BOTH
+
+
+def test_engine_flag_parses() -> None:
+    assert parse_engine_flag("a=http://h:1,peer=h:2,role=decode,dp_size=2") == {
+        "name": "a", "url": "http://h:1", "peer": "h:2", "role": "decode", "dp_size": "2"}
+
+
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        (engines(engine("a"), engine("a", url="http://h:2", peer="h:3")),
+         "'a': duplicate engine name"),
+        (engines(engine(url="ftp://h:1")), "ftp://h:1"),
+        (engines(engine(url="http://h:99999")), "http://h:99999"),
+        (engines(engine(url="http://h:1/v1")), "without a path"),
+        (engines(engine(peer="h:0")), "port 0 out of range"),
+        (engines(engine(peer="h:65536")), "port 65536 out of range"),
+        (engines(engine(peer="nohost")), "'nohost' is not host:port"),
+        (engines(engine(peer="h:65535", dp_size=2)), "beyond 65535"),
+        (engines(engine(url=["http://h:1"], dp_size=2)), "lists 1 URLs but dp_size is 2"),
+        (engines(engine(role="prefill")), "role 'prefill' means nothing in shared mode"),
+        (engines(engine(role="leader")), "role 'leader' is not one of"),
+        (engines(engine(colour="red")), "unknown key(s) ['colour']"),
+        (engines(engine("a"), engine("b", url="http://h:2")), "peer 127.0.0.1:5710 is also"),
+        (engines(engine("a"), engine("b", peer="h:1")), "is also engine 'a'"),
+        ({"mode": "pd", "engine": [engine("a", role="decode"), engine(
+            "b", role="decode", url="http://h:2", peer="h:3")]}, "prefill: none"),
+        ({"mode": "pd", "engine": [engine("a")]}, "mode pd needs"),
+        ({"mode": "both", "engine": [engine()]}, "mode 'both' is not one of"),
+        ({"engine": []}, "no engines"),
+        ({**engines(engine()), "retries": True}, "retries: True is not a number"),
+        ({**engines(engine()), "retries": 1.5}, "retries: 1.5 is not an integer"),
+        ({**engines(engine()), "health_timeout_s": -1}, "health_timeout_s: -1"),
+        ({**engines(engine()), "listen": "h:70000"}, "port 70000 out of range"),
+        ({**engines(engine()), "retry": 2}, "unknown key(s) ['retry']"),
+    ],
+)
+def test_bad_config_names_the_bad_value(mapping: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        from_mapping(mapping)
+    assert message in str(caught.value)
+
+
+def test_bad_toml_and_missing_file_are_config_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("mode = ")
+    for path in (bad, tmp_path / "missing.toml"):
+        with pytest.raises(ConfigError, match=str(path.name)):
+            from_args(build_parser().parse_args(["router", "--config", str(path)]))
+
+
+def test_bad_engine_flag() -> None:
+    with pytest.raises(ConfigError, match="expected NAME=URL"):
+        parse_engine_flag("http://h:1,peer=h:2")
+    with pytest.raises(ConfigError, match="'role' is not key=value"):
+        parse_engine_flag("a=http://h:1,peer=h:2,role")
