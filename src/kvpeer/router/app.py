@@ -24,36 +24,32 @@ per engine, and handed to the policy with every plan.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpeer.router import params
 from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
+from kvpeer.router.metrics import LiveCollector, RouterMetrics
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
 
 __all__ = ["Router", "RouterStatistics", "bind", "run", "serve", "write_ready_file"]
 
 log = logging.getLogger(__name__)
 
-PREFIX = "kvpeer_router_"
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FORWARDED_HEADERS = ("Authorization",)
 
 
@@ -134,88 +130,6 @@ class RouterStatistics:
     in_flight: Mapping[str, int]
 
 
-class _Metrics:
-    """``kvpeer_router_*`` in a private registry (nothing global)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=registry)
-
-        self.requests = counter("requests", "Client requests by mode and outcome",
-                                ["mode", "outcome"])
-        self.retries = counter("retries", "Serving legs re-sent to another engine")
-        self.fallbacks = counter("fallbacks", "PD prefill legs that failed: decode-only")
-        self.upstream_errors = counter("upstream_errors", "Failed engine calls by reason",
-                                       ["reason"])
-        self.stripped = counter("client_kv_params_stripped",
-                                "Client requests that carried routing fields (removed)")
-        self.tokenize_failures = counter("tokenize_failures",
-                                         "Prompts routed by load because /tokenize failed")
-        self.policy_errors = counter("policy_errors", "Plans replaced by load-only", ["kind"])
-        self.restarts = counter("engine_restarts", "Engines seen down then up again")
-        self.predicted_cached = counter(
-            "predicted_cached_tokens", "Cached prompt tokens the plan predicted "
-            "(requests whose engine reported cached_tokens)")
-        self.actual_cached = counter("actual_cached_tokens",
-                                     "Cached prompt tokens the engine reported")
-        self.duration = Histogram(PREFIX + "request_duration_seconds",
-                                  "Client request duration", ["mode"],
-                                  buckets=LATENCY_BUCKETS, registry=registry)
-        self.ttft = Histogram(PREFIX + "ttft_seconds",
-                              "Client request arrival to first byte sent to it", ["mode"],
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.prefill_leg = Histogram(PREFIX + "prefill_leg_seconds",
-                                     "PD prefill leg duration (successful legs)",
-                                     buckets=LATENCY_BUCKETS, registry=registry)
-
-
-class _LiveCollector(Collector):
-    """Gauges read at scrape time: engine health, in-flight load, the policy's own stats."""
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    def collect(self) -> Iterator[Metric]:
-        router = self._router
-        up = GaugeMetricFamily(PREFIX + "engine_up", "1 if the engine is routable",
-                               labels=["engine"])
-        flight = GaugeMetricFamily(PREFIX + "in_flight", "Requests sent and not finished",
-                                   labels=["engine"])
-        for entry in router.config.engines:
-            up.add_metric([entry.name], float(router.health.healthy(entry.name)))
-            flight.add_metric([entry.name], float(router.load_of(entry.name).in_flight))
-        yield up
-        yield flight
-        yield GaugeMetricFamily(PREFIX + "engines_healthy", "Routable engines",
-                                value=float(len(router.health.statistics().up)))
-        for key, value in _policy_numbers(router.policy).items():
-            yield GaugeMetricFamily(PREFIX + "policy_" + key, f"policy statistic {key}",
-                                    value=value)
-
-
-def _policy_numbers(policy: object) -> dict[str, float]:
-    """Numeric fields of ``policy.stats()`` (or ``statistics()``), if it offers either."""
-    method = getattr(policy, "stats", None) or getattr(policy, "statistics", None)
-    if not callable(method):
-        return {}
-    try:
-        stats = method()
-    except Exception:
-        log.exception("policy statistics failed")
-        return {}
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        items: Mapping[str, object] = dataclasses.asdict(stats)
-    elif isinstance(stats, Mapping):
-        items = stats
-    else:
-        return {}
-    return {
-        str(k): float(v)
-        for k, v in items.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and str(k).isidentifier()
-    }
-
-
 class Router:
     """One router: its aiohttp app, client session, health loop and metrics."""
 
@@ -229,8 +143,8 @@ class Router:
         self._fallback = LoadOnlyPolicy(config.specs, config.mode)
         self.policy: Policy = policy if policy is not None else self._fallback
         self.registry = registry or CollectorRegistry()
-        self._metrics = _Metrics(self.registry)
-        self.registry.register(_LiveCollector(self))
+        self._metrics = RouterMetrics(self.registry)
+        self.registry.register(LiveCollector(self))
         self.health = EngineHealth(
             config.engines,
             self._on_restart,

@@ -74,9 +74,14 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 600.0  # longest silence from an engine (a non-streamed answer
     # arrives whole, so this bounds a whole generation)
+    prefill_timeout_s: float = 120.0  # a PD prefill leg taking longer: decode-only
     tokenize: bool = True  # ask an engine's /tokenize for text prompts
     tokenize_timeout_s: float = 5.0
     max_body_bytes: int = 64 << 20
+    # Honour a client's ``X-Kvpeer-Engine: NAME`` header (the serving engine; the router
+    # still chooses the source). For benchmarks and demos that must place requests;
+    # off by default, since it lets a client defeat load balancing.
+    allow_pinning: bool = False
     _by_name: dict[str, EngineEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +105,8 @@ SCALARS: dict[str, type] = {
     "health_timeout_s": float,
     "connect_timeout_s": float,
     "read_timeout_s": float,
+    "prefill_timeout_s": float,
+    "allow_pinning": bool,
     "tokenize": bool,
     "tokenize_timeout_s": float,
     "max_body_bytes": int,
@@ -113,7 +120,7 @@ def _validate(config: RouterConfig) -> None:
     if config.retries < 0 or config.retries > 10:
         raise ConfigError(f"retries: {config.retries!r} must be within 0..10")
     for key in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
-                "read_timeout_s", "tokenize_timeout_s"):
+                "read_timeout_s", "tokenize_timeout_s", "prefill_timeout_s"):
         value = getattr(config, key)
         if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{key}: {value!r} must be a positive number of seconds")
@@ -349,6 +356,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-timeout", dest="health_timeout_s", help="seconds")
     parser.add_argument("--read-timeout", dest="read_timeout_s", help="seconds")
     parser.add_argument(
+        "--prefill-timeout", dest="prefill_timeout_s",
+        help="seconds a PD prefill leg may take before the request goes decode-only",
+    )
+    parser.add_argument(
+        "--allow-pinning", action="store_true", default=None,
+        help="honour X-Kvpeer-Engine: NAME request headers (benchmarks, demos)",
+    )
+    parser.add_argument(
         "--no-tokenize", action="store_true", help="never call /tokenize (text prompts: load only)"
     )
     parser.add_argument("--ready-file", help="write http://HOST:PORT here once listening")
@@ -358,7 +373,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     mapping: dict[str, Any] = load_file(Path(args.config)) if args.config else {}
     source = args.config or "flags"
     for key in ("mode", "listen", "retries", "health_interval_s", "health_timeout_s",
-                "read_timeout_s"):
+                "read_timeout_s", "prefill_timeout_s", "allow_pinning"):
         value = getattr(args, key, None)
         if value is not None:
             mapping[key] = value

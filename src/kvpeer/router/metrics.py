@@ -1,0 +1,126 @@
+"""The router's own metrics: ``kvpeer_router_*`` in a private registry (nothing global).
+
+Counters and histograms the edge updates as requests go, and gauges read at scrape
+time from the router (engine health, in-flight load) and from the policy's ``stats()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpeer.router.config import RouterConfig
+from kvpeer.router.health import EngineHealth
+
+__all__ = ["LATENCY_BUCKETS", "PREFIX", "LiveCollector", "RouterMetrics", "RouterView"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvpeer_router_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _InFlight(Protocol):
+    in_flight: int
+
+
+class RouterView(Protocol):
+    """What the live gauges read from the router at scrape time."""
+
+    config: RouterConfig
+    health: EngineHealth
+
+    @property
+    def policy(self) -> object: ...
+
+    def load_of(self, name: str) -> _InFlight: ...
+
+
+class RouterMetrics:
+    """``kvpeer_router_*`` in a private registry (nothing global)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        self.requests = counter("requests", "Client requests by mode and outcome",
+                                ["mode", "outcome"])
+        self.retries = counter("retries", "Serving legs re-sent to another engine")
+        self.fallbacks = counter("fallbacks", "PD prefill legs that failed: decode-only")
+        self.upstream_errors = counter("upstream_errors", "Failed engine calls by reason",
+                                       ["reason"])
+        self.stripped = counter("client_kv_params_stripped",
+                                "Client requests that carried routing fields (removed)")
+        self.tokenize_failures = counter("tokenize_failures",
+                                         "Prompts routed by load because /tokenize failed")
+        self.policy_errors = counter("policy_errors", "Plans replaced by load-only", ["kind"])
+        self.restarts = counter("engine_restarts", "Engines seen down then up again")
+        self.predicted_cached = counter(
+            "predicted_cached_tokens", "Cached prompt tokens the plan predicted "
+            "(requests whose engine reported cached_tokens)")
+        self.actual_cached = counter("actual_cached_tokens",
+                                     "Cached prompt tokens the engine reported")
+        self.duration = Histogram(PREFIX + "request_duration_seconds",
+                                  "Client request duration", ["mode"],
+                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(PREFIX + "ttft_seconds",
+                              "Client request arrival to first byte sent to it", ["mode"],
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.prefill_leg = Histogram(PREFIX + "prefill_leg_seconds",
+                                     "PD prefill leg duration (successful legs)",
+                                     buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class LiveCollector(Collector):
+    """Gauges read at scrape time: engine health, in-flight load, the policy's own stats."""
+
+    def __init__(self, router: RouterView) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        up = GaugeMetricFamily(PREFIX + "engine_up", "1 if the engine is routable",
+                               labels=["engine"])
+        flight = GaugeMetricFamily(PREFIX + "in_flight", "Requests sent and not finished",
+                                   labels=["engine"])
+        for entry in router.config.engines:
+            up.add_metric([entry.name], float(router.health.healthy(entry.name)))
+            flight.add_metric([entry.name], float(router.load_of(entry.name).in_flight))
+        yield up
+        yield flight
+        yield GaugeMetricFamily(PREFIX + "engines_healthy", "Routable engines",
+                                value=float(len(router.health.statistics().up)))
+        for key, value in _policy_numbers(router.policy).items():
+            yield GaugeMetricFamily(PREFIX + "policy_" + key, f"policy statistic {key}",
+                                    value=value)
+
+
+def _policy_numbers(policy: object) -> dict[str, float]:
+    """Numeric fields of ``policy.stats()`` (or ``statistics()``), if it offers either."""
+    method = getattr(policy, "stats", None) or getattr(policy, "statistics", None)
+    if not callable(method):
+        return {}
+    try:
+        stats = method()
+    except Exception:
+        log.exception("policy statistics failed")
+        return {}
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        items: Mapping[str, object] = dataclasses.asdict(stats)
+    elif isinstance(stats, Mapping):
+        items = stats
+    else:
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in items.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and str(k).isidentifier()
+    }
+
+
