@@ -249,6 +249,7 @@ class PrefixIndex:
     def _removed(self, state: _Engine, event: BlocksRemoved) -> None:
         present = state.present.get(event.medium)
         if present is None:
+            self._bump("unknown_removed", len(event.block_hashes))
             return
         refcounted = event.medium in self._refcounted
         for block_hash in event.block_hashes:
@@ -277,8 +278,8 @@ class PrefixIndex:
             del state.speculative[next(iter(state.speculative))]
             self._bump("speculative_dropped")
 
-    def _bump(self, name: str) -> None:
-        self._counts[name] = self._counts.get(name, 0) + 1
+    def _bump(self, name: str, by: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + by
 
 
 def _chain(parent: bytes, tokens: array[int]) -> bytes:
