@@ -406,3 +406,22 @@ async def _subscriber_scenario() -> None:
         pub.close()
         router.close()
         ctx.term()
+
+
+def test_stores_are_ordered_parents_first_within_a_run() -> None:
+    child = stored([H3], H2, [9, 10, 11, 12], medium="CPU")
+    parent = stored([H2], H1, [5, 6, 7, 8], medium="CPU")
+    root = stored([H1], None, [1, 2, 3, 4], medium="CPU")
+    events = decoded(batch(child, parent, removed([H1]), root)).events
+    assert [type(e).__name__ for e in events] == [
+        "BlocksStored", "BlocksStored", "BlocksRemoved", "BlocksStored",
+    ]
+    assert [e.block_hashes for e in events if not isinstance(e, AllCleared)] == [
+        (H2,), (H3,), (H1,), (H1,),
+    ]
+
+
+def test_a_hostile_parent_cycle_terminates() -> None:
+    a = stored([H1], H2, [1, 2, 3, 4])
+    b = stored([H2], H1, [5, 6, 7, 8])
+    assert len(decoded(batch(a, b)).events) == 2

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgspec
 import pytest
 
 from kvpeer.router.events import AllCleared, BlocksRemoved, BlocksStored
-from kvpeer.router.feed import StreamReset, StreamSynced
+from kvpeer.router.feed import EventFeed, StreamReset, StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
 
 BS = 4
@@ -168,3 +171,41 @@ def test_prompt_tokens_outside_the_vocabulary_range_stop_the_keys() -> None:
 def test_invalid_block_size_is_refused() -> None:
     with pytest.raises(ValueError, match="block_size"):
         PrefixIndex(block_size=0)
+
+
+# --- a stream recorded from a real vLLM 0.32 engine ----------------------------------------
+
+RECORDING = Path(__file__).parent / "data" / "vllm-0.32-stream.msgpack"
+
+
+def recorded() -> tuple[dict[str, list[int]], int, list[tuple[int, bytes]]]:
+    """Prompts A, A2 (A's first 4 blocks + 2 more), B; frames: A, A2, reset, B, B."""
+    data = msgspec.msgpack.decode(RECORDING.read_bytes())
+    frames = [(int(seq), bytes(payload)) for seq, payload in data["frames"]]
+    return data["prompts"], int(data["block_size"]), frames
+
+
+def follow(index: PrefixIndex, feed: EventFeed, frames: list[tuple[int, bytes]]) -> None:
+    for seq, payload in frames:
+        for item in feed.on_live([b"", seq.to_bytes(8, "big"), payload], 0.0).items:
+            index.apply("e0", item)
+
+
+@pytest.mark.parametrize("media", [(MEDIUM_GPU, MEDIUM_CPU), (MEDIUM_CPU,)])
+def test_recorded_vllm_stream_resolves_prompts_per_medium(media: tuple[str, ...]) -> None:
+    prompts, block_size, frames = recorded()
+    index = PrefixIndex(block_size=block_size, media=media)
+    a2 = index.keys(prompts["A2"])
+    feed = EventFeed(can_replay=False)
+    follow(index, feed, frames[:4])  # A, then A2: six blocks on GPU and in the CPU tier
+    assert feed.statistics().dropped == ()
+    for medium in media:
+        assert index.longest_prefix("e0", a2, medium, 0.0) == 6 * block_size
+    # Without GPU events the CPU tier's own, unordered stores must still chain.
+    assert "orphans" not in dict(index.statistics(0.0).counts)
+
+    follow(index, feed, frames[4:])  # the prefix-cache reset, then B twice
+    b = index.keys(prompts["B"])
+    for medium in media:
+        assert index.longest_prefix("e0", a2, medium, 0.0) == 0
+        assert index.longest_prefix("e0", b, medium, 0.0) == 3 * block_size

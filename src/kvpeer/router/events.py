@@ -235,9 +235,48 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     return BatchDecoded(
         ts=wire.ts,
         data_parallel_rank=wire.data_parallel_rank,
-        events=tuple(events),
+        events=_parents_first(events),
         skipped=tuple(sorted(skipped.items())),
     )
+
+
+def _parents_first(events: list[KVEvent]) -> tuple[KVEvent, ...]:
+    """Order each run of consecutive stores so a parent's store precedes its children's.
+
+    vLLM's offloading tracker emits a step's stores in any order ("events are
+    self-contained") -- a recorded CPU-tier batch stores block 3 before block 2 -- and
+    the index can only place a block whose parent it has placed. Stores and removals
+    keep their relative order (invariant 2 of the feed depends on it).
+    """
+    out: list[KVEvent] = []
+    run: list[BlocksStored] = []
+    for event in [*events, AllCleared()]:  # a sentinel closes the last run
+        if isinstance(event, BlocksStored):
+            run.append(event)
+            continue
+        out.extend(_topological(run))
+        run = []
+        out.append(event)
+    out.pop()
+    return tuple(out)
+
+
+def _topological(run: list[BlocksStored]) -> list[BlocksStored]:
+    if len(run) < 2:
+        return run
+    owner = {h: i for i, event in enumerate(run) for h in event.block_hashes}
+    placed = [False] * len(run)
+    order: list[BlocksStored] = []
+    for first in range(len(run)):
+        chain: list[int] = []
+        i: int | None = first
+        while i is not None and not placed[i]:
+            placed[i] = True  # marked on the way up: a hostile cycle ends here
+            chain.append(i)
+            parent = run[i].parent_hash
+            i = owner.get(parent) if parent is not None else None
+        order.extend(run[j] for j in reversed(chain))
+    return order
 
 
 def _skip_reason(group_idx: int | None, ownership: str | None) -> str | None:
