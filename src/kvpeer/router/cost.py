@@ -1,0 +1,182 @@
+"""Predicted time to first token, with rates learned online from what the router sees.
+
+The model (all terms in seconds):
+
+- compute on engine ``e``: ``overhead_e + rate_e * (queued_prompt_tokens_e + tokens_to_compute)
+  + in_flight_e * in_flight_s``. The engine prefills what is queued before ours, then
+  ours; running requests interleave decode steps with our prefill.
+- pull of ``k`` tokens from source ``s`` into ``e``: ``base_s + per_token_s * k``, plus
+  ``source_busy_s`` when ``s`` is running requests (it resolves lookups at its next
+  engine step), plus ``cold_session_s`` for the first pull between the pair (handshake,
+  data-plane registration).
+
+``(overhead_e, rate_e)`` and ``(base_s, per_token_s)`` are straight lines fitted by
+exponentially weighted least squares (:class:`Line`): each observation counts a little
+less every time a newer one arrives, and the priors act as pseudo-observations that
+keep the fit sane before data arrives and fade as it does. The cold-session penalty is
+an EWMA of the excess of first pulls over the warm prediction. The priors make a pull
+win only when it saves clearly more than a round trip and a session set-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpeer.router.policy import EngineLoad
+
+__all__ = ["CostModel", "CostPriors", "Line"]
+
+
+@dataclass(frozen=True, slots=True)
+class CostPriors:
+    overhead_s: float = 0.02  # per request on an idle engine: HTTP, scheduling, one step
+    prefill_s_per_token: float = 2e-4
+    in_flight_s: float = 0.005  # each running request's decode share of our prefill steps
+    pull_base_s: float = 0.01  # lookup round trip + fetch set-up on a warm session
+    pull_s_per_token: float = 2e-5
+    cold_session_s: float = 0.05
+    source_busy_s: float = 0.02
+    tokens_ref: float = 1024.0  # where the prior line's second pseudo-point sits
+    prior_weight: float = 4.0  # pseudo-observations behind each prior line
+    half_life: float = 50.0  # observations after which one counts half
+    cold_alpha: float = 0.2
+
+
+class Line:
+    """``y = a + b * x`` by exponentially weighted least squares with a prior line.
+
+    ``a >= 0`` and ``b >= min_slope`` always hold: a negative time or rate would make a
+    busier engine look faster.
+    """
+
+    def __init__(
+        self, a: float, b: float, *, x_ref: float, weight: float, half_life: float,
+        min_slope: float = 1e-9,
+    ) -> None:
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._min_slope = min_slope
+        half = weight / 2.0
+        y_ref = a + b * x_ref
+        # Two prior pseudo-points, (0, a) and (x_ref, a + b * x_ref), weight/2 each.
+        self._prior = (weight, half * x_ref, half * x_ref * x_ref, half * (a + y_ref),
+                       half * x_ref * y_ref)
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # w, x, xx, y, xy of the observations
+        self.samples = 0
+        self._params = (a, b)
+
+    def observe(self, x: float, y: float) -> None:
+        d = self._decay
+        w, sx, sxx, sy, sxy = self._sums
+        self._sums = (w * d + 1.0, sx * d + x, sxx * d + x * x, sy * d + y, sxy * d + x * y)
+        self.samples += 1
+        self._params = self._solve()
+
+    @property
+    def params(self) -> tuple[float, float]:
+        return self._params
+
+    def predict(self, x: float) -> float:
+        a, b = self._params
+        return a + b * x
+
+    def _solve(self) -> tuple[float, float]:
+        w, sx, sxx, sy, sxy = (p + s for p, s in zip(self._prior, self._sums, strict=True))
+        det = w * sxx - sx * sx
+        b = (w * sxy - sx * sy) / det if det > 0 else self._params[1]
+        b = max(b, self._min_slope)
+        a = (sy - b * sx) / w
+        if a < 0.0:  # refit the slope through the origin
+            a = 0.0
+            b = max(sxy / sxx if sxx > 0 else b, self._min_slope)
+        return a, b
+
+
+class CostModel:
+    """Per-engine compute lines, per-source pull lines, cold sessions per pair."""
+
+    def __init__(self, priors: CostPriors | None = None) -> None:
+        self.priors = priors or CostPriors()
+        self._compute: dict[str, Line] = {}
+        self._pull: dict[str, Line] = {}
+        self._cold_s = self.priors.cold_session_s
+        self._warm: set[tuple[str, str]] = set()
+
+    # --- predictions ------------------------------------------------------------------
+
+    def compute_s(self, engine: str, tokens: int, load: EngineLoad) -> float:
+        """Seconds until ``engine`` has prefilled ``tokens`` of ours, given its load."""
+        ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
+        return (
+            self._compute_line(engine).predict(ahead)
+            + max(0, load.in_flight) * self.priors.in_flight_s
+        )
+
+    def pull_s(self, engine: str, source: str, tokens: int, source_load: EngineLoad) -> float:
+        """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier."""
+        seconds = self._pull_line(source).predict(max(0, tokens))
+        if source_load.in_flight > 0:
+            seconds += self.priors.source_busy_s
+        if (engine, source) not in self._warm:
+            seconds += self._cold_s
+        return seconds
+
+    def is_warm(self, engine: str, source: str) -> bool:
+        return (engine, source) in self._warm
+
+    # --- learning ---------------------------------------------------------------------
+
+    def observe_compute(self, engine: str, tokens: int, load: EngineLoad, seconds: float) -> None:
+        """``engine`` took ``seconds`` to its first token computing ``tokens`` itself."""
+        ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
+        y = seconds - max(0, load.in_flight) * self.priors.in_flight_s
+        self._compute_line(engine).observe(ahead, max(0.0, y))
+
+    def observe_pull(
+        self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float
+    ) -> None:
+        """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT)."""
+        if source_load.in_flight > 0:
+            seconds -= self.priors.source_busy_s
+        line = self._pull_line(source)
+        if (engine, source) not in self._warm:
+            self._warm.add((engine, source))
+            excess = seconds - line.predict(tokens)
+            alpha = self.priors.cold_alpha
+            self._cold_s = max(0.0, (1 - alpha) * self._cold_s + alpha * excess)
+            return
+        line.observe(tokens, max(0.0, seconds))
+
+    def forget_sessions(self, engine: str) -> None:
+        """``engine`` restarted: its kvpeer sessions are new, so its pairs are cold."""
+        self._warm = {pair for pair in self._warm if engine not in pair}
+
+    def rates(self) -> dict[str, float]:
+        """The learned parameters, as plain numbers for export."""
+        out: dict[str, float] = {"cold_session_s": self._cold_s}
+        for name, line in sorted(self._compute.items()):
+            a, b = line.params
+            out[f"overhead_s:{name}"] = a
+            out[f"prefill_s_per_token:{name}"] = b
+        for name, line in sorted(self._pull.items()):
+            a, b = line.params
+            out[f"pull_base_s:{name}"] = a
+            out[f"pull_s_per_token:{name}"] = b
+        return out
+
+    def _compute_line(self, engine: str) -> Line:
+        line = self._compute.get(engine)
+        if line is None:
+            p = self.priors
+            line = Line(p.overhead_s, p.prefill_s_per_token, x_ref=p.tokens_ref,
+                        weight=p.prior_weight, half_life=p.half_life)
+            self._compute[engine] = line
+        return line
+
+    def _pull_line(self, source: str) -> Line:
+        line = self._pull.get(source)
+        if line is None:
+            p = self.priors
+            line = Line(p.pull_base_s, p.pull_s_per_token, x_ref=p.tokens_ref,
+                        weight=p.prior_weight, half_life=p.half_life)
+            self._pull[source] = line
+        return line

@@ -1,0 +1,410 @@
+"""The router's decisions: which engine serves a request, and whether it pulls a prefix.
+
+:class:`RouterPolicy` implements :class:`kvpeer.router.policy.Policy` on top of a
+:class:`~kvpeer.router.index.PrefixIndex` (what each engine holds) and a
+:class:`~kvpeer.router.cost.CostModel` (how long things take). Rules:
+
+1. Only engines whose load says ``healthy`` appear in a plan; an engine the index has not
+   learned counts as holding nothing (load-only for it) and is never a pull source.
+2. ``shared``: every candidate engine is scored by its predicted TTFT -- compute what it
+   lacks locally (its GPU or CPU tier), or pull the longer prefix another engine holds
+   in its CPU tier and compute the rest, whichever is predicted faster. The engine with
+   the lowest prediction serves; ties go to fewer requests in flight, then the name.
+3. ``pd``: the prefill engine is the one predicted to prefill soonest; the decode engine
+   pulls every block from it, so decode engines are scored by their load and the pull.
+   Decode-only only when no other prefill engine is healthy, or when the decode engine
+   already holds every usable block (a prefill leg would only add latency). Operators
+   choose PD to keep prefill off decode engines, so it is not traded for TTFT.
+4. The predicted cached tokens never exceed the prompt's full blocks that vLLM can use:
+   the last prompt token is always computed.
+5. Every plan, prediction and outcome is counted in :class:`DecisionStats`; nothing here
+   raises on engine data, and every table is bounded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from kvpeer.router.cost import CostModel
+from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex, PromptKeys
+from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Role
+
+__all__ = [
+    "REASONS",
+    "DecideConfig",
+    "DecisionStats",
+    "PredictionRecord",
+    "RouterPolicy",
+]
+
+REASON_LOAD: Final = "load"  # nobody holds any of the prompt: least predicted wait
+REASON_CACHE: Final = "cache"  # the chosen engine's own cache made it the fastest
+REASON_PULL: Final = "pull"  # the chosen engine pulls a longer prefix from a peer
+REASON_PULL_SLOWER: Final = "compute: pull slower"  # a peer had more; computing wins
+REASON_PD: Final = "pd"
+REASON_PD_CACHED: Final = "pd: decode-only, cached"
+REASON_PD_NO_PREFILL: Final = "pd: decode-only, no prefill engine"
+REASON_NO_ENGINE: Final = "no healthy engine"  # Plan.engine is "": answer 503
+REASONS: Final = (
+    REASON_LOAD, REASON_CACHE, REASON_PULL, REASON_PULL_SLOWER, REASON_PD,
+    REASON_PD_CACHED, REASON_PD_NO_PREFILL, REASON_NO_ENGINE,
+)
+
+_ERROR_BUCKETS: Final = (-1024, -256, -64, -1, 0, 64, 256, 1024)  # actual - predicted
+
+
+@dataclass(frozen=True, slots=True)
+class DecideConfig:
+    speculative_ttl_s: float = 10.0  # until the engine's events say what it holds
+    pull_margin_s: float = 0.002  # a pull must win by this much (no coin flips)
+    max_pending: int = 10_000  # plans awaiting their outcome
+    recent_records: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionRecord:
+    request_id: str
+    engine: str
+    predicted_cached_tokens: int
+    actual_cached_tokens: int | None
+    predicted_ttft_s: float | None
+    actual_ttft_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """What the plan assumed, so its outcome can be split into what to learn."""
+
+    plan: Plan
+    prompt_tokens: int
+    local_cached: int  # the serving engine's own prefix
+    prefill_local_cached: int  # PD: the prefill engine's own prefix
+    loads: Mapping[str, EngineLoad]
+
+
+class DecisionStats:
+    """Counters of plans and outcomes, as plain numbers for the edge to export."""
+
+    def __init__(self, recent: int) -> None:
+        self._counts: dict[str, float] = {}
+        self._reasons: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self._errors = [0] * (len(_ERROR_BUCKETS) + 1)
+        self._recent: deque[PredictionRecord] = deque(maxlen=recent)
+
+    def add(self, name: str, value: float = 1.0) -> None:
+        self._counts[name] = self._counts.get(name, 0.0) + value
+
+    def planned(self, plan: Plan) -> None:
+        self.add("plans_total")
+        self._reasons[plan.reason] = self._reasons.get(plan.reason, 0) + 1
+        if plan.source is not None:
+            self.add("pulls_planned_total")
+        self.add("predicted_pulled_tokens_planned_total", plan.predicted_pulled_tokens)
+
+    def finished(self, record: PredictionRecord) -> None:
+        self._recent.append(record)
+        if record.actual_cached_tokens is None:
+            self.add("cached_tokens_unreported_total")
+            return
+        self.add("predicted_cached_tokens_total", record.predicted_cached_tokens)
+        self.add("actual_cached_tokens_total", record.actual_cached_tokens)
+        error = record.actual_cached_tokens - record.predicted_cached_tokens
+        self.add("cached_tokens_abs_error_total", abs(error))
+        bucket = next((i for i, le in enumerate(_ERROR_BUCKETS) if error <= le), -1)
+        self._errors[bucket] += 1
+
+    def recent(self) -> tuple[PredictionRecord, ...]:
+        return tuple(self._recent)
+
+    def snapshot(self) -> dict[str, float]:
+        out = {
+            name: 0.0
+            for name in (
+                "plans_total", "pulls_planned_total", "outcomes_total",
+                "outcomes_failed_total", "outcomes_unmatched_total",
+                "predicted_cached_tokens_total", "actual_cached_tokens_total",
+                "cached_tokens_abs_error_total", "cached_tokens_unreported_total",
+                "predicted_pulled_tokens_planned_total",
+            )
+        }
+        out.update(self._counts)
+        for reason, count in self._reasons.items():
+            out[f"plans_by_reason:{reason}"] = float(count)
+        cumulative = 0
+        for le, count in zip((*_ERROR_BUCKETS, "+Inf"), self._errors, strict=True):
+            cumulative += count
+            out[f"cached_tokens_error_bucket:le={le}"] = float(cumulative)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    ttft_s: float
+    cached: int
+    source: str | None = None
+    pulled: int = 0
+    pull_rejected: bool = False  # a source held more, but pulling was predicted slower
+
+
+class RouterPolicy:
+    """The decision core (module docstring). Implements ``policy.Policy``."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineSpec],
+        mode: Mode,
+        index: PrefixIndex,
+        *,
+        cost: CostModel | None = None,
+        config: DecideConfig | None = None,
+    ) -> None:
+        names = [spec.name for spec in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique: {names}")
+        self._specs = {spec.name: spec for spec in engines}
+        self._mode = mode
+        self._index = index
+        self.cost = cost or CostModel()
+        self._config = config or DecideConfig()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._stats = DecisionStats(self._config.recent_records)
+
+    # --- Policy -----------------------------------------------------------------------
+
+    def plan(
+        self, request_id: str, prompt: Sequence[int], loads: Mapping[str, EngineLoad], now: float
+    ) -> Plan:
+        healthy = {
+            name: load for name, load in loads.items() if name in self._specs and load.healthy
+        }
+        keys = self._index.keys(prompt)
+        usable = _usable_tokens(len(prompt), keys.block_size)
+        if self._mode is Mode.PD:
+            plan, pending = self._plan_pd(prompt, keys, usable, healthy, now)
+        else:
+            plan, pending = self._plan_shared(prompt, keys, usable, healthy, now)
+        self._stats.planned(plan)
+        if plan.engine:
+            self._pending[request_id] = pending
+            self._pending.move_to_end(request_id)
+            while len(self._pending) > self._config.max_pending:
+                self._pending.popitem(last=False)
+                self._stats.add("pending_dropped_total")
+        return plan
+
+    def on_sent(self, request_id: str, plan: Plan, prompt: Sequence[int], now: float) -> None:
+        keys = self._index.keys(prompt)
+        ttl = self._config.speculative_ttl_s
+        for engine in (plan.engine, plan.prefill_engine):
+            if engine:
+                self._index.speculate(engine, keys, MEDIUM_GPU, now, ttl)
+
+    def on_outcome(self, outcome: Outcome, now: float) -> None:
+        self._stats.add("outcomes_total")
+        pending = self._pending.pop(outcome.request_id, None)
+        if pending is None:
+            self._stats.add("outcomes_unmatched_total")
+            return
+        plan = pending.plan
+        self._stats.finished(
+            PredictionRecord(
+                outcome.request_id, outcome.engine, plan.predicted_cached_tokens,
+                outcome.cached_tokens, plan.predicted_ttft_s, outcome.ttft_s,
+            )
+        )
+        if not outcome.ok or outcome.ttft_s is None or outcome.engine != plan.engine:
+            self._stats.add("outcomes_failed_total")
+            return
+        self._learn(pending, outcome)
+
+    def on_engine_restart(self, engine: str, now: float) -> None:
+        self._index.forget(engine)
+        self.cost.forget_sessions(engine)
+
+    # --- exports ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Plain numbers: counters, plans by reason, the error histogram, learned rates."""
+        out = self._stats.snapshot()
+        out.update({f"rate:{name}": value for name, value in self.cost.rates().items()})
+        out["pending_plans"] = float(len(self._pending))
+        return out
+
+    def recent_predictions(self) -> tuple[PredictionRecord, ...]:
+        """The last finished requests: predicted vs actual cached tokens and TTFT."""
+        return self._stats.recent()
+
+    # --- shared -----------------------------------------------------------------------
+
+    def _plan_shared(
+        self,
+        prompt: Sequence[int],
+        keys: PromptKeys,
+        usable: int,
+        healthy: Mapping[str, EngineLoad],
+        now: float,
+    ) -> tuple[Plan, _Pending]:
+        if not healthy:
+            return _no_engine(len(prompt), healthy)
+        held = {name: self._held(name, keys, usable, now) for name in healthy}
+        best: tuple[float, int, str] | None = None
+        options: dict[str, _Option] = {}
+        for name, load in healthy.items():
+            option = self._best_option(name, len(prompt), held, healthy)
+            options[name] = option
+            rank = (option.ttft_s, load.in_flight, name)
+            if best is None or rank < best:
+                best = rank
+        assert best is not None
+        engine = best[2]
+        option = options[engine]
+        if option.source is not None:
+            reason = REASON_PULL
+        elif option.pull_rejected:
+            reason = REASON_PULL_SLOWER
+        elif option.cached > 0:
+            reason = REASON_CACHE
+        else:
+            reason = REASON_LOAD
+        plan = Plan(
+            engine=engine, source=option.source, predicted_cached_tokens=option.cached,
+            predicted_pulled_tokens=option.pulled, predicted_ttft_s=option.ttft_s,
+            reason=reason,
+        )
+        return plan, _Pending(plan, len(prompt), held[engine][0], 0, dict(healthy))
+
+    def _best_option(
+        self,
+        engine: str,
+        prompt_tokens: int,
+        held: Mapping[str, tuple[int, int]],
+        healthy: Mapping[str, EngineLoad],
+    ) -> _Option:
+        """Compute locally, or pull from the best source (rule 2)."""
+        load = healthy[engine]
+        local = held[engine][0]
+        best = _Option(self.cost.compute_s(engine, prompt_tokens - local, load), local)
+        rejected = False
+        for source, (_, source_cpu) in held.items():
+            if source == engine or source_cpu <= local:
+                continue
+            pulled = source_cpu - local
+            ttft = self.cost.compute_s(engine, prompt_tokens - source_cpu, load) + (
+                self.cost.pull_s(engine, source, pulled, healthy[source])
+            )
+            if ttft + self._config.pull_margin_s < best.ttft_s:
+                best = _Option(ttft, source_cpu, source, pulled)
+            else:
+                rejected = True
+        if best.source is None and rejected:
+            return _Option(best.ttft_s, best.cached, pull_rejected=True)
+        return best
+
+    def _held(self, engine: str, keys: PromptKeys, usable: int, now: float) -> tuple[int, int]:
+        """(local prefix in either medium, prefix in the CPU tier), capped (rule 4)."""
+        gpu = self._index.longest_prefix(engine, keys, MEDIUM_GPU, now)
+        cpu = self._index.longest_prefix(engine, keys, MEDIUM_CPU, now)
+        return min(max(gpu, cpu), usable), min(cpu, usable)
+
+    # --- pd ---------------------------------------------------------------------------
+
+    def _plan_pd(
+        self,
+        prompt: Sequence[int],
+        keys: PromptKeys,
+        usable: int,
+        healthy: Mapping[str, EngineLoad],
+        now: float,
+    ) -> tuple[Plan, _Pending]:
+        n = len(prompt)
+        decoders = [e for e in healthy if self._specs[e].role in (Role.DECODE, Role.BOTH)]
+        prefillers = [e for e in healthy if self._specs[e].role in (Role.PREFILL, Role.BOTH)]
+        if not decoders:
+            return _no_engine(n, healthy)
+        local = {e: self._held(e, keys, usable, now)[0] for e in healthy}
+        # Prefill engines, soonest predicted prefill leg first.
+        legs = sorted(
+            (self.cost.compute_s(e, n - local[e], healthy[e]), healthy[e].in_flight, e)
+            for e in prefillers
+        )
+        best: tuple[float, int, str] | None = None
+        best_prefill: str | None = None
+        for d in decoders:
+            load = healthy[d]
+            prefill = next(((t, e) for t, _, e in legs if e != d), None)
+            chosen: str | None = None
+            if prefill is None or (usable > 0 and local[d] >= usable):
+                t = self.cost.compute_s(d, n - local[d], load)  # decode-only (rule 3)
+            else:
+                t, chosen = prefill
+                # The decode engine pulls what it lacks, then computes the last tokens.
+                t += self.cost.pull_s(d, chosen, usable - local[d], healthy[chosen])
+                t += self.cost.compute_s(d, n - usable, load)
+            rank = (t, load.in_flight, d)
+            if best is None or rank < best:
+                best, best_prefill = rank, chosen
+        assert best is not None
+        ttft, _, decode = best
+        prefill_engine = best_prefill
+        if prefill_engine is None:
+            others = [e for _, _, e in legs if e != decode]
+            reason = REASON_PD_CACHED if others else REASON_PD_NO_PREFILL
+            cached, pulled = local[decode], 0
+        else:
+            reason, cached, pulled = REASON_PD, usable, usable - local[decode]
+        plan = Plan(
+            engine=decode, prefill_engine=prefill_engine, predicted_cached_tokens=cached,
+            predicted_pulled_tokens=pulled, predicted_ttft_s=ttft, reason=reason,
+        )
+        prefill_local = local[prefill_engine] if prefill_engine else 0
+        return plan, _Pending(plan, n, local[decode], prefill_local, dict(healthy))
+
+    # --- learning ---------------------------------------------------------------------
+
+    def _learn(self, pending: _Pending, outcome: Outcome) -> None:
+        plan, loads = pending.plan, pending.loads
+        assert outcome.ttft_s is not None
+        engine_load = loads[plan.engine]
+        cached = outcome.cached_tokens
+        if cached is None:  # the engine does not report it: trust the prediction
+            cached = plan.predicted_cached_tokens
+        cached = max(0, min(cached, outcome.prompt_tokens))
+        computed = outcome.prompt_tokens - cached
+        ttft = outcome.ttft_s
+        source = plan.source or plan.prefill_engine
+        if plan.prefill_engine is not None:
+            leg = outcome.prefill_leg_s
+            if leg is None:  # the prefill leg failed: the decode engine computed alone
+                self.cost.observe_compute(plan.engine, computed, engine_load, ttft)
+                return
+            self.cost.observe_compute(
+                plan.prefill_engine,
+                pending.prompt_tokens - pending.prefill_local_cached,
+                loads[plan.prefill_engine],
+                leg,
+            )
+            ttft = max(0.0, ttft - leg)
+        pulled = cached - pending.local_cached
+        if source is None or pulled <= 0:
+            if source is not None:
+                self._stats.add("pulls_missed_total")
+            self.cost.observe_compute(plan.engine, computed, engine_load, ttft)
+            return
+        residual = ttft - self.cost.compute_s(plan.engine, computed, engine_load)
+        self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual)
+        self._stats.add("pulled_tokens_observed_total", pulled)
+
+
+def _usable_tokens(prompt_tokens: int, block_size: int) -> int:
+    """Full blocks vLLM can take from a cache: at least the last token is computed."""
+    if block_size <= 0 or prompt_tokens <= 0:
+        return 0
+    return ((prompt_tokens - 1) // block_size) * block_size
+
+
+def _no_engine(prompt_tokens: int, loads: Mapping[str, EngineLoad]) -> tuple[Plan, _Pending]:
+    plan = Plan(engine="", reason=REASON_NO_ENGINE)
+    return plan, _Pending(plan, prompt_tokens, 0, 0, dict(loads))

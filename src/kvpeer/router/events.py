@@ -1,0 +1,322 @@
+"""Decoding of vLLM's KV event stream into the router's own typed events.
+
+vLLM (0.32) publishes one msgpack ``KVEventBatch`` per scheduler step that changed the
+KV cache: an array ``[ts, events, data_parallel_rank?]`` whose events are maps tagged by
+``"type"``: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``. The GPU prefix cache
+publishes them with ``medium="GPU"``; the offloading connector's CPU primary tier with
+``medium="CPU"`` -- and only with ``self_describing_kv_events`` do its stores carry
+token ids, the parent hash and the block size (otherwise one placeholder hash with no
+tokens, which nobody outside that process can place in a prefix).
+
+We decode with our own msgspec structs that accept exactly those shapes (unknown fields,
+wrong types, oversized lists are rejected with a named reason) and translate each batch
+into :class:`BlocksStored` / :class:`BlocksRemoved` / :class:`AllCleared`. Invariants:
+
+1. :func:`decode_batch` never raises on any input: it returns :class:`BatchRejected` with
+   a reason from :data:`REJECT_REASONS`.
+2. A batch is rejected whole when any event in it is malformed (a partial batch would
+   silently lose a removal: the feed treats a rejected batch like a lost one).
+3. Events the router cannot use are *skipped* with a reason, not rejected: placeholder
+   stores, blocks keyed by extra keys (LoRA, multimodal, cache salt) the router cannot
+   see in a prompt, KV-cache groups other than group 0, and stores of secondary tiers
+   (``ownership`` set), which are not the CPU primary region kvpeer peers pull from.
+4. Block hashes stay opaque (``bytes`` or ``int``): they are salted per engine process,
+   so the index maps them onto token content rather than recomputing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Annotated, Any, Final
+
+import msgspec
+
+__all__ = [
+    "MAX_PAYLOAD_BYTES",
+    "REJECT_REASONS",
+    "SKIP_REASONS",
+    "AllCleared",
+    "BatchDecoded",
+    "BatchRejected",
+    "BlockHash",
+    "BlocksRemoved",
+    "BlocksStored",
+    "KVEvent",
+    "decode_batch",
+]
+
+MAX_PAYLOAD_BYTES: Final = 16 << 20  # one step's batch; far above what a step emits
+MAX_EVENTS_PER_BATCH: Final = 65_536
+MAX_HASHES_PER_EVENT: Final = 16_384
+MAX_TOKENS_PER_EVENT: Final = 1 << 20
+MAX_HASH_BYTES: Final = 64  # sha256 is 32; leave room, but not for an attacker's megabyte
+MAX_BLOCK_SIZE: Final = 1 << 16
+MAX_TOKEN_ID: Final = (1 << 32) - 1
+MAX_INT_HASH: Final = (1 << 64) - 1
+MAX_SHORT_STR: Final = 256
+MAX_EXTRA_ITEMS: Final = 64
+
+REJECT_REASONS: Final = (
+    "payload_too_large",
+    "undecodable",  # not msgpack at all
+    "invalid_schema",  # msgpack, but not the shape vLLM emits (types, fields, bounds)
+    "token_count_mismatch",  # len(token_ids) != len(block_hashes) * block_size
+    "hash_out_of_range",
+    "empty_store",
+    "too_deep",
+)
+SKIP_REASONS: Final = (
+    "placeholder",  # an offloaded store without self-describing payload
+    "extra_keys",  # hash depends on LoRA / multimodal / cache salt: not token-keyable
+    "lora",
+    "other_group",  # KV-cache group other than 0
+    "secondary_tier",  # ownership set: a secondary tier's store, not the CPU primary
+)
+
+BlockHash = bytes | int
+"""An engine's block hash as published: sha256 bytes, or a 64-bit int when vLLM runs
+with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``. Opaque to the router."""
+
+# --- wire shapes (vLLM 0.32), private -------------------------------------------------
+
+_Hash = Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)] | Annotated[
+    int, msgspec.Meta(ge=0)
+]
+_Str = Annotated[str, msgspec.Meta(max_length=MAX_SHORT_STR)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+# vLLM publishes extra keys untagged: bare LoRA names, cache salts and prompt-embeds
+# digests (str or bytes), and (mm_identifier, offset) pairs. msgpack cannot tell the
+# router's unions str from bytes apart, and their content only matters as "not None"
+# (such blocks are skipped), so the items stay opaque; nesting depth is guarded by
+# msgspec (RecursionError, caught in decode_batch).
+_ExtraKeys = Annotated[
+    list[Annotated[tuple[Any, ...], msgspec.Meta(max_length=MAX_EXTRA_ITEMS)] | None],
+    msgspec.Meta(max_length=MAX_HASHES_PER_EVENT),
+]
+_Hashes = Annotated[list[_Hash], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)]
+
+
+class _WireStored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True, frozen=True):
+    block_hashes: _Hashes
+    parent_block_hash: _Hash | None
+    token_ids: Annotated[list[_Count], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]
+    lora_id: int | None
+    medium: _Str | None
+    lora_name: _Str | None
+    extra_keys: _ExtraKeys | None = None
+    group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
+    kv_cache_spec_kind: _Str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: _Str | None = None
+    ownership: _Str | None = None
+    session_id: _Str | None = None
+
+
+class _WireRemoved(msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=True, frozen=True):
+    block_hashes: _Hashes
+    medium: _Str | None
+    group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
+    locality: _Str | None = None
+    ownership: _Str | None = None
+
+
+class _WireCleared(
+    msgspec.Struct, tag="AllBlocksCleared", forbid_unknown_fields=True, frozen=True
+):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    ts: float
+    events: Annotated[
+        list[_WireStored | _WireRemoved | _WireCleared],
+        msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH),
+    ]
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
+
+
+# msgspec decoders are immutable and thread-safe once built: sharing one is not state.
+_DECODER: Final = msgspec.msgpack.Decoder(_WireBatch)
+
+# --- the router's events ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """The engine now holds these consecutive blocks in ``medium``.
+
+    ``token_ids`` has exactly ``len(block_hashes) * block_size`` tokens;
+    ``parent_hash`` is the engine's hash of the block before the first one (``None``:
+    the first block starts the prompt).
+    """
+
+    medium: str
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    """The engine no longer holds these blocks in ``medium``."""
+
+    medium: str
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    """The engine reset its prefix cache (``AllBlocksCleared``).
+
+    vLLM emits it from the GPU block pool, and a CPU-tier reset that may come with it
+    emits nothing, so the index forgets every medium: never stale affinity.
+    """
+
+
+KVEvent = BlocksStored | BlocksRemoved | AllCleared
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDecoded:
+    ts: float
+    data_parallel_rank: int | None
+    events: tuple[KVEvent, ...]
+    skipped: tuple[tuple[str, int], ...]  # (reason, count) of events left out
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRejected:
+    reason: str  # one of REJECT_REASONS
+    detail: str  # for a log line; bounded
+
+
+def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
+    """Decode one published payload. Never raises (invariant 1)."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        return BatchRejected("payload_too_large", f"{len(payload)} bytes")
+    try:
+        wire = _DECODER.decode(payload)
+    except msgspec.ValidationError as exc:
+        return BatchRejected("invalid_schema", str(exc)[:200])
+    except msgspec.DecodeError as exc:
+        return BatchRejected("undecodable", str(exc)[:200])
+    except RecursionError:  # msgspec's own depth guard: nesting no vLLM event has
+        return BatchRejected("too_deep", "nesting")
+    events: list[KVEvent] = []
+    skipped: dict[str, int] = {}
+    for index, item in enumerate(wire.events):
+        if isinstance(item, _WireCleared):
+            events.append(AllCleared())
+            continue
+        hashes = tuple(item.block_hashes)
+        if any(isinstance(h, int) and h > MAX_INT_HASH for h in hashes) or (
+            isinstance(item, _WireStored)
+            and isinstance(item.parent_block_hash, int)
+            and item.parent_block_hash > MAX_INT_HASH
+        ):
+            return BatchRejected("hash_out_of_range", f"event {index}")
+        if isinstance(item, _WireRemoved):
+            skip = _skip_reason(item.group_idx, item.ownership)
+            if skip is not None:
+                skipped[skip] = skipped.get(skip, 0) + 1
+            elif hashes:
+                events.append(BlocksRemoved(item.medium or "GPU", hashes))
+            continue
+        outcome = _translate_stored(item, hashes)
+        if isinstance(outcome, BatchRejected):
+            return BatchRejected(outcome.reason, f"event {index}: {outcome.detail}")
+        if isinstance(outcome, str):
+            skipped[outcome] = skipped.get(outcome, 0) + 1
+        else:
+            events.append(outcome)
+    return BatchDecoded(
+        ts=wire.ts,
+        data_parallel_rank=wire.data_parallel_rank,
+        events=_parents_first(events),
+        skipped=tuple(sorted(skipped.items())),
+    )
+
+
+def _parents_first(events: list[KVEvent]) -> tuple[KVEvent, ...]:
+    """Order each run of consecutive stores so a parent's store precedes its children's.
+
+    vLLM's offloading tracker emits a step's stores in any order ("events are
+    self-contained") -- a recorded CPU-tier batch stores block 3 before block 2 -- and
+    the index can only place a block whose parent it has placed. Stores and removals
+    keep their relative order (invariant 2 of the feed depends on it).
+    """
+    out: list[KVEvent] = []
+    run: list[BlocksStored] = []
+    for event in [*events, AllCleared()]:  # a sentinel closes the last run
+        if isinstance(event, BlocksStored):
+            run.append(event)
+            continue
+        out.extend(_topological(run))
+        run = []
+        out.append(event)
+    out.pop()
+    return tuple(out)
+
+
+def _topological(run: list[BlocksStored]) -> list[BlocksStored]:
+    if len(run) < 2:
+        return run
+    owner = {h: i for i, event in enumerate(run) for h in event.block_hashes}
+    placed = [False] * len(run)
+    order: list[BlocksStored] = []
+    for first in range(len(run)):
+        chain: list[int] = []
+        i: int | None = first
+        while i is not None and not placed[i]:
+            placed[i] = True  # marked on the way up: a hostile cycle ends here
+            chain.append(i)
+            parent = run[i].parent_hash
+            i = owner.get(parent) if parent is not None else None
+        order.extend(run[j] for j in reversed(chain))
+    return order
+
+
+def _skip_reason(group_idx: int | None, ownership: str | None) -> str | None:
+    if group_idx not in (None, 0):
+        return "other_group"
+    if ownership is not None:
+        return "secondary_tier"
+    return None
+
+
+def _translate_stored(
+    item: _WireStored, hashes: tuple[BlockHash, ...]
+) -> BlocksStored | BatchRejected | str:
+    """A valid store, a reason to skip it, or why the whole batch is malformed."""
+    if not item.token_ids and item.block_size == 0:
+        return "placeholder"  # checked first: placeholders are not malformed
+    if not hashes:
+        return BatchRejected("empty_store", "no block hashes")
+    if item.block_size == 0 or len(item.token_ids) != len(hashes) * item.block_size:
+        return BatchRejected(
+            "token_count_mismatch",
+            f"{len(item.token_ids)} tokens, {len(hashes)} blocks of {item.block_size}",
+        )
+    if any(t > MAX_TOKEN_ID for t in item.token_ids):
+        return BatchRejected("invalid_schema", "token id out of range")
+    skip = _skip_reason(item.group_idx, item.ownership)
+    if skip is not None:
+        return skip
+    if item.lora_name is not None or item.lora_id is not None:
+        return "lora"
+    if item.extra_keys is not None and _any_not_none(item.extra_keys):
+        return "extra_keys"
+    return BlocksStored(
+        medium=item.medium or "GPU",
+        block_hashes=hashes,
+        parent_hash=item.parent_block_hash,
+        token_ids=tuple(item.token_ids),
+        block_size=item.block_size,
+    )
+
+
+def _any_not_none(values: Iterable[object]) -> bool:
+    return any(v is not None for v in values)

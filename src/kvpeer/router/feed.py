@@ -1,0 +1,362 @@
+"""One engine's KV event stream as a sans-IO state machine: frames in, events out.
+
+vLLM's ``ZmqEventPublisher`` sends each batch as a PUB multipart ``[topic, seq, payload]``
+(``seq``: 8 bytes big-endian, counting from 0 in each engine process) and keeps the last
+``buffer_steps`` batches for replay: a DEALER sends ``[b"", start_seq]`` to its ROUTER
+and receives ``[b"", topic, seq, payload]`` for every buffered ``seq >= start_seq``,
+then ``[b"", b"", END, b""]`` with ``END`` = -1 as a signed 8-byte integer.
+
+:class:`EventFeed` turns those frames into :data:`FeedItem` values the index applies.
+Invariants:
+
+1. What the index holds for an engine is always a subset of what the engine holds (up to
+   event latency): whenever events may have been lost -- an unreplayable gap, a rejected
+   batch, an engine restart -- the feed emits :class:`StreamReset` first, and the index
+   forgets. This is what rules out stale affinity.
+2. A lost stretch is replayed when the engine has a replay endpoint: live frames that
+   arrive meanwhile are buffered (bounded) and applied after the replayed ones, in
+   ``seq`` order, each exactly once.
+3. ``seq`` going back means a new engine process (vLLM restarts counting at 0): reset
+   with ``restarted=True`` (block hashes are salted per process, so even the hash
+   mapping is void), then learn the new process from its first batch (replaying from 0
+   if frames before the first one seen were missed).
+4. :class:`StreamSynced` is emitted once the feed follows the stream from a known point:
+   from then on the engine counts as learned, until the next reset.
+5. Nothing here raises on what the network sent; bad frames are counted by reason.
+   Time is an argument; :meth:`EventFeed.next_deadline` says when to call
+   :meth:`EventFeed.poll`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvpeer.router.events import (
+    MAX_PAYLOAD_BYTES,
+    BatchRejected,
+    KVEvent,
+    decode_batch,
+)
+
+__all__ = [
+    "REPLAY_END_SEQ",
+    "EventFeed",
+    "FeedLimits",
+    "FeedOutput",
+    "FeedStatistics",
+    "StreamReset",
+    "StreamSynced",
+    "encode_replay_request",
+]
+
+REPLAY_END_SEQ: Final = (1 << 64) - 1  # vLLM's END_SEQ: -1 as signed 8 bytes
+_MAX_SEQ: Final = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReset:
+    """Forget what the engine holds (invariant 1).
+
+    ``restarted``: a new engine process -- its block hashes mean something else now.
+    ``reason``: ``"restart"``, ``"gap"`` or ``"rejected_batch"``.
+    """
+
+    reason: str
+    restarted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSynced:
+    """The stream is followed from a known point on; the engine is learned."""
+
+
+FeedItem = KVEvent | StreamReset | StreamSynced
+
+
+@dataclass(frozen=True, slots=True)
+class FeedOutput:
+    """What one call produced: items to apply in order, and maybe a replay to request."""
+
+    items: tuple[FeedItem, ...] = ()
+    replay_from: int | None = None  # send encode_replay_request(replay_from) now
+
+
+@dataclass(frozen=True, slots=True)
+class FeedLimits:
+    replay_timeout_s: float = 5.0
+    max_replay_frames: int = 20_000  # vLLM keeps buffer_steps=10_000 by default
+    max_buffered_frames: int = 4_096  # live frames held while a replay runs
+    max_buffered_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FeedStatistics:
+    synced: bool
+    next_seq: int | None
+    replaying: bool
+    frames: int
+    batches_applied: int
+    events_applied: int
+    gaps: int
+    restarts: int
+    resets: int
+    replays_requested: int
+    replays_completed: int
+    replays_incomplete: int
+    dropped: tuple[tuple[str, int], ...]  # frames/batches dropped, by reason
+    skipped: tuple[tuple[str, int], ...]  # events left out by the decoder, by reason
+
+
+def encode_replay_request(start_seq: int) -> list[bytes]:
+    """The DEALER message asking vLLM's replay ROUTER for every batch from ``start_seq``."""
+    return [b"", start_seq.to_bytes(8, "big")]
+
+
+@dataclass(slots=True)
+class _Replay:
+    start: int
+    deadline: float
+    frames: list[tuple[int, bytes]] = field(default_factory=list)
+    live: list[tuple[int, bytes]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class EventFeed:
+    """Sequencing of one engine's KV event stream (see the module docstring)."""
+
+    def __init__(self, *, can_replay: bool, limits: FeedLimits | None = None) -> None:
+        self._can_replay = can_replay
+        self._limits = limits or FeedLimits()
+        self._next: int | None = None  # next seq expected; None: no position yet
+        self._fresh = True  # nothing applied since the last reset: holes cannot mislead
+        self._synced = False
+        self._replay: _Replay | None = None
+        self._counts: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
+        self._skipped: dict[str, int] = {}
+
+    # --- inputs -----------------------------------------------------------------------
+
+    def start(self, now: float) -> FeedOutput:
+        """The subscriber connected: with a replay endpoint, learn the history from 0."""
+        if not self._can_replay or self._replay is not None:
+            return FeedOutput()
+        return FeedOutput(replay_from=self._begin_replay(0, now))
+
+    def on_live(self, parts: Sequence[bytes], now: float) -> FeedOutput:
+        """One PUB message ``[topic, seq, payload]``."""
+        self._bump("frames")
+        frame = self._parse(parts, replay=False)
+        if frame is None:
+            return FeedOutput()
+        seq, payload = frame
+        items: list[FeedItem] = []
+        replay_from = self._live(seq, payload, now, items)
+        return FeedOutput(tuple(items), replay_from)
+
+    def on_replay(self, parts: Sequence[bytes], now: float) -> FeedOutput:
+        """One DEALER message from the replay endpoint (a batch, or the end marker)."""
+        self._bump("frames")
+        replay = self._replay
+        if replay is None:
+            self._drop("replay_unexpected")
+            return FeedOutput()
+        if (
+            len(parts) == 4
+            and not parts[0]
+            and not parts[1]
+            and bytes(parts[2]) == REPLAY_END_SEQ.to_bytes(8, "big")
+        ):
+            items: list[FeedItem] = []
+            self._finish_replay(complete=True, items=items)
+            return FeedOutput(tuple(items))
+        frame = self._parse(parts[1:] if len(parts) == 4 and not parts[0] else parts, True)
+        if frame is None:
+            return FeedOutput()
+        if len(replay.frames) >= self._limits.max_replay_frames or not self._hold(
+            replay, frame
+        ):
+            self._drop("replay_over_limit")
+            items = []
+            self._finish_replay(complete=False, items=items)
+            return FeedOutput(tuple(items))
+        replay.frames.append(frame)
+        return FeedOutput()
+
+    def poll(self, now: float) -> FeedOutput:
+        """Expire a replay that did not finish in time (applies what arrived)."""
+        if self._replay is None or now < self._replay.deadline:
+            return FeedOutput()
+        items: list[FeedItem] = []
+        self._finish_replay(complete=False, items=items)
+        return FeedOutput(tuple(items))
+
+    def next_deadline(self) -> float | None:
+        return None if self._replay is None else self._replay.deadline
+
+    def reset(self, *, restarted: bool) -> FeedOutput:
+        """The edge learned out of band that the engine restarted (or wants a resync)."""
+        items: list[FeedItem] = []
+        self._replay = None
+        self._reset("restart" if restarted else "gap", restarted, items)
+        self._next = None
+        return FeedOutput(tuple(items))
+
+    def statistics(self) -> FeedStatistics:
+        c = self._counts.get
+        return FeedStatistics(
+            synced=self._synced,
+            next_seq=self._next,
+            replaying=self._replay is not None,
+            frames=c("frames", 0),
+            batches_applied=c("batches_applied", 0),
+            events_applied=c("events_applied", 0),
+            gaps=c("gaps", 0),
+            restarts=c("restarts", 0),
+            resets=c("resets", 0),
+            replays_requested=c("replays_requested", 0),
+            replays_completed=c("replays_completed", 0),
+            replays_incomplete=c("replays_incomplete", 0),
+            dropped=tuple(sorted(self._dropped.items())),
+            skipped=tuple(sorted(self._skipped.items())),
+        )
+
+    # --- sequencing -------------------------------------------------------------------
+
+    def _live(self, seq: int, payload: bytes, now: float, items: list[FeedItem]) -> int | None:
+        replay = self._replay
+        if replay is not None:
+            floor = replay.live[-1][0] + 1 if replay.live else replay.start
+            if seq < floor:  # seq went back while we waited: a new process (invariant 3)
+                self._replay = None
+                return self._restart_then(seq, payload, now, items)
+            if len(replay.live) >= self._limits.max_buffered_frames or not self._hold(
+                replay, (seq, payload), live=True
+            ):
+                self._drop("live_over_limit")
+                self._finish_replay(complete=False, items=items)
+                return self._live(seq, payload, now, items)
+            return None
+        if self._next is None:
+            if seq == 0 or not self._can_replay:
+                self._apply(seq, payload, items)
+                return None
+            return self._begin_replay_with(0, seq, payload, now)
+        if seq == self._next:
+            self._apply(seq, payload, items)
+            return None
+        if seq > self._next:
+            self._bump("gaps")
+            if self._can_replay:
+                return self._begin_replay_with(self._next, seq, payload, now)
+            self._hole(items)
+            self._apply(seq, payload, items)
+            return None
+        return self._restart_then(seq, payload, now, items)
+
+    def _restart_then(
+        self, seq: int, payload: bytes, now: float, items: list[FeedItem]
+    ) -> int | None:
+        self._bump("restarts")
+        self._reset("restart", True, items)
+        self._next = None
+        return self._live(seq, payload, now, items)
+
+    def _begin_replay(self, start: int, now: float) -> int:
+        self._bump("replays_requested")
+        self._replay = _Replay(start=start, deadline=now + self._limits.replay_timeout_s)
+        return start
+
+    def _begin_replay_with(self, start: int, seq: int, payload: bytes, now: float) -> int:
+        start = self._begin_replay(start, now)
+        assert self._replay is not None
+        self._hold(self._replay, (seq, payload), live=True)
+        return start
+
+    def _hold(self, replay: _Replay, frame: tuple[int, bytes], live: bool = False) -> bool:
+        if replay.nbytes + len(frame[1]) > self._limits.max_buffered_bytes:
+            return False
+        replay.nbytes += len(frame[1])
+        if live:
+            replay.live.append(frame)
+        return True
+
+    def _finish_replay(self, *, complete: bool, items: list[FeedItem]) -> None:
+        replay = self._replay
+        assert replay is not None
+        self._replay = None
+        self._bump("replays_completed" if complete else "replays_incomplete")
+        for seq, payload in [*sorted(replay.frames, key=lambda f: f[0]), *replay.live]:
+            if self._next is None:
+                self._apply(seq, payload, items)  # fresh: any starting point is a subset
+            elif seq < self._next:
+                continue  # already applied (replayed and also buffered live)
+            else:
+                if seq > self._next:
+                    self._hole(items)
+                self._apply(seq, payload, items)
+        if complete and self._next is None:
+            # The publisher holds nothing from `start` on: the stream is known up to there.
+            self._next = replay.start
+            self._mark_synced(items)
+
+    def _hole(self, items: list[FeedItem]) -> None:
+        """Events were lost and cannot be replayed: forget unless nothing is known."""
+        if not self._fresh:
+            self._reset("gap", False, items)
+
+    def _apply(self, seq: int, payload: bytes, items: list[FeedItem]) -> None:
+        self._next = seq + 1
+        decoded = decode_batch(payload)
+        if isinstance(decoded, BatchRejected):
+            self._drop(decoded.reason)
+            # Its removals are lost with it: forget, and continue from the next batch.
+            self._hole(items)
+            self._mark_synced(items)
+            return
+        self._mark_synced(items)
+        self._bump("batches_applied")
+        for reason, count in decoded.skipped:
+            self._skipped[reason] = self._skipped.get(reason, 0) + count
+        if decoded.events:
+            self._fresh = False
+            self._bump("events_applied", len(decoded.events))
+            items.extend(decoded.events)
+
+    def _mark_synced(self, items: list[FeedItem]) -> None:
+        if not self._synced:
+            self._synced = True
+            items.append(StreamSynced())
+
+    def _reset(self, reason: str, restarted: bool, items: list[FeedItem]) -> None:
+        self._bump("resets")
+        self._fresh = True
+        self._synced = False
+        items.append(StreamReset(reason, restarted))
+
+    # --- frames -----------------------------------------------------------------------
+
+    def _parse(self, parts: Sequence[bytes], replay: bool) -> tuple[int, bytes] | None:
+        if len(parts) != 3:
+            self._drop("bad_frame_count")
+            return None
+        _topic, seq_bytes, payload = parts
+        if len(seq_bytes) != 8:
+            self._drop("bad_seq")
+            return None
+        seq = int.from_bytes(seq_bytes, "big")
+        if seq > _MAX_SEQ:
+            self._drop("bad_seq")
+            return None
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            self._drop("payload_too_large")
+            return None
+        return seq, bytes(payload)
+
+    def _bump(self, name: str, by: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + by
+
+    def _drop(self, reason: str) -> None:
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1

@@ -1,0 +1,136 @@
+"""The I/O shell around :class:`~kvpeer.router.feed.EventFeed`: one engine's vLLM KV
+event publisher (ZMQ SUB) and replay endpoint (ZMQ DEALER), on the edge's asyncio loop.
+
+All sequencing decisions are the feed's; this class only moves frames between sockets
+and the feed, and feed items into the index. It runs on the same event loop as the
+policy, so the index needs no lock. Sockets are bounded (``MAXMSGSIZE``), never linger,
+and a message that does not fit is dropped by ZMQ before it reaches Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from kvpeer.router.events import MAX_PAYLOAD_BYTES
+from kvpeer.router.feed import (
+    EventFeed,
+    FeedLimits,
+    FeedOutput,
+    FeedStatistics,
+    encode_replay_request,
+)
+from kvpeer.router.index import PrefixIndex
+
+__all__ = ["EventSubscriber"]
+
+_MAX_MESSAGES_PER_WAKE = 256  # then yield to the loop, so HTTP requests are not starved
+
+
+class EventSubscriber:
+    """Follows one engine's KV events into ``index`` until ``stop`` is set."""
+
+    def __init__(
+        self,
+        engine: str,
+        endpoint: str,
+        index: PrefixIndex,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        context: zmq.asyncio.Context | None = None,
+        limits: FeedLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._index = index
+        self._context = context
+        self._clock = clock
+        self._feed = EventFeed(can_replay=replay_endpoint is not None, limits=limits)
+
+    @property
+    def engine(self) -> str:
+        return self._engine
+
+    def statistics(self) -> FeedStatistics:
+        return self._feed.statistics()
+
+    def resync(self, *, restarted: bool = True) -> None:
+        """The edge saw the engine restart: forget it and relearn from its stream."""
+        self._apply(self._feed.reset(restarted=restarted))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Subscribe and follow the stream until ``stop`` is set; closes its sockets."""
+        own_context = self._context is None
+        context = self._context or zmq.asyncio.Context()
+        sub = context.socket(zmq.SUB)
+        dealer = context.socket(zmq.DEALER) if self._replay_endpoint is not None else None
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            for sock in (sub, dealer):
+                if sock is not None:
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            sub.connect(self._endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            if dealer is not None:
+                assert self._replay_endpoint is not None
+                dealer.connect(self._replay_endpoint)
+                poller.register(dealer, zmq.POLLIN)
+            await self._handle(self._feed.start(self._clock()), dealer)
+            while not stop.is_set():
+                deadline = self._feed.next_deadline()
+                timeout = -1 if deadline is None else max(0, int((deadline - self._clock()) * 1e3))
+                polling = asyncio.ensure_future(poller.poll(timeout))
+                done, _ = await asyncio.wait(
+                    {polling, stop_wait}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if polling not in done:
+                    polling.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await polling
+                    break
+                ready = dict(polling.result())
+                if sub in ready:
+                    await self._drain(sub, dealer, replay=False)
+                if dealer is not None and dealer in ready:
+                    await self._drain(dealer, dealer, replay=True)
+                await self._handle(self._feed.poll(self._clock()), dealer)
+        finally:
+            stop_wait.cancel()
+            sub.close(linger=0)
+            if dealer is not None:
+                dealer.close(linger=0)
+            if own_context:
+                context.term()
+
+    async def _drain(
+        self, sock: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket | None, *, replay: bool
+    ) -> None:
+        for _ in range(_MAX_MESSAGES_PER_WAKE):
+            try:
+                parts = await sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = self._clock()
+            out = self._feed.on_replay(parts, now) if replay else self._feed.on_live(parts, now)
+            await self._handle(out, dealer)
+
+    async def _handle(self, out: FeedOutput, dealer: zmq.asyncio.Socket | None) -> None:
+        self._apply(out)
+        if out.replay_from is not None and dealer is not None:
+            await dealer.send_multipart(encode_replay_request(out.replay_from))
+
+    def _apply(self, out: FeedOutput) -> None:
+        for item in out.items:
+            self._index.apply(self._engine, item)

@@ -1,0 +1,304 @@
+"""Decisions of the router's policy, from what engines hold and how loaded they are."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from kvpeer.router.cost import CostModel, CostPriors, Line
+from kvpeer.router.decide import (
+    REASON_CACHE,
+    REASON_LOAD,
+    REASON_NO_ENGINE,
+    REASON_PD,
+    REASON_PD_CACHED,
+    REASON_PD_NO_PREFILL,
+    REASON_PULL,
+    REASON_PULL_SLOWER,
+    DecideConfig,
+    RouterPolicy,
+)
+from kvpeer.router.events import BlocksStored
+from kvpeer.router.feed import StreamSynced
+from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Policy, Role
+
+BS = 16
+PROMPT = [(7 * i) % 500 for i in range(1024)]
+USABLE = 1008  # vLLM computes at least the last token: 63 full blocks of 64
+
+
+def spec(name: str, role: Role = Role.BOTH) -> EngineSpec:
+    return EngineSpec(name, f"http://{name}", "127.0.0.1", 5710, role=role)
+
+
+def idle() -> EngineLoad:
+    return EngineLoad(healthy=True, in_flight=0, queued_prompt_tokens=0)
+
+
+def busy(queued: int = 4000, in_flight: int = 4) -> EngineLoad:
+    return EngineLoad(healthy=True, in_flight=in_flight, queued_prompt_tokens=queued)
+
+
+def down() -> EngineLoad:
+    return EngineLoad(healthy=False, in_flight=0, queued_prompt_tokens=0)
+
+
+def hold(index: PrefixIndex, engine: str, tokens: int, medium: str, salt: int = 0) -> None:
+    """The engine's events say it holds the prompt's first ``tokens`` in ``medium``."""
+    index.apply(engine, StreamSynced())
+    blocks = tokens // BS
+    hashes = tuple(salt * 10_000 + i for i in range(blocks))
+    index.apply(engine, BlocksStored(medium, hashes, None, tuple(PROMPT[:tokens]), BS))
+
+
+def shared(*names: str, config: DecideConfig | None = None) -> tuple[RouterPolicy, PrefixIndex]:
+    index = PrefixIndex(block_size=BS)
+    return RouterPolicy([spec(n) for n in names], Mode.SHARED, index, config=config), index
+
+
+def test_router_policy_satisfies_the_edge_contract() -> None:
+    policy: Policy = shared("e0")[0]
+    assert policy.plan("r", PROMPT, {"e0": idle()}, 0.0).engine == "e0"
+
+
+def test_nothing_cached_goes_to_the_least_loaded_engine() -> None:
+    policy, _ = shared("e0", "e1")
+    plan = policy.plan("r1", PROMPT, {"e0": busy(), "e1": idle()}, 0.0)
+    assert (plan.engine, plan.source, plan.reason) == ("e1", None, REASON_LOAD)
+    assert plan.predicted_cached_tokens == 0
+    assert plan.predicted_ttft_s is not None
+
+
+def test_local_prefix_attracts_the_request() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e0", 1024, MEDIUM_GPU)
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": idle()}, 0.0)
+    assert (plan.engine, plan.source, plan.reason) == ("e0", None, REASON_CACHE)
+    assert plan.predicted_cached_tokens == USABLE
+
+
+def test_longer_prefix_on_a_busy_peer_is_pulled() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    hold(index, "e0", 64, MEDIUM_GPU, salt=1)
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy()}, 0.0)
+    assert (plan.engine, plan.source, plan.reason) == ("e0", "e1", REASON_PULL)
+    assert plan.predicted_cached_tokens == USABLE
+    assert plan.predicted_pulled_tokens == USABLE - 64
+
+
+def test_pull_predicted_slower_is_not_planned() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 32, MEDIUM_CPU)  # a tiny prefix on a busy source
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy()}, 0.0)
+    assert (plan.engine, plan.source, plan.reason) == ("e0", None, REASON_PULL_SLOWER)
+    assert plan.predicted_cached_tokens == 0
+
+
+def test_gpu_blocks_are_not_a_pull_source() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_GPU)  # kvpeer peers serve the CPU tier only
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy()}, 0.0)
+    assert (plan.engine, plan.source) == ("e0", None)
+
+
+def test_unlearned_engine_is_routed_by_load_only() -> None:
+    policy, index = shared("e0", "e1")
+    index.apply("e1", BlocksStored(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
+    index.apply("e0", StreamSynced())
+    # e1 has not synced (router just restarted): its blocks neither attract nor source.
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy(queued=10)}, 0.0)
+    assert (plan.engine, plan.source, plan.reason) == ("e0", None, REASON_LOAD)
+
+
+def test_unhealthy_engines_are_excluded() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    plan = policy.plan("r1", PROMPT, {"e0": busy(), "e1": down()}, 0.0)
+    assert (plan.engine, plan.source) == ("e0", None)
+    nobody = policy.plan("r2", PROMPT, {"e0": down(), "e1": down(), "x": idle()}, 0.0)
+    assert (nobody.engine, nobody.reason) == ("", REASON_NO_ENGINE)
+
+
+def test_engine_restart_forgets_its_affinity() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_GPU)
+    loads = {"e0": idle(), "e1": busy(queued=100, in_flight=1)}
+    assert policy.plan("r1", PROMPT, loads, 0.0).engine == "e1"
+    policy.on_engine_restart("e1", 1.0)
+    assert policy.plan("r2", PROMPT, loads, 1.0).engine == "e0"
+
+
+def test_speculative_entry_attracts_followers_until_it_expires() -> None:
+    policy, index = shared("e0", "e1", config=DecideConfig(speculative_ttl_s=5.0))
+    for name in ("e0", "e1"):
+        index.apply(name, StreamSynced())
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": idle()}, 0.0)
+    policy.on_sent("r1", plan, PROMPT, 0.0)
+    sent_to = plan.engine
+    other = "e1" if sent_to == "e0" else "e0"
+    loads = {sent_to: busy(queued=100, in_flight=1), other: idle()}
+    follower = policy.plan("r2", PROMPT, loads, 1.0)
+    assert (follower.engine, follower.reason) == (sent_to, REASON_CACHE)
+    assert policy.plan("r3", PROMPT, loads, 6.0).engine == other
+
+
+def test_compute_rates_converge_from_outcomes() -> None:
+    policy, _ = shared("e0")
+    true_overhead, true_rate = 0.05, 1e-4
+    for i in range(200):
+        n = 128 + (i * 389) % 3000
+        prompt = [(i + j) % 500 for j in range(n)]
+        plan = policy.plan(f"r{i}", prompt, {"e0": idle()}, float(i))
+        policy.on_outcome(
+            Outcome(f"r{i}", "e0", True, n, 0, true_overhead + true_rate * n), float(i)
+        )
+        assert plan.source is None
+    rates = policy.stats()
+    assert rates["rate:prefill_s_per_token:e0"] == pytest.approx(true_rate, rel=0.05)
+    assert rates["rate:overhead_s:e0"] == pytest.approx(true_overhead, rel=0.1)
+
+
+def test_pull_rates_and_cold_session_are_learned() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    loads = {"e0": idle(), "e1": idle()}
+    cost = policy.cost
+    assert not cost.is_warm("e0", "e1")
+    for i in range(100):
+        plan = policy.plan(f"r{i}", PROMPT, {"e0": idle(), "e1": busy()}, float(i))
+        assert plan.source == "e1"
+        compute = cost.compute_s("e0", 1024 - USABLE, loads["e0"])
+        pull = 0.002 + 1e-6 * USABLE + (0.3 if i == 0 else 0.0)
+        policy.on_outcome(
+            Outcome(f"r{i}", "e0", True, 1024, USABLE, compute + pull + 0.02), float(i)
+        )
+    assert cost.is_warm("e0", "e1")
+    rates = policy.stats()
+    assert rates["rate:pull_s_per_token:e1"] < 1e-5  # learned down from the 2e-5 prior
+    assert rates["rate:cold_session_s"] > CostPriors().cold_session_s
+    policy.on_engine_restart("e1", 200.0)
+    assert not cost.is_warm("e0", "e1")
+
+
+def test_predicted_and_actual_cached_tokens_are_recorded() -> None:
+    policy, index = shared("e0")
+    hold(index, "e0", 1024, MEDIUM_GPU)
+    plan = policy.plan("r1", PROMPT, {"e0": idle()}, 0.0)
+    policy.on_outcome(Outcome("r1", "e0", True, 1024, 992, 0.1), 0.1)
+    policy.on_outcome(Outcome("ghost", "e0", True, 1024, 0, 0.1), 0.1)
+    stats = policy.stats()
+    assert stats["predicted_cached_tokens_total"] == plan.predicted_cached_tokens == USABLE
+    assert stats["actual_cached_tokens_total"] == 992
+    assert stats["cached_tokens_abs_error_total"] == USABLE - 992
+    assert stats["cached_tokens_error_bucket:le=-64"] == 0
+    assert stats["cached_tokens_error_bucket:le=-1"] == 1
+    assert stats["outcomes_unmatched_total"] == 1
+    assert stats[f"plans_by_reason:{REASON_CACHE}"] == 1
+    (record,) = policy.recent_predictions()
+    assert (record.predicted_cached_tokens, record.actual_cached_tokens) == (USABLE, 992)
+
+
+def test_pending_plans_are_bounded() -> None:
+    policy, _ = shared("e0", config=DecideConfig(max_pending=3))
+    for i in range(10):
+        policy.plan(f"r{i}", PROMPT, {"e0": idle()}, 0.0)
+    assert policy.stats()["pending_plans"] == 3
+
+
+# --- pd -------------------------------------------------------------------------------------
+
+
+def pd(*specs: EngineSpec) -> tuple[RouterPolicy, PrefixIndex]:
+    index = PrefixIndex(block_size=BS)
+    return RouterPolicy(list(specs), Mode.PD, index), index
+
+
+def test_pd_picks_least_loaded_prefill_and_decode_engines() -> None:
+    policy, _ = pd(spec("p0", Role.PREFILL), spec("p1", Role.PREFILL), spec("d0", Role.DECODE),
+                   spec("d1", Role.DECODE))
+    loads = {"p0": busy(), "p1": idle(), "d0": busy(queued=0, in_flight=8), "d1": idle()}
+    plan = policy.plan("r1", PROMPT, loads, 0.0)
+    assert (plan.engine, plan.prefill_engine, plan.source, plan.reason) == (
+        "d1", "p1", None, REASON_PD,
+    )
+    assert plan.predicted_cached_tokens == plan.predicted_pulled_tokens == USABLE
+
+
+def test_pd_prefers_the_prefill_engine_holding_the_prefix() -> None:
+    policy, index = pd(spec("p0", Role.PREFILL), spec("p1", Role.PREFILL), spec("d0", Role.DECODE))
+    hold(index, "p0", 1024, MEDIUM_GPU)
+    plan = policy.plan("r1", PROMPT, {"p0": idle(), "p1": idle(), "d0": idle()}, 0.0)
+    assert plan.prefill_engine == "p0"
+
+
+def test_pd_without_a_healthy_prefill_engine_is_decode_only() -> None:
+    policy, _ = pd(spec("p0", Role.PREFILL), spec("d0", Role.DECODE))
+    plan = policy.plan("r1", PROMPT, {"p0": down(), "d0": idle()}, 0.0)
+    assert (plan.engine, plan.prefill_engine, plan.reason) == ("d0", None, REASON_PD_NO_PREFILL)
+
+
+def test_pd_decode_engine_holding_everything_skips_the_prefill_leg() -> None:
+    policy, index = pd(spec("p0", Role.PREFILL), spec("d0", Role.DECODE))
+    hold(index, "d0", 1024, MEDIUM_GPU)
+    plan = policy.plan("r1", PROMPT, {"p0": idle(), "d0": idle()}, 0.0)
+    assert (plan.engine, plan.prefill_engine, plan.reason) == ("d0", None, REASON_PD_CACHED)
+    assert plan.predicted_cached_tokens == USABLE
+
+
+def test_pd_learns_the_prefill_leg_and_survives_a_failed_one() -> None:
+    policy, _ = pd(spec("p0", Role.PREFILL), spec("d0", Role.DECODE))
+    loads = {"p0": idle(), "d0": idle()}
+    for i in range(80):
+        n = 64 + (i * 211) % 2000
+        prompt = [(i + j) % 500 for j in range(n)]
+        plan = policy.plan(f"r{i}", prompt, loads, 0.0)
+        assert plan.prefill_engine == "p0"
+        leg = 0.01 + 5e-5 * n
+        cached = plan.predicted_cached_tokens
+        policy.on_outcome(Outcome(f"r{i}", "d0", True, n, cached, leg + 0.05, leg), 0.0)
+    assert policy.stats()["rate:prefill_s_per_token:p0"] == pytest.approx(5e-5, rel=0.1)
+    # The intercept is an extrapolation: the prior (0.02) still weighs on it after 80.
+    assert policy.stats()["rate:overhead_s:p0"] == pytest.approx(0.01, abs=0.008)
+    policy.plan("failed", PROMPT, loads, 0.0)
+    policy.on_outcome(Outcome("failed", "d0", True, 1024, 0, 0.3, None), 0.0)
+    assert policy.stats()["outcomes_failed_total"] == 0
+
+
+def test_failed_outcomes_do_not_teach() -> None:
+    policy, _ = shared("e0")
+    policy.plan("r1", PROMPT, {"e0": idle()}, 0.0)
+    before = policy.cost.compute_s("e0", 1024, idle())
+    policy.on_outcome(Outcome("r1", "e0", False, 1024, None, None), 0.0)
+    assert policy.cost.compute_s("e0", 1024, idle()) == before
+    assert policy.stats()["outcomes_failed_total"] == 1
+
+
+def test_line_fit_stays_non_negative() -> None:
+    line = Line(0.02, 2e-4, x_ref=1024, weight=4, half_life=50)
+    for x in range(100):
+        line.observe(1000 + x, 0.0)  # an engine that reports zero time
+    a, b = line.params
+    assert a >= 0
+    assert b > 0
+    assert CostModel().pull_s("e0", "e1", 0, idle()) > 0
+
+
+SANS_IO_MODULES = ("events", "feed", "index", "cost", "decide", "policy")
+IO_MODULES = frozenset({"zmq", "asyncio", "time", "threading", "socket", "select", "os"})
+
+
+@pytest.mark.parametrize("module", SANS_IO_MODULES)
+def test_decision_core_is_sans_io(module: str) -> None:
+    """Only the subscriber touches sockets or the clock; the core takes ``now``."""
+    source = Path(__file__).resolve().parents[2] / "src" / "kvpeer" / "router" / f"{module}.py"
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & IO_MODULES

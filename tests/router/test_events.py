@@ -1,0 +1,427 @@
+"""The router's reading of vLLM's KV event stream: decoding, sequencing, the subscriber.
+
+Frames are built by encoding vLLM's own event classes, which is the real wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpeer.router.events import (
+    AllCleared,
+    BatchDecoded,
+    BatchRejected,
+    BlocksRemoved,
+    BlocksStored,
+    decode_batch,
+)
+from kvpeer.router.feed import (
+    REPLAY_END_SEQ,
+    EventFeed,
+    FeedLimits,
+    FeedOutput,
+    StreamReset,
+    StreamSynced,
+    encode_replay_request,
+)
+from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.subscriber import EventSubscriber
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+BS = 4
+H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+
+
+def stored(
+    hashes: list[Any], parent: Any, tokens: list[int], medium: str = "GPU", **extra: Any
+) -> Any:
+    fields: dict[str, Any] = {
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
+    fields.update(extra)
+    return kv_events.BlockStored(**fields)
+
+
+def removed(hashes: list[Any], medium: str = "GPU", **extra: Any) -> Any:
+    return kv_events.BlockRemoved(block_hashes=hashes, medium=medium, **extra)
+
+
+def batch(*events: Any, rank: int | None = None) -> bytes:
+    value = kv_events.KVEventBatch(ts=1.0, events=list(events), data_parallel_rank=rank)
+    return msgspec.msgpack.encode(value)
+
+
+def frame(seq: int, payload: bytes) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), payload]
+
+
+def replay_frame(seq: int, payload: bytes) -> list[bytes]:
+    return [b"", b"", seq.to_bytes(8, "big"), payload]
+
+
+REPLAY_END = [b"", b"", REPLAY_END_SEQ.to_bytes(8, "big"), b""]
+
+
+def decoded(payload: bytes) -> BatchDecoded:
+    result = decode_batch(payload)
+    assert isinstance(result, BatchDecoded), result
+    return result
+
+
+# --- decoding -----------------------------------------------------------------------------
+
+
+def test_gpu_store_remove_clear_decode_to_typed_events() -> None:
+    payload = batch(
+        stored([H1, H2], None, list(range(8)), extra_keys=[None, None], group_idx=0),
+        removed([H1], group_idx=0),
+        kv_events.AllBlocksCleared(),
+        rank=0,
+    )
+    result = decoded(payload)
+    assert result.data_parallel_rank == 0
+    assert result.events == (
+        BlocksStored(MEDIUM_GPU, (H1, H2), None, tuple(range(8)), BS),
+        BlocksRemoved(MEDIUM_GPU, (H1,)),
+        AllCleared(),
+    )
+
+
+def test_int_block_hashes_decode() -> None:
+    payload = batch(stored([2**64 - 1], 7, [1, 2, 3, 4]), removed([5]))
+    assert decoded(payload).events == (
+        BlocksStored(MEDIUM_GPU, (2**64 - 1,), 7, (1, 2, 3, 4), BS),
+        BlocksRemoved(MEDIUM_GPU, (5,)),
+    )
+
+
+def test_cpu_tier_self_describing_chunk_decodes() -> None:
+    event = stored(
+        [H2, H3],
+        H1,
+        list(range(4, 12)),
+        medium="CPU",
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+        kv_cache_spec_sliding_window=None,
+    )
+    assert decoded(batch(event)).events == (
+        BlocksStored(MEDIUM_CPU, (H2, H3), H1, tuple(range(4, 12)), BS),
+    )
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        (stored([H1], None, [], medium="CPU", block_size=0), "placeholder"),
+        (stored([H1], None, [1, 2, 3, 4], lora_id=3, lora_name="a"), "lora"),
+        (stored([H1], None, [1, 2, 3, 4], extra_keys=[("salt",)]), "extra_keys"),
+        (stored([H1], None, [1, 2, 3, 4], group_idx=1), "other_group"),
+        (stored([H1], None, [1, 2, 3, 4], medium="CPU", ownership="kvcr"), "secondary_tier"),
+        (removed([H1], group_idx=2), "other_group"),
+    ],
+)
+def test_events_the_router_cannot_key_are_skipped_by_reason(event: Any, reason: str) -> None:
+    result = decoded(batch(event, removed([H2])))
+    assert result.skipped == ((reason, 1),)
+    assert result.events == (BlocksRemoved(MEDIUM_GPU, (H2,)),)
+
+
+def encode_raw(value: Any) -> bytes:
+    return msgspec.msgpack.encode(value)
+
+
+GOOD_STORED = {
+    "type": "BlockStored",
+    "block_hashes": [H1],
+    "parent_block_hash": None,
+    "token_ids": [1, 2, 3, 4],
+    "block_size": 4,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+}
+
+
+def deeply_nested() -> bytes:
+    """A store whose extra_keys nest two million arrays deep: must not recurse out."""
+    marker = "nest-here"
+    flat = encode_raw([1.0, [{**GOOD_STORED, "extra_keys": [[marker]]}]])
+    return flat.replace(encode_raw(marker), b"\x91" * 2_000_000 + b"\xc0")
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xc1garbage", "undecodable"),
+        (encode_raw({"not": "a batch"}), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "surprise": 1}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "type": "BlockExploded"}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "block_hashes": [b"x" * 65]}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [-1, 2, 3, 4]}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [1, 2, 3]}]]), "token_count_mismatch"),
+        (encode_raw([1.0, [{**GOOD_STORED, "block_hashes": []}]]), "empty_store"),
+        (encode_raw([1.0, [GOOD_STORED], 0, "extra"]), "invalid_schema"),
+        (b"\x00" * (16 << 20 | 1), "payload_too_large"),
+        (deeply_nested(), "too_deep"),
+    ],
+)
+def test_malformed_payloads_are_rejected_with_a_reason(payload: bytes, reason: str) -> None:
+    result = decode_batch(payload)
+    assert isinstance(result, BatchRejected)
+    assert result.reason == reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_decode_never_raises_on_arbitrary_bytes(payload: bytes) -> None:
+    assert isinstance(decode_batch(payload), BatchDecoded | BatchRejected)
+
+
+# --- sequencing (sans-IO feed) -------------------------------------------------------------
+
+P0 = batch(stored([H1], None, [1, 2, 3, 4]))
+P1 = batch(stored([H2], H1, [5, 6, 7, 8]))
+P2 = batch(removed([H1]))
+P3 = batch(kv_events.AllBlocksCleared())
+RESTARTED = StreamReset("restart", restarted=True)
+
+
+def test_in_order_stream_syncs_then_yields_events() -> None:
+    feed = EventFeed(can_replay=False)
+    first = feed.on_live(frame(0, P0), now=0.0)
+    assert first.items[0] == StreamSynced()
+    assert first.items[1:] == (BlocksStored(MEDIUM_GPU, (H1,), None, (1, 2, 3, 4), BS),)
+    assert feed.on_live(frame(1, P1), 0.0).items == decoded(P1).events
+    assert feed.on_live(frame(2, P3), 0.0).items == (AllCleared(),)
+    assert feed.statistics().batches_applied == 3
+
+
+def test_gap_requests_replay_and_applies_in_order_after_it() -> None:
+    feed = EventFeed(can_replay=True)
+    feed.on_live(frame(0, P0), 0.0)
+    out = feed.on_live(frame(3, P3), 0.0)  # 1 and 2 were lost
+    assert out == FeedOutput(replay_from=1)
+    assert feed.on_live(frame(4, P0), 0.0).items == ()  # buffered while replaying
+    assert feed.on_replay(replay_frame(1, P1), 0.0).items == ()
+    assert feed.on_replay(replay_frame(2, P2), 0.0).items == ()
+    assert feed.on_replay(replay_frame(3, P3), 0.0).items == ()  # also buffered live
+    done = feed.on_replay(REPLAY_END, 0.0)
+    assert done.items == (
+        *decoded(P1).events,
+        *decoded(P2).events,
+        *decoded(P3).events,
+        *decoded(P0).events,
+    )
+    assert feed.statistics().next_seq == 5
+    assert feed.on_live(frame(5, P1), 0.0).items == decoded(P1).events
+
+
+def test_unreplayable_gap_forgets_before_continuing() -> None:
+    feed = EventFeed(can_replay=False)
+    feed.on_live(frame(0, P0), 0.0)
+    out = feed.on_live(frame(2, P1), 0.0)
+    assert out.items == (StreamReset("gap", restarted=False), StreamSynced(), *decoded(P1).events)
+    assert feed.statistics().gaps == 1
+
+
+def test_replay_that_misses_the_lost_batches_forgets() -> None:
+    feed = EventFeed(can_replay=True)
+    feed.on_live(frame(0, P0), 0.0)
+    assert feed.on_live(frame(5, P1), 0.0).replay_from == 1
+    feed.on_replay(replay_frame(4, P2), 0.0)  # the publisher's buffer starts at 4
+    out = feed.on_replay(REPLAY_END, 0.0)
+    assert out.items == (
+        StreamReset("gap", restarted=False),
+        StreamSynced(),
+        *decoded(P2).events,
+        *decoded(P1).events,
+    )
+
+
+def test_replay_timeout_applies_what_arrived() -> None:
+    feed = EventFeed(can_replay=True, limits=FeedLimits(replay_timeout_s=2.0))
+    feed.on_live(frame(0, P0), 0.0)
+    feed.on_live(frame(2, P2), 10.0)
+    assert feed.next_deadline() == 12.0
+    assert feed.poll(11.9).items == ()
+    out = feed.poll(12.0)
+    assert out.items[0] == StreamReset("gap", restarted=False)
+    assert feed.statistics().replays_incomplete == 1
+    assert feed.next_deadline() is None
+
+
+def test_seq_going_back_is_an_engine_restart() -> None:
+    feed = EventFeed(can_replay=False)
+    feed.on_live(frame(0, P0), 0.0)
+    feed.on_live(frame(1, P1), 0.0)
+    out = feed.on_live(frame(0, P2), 0.0)
+    assert out.items == (RESTARTED, StreamSynced(), *decoded(P2).events)
+    assert feed.statistics().restarts == 1
+
+
+def test_first_frame_mid_stream_replays_history_from_zero() -> None:
+    feed = EventFeed(can_replay=True)
+    assert feed.on_live(frame(2, P2), 0.0) == FeedOutput(replay_from=0)
+    feed.on_replay(replay_frame(0, P0), 0.0)
+    feed.on_replay(replay_frame(1, P1), 0.0)
+    out = feed.on_replay(REPLAY_END, 0.0)
+    assert out.items == (StreamSynced(), *decoded(P0).events, *decoded(P1).events,
+                         *decoded(P2).events)
+
+
+def test_start_replays_history_and_an_empty_history_is_learned() -> None:
+    feed = EventFeed(can_replay=True)
+    assert feed.start(0.0) == FeedOutput(replay_from=0)
+    assert feed.on_replay(REPLAY_END, 0.0).items == (StreamSynced(),)
+    assert feed.on_live(frame(0, P0), 0.0).items == decoded(P0).events
+    assert feed.on_replay(REPLAY_END, 0.0) == FeedOutput()  # nobody asked: counted
+    assert ("replay_unexpected", 1) in feed.statistics().dropped
+
+
+def test_restart_while_replaying_abandons_the_replay() -> None:
+    feed = EventFeed(can_replay=True)
+    feed.on_live(frame(0, P0), 0.0)
+    feed.on_live(frame(7, P1), 0.0)  # gap: replay from 1
+    out = feed.on_live(frame(0, P2), 0.0)  # the engine started over
+    assert out.items == (RESTARTED, StreamSynced(), *decoded(P2).events)
+    assert not feed.statistics().replaying
+
+
+def test_malformed_frames_are_counted_not_raised() -> None:
+    feed = EventFeed(can_replay=False)
+    feed.on_live(frame(0, P0), 0.0)
+    assert feed.on_live([b"only-two", b"parts"], 0.0) == FeedOutput()
+    assert feed.on_live([b"", b"\x00\x01", P1], 0.0) == FeedOutput()
+    assert feed.on_live([b"", REPLAY_END_SEQ.to_bytes(8, "big"), P1], 0.0) == FeedOutput()
+    out = feed.on_live(frame(1, b"\xc1not msgpack"), 0.0)
+    assert out.items == (StreamReset("gap", restarted=False), StreamSynced())
+    dropped = dict(feed.statistics().dropped)
+    assert dropped == {"bad_frame_count": 1, "bad_seq": 2, "undecodable": 1}
+    assert feed.on_live(frame(2, P1), 0.0).items == decoded(P1).events
+
+
+def test_replay_buffers_are_bounded() -> None:
+    feed = EventFeed(can_replay=True, limits=FeedLimits(max_buffered_frames=2))
+    feed.on_live(frame(0, P0), 0.0)
+    feed.on_live(frame(2, P2), 0.0)  # gap
+    feed.on_live(frame(3, P3), 0.0)
+    out = feed.on_live(frame(4, P1), 0.0)  # third buffered frame: give up on the replay
+    assert out.items[0] == StreamReset("gap", restarted=False)
+    assert ("live_over_limit", 1) in feed.statistics().dropped
+    assert not feed.statistics().replaying
+
+
+# --- the subscriber on real sockets --------------------------------------------------------
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait for a condition the subscriber task brings about (not a fixed sleep)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def within(awaitable: Awaitable[Any], timeout: float = 10.0) -> Any:
+    return await asyncio.wait_for(awaitable, timeout)
+
+
+def test_subscriber_follows_publisher_replays_gap_and_sees_restart() -> None:
+    asyncio.run(_subscriber_scenario())
+
+
+async def _subscriber_scenario() -> None:
+    ctx = zmq.asyncio.Context()
+    # XPUB is PUB on the wire, and tells us when the subscription arrived.
+    pub = ctx.socket(zmq.XPUB)
+    router = ctx.socket(zmq.ROUTER)
+    for sock in (pub, router):
+        sock.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:*")
+    router.bind("tcp://127.0.0.1:*")
+    index = PrefixIndex(block_size=BS)
+    sub = EventSubscriber(
+        "e0",
+        pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        index,
+        replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
+        context=ctx,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(sub.run(stop))
+    try:
+        # On start the subscriber asks for the history: the publisher has none yet.
+        ident, empty, start = await within(router.recv_multipart())
+        assert [empty, start] == encode_replay_request(0)
+        await router.send_multipart([ident, *REPLAY_END])
+        assert (await within(pub.recv()))[0] == 1  # subscribed
+
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+        keys = index.keys(prompt)
+        await pub.send_multipart(frame(0, P0))
+        await until(lambda: index.longest_prefix("e0", keys, MEDIUM_GPU, 0.0) == 4, "seq 0")
+
+        # seq 1 is lost; seq 2 shows the gap; the subscriber asks to replay from 1.
+        gap = batch(stored([H3], H2, [9, 10, 11, 12]))
+        await pub.send_multipart(frame(2, gap))
+        ident, _, start = await within(router.recv_multipart())
+        assert int.from_bytes(start, "big") == 1
+        await router.send_multipart([ident, *replay_frame(1, P1)])
+        await router.send_multipart([ident, *replay_frame(2, gap)])
+        await router.send_multipart([ident, *REPLAY_END])
+        longer = index.keys([*prompt, 9, 10, 11, 12])
+        await until(
+            lambda: index.longest_prefix("e0", longer, MEDIUM_GPU, 0.0) == 12, "replayed"
+        )
+        assert sub.statistics().replays_completed == 2
+
+        # The engine restarts: seq 0 again, holding something else.
+        other = batch(stored([b"\x09" * 32], None, [40, 41, 42, 43]))
+        await pub.send_multipart(frame(0, other))
+        await until(lambda: sub.statistics().restarts == 1, "restart")
+        assert index.longest_prefix("e0", longer, MEDIUM_GPU, 0.0) == 0
+        assert index.longest_prefix("e0", index.keys([40, 41, 42, 43]), MEDIUM_GPU, 0.0) == 4
+        assert index.learned("e0")
+    finally:
+        stop.set()
+        await within(task)
+        pub.close()
+        router.close()
+        ctx.term()
+
+
+def test_stores_are_ordered_parents_first_within_a_run() -> None:
+    child = stored([H3], H2, [9, 10, 11, 12], medium="CPU")
+    parent = stored([H2], H1, [5, 6, 7, 8], medium="CPU")
+    root = stored([H1], None, [1, 2, 3, 4], medium="CPU")
+    events = decoded(batch(child, parent, removed([H1]), root)).events
+    assert [type(e).__name__ for e in events] == [
+        "BlocksStored", "BlocksStored", "BlocksRemoved", "BlocksStored",
+    ]
+    assert [e.block_hashes for e in events if not isinstance(e, AllCleared)] == [
+        (H2,), (H3,), (H1,), (H1,),
+    ]
+
+
+def test_a_hostile_parent_cycle_terminates() -> None:
+    a = stored([H1], H2, [1, 2, 3, 4])
+    b = stored([H2], H1, [5, 6, 7, 8])
+    assert len(decoded(batch(a, b)).events) == 2
