@@ -60,11 +60,11 @@ class RecordingPolicy:
         self.outcome_seen = asyncio.Event()
 
     def plan(self, request_id: str, prompt: Sequence[int], loads: Mapping[str, EngineLoad],
-             now: float) -> Plan:
+             now: float, *, serve_on: str | None = None) -> Plan:
         if self.raises:
             raise RuntimeError("policy bug")
         plan = self.choose(loads) if self.choose else self._inner.plan(
-            request_id, prompt, loads, now)
+            request_id, prompt, loads, now, serve_on=serve_on)
         self.plans.append((request_id, list(prompt), plan))
         return plan
 

@@ -113,6 +113,8 @@ def test_engine_flag_parses() -> None:
         ({**engines(engine()), "health_timeout_s": -1}, "health_timeout_s: -1"),
         ({**engines(engine()), "listen": "h:70000"}, "port 70000 out of range"),
         ({**engines(engine()), "retry": 2}, "unknown key(s) ['retry']"),
+        ({**engines(engine()), "prefill_timeout_s": 0}, "prefill_timeout_s: 0"),
+        ({**engines(engine()), "allow_pinning": "yes"}, "allow_pinning: 'yes'"),
     ],
 )
 def test_bad_config_names_the_bad_value(mapping: dict[str, Any], message: str) -> None:

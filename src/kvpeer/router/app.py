@@ -41,16 +41,20 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpeer.router import params
 from kvpeer.router.config import EngineEntry, RouterConfig
+from kvpeer.router.decide import RouterPolicy
 from kvpeer.router.health import EngineHealth
+from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
 from kvpeer.router.metrics import LiveCollector, RouterMetrics
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
+from kvpeer.router.subscriber import EventSubscriber
 
 __all__ = ["Router", "RouterStatistics", "bind", "run", "serve", "write_ready_file"]
 
 log = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("Authorization",)
+PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -118,6 +122,7 @@ class _Request:
     stream: bool
     started: float
     headers: dict[str, str]
+    serve_on: str | None = None  # a pinned serving engine (allow_pinning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +146,23 @@ class Router:
     ) -> None:
         self.config = config
         self._fallback = LoadOnlyPolicy(config.specs, config.mode)
-        self.policy: Policy = policy if policy is not None else self._fallback
+        self.index: PrefixIndex | None = None
+        self.subscribers: dict[str, EventSubscriber] = {}
+        if policy is None:
+            # The decision core, fed by every engine's KV events (engines without an
+            # event endpoint stay unlearned: load only for them).
+            self.index = PrefixIndex()
+            policy = RouterPolicy(config.specs, config.mode, self.index)
+            self.subscribers = {
+                spec.name: EventSubscriber(
+                    spec.name, spec.kv_events, self.index, replay_endpoint=spec.kv_events_replay
+                )
+                for spec in config.specs
+                if spec.kv_events is not None
+            }
+        self.policy: Policy = policy
+        self._events_stop = asyncio.Event()
+        self._event_tasks: list[asyncio.Task[None]] = []
         self.registry = registry or CollectorRegistry()
         self._metrics = RouterMetrics(self.registry)
         self.registry.register(LiveCollector(self))
@@ -179,6 +200,10 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=self._timeout,
         )
+        self._event_tasks = [
+            asyncio.create_task(sub.run(self._events_stop), name=f"kv-events-{name}")
+            for name, sub in self.subscribers.items()
+        ]
         await self.health.check_once(self._session)
         self._health_task = asyncio.create_task(self.health.run(self._session))
         self._runner = web.AppRunner(
@@ -193,6 +218,8 @@ class Router:
         return self.url
 
     async def stop(self) -> None:
+        self._events_stop.set()
+        await asyncio.gather(*self._event_tasks, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
@@ -220,6 +247,9 @@ class Router:
 
     def _on_restart(self, name: str) -> None:
         self._metrics.restarts.inc()
+        subscriber = self.subscribers.get(name)
+        if subscriber is not None:
+            subscriber.resync()  # a new process: its event sequence starts over
         try:
             self.policy.on_engine_restart(name, time.monotonic())
         except Exception:
@@ -245,17 +275,18 @@ class Router:
         if not servers:
             return None
         now = time.monotonic()
+        serve_on = ctx.serve_on if ctx.serve_on in servers else None
         try:
-            plan = self.policy.plan(ctx.request_id, ctx.tokens, loads, now)
+            plan = self.policy.plan(ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on)
         except Exception:
             log.exception("policy.plan failed for %s: routing by load", ctx.request_id)
             self._policy_error("raised")
-            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now)
-        if plan.engine not in servers:
+            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on)
+        if plan.engine not in servers or (serve_on is not None and plan.engine != serve_on):
             log.warning("plan for %s names %r, not a healthy serving engine: load only",
                         ctx.request_id, plan.engine)
             self._policy_error("invalid_engine")
-            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now)
+            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on)
         other = plan.prefill_engine if pd else plan.source
         if other is not None and not (
             self.config.has(other)
@@ -347,6 +378,11 @@ class Router:
                 # info, not warning: a client must not be able to flood the log
                 log.info("client request carried %s: removed (the router owns them)",
                          ", ".join(removed))
+            serve_on = request.headers.get(PIN_HEADER) if self.config.allow_pinning else None
+            if serve_on is not None and not self.config.has(serve_on):
+                outcome = "bad_request"
+                return _error(400, f"{PIN_HEADER}: no engine named {serve_on!r}",
+                              "invalid_request_error")
             tokens = params.prompt_token_ids(body, chat=chat)
             if tokens is None:
                 tokens = await self._tokenize(request, body, chat=chat)
@@ -360,6 +396,7 @@ class Router:
                 started=started,
                 headers={k: request.headers[k] for k in FORWARDED_HEADERS
                          if k in request.headers},
+                serve_on=serve_on,
             )
             response, outcome = await self._route(request, ctx)
             return response
@@ -449,6 +486,8 @@ class Router:
             async with self.session.post(
                 entry.spec.url + ctx.path, json=leg,
                 headers=self._headers(entry, request, ctx.request_id),
+                timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s,
+                                              sock_connect=self.config.connect_timeout_s),
             ) as resp:
                 await resp.read()
                 if resp.status == 200:
@@ -509,14 +548,12 @@ class Router:
                     raise _BeforeFirstByte(_reason(exc)) from exc
                 ok = upstream.status == 200
                 if ok:
-                    try:
-                        usage = params.read_usage(json.loads(data))
-                    except ValueError:
-                        usage = None
+                    data, usage = _finished_body(data)
                 self._metrics.ttft.labels(self.config.mode.value).observe(
                     time.monotonic() - ctx.started)
                 response = web.Response(body=data, status=upstream.status,
-                                        content_type=content_type.split(";")[0])
+                                        content_type=content_type.split(";")[0],
+                                        headers=_route_headers(ctx, plan, prefill_s))
                 return response, "ok" if ok else "client_error"
             stream = params.StreamFilter(strip_usage=strip_usage)
             first = b""
@@ -533,7 +570,7 @@ class Router:
                 raise _BeforeFirstByte("empty_stream")
             client = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                  "Cache-Control": "no-cache",
-                                                 "X-Kvpeer-Request-Id": ctx.request_id})
+                                                 **_route_headers(ctx, plan, prefill_s)})
             try:
                 await client.prepare(request)
                 await client.write(first)
@@ -606,6 +643,32 @@ class Router:
             ttft_s=ttft,
             prefill_leg_s=prefill_s,
         ))
+
+
+def _route_headers(ctx: _Request, plan: Plan, prefill_s: float | None) -> dict[str, str]:
+    """Where the request went, for clients that measure (names from the router's config,
+    never addresses): the serving engine, the peer it pulled from, the prefill leg."""
+    headers = {"X-Kvpeer-Request-Id": ctx.request_id, "X-Kvpeer-Engine": plan.engine,
+               "X-Kvpeer-Predicted-Cached-Tokens": str(plan.predicted_cached_tokens)}
+    source = plan.prefill_engine if prefill_s is not None else plan.source
+    if source is not None:
+        headers["X-Kvpeer-Source"] = source
+    if prefill_s is not None:
+        headers["X-Kvpeer-Prefill-Seconds"] = f"{prefill_s:.6f}"
+    return headers
+
+
+def _finished_body(data: bytes) -> tuple[bytes, params.Usage | None]:
+    """A whole answer's usage, and the answer without ``kv_transfer_params`` (an engine's
+    routing data, which may name internal peer addresses, is not the client's)."""
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return data, None
+    if isinstance(document, dict) and "kv_transfer_params" in document:
+        del document["kv_transfer_params"]
+        data = json.dumps(document).encode()
+    return data, params.read_usage(document)
 
 
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:

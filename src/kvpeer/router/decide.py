@@ -175,17 +175,25 @@ class RouterPolicy:
     # --- Policy -----------------------------------------------------------------------
 
     def plan(
-        self, request_id: str, prompt: Sequence[int], loads: Mapping[str, EngineLoad], now: float
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        loads: Mapping[str, EngineLoad],
+        now: float,
+        *,
+        serve_on: str | None = None,
     ) -> Plan:
         healthy = {
             name: load for name, load in loads.items() if name in self._specs and load.healthy
         }
+        # Engines that may serve: all healthy ones, or the pinned one (sources stay all).
+        servers = [serve_on] if serve_on in healthy else list(healthy)
         keys = self._index.keys(prompt)
         usable = _usable_tokens(len(prompt), keys.block_size)
         if self._mode is Mode.PD:
-            plan, pending = self._plan_pd(prompt, keys, usable, healthy, now)
+            plan, pending = self._plan_pd(prompt, keys, usable, healthy, servers, now)
         else:
-            plan, pending = self._plan_shared(prompt, keys, usable, healthy, now)
+            plan, pending = self._plan_shared(prompt, keys, usable, healthy, servers, now)
         self._stats.planned(plan)
         if plan.engine:
             self._pending[request_id] = pending
@@ -245,14 +253,16 @@ class RouterPolicy:
         keys: PromptKeys,
         usable: int,
         healthy: Mapping[str, EngineLoad],
+        servers: Sequence[str],
         now: float,
     ) -> tuple[Plan, _Pending]:
-        if not healthy:
+        if not servers:
             return _no_engine(len(prompt), healthy)
         held = {name: self._held(name, keys, usable, now) for name in healthy}
         best: tuple[float, int, str] | None = None
         options: dict[str, _Option] = {}
-        for name, load in healthy.items():
+        for name in servers:
+            load = healthy[name]
             option = self._best_option(name, len(prompt), held, healthy)
             options[name] = option
             rank = (option.ttft_s, load.in_flight, name)
@@ -317,10 +327,11 @@ class RouterPolicy:
         keys: PromptKeys,
         usable: int,
         healthy: Mapping[str, EngineLoad],
+        servers: Sequence[str],
         now: float,
     ) -> tuple[Plan, _Pending]:
         n = len(prompt)
-        decoders = [e for e in healthy if self._specs[e].role in (Role.DECODE, Role.BOTH)]
+        decoders = [e for e in servers if self._specs[e].role in (Role.DECODE, Role.BOTH)]
         prefillers = [e for e in healthy if self._specs[e].role in (Role.PREFILL, Role.BOTH)]
         if not decoders:
             return _no_engine(n, healthy)

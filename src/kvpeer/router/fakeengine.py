@@ -49,6 +49,7 @@ class Behaviour:
     health_status: int = 200
     tokenize_status: int = 200
     record: bool = True
+    answer_kv_params: dict[str, Any] | None = None  # put in whole answers, as vLLM may
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +179,11 @@ class FakeEngine:
             else:
                 choice = {"index": 0, "finish_reason": "length",
                           "text": "".join(f"t{i} " for i in range(chunks))}
-            return web.json_response({"id": rid, "object": kind, "created": int(time.time()),
-                                      "model": MODEL, "choices": [choice], "usage": usage})
+            whole = {"id": rid, "object": kind, "created": int(time.time()), "model": MODEL,
+                     "choices": [choice], "usage": usage}
+            if b.answer_kv_params is not None:
+                whole["kv_transfer_params"] = b.answer_kv_params
+            return web.json_response(whole)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         options = body.get("stream_options")

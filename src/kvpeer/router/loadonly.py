@@ -69,13 +69,15 @@ class LoadOnlyPolicy:
         prompt: Sequence[int],
         loads: Mapping[str, EngineLoad],
         now: float,
+        *,
+        serve_on: str | None = None,
     ) -> Plan:
         self._plans += 1
         self._turn += 1
         if self._mode is Mode.SHARED:
-            engine = self._least(loads, (Role.BOTH, Role.PREFILL, Role.DECODE))
+            engine = serve_on or self._least(loads, (Role.BOTH, Role.PREFILL, Role.DECODE))
             return Plan(engine=engine or self._engines[0].name, reason="load only")
-        decode = self._least(loads, DECODE_ROLES)
+        decode = serve_on or self._least(loads, DECODE_ROLES)
         if decode is None:  # the edge does not ask then; answer something valid-shaped
             return Plan(engine=self._engines[0].name, reason="load only: no decode engine")
         prefill = self._least(loads, PREFILL_ROLES, avoid=decode)

@@ -95,8 +95,13 @@ class Policy(Protocol):
         prompt: Sequence[int],
         loads: Mapping[str, EngineLoad],
         now: float,
+        *,
+        serve_on: str | None = None,
     ) -> Plan:
-        """Choose; only engines with ``loads[name].healthy`` may appear in the plan."""
+        """Choose; only engines with ``loads[name].healthy`` may appear in the plan.
+
+        ``serve_on`` (a healthy engine that may serve) pins the serving engine; the
+        policy still chooses the source or prefill engine for it."""
         ...
 
     def on_sent(self, request_id: str, plan: Plan, prompt: Sequence[int], now: float) -> None:

@@ -1,0 +1,99 @@
+"""What the router tells clients about a request's route, pinning, and the prefill leg's
+own deadline (fake engines, real loopback HTTP)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpeer.router.policy import Plan
+from tests.router.conftest import fleet, run
+
+PROMPT = list(range(40))
+BODY: dict[str, Any] = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 3}
+
+
+class TestPinning:
+    def test_a_pinned_request_is_served_by_that_engine(self) -> None:
+        async def scenario() -> None:
+            async with fleet(settings={"allow_pinning": True}) as f:
+                for target in ("b", "a", "b"):
+                    async with f.client.post(f.url + "/v1/completions", json=BODY,
+                                             headers={"X-Kvpeer-Engine": target}) as resp:
+                        assert resp.status == 200
+                        assert resp.headers["X-Kvpeer-Engine"] == target
+                assert len(f.engines["b"].generation_bodies()) == 2
+                assert len(f.engines["a"].generation_bodies()) == 1
+
+        run(scenario())
+
+    def test_pinning_an_unknown_engine_is_a_400_naming_it(self) -> None:
+        async def scenario() -> None:
+            async with fleet(settings={"allow_pinning": True}) as f:
+                async with f.client.post(f.url + "/v1/completions", json=BODY,
+                                         headers={"X-Kvpeer-Engine": "zz"}) as resp:
+                    assert resp.status == 400
+                    assert "'zz'" in (await resp.json())["error"]["message"]
+                assert f.engines["a"].generation_bodies() == []
+
+        run(scenario())
+
+    def test_without_allow_pinning_the_header_is_ignored(self) -> None:
+        async def scenario() -> None:
+            async with fleet(choose=lambda loads: Plan(engine="a")) as f:
+                async with f.client.post(f.url + "/v1/completions", json=BODY,
+                                         headers={"X-Kvpeer-Engine": "b"}) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["X-Kvpeer-Engine"] == "a"
+                assert f.engines["b"].generation_bodies() == []
+
+        run(scenario())
+
+
+class TestRouteHeaders:
+    def test_shared_names_the_source_and_pd_the_prefill_leg(self) -> None:
+        async def scenario() -> None:
+            shared = fleet(choose=lambda loads: Plan(engine="a", source="b"))
+            async with shared as f:
+                stream = {**BODY, "stream": True}
+                async with f.client.post(f.url + "/v1/completions", json=stream) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["X-Kvpeer-Source"] == "b"
+                    assert "X-Kvpeer-Prefill-Seconds" not in resp.headers
+                    await resp.read()
+            async with fleet("pd", {"p": "prefill", "d": "decode"}) as f:
+                reply = await f.client.post(f.url + "/v1/completions", json=BODY)
+                async with reply as resp:
+                    assert resp.status == 200
+                    assert resp.headers["X-Kvpeer-Engine"] == "d"
+                    assert resp.headers["X-Kvpeer-Source"] == "p"
+                    assert float(resp.headers["X-Kvpeer-Prefill-Seconds"]) > 0
+
+        run(scenario())
+
+    def test_an_engines_kv_transfer_params_never_reach_the_client(self) -> None:
+        async def scenario() -> None:
+            async with fleet() as f:
+                for engine in f.engines.values():
+                    engine.behaviour.answer_kv_params = {"remote_host": "10.1.2.3"}
+                status, answer = await f.post("/v1/completions", BODY)
+                assert status == 200
+                assert "kv_transfer_params" not in answer
+                assert answer["usage"]["prompt_tokens"] == len(PROMPT)
+
+        run(scenario())
+
+
+def test_a_prefill_leg_past_its_deadline_goes_decode_only() -> None:
+    async def scenario() -> None:
+        settings = {"prefill_timeout_s": 0.3}
+        async with fleet("pd", {"p": "prefill", "d": "decode"}, settings=settings) as f:
+            f.engines["p"].behaviour.hang = True
+            status, _ = await f.post("/v1/completions", BODY)
+            assert status == 200
+            (dbody,) = f.engines["d"].generation_bodies()
+            assert "kv_transfer_params" not in dbody
+            metrics = await f.metrics()
+            assert metrics["kvpeer_router_fallbacks_total"] == 1
+            assert metrics["kvpeer_router_upstream_errors_total{reason=timeout}"] == 1
+
+    run(scenario())
