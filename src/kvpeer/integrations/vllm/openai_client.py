@@ -44,7 +44,8 @@ class OpenAIClient:
     def __init__(self, base_url: str, model: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         from openai import OpenAI
 
-        self._client = OpenAI(
+        # The typed overloads want literal model names: the boundary is this one name.
+        self._client: Any = OpenAI(
             base_url=f"{base_url}/v1", api_key="unused", timeout=timeout_s, max_retries=0
         )
         self.model = model
@@ -81,7 +82,7 @@ class OpenAIClient:
         started = time.monotonic()
         raw = self._client.chat.completions.with_raw_response.create(
             model=self.model,
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,
             max_tokens=max_tokens,
             temperature=0.0,
             logprobs=True,
