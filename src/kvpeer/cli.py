@@ -218,7 +218,9 @@ def _cmd_bench_idle(args: argparse.Namespace) -> int:
 
     result = idle.run(
         spec,
-        model_dir=Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
+        model_dir=Path(
+            args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"), "tiny-llama")
+        ),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         progress=progress,
     )
@@ -369,15 +371,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
 
     demo = commands.add_parser(
-        "demo", help="two real vLLM engines share KV through kvpeer (PD and symmetric)"
+        "demo",
+        help="two vllm serve engines behind kvpeer router share KV over HTTP (pd, shared, chat)",
     )
     demo.add_argument(
         "--data-plane", default="shm", help="shm (default), tcp or nixl: the plane both use"
     )
     demo.add_argument(
-        "--prompt-tokens", type=int, default=256, help="prompt length (64..448, default 256)"
+        "--prompt-tokens", type=int, default=1536, help="prompt length (64..1536, default 1536)"
     )
-    demo.add_argument("--model", help="checkpoint directory (default ~/.cache/kvpeer/tiny-llama)")
+    demo.add_argument("--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)")
     demo.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=_cmd_demo)

@@ -89,19 +89,20 @@ def test_payloads_of_two_pulling_nodes_pass_vllms_checks_and_add_up() -> None:
         return registry.get_sample_value(PREFIX + name, {**ENGINE_LABELS, **labels})
 
     with ServingNode("tcp") as producer, LocalNode("tcp") as consumer:
-        source = StatsSource(consumer.node)
+        source = StatsSource(consumer.node, clock=lambda: 0.0)  # a second never passes
         first = source.take(force=True)
         assert first is not None
         check_and_send(first, prom)
         assert sample("pulled_bytes_total") == 0  # series exist before any event
-        assert source.take() is None  # read at most once a second
+        assert source.take() is None  # nothing moved, and not a second later
 
         for start in (0, 8):
             result = consumer.pull(producer.peer_id, keys_of(range(start, start + 8)),
                                    range(start, start + 8))  # fmt: skip
             assert result.loaded
         served = StatsSource(producer.node).take(force=True)
-        pulled = source.take(force=True)
+        pulled = source.take()  # within the second, but the counters moved: read now
+        assert source.take() is None  # and nothing moved since
         assert served is not None
         assert pulled is not None
         check_and_send(pulled, prom)

@@ -69,6 +69,10 @@ class Histogram:
         self._count += 1
         self._recent.append(value)
 
+    @property
+    def count(self) -> int:
+        return self._count
+
     def snapshot(self) -> HistogramSnapshot:
         return HistogramSnapshot(
             self._buckets, tuple(self._counts), self._total, self._count, tuple(self._recent)
@@ -92,6 +96,17 @@ class TierCounters:
     lookup_seconds: Histogram = field(default_factory=lambda: Histogram(LOOKUP_SECONDS_BUCKETS))
     load_seconds: Histogram = field(default_factory=lambda: Histogram(FETCH_SECONDS_BUCKETS))
     load_bytes: Histogram = field(default_factory=lambda: Histogram(FETCH_SIZE_BUCKETS))
+
+    def activity(self) -> int:
+        """A number that grows whenever a load, lookup answer or session event is counted.
+
+        Read without the node's lock: each term is one int read, and a stale sum only
+        means the change is noticed on the reader's next call."""
+        return (
+            self.loads_ok + self.loads_failed + self.sessions_opened
+            + self.late_fetches_rejected + self.stores_reaped
+            + self.lookup_seconds.count + self.load_seconds.count
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

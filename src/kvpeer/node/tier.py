@@ -423,6 +423,11 @@ class Tier:
             sessions_ended=dict(self._ended),
         )
 
+    def activity(self) -> int:
+        """Grows with every counted event; safe to read without the lock
+        (:meth:`TierCounters.activity`)."""
+        return self._counters.activity()
+
     def counters(self) -> CounterSnapshot:
         """Since-start event counts and histograms, live sessions included
         (under the node's lock, like :meth:`statistics`)."""

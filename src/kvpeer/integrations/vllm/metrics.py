@@ -12,9 +12,11 @@ API server):
    tuples of ``str`` of the declared length; numbers are Python ``int``/``float``.
 2. Counters are emitted as increments since the last emission (vLLM adds them),
    gauges as values, histograms as the raw observations since the last emission.
-3. The node is read at most every :data:`READ_EVERY_S` (``get_stats`` runs on
-   every step; a reading takes the node's lock); the first reading emits every
-   series, zeros included, so they exist from the start.
+3. The node is read when its counters moved (a lock-free ``Tier.activity()`` check)
+   or every :data:`READ_EVERY_S` for gauges (``get_stats`` runs on every step; a
+   reading takes the node's lock): a pull counted in a request's last step reaches
+   ``/metrics`` with that step, not with some later request's. The first reading
+   emits every series, zeros included, so they exist from the start.
 """
 
 from __future__ import annotations
@@ -66,13 +68,16 @@ class StatsSource:
         self._clock = clock
         self._cpu = ThreadCpu()
         self._next_read = 0.0
+        self._activity = -1
         self._last: dict[str, dict[tuple[str, ...], Value]] | None = None
 
     def take(self, *, force: bool = False) -> OffloadingConnectorStats | None:
         now = self._clock()
-        if not force and now < self._next_read:
+        activity = self._node.tier.activity()
+        if not force and now < self._next_read and activity == self._activity:
             return None
         self._next_read = now + READ_EVERY_S
+        self._activity = activity
         current = values(read_node(self._node, self._cpu))
         last, self._last = self._last, current
         stats = OffloadingConnectorStats()

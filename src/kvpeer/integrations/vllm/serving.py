@@ -98,7 +98,9 @@ class ServeSpec:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://{HOST}:{self.events_port}",
+            # vLLM binds a wildcard endpoint and *connects* to any other: the router
+            # subscribes to the engine, so the engine binds.
+            "endpoint": f"tcp://*:{self.events_port}",
             "replay_endpoint": f"tcp://{HOST}:{self.replay_port}",
         }
         return [
