@@ -7,46 +7,55 @@ import sys
 
 import pytest
 
-from kvpeer.demo import DemoResult, judge, render
-from kvpeer.integrations.vllm.launcher import Generation
+from kvpeer.demo import DemoResult, PeerCounters, Pulled, judge, render
+from kvpeer.integrations.vllm.openai_client import Completion
 
 PROMPT = 256
 BLOCK_LEN = 32 * 1024
 
 
-def generation(
+def completion(
     tokens: list[int] | None = None,
     logprobs: list[float] | None = None,
     *,
     cached: int = 0,
-    blocks: int | None = None,
-) -> Generation:
+    ttft: float = 0.4,
+) -> Completion:
     tokens = tokens if tokens is not None else [5, 6, 7, 8]
-    return Generation(
+    return Completion(
         tokens=tokens,
         logprobs=logprobs if logprobs is not None else [-1.0] * len(tokens),
-        num_cached_tokens=cached,
-        ttft_s=0.01,
-        blocks_from_peer=blocks,
-        bytes_from_peer=None if blocks is None else blocks * BLOCK_LEN,
-        load_seconds=None if blocks is None else 0.002,
+        ttft_s=ttft,
+        seconds=ttft + 0.1,
+        prompt_tokens=PROMPT,
+        cached_tokens=cached,
     )
 
 
+def pulled(
+    run: Completion | None = None, *, blocks: int = 8, source: str | None = "a"
+) -> Pulled:
+    run = run if run is not None else completion(cached=PROMPT, ttft=0.1)
+    counters = PeerCounters(blocks, blocks * BLOCK_LEN, 0.002 if blocks else 0.0)
+    return Pulled(run, run.ttft_s, source, counters)
+
+
 def test_a_matching_pull_of_the_whole_prompt_passes() -> None:
-    result = judge("pd", "tcp", PROMPT, generation(), generation(cached=256, blocks=8))
+    result = judge("shared", "tcp", PROMPT, completion(), completion(), pulled())
 
     assert result.ok
     assert result.outputs_match
     assert result.tokens_from_peer == 256
     assert result.bytes_from_peer == 8 * BLOCK_LEN
     assert result.transfer_gbps == pytest.approx(8 * BLOCK_LEN / 0.002 / 1e9)
+    assert result.speedup == pytest.approx(4.0)
+    assert result.api == "openai-http"
+    assert result.source == "a"
 
 
 def test_different_tokens_fail_the_scenario() -> None:
-    result = judge(
-        "pd", "tcp", PROMPT, generation(), generation([5, 6, 9, 8], cached=256, blocks=8)
-    )
+    run = completion([5, 6, 9, 8], cached=PROMPT)
+    result = judge("pd", "tcp", PROMPT, completion(), completion(), pulled(run))
 
     assert not result.outputs_match
     assert not result.ok
@@ -54,8 +63,8 @@ def test_different_tokens_fail_the_scenario() -> None:
 
 
 def test_logprobs_past_the_tolerance_fail_the_scenario() -> None:
-    pulled = generation(logprobs=[-1.0, -1.0, -1.01, -1.0], cached=256, blocks=8)
-    result = judge("symmetric", "shm", PROMPT, generation(), pulled)
+    run = completion(logprobs=[-1.0, -1.0, -1.01, -1.0], cached=PROMPT)
+    result = judge("shared", "shm", PROMPT, completion(), completion(), pulled(run))
 
     assert not result.outputs_match
     assert "logprobs differ" in result.problems[0]
@@ -63,37 +72,55 @@ def test_logprobs_past_the_tolerance_fail_the_scenario() -> None:
 
 @pytest.mark.parametrize(
     ("cached", "blocks"),
-    [(0, 0), (256, 0), (256, None), (256, 2)],
-    ids=["computed", "cached-not-from-peer", "no-counters", "partial"],
+    [(0, 0), (256, 0), (256, 2)],
+    ids=["computed", "cached-not-from-peer", "partial"],
 )
 def test_a_prompt_not_loaded_from_the_peer_fails_even_with_equal_outputs(
-    cached: int, blocks: int | None
+    cached: int, blocks: int
 ) -> None:
-    result = judge(
-        "symmetric", "shm", PROMPT, generation(), generation(cached=cached, blocks=blocks)
-    )
+    run = completion(cached=cached)
+    result = judge("shared", "shm", PROMPT, completion(), completion(), pulled(run, blocks=blocks))
 
     assert result.outputs_match
     assert not result.ok
     assert "came from the peer" in result.problems[0]
 
 
-def test_a_local_reference_that_reused_cache_is_no_reference() -> None:
-    result = judge("pd", "tcp", PROMPT, generation(cached=64), generation(cached=256, blocks=8))
+def test_a_plan_without_a_peer_fails_even_if_the_engine_had_the_blocks() -> None:
+    result = judge("shared", "shm", PROMPT, completion(), completion(), pulled(source=None))
 
     assert not result.ok
-    assert "local reference" in result.problems[0]
+    assert result.problems == ["the router named no peer to pull from"]
 
 
-def test_render_shows_the_failure_and_the_logs() -> None:
-    bad = judge("pd", "tcp", PROMPT, generation(), generation([1, 2, 3, 4], cached=256, blocks=8))
-    good = judge("symmetric", "tcp", PROMPT, generation(), generation(cached=256, blocks=8))
+def test_a_local_run_that_reused_cache_is_no_local_baseline() -> None:
+    local = completion(cached=64)
+    result = judge("pd", "tcp", PROMPT, completion(), local, pulled())
+
+    assert not result.ok
+    assert "local run reused" in result.problems[0]
+
+
+def test_chat_needs_only_the_previous_turns_from_the_peer() -> None:
+    run = completion(cached=192)
+    result = judge("chat", "shm", PROMPT, completion(), completion(), pulled(run, blocks=6),
+                   expected_from_peer=list(range(192)))
+
+    assert result.ok
+    assert result.tokens_from_peer == 192
+
+
+def test_render_shows_the_failure_the_speedup_and_the_logs() -> None:
+    bad = judge("pd", "tcp", PROMPT, completion(), completion(),
+                pulled(completion([1, 2, 3, 4], cached=PROMPT)))
+    good = judge("shared", "tcp", PROMPT, completion(), completion(), pulled())
     result = DemoResult([bad, good], "tcp", "/m", 12.0, ["/logs/a.log"])
 
     text = render(result)
     assert not result.ok
     assert "DIFFER" in text
     assert "match" in text
+    assert "4.0x" in text
     assert "kvpeer demo FAILED" in text
     assert "/logs/a.log" in text
     assert result.to_json()["scenarios"][0]["outputs_match"] is False
@@ -103,8 +130,8 @@ def test_render_shows_the_failure_and_the_logs() -> None:
     ("argv", "message"),
     [
         (["--data-plane", "udp"], "data plane 'udp': choose one of shm, tcp, nixl"),
-        (["--prompt-tokens", "5000"], "prompt tokens 5000: must be 64..448"),
-        (["--prompt-tokens", "8"], "prompt tokens 8: must be 64..448"),
+        (["--prompt-tokens", "5000"], "prompt tokens 5000: must be 64..1536"),
+        (["--prompt-tokens", "8"], "prompt tokens 8: must be 64..1536"),
     ],
 )
 def test_bad_options_are_named_before_any_engine_starts(argv: list[str], message: str) -> None:

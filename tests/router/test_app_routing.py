@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
+
 from kvpeer.router.policy import Plan
 from tests.router.conftest import fleet, run
 
@@ -95,5 +97,45 @@ def test_a_prefill_leg_past_its_deadline_goes_decode_only() -> None:
             metrics = await f.metrics()
             assert metrics["kvpeer_router_fallbacks_total"] == 1
             assert metrics["kvpeer_router_upstream_errors_total{reason=timeout}"] == 1
+
+    run(scenario())
+
+
+def test_the_default_policy_is_the_decision_core_and_its_numbers_are_scraped() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpeer.router.app import Router
+    from kvpeer.router.decide import RouterPolicy
+    from kvpeer.router.fakeengine import FakeEngine
+    from tests.router.conftest import make_config
+
+    async def scenario() -> None:
+        fakes = {name: FakeEngine(name) for name in "ab"}
+        for fake in fakes.values():
+            await fake.start()
+        router = Router(make_config("shared", {n: (f, "both") for n, f in fakes.items()}))
+        assert isinstance(router.policy, RouterPolicy)
+        await router.start()
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(router.url + "/v1/completions",
+                                       json={**BODY, "stream": True}) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                async with client.get(router.url + "/metrics") as resp:
+                    text = await resp.text()
+        finally:
+            await router.stop()
+            for fake in fakes.values():
+                await fake.stop()
+        samples = {
+            (s.name, s.labels.get("key")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        assert samples[("kvpeer_router_policy_plans_total", None)] == 1
+        assert samples[("kvpeer_router_policy_plans_by_reason", "load")] == 1
+        assert samples[("kvpeer_router_policy_outcomes_warmup_total", None)] == 1
+        assert samples[("kvpeer_router_policy_rate_prefill_s_per_token", "*")] > 0
 
     run(scenario())

@@ -172,7 +172,9 @@ def test_pull_rates_and_cold_session_are_learned() -> None:
         plan = policy.plan(f"r{i}", PROMPT, {"e0": idle(), "e1": busy()}, float(i))
         assert plan.source == "e1"
         compute = cost.compute_s("e0", 1024 - USABLE, loads["e0"])
-        pull = 0.002 + 1e-6 * USABLE + (0.3 if i == 0 else 0.0)
+        # r0 is both engines' first request (their warm-up: not learned from), r1 the
+        # pair's first pull (a cold session).
+        pull = 0.002 + 1e-6 * USABLE + {0: 5.0, 1: 0.3}.get(i, 0.0)
         policy.on_outcome(
             Outcome(f"r{i}", "e0", True, 1024, USABLE, compute + pull + 0.02), float(i)
         )
@@ -180,6 +182,8 @@ def test_pull_rates_and_cold_session_are_learned() -> None:
     rates = policy.stats()
     assert rates["rate:pull_s_per_token:e1"] < 1e-5  # learned down from the 2e-5 prior
     assert rates["rate:cold_session_s"] > CostPriors().cold_session_s
+    assert rates["rate:cold_session_s"] < 0.3  # the 5 s warm-up taught it nothing
+    assert rates["outcomes_warmup_total"] == 1
     policy.on_engine_restart("e1", 200.0)
     assert not cost.is_warm("e0", "e1")
 
@@ -302,3 +306,17 @@ def test_decision_core_is_sans_io(module: str) -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert not imported & IO_MODULES
+
+
+def test_an_engine_without_its_own_history_is_predicted_by_the_fleets_rates() -> None:
+    cost = CostModel()
+    load = EngineLoad(healthy=True, in_flight=0, queued_prompt_tokens=0)
+    prior = cost.compute_s("pulls-only", 1000, load)
+    for i in range(40):
+        n = 200 + 37 * i
+        cost.observe_compute("computes", n, load, 0.05 + 1e-3 * n)
+    # The engine that only pulled so far is judged by what its fleet measured, not the
+    # optimistic prior (which would make every pull look slower than computing).
+    assert cost.compute_s("pulls-only", 1000, load) == pytest.approx(
+        cost.compute_s("computes", 1000, load), rel=0.05)
+    assert cost.compute_s("pulls-only", 1000, load) > 3 * prior

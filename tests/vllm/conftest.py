@@ -18,13 +18,19 @@ from pathlib import Path
 import pytest
 
 from kvpeer.integrations.vllm.launcher import MAX_JOBS, EngineLauncher
-from kvpeer.integrations.vllm.model import ensure_tiny_llama
+from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama, ensure_tiny_llama
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama checkpoint every engine of the session loads."""
     return ensure_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def serve_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The serving demo's larger random Llama (pulling a prompt beats computing it)."""
+    return ensure_llama(tmp_path_factory.mktemp("model") / "serve-llama", SERVE_LLAMA_CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""``kvpeer demo`` as a user runs it: the real command, real engines, its JSON and exit code."""
+"""``kvpeer demo`` as a user runs it: the real command, two ``vllm serve`` engines, the
+router, the OpenAI client; its JSON, its progress and its exit code."""
 
 from __future__ import annotations
 
@@ -21,43 +22,57 @@ FIELDS = {
     "tokens_from_peer",
     "prompt_tokens",
     "bytes_from_peer",
+    "blocks_from_peer",
     "data_plane",
     "ttft_local_s",
     "ttft_pulled_s",
+    "load_seconds",
+    "transfer_gbps",
+    "max_logprob_delta",
+    "problems",
+    "api",
+    "speedup",
+    "source",
 }
 
 
-def demo_shm_files() -> set[Path]:
-    return set(SHM_DIR.glob("vllm_offload_kvpeer-demo-*"))
+def serve_shm_files() -> set[Path]:
+    return set(SHM_DIR.glob("*vllm_offload_kvpeer-serve-*"))
 
 
-def test_demo_json_reports_both_scenarios_pulled_from_the_peer(
-    tiny_llama: Path, tmp_path: Path
+def test_demo_json_reports_every_scenario_pulled_from_the_peer_over_http(
+    serve_llama: Path,
 ) -> None:
-    shm_before = demo_shm_files()
+    shm_before = serve_shm_files()
     done = subprocess.run(
-        [sys.executable, "-m", "kvpeer", "demo", "--json", "--model", str(tiny_llama)],
+        [sys.executable, "-m", "kvpeer", "demo", "--json", "--model", str(serve_llama),
+         "--prompt-tokens", "768"],
         capture_output=True,
         text=True,
         timeout=DEMO_TIMEOUT_S,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert "starting engine A (producer) and engine B (consumer)" in done.stderr  # progress
+    assert "starting two vllm serve engines" in done.stderr  # progress
+    assert "routers: shared http://" in done.stderr
 
     result = json.loads(done.stdout)
     assert result["ok"] is True
     assert result["logs"] == []  # removed after a passing run
     scenarios = {s["name"]: s for s in result["scenarios"]}
-    assert sorted(scenarios) == ["pd", "symmetric"]
+    assert sorted(scenarios) == ["chat", "pd", "shared"]
     for s in scenarios.values():
         assert set(s) >= FIELDS
+        assert s["api"] == "openai-http"
         assert s["outputs_match"] is True
         assert s["problems"] == []
         assert s["data_plane"] == "shm"
-        assert s["tokens_from_peer"] >= s["prompt_tokens"] - BLOCK_TOKENS
+        assert s["source"] == "a"
         assert s["bytes_from_peer"] > 0
         assert s["bytes_from_peer"] % s["blocks_from_peer"] == 0
         assert s["ttft_local_s"] > 0
         assert s["ttft_pulled_s"] > 0
-    assert demo_shm_files() <= shm_before, "the demo left primary-region files in /dev/shm"
+        assert s["speedup"] == pytest.approx(s["ttft_local_s"] / s["ttft_pulled_s"])
+    for name in ("pd", "shared"):
+        assert scenarios[name]["tokens_from_peer"] >= 768 - BLOCK_TOKENS
+    assert serve_shm_files() <= shm_before, "the demo left region files in /dev/shm"

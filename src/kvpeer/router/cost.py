@@ -10,6 +10,11 @@ The model (all terms in seconds):
   engine step), plus ``cold_session_s`` for the first pull between the pair (handshake,
   data-plane registration).
 
+An engine with fewer than ``own_samples`` observations of its own is predicted by the
+fleet's pooled compute line (every engine's observations): engines of one fleet mostly
+run one model on one kind of machine, and an engine that has only pulled so far would
+otherwise be judged by the prior alone.
+
 ``(overhead_e, rate_e)`` and ``(base_s, per_token_s)`` are straight lines fitted by
 exponentially weighted least squares (:class:`Line`): each observation counts a little
 less every time a newer one arrives, and the priors act as pseudo-observations that
@@ -40,6 +45,7 @@ class CostPriors:
     prior_weight: float = 4.0  # pseudo-observations behind each prior line
     half_life: float = 50.0  # observations after which one counts half
     cold_alpha: float = 0.2
+    own_samples: int = 8  # an engine's own compute line is used from this many on
 
 
 class Line:
@@ -97,6 +103,7 @@ class CostModel:
     def __init__(self, priors: CostPriors | None = None) -> None:
         self.priors = priors or CostPriors()
         self._compute: dict[str, Line] = {}
+        self._pooled = self._new_compute_line()
         self._pull: dict[str, Line] = {}
         self._cold_s = self.priors.cold_session_s
         self._warm: set[tuple[str, str]] = set()
@@ -106,10 +113,10 @@ class CostModel:
     def compute_s(self, engine: str, tokens: int, load: EngineLoad) -> float:
         """Seconds until ``engine`` has prefilled ``tokens`` of ours, given its load."""
         ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
-        return (
-            self._compute_line(engine).predict(ahead)
-            + max(0, load.in_flight) * self.priors.in_flight_s
-        )
+        line = self._compute_line(engine)
+        if line.samples < self.priors.own_samples:
+            line = self._pooled
+        return line.predict(ahead) + max(0, load.in_flight) * self.priors.in_flight_s
 
     def pull_s(self, engine: str, source: str, tokens: int, source_load: EngineLoad) -> float:
         """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier."""
@@ -128,8 +135,9 @@ class CostModel:
     def observe_compute(self, engine: str, tokens: int, load: EngineLoad, seconds: float) -> None:
         """``engine`` took ``seconds`` to its first token computing ``tokens`` itself."""
         ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
-        y = seconds - max(0, load.in_flight) * self.priors.in_flight_s
-        self._compute_line(engine).observe(ahead, max(0.0, y))
+        y = max(0.0, seconds - max(0, load.in_flight) * self.priors.in_flight_s)
+        self._compute_line(engine).observe(ahead, y)
+        self._pooled.observe(ahead, y)
 
     def observe_pull(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float
@@ -153,6 +161,7 @@ class CostModel:
     def rates(self) -> dict[str, float]:
         """The learned parameters, as plain numbers for export."""
         out: dict[str, float] = {"cold_session_s": self._cold_s}
+        out["overhead_s:*"], out["prefill_s_per_token:*"] = self._pooled.params
         for name, line in sorted(self._compute.items()):
             a, b = line.params
             out[f"overhead_s:{name}"] = a
@@ -163,13 +172,15 @@ class CostModel:
             out[f"pull_s_per_token:{name}"] = b
         return out
 
+    def _new_compute_line(self) -> Line:
+        p = self.priors
+        return Line(p.overhead_s, p.prefill_s_per_token, x_ref=p.tokens_ref,
+                    weight=p.prior_weight, half_life=p.half_life)
+
     def _compute_line(self, engine: str) -> Line:
         line = self._compute.get(engine)
         if line is None:
-            p = self.priors
-            line = Line(p.overhead_s, p.prefill_s_per_token, x_ref=p.tokens_ref,
-                        weight=p.prior_weight, half_life=p.half_life)
-            self._compute[engine] = line
+            line = self._compute[engine] = self._new_compute_line()
         return line
 
     def _pull_line(self, source: str) -> Line:

@@ -124,7 +124,7 @@ class DecisionStats:
             name: 0.0
             for name in (
                 "plans_total", "pulls_planned_total", "outcomes_total",
-                "outcomes_failed_total", "outcomes_unmatched_total",
+                "outcomes_failed_total", "outcomes_unmatched_total", "outcomes_warmup_total",
                 "predicted_cached_tokens_total", "actual_cached_tokens_total",
                 "cached_tokens_abs_error_total", "cached_tokens_unreported_total",
                 "predicted_pulled_tokens_planned_total",
@@ -171,6 +171,9 @@ class RouterPolicy:
         self._config = config or DecideConfig()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._stats = DecisionStats(self._config.recent_records)
+        # Engines whose first request since (re)start has not finished: that request
+        # pays the engine's warm-up (seconds here) and would teach the model nonsense.
+        self._warming: set[str] = set(self._specs)
 
     # --- Policy -----------------------------------------------------------------------
 
@@ -226,11 +229,18 @@ class RouterPolicy:
         if not outcome.ok or outcome.ttft_s is None or outcome.engine != plan.engine:
             self._stats.add("outcomes_failed_total")
             return
+        involved = {plan.engine, plan.source, plan.prefill_engine} & self._warming
+        if involved:
+            self._warming -= involved
+            self._stats.add("outcomes_warmup_total")
+            return
         self._learn(pending, outcome)
 
     def on_engine_restart(self, engine: str, now: float) -> None:
         self._index.forget(engine)
         self.cost.forget_sessions(engine)
+        if engine in self._specs:
+            self._warming.add(engine)
 
     # --- exports ----------------------------------------------------------------------
 

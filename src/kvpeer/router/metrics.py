@@ -96,9 +96,23 @@ class LiveCollector(Collector):
         yield flight
         yield GaugeMetricFamily(PREFIX + "engines_healthy", "Routable engines",
                                 value=float(len(router.health.statistics().up)))
+        families: dict[str, GaugeMetricFamily] = {}
         for key, value in _policy_numbers(router.policy).items():
-            yield GaugeMetricFamily(PREFIX + "policy_" + key, f"policy statistic {key}",
-                                    value=value)
+            # "name", "name:key" or "rate:name[:key]" (e.g. "rate:prefill_s_per_token:a",
+            # "plans_by_reason:pd: decode-only, cached"): one family per name, the rest
+            # as label "key".
+            parts = key.split(":", 2 if key.startswith("rate:") else 1)
+            name = "_".join(parts[:-1] if len(parts) > 1 else parts)
+            if not name.isidentifier():
+                continue
+            family = families.get(name)
+            if family is None:
+                family = families[name] = GaugeMetricFamily(
+                    PREFIX + "policy_" + name, f"the routing policy's {name}",
+                    labels=["key"] if len(parts) > 1 else None,
+                )
+            family.add_metric([parts[-1]] if len(parts) > 1 else [], value)
+        yield from families.values()
 
 
 def _policy_numbers(policy: object) -> dict[str, float]:
@@ -120,7 +134,7 @@ def _policy_numbers(policy: object) -> dict[str, float]:
     return {
         str(k): float(v)
         for k, v in items.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and str(k).isidentifier()
+        if isinstance(v, int | float) and not isinstance(v, bool)
     }
 
 
