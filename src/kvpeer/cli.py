@@ -158,10 +158,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from kvpeer.router import app, config
+    from kvpeer.router import config, server
 
     ready = Path(args.ready_file) if args.ready_file else None
-    return app.run(config.from_args(args), ready_file=ready)
+    return server.run(config.from_args(args), ready_file=ready)
 
 
 def _cmd_bench_router(args: argparse.Namespace) -> int:

@@ -46,7 +46,7 @@ def fresh(n: int = PROMPT) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fleet(serve_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeFleet]:
-    specs = [ServeSpec(name, serve_llama, max_model_len=1024) for name in "ab"]
+    specs = [ServeSpec(name, serve_llama) for name in "ab"]
     engines = ServeFleet(tmp_path_factory.mktemp("serve-logs"))
     try:
         engines.start(specs)
@@ -207,6 +207,27 @@ def test_chat_turn_two_on_the_other_engine_pulls_turn_one(
     direct.close()
 
 
+def test_a_router_started_later_relearns_what_the_engines_hold_from_their_replay(
+    fleet: ServeFleet, shared: BackgroundRouter
+) -> None:
+    """A router restart loses the index; the engines' replay buffers give it back (the
+    new router asks for every batch since the start), not stale affinity or nothing."""
+    client = OpenAIClient(shared.url, MODEL)
+    prompt = fresh(1024)
+    client.complete(prompt, OUT, {PIN: "a"})
+    wait_indexed(shared, "a", prompt)
+    client.close()
+    config = RouterConfig(Mode.SHARED, entries(fleet, (Role.BOTH, Role.BOTH)), listen_port=0,
+                          allow_pinning=True)
+    with BackgroundRouter(config) as restarted:
+        wait_indexed(restarted, "a", prompt)  # learned from the replay, no new request
+        late = OpenAIClient(restarted.url, MODEL)
+        pulled = late.complete(prompt, OUT, {PIN: "b"})
+        late.close()
+    assert pulled.headers.get("x-kvpeer-source") == "a"
+    assert pulled.cached_tokens >= 1024 - BLOCK
+
+
 def test_a_client_cannot_make_an_engine_dial_a_host_of_its_choosing(
     fleet: ServeFleet, shared: BackgroundRouter
 ) -> None:
@@ -252,7 +273,7 @@ def test_a_killed_engine_is_routed_around_and_relearned_after_its_restart(
              "the router to see engine a again")
     client = OpenAIClient(shared.url, MODEL)
     # Long enough that a pull clearly pays even on the pair's first (cold) session.
-    prompt = fresh(960)
+    prompt = fresh(1536)
     computed = client.complete(prompt, OUT, {PIN: "a"})
     wait_indexed(shared, "a", prompt)  # the restarted engine's events, learned afresh
     pulled = client.complete(prompt, OUT, {PIN: "b"})

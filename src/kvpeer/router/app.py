@@ -26,13 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
-import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -47,34 +44,15 @@ from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
 from kvpeer.router.metrics import LiveCollector, RouterMetrics
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
+from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
 
-__all__ = ["Router", "RouterStatistics", "bind", "run", "serve", "write_ready_file"]
+__all__ = ["PIN_HEADER", "Router", "RouterStatistics"]
 
 log = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("Authorization",)
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A bound TCP socket; port 0 picks a free port, read back with ``getsockname``."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def write_ready_file(path: Path, text: str) -> None:
-    """Write atomically, so a poller never reads half a URL."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -676,42 +654,3 @@ async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
         return await response.read()
     except (aiohttp.ClientError, TimeoutError):
         return b""
-
-
-async def serve(
-    config: RouterConfig,
-    policy: Policy | None = None,
-    ready_file: Path | None = None,
-    stop: asyncio.Event | None = None,
-) -> None:
-    """Run until SIGINT/SIGTERM (or ``stop``), then close cleanly."""
-    router = Router(config, policy)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        url = await router.start()
-        log.warning("kvpeer router (%s mode, %d engines) on %s", config.mode.value,
-                    len(config.engines), url)
-        if ready_file is not None:
-            write_ready_file(ready_file, url)
-        await stop.wait()
-    finally:
-        await router.stop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-
-
-def run(config: RouterConfig, ready_file: Path | None = None) -> int:
-    """Serve until a signal; on uvloop when it is installed (vLLM ships it): the edge is
-    event-loop bound, and uvloop cuts its per-request cost."""
-    try:
-        import uvloop
-
-        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config, ready_file=ready_file))
-    return 0

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpeer.router.app import bind, write_ready_file
+from kvpeer.router.server_socket import bind, write_ready_file
 
 __all__ = ["Behaviour", "FakeEngine", "Received", "main"]
 
