@@ -7,6 +7,7 @@ actually moved.
 
 from __future__ import annotations
 
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -131,3 +132,31 @@ def test_pulled_bytes_equal_served_bytes_and_a_killed_producer_fails_fetches(
             assert value(after, "loads_in_flight") == 0
         finally:
             server.close()
+
+
+IDLE_WINDOW_S = 10.0
+IDLE_CORE_SHARE = 0.02
+
+
+def test_an_idle_node_with_a_live_session_uses_under_2_percent_of_a_core(
+    tmp_path: Path,
+) -> None:
+    """Default timers, one live session (heartbeats flowing), nothing to do: over a
+    10-second window the node's own threads use less than 2 % of one core, read from
+    its ``thread_cpu_seconds_total`` the way an operator's Prometheus would."""
+    port = free_port()
+    serve = start_serve(tmp_path, args=["--metrics-port", str(port)])
+    try:
+        assert serve.wait_for_output("metrics at"), serve.log()
+        with LocalNode("tcp") as consumer:
+            assert consumer.pull(serve.peer_id, keys_of(range(4)), range(4)).loaded
+            before = value(scrape(port), "thread_cpu_seconds_total")
+            started = time.monotonic()
+            time.sleep(IDLE_WINDOW_S)  # the measured window itself, not a wait for state
+            after = value(scrape(port), "thread_cpu_seconds_total")
+            elapsed = time.monotonic() - started
+            assert value(scrape(port), "sessions") == 1  # the session stayed up throughout
+        share = (after - before) / elapsed
+        assert share < IDLE_CORE_SHARE, f"idle node used {share:.1%} of a core"
+    finally:
+        serve.stop()
