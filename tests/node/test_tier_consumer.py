@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
-from kvpeer.node.tier import FIRST_RETRY_S
+from kvpeer.node.peertable import FIRST_RETRY_S
 from kvpeer.protocol import Connect, Fetch, Lookup
 from kvpeer.types import Key, LookupResult, OffloadPolicy, RequestContext
 from tests.node.tierkit import (

@@ -108,7 +108,6 @@ class DrivenTier:
         self._kick_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._kick_poller = select.poll()
         self._kick_poller.register(self._kick_fd, select.POLLIN)
-        tier.driven = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -325,7 +324,7 @@ class DrivenTier:
     def get_finished_jobs(self) -> list[JobResult]:
         with self._lock:
             self._check()
-            return self._tier.get_finished_jobs()
+            return self._tier.take_results()
 
     def serve_external_requests(self, parent: Parent) -> None:
         with self._lock:
