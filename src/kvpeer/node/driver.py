@@ -330,8 +330,9 @@ class DrivenTier:
     def _call(self, call: Callable[[Tier], T], after_crash: Callable[[Tier], T]) -> T:
         """The engine's one way into the tier (invariant 3): under the lock; a driver
         crash is raised once as :class:`DriverCrashed`, and from then on
-        ``after_crash`` answers instead of ``call``. It touches only the tier's
-        result list: anything else in the tier may be what broke."""
+        ``after_crash`` answers instead of ``call``: it only reads the tier or adds
+        a failed result, never sends, receives or calls the parent (the tier, shut
+        down by the crash, may be what broke)."""
         with self._lock:
             self._check()
             return call(self._tier) if self._crash is None else after_crash(self._tier)
