@@ -64,7 +64,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "sim": frozenset({"config", "host", "node", "session", "testing", "types"}),
     "node": frozenset({"config", "errors", "host", "protocol", "session", "transport", "types"}),
     "host": frozenset({"session.ports", "types"}),
-    "testing": frozenset({"errors", "protocol", "session", "transport", "types"}),
+    # testing.cluster builds whole tiers: the kit sits above the node.
+    "testing": frozenset({"config", "errors", "node", "protocol", "session", "transport", "types"}),
     "checkconfig": frozenset({"config"}),
     "config": frozenset({"errors", "protocol", "session.settings"}),
     "transport": frozenset({"errors", "protocol", "session.ports"}),

@@ -32,10 +32,10 @@ from kvpeer.config import TierConfig
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.tier import Tier
 from kvpeer.testing import FakeDataPlane, FakeParent, Region
+from kvpeer.testing.cluster import BLOCK_LEN, NUM_BLOCKS, Cluster, TierNode, key
 from kvpeer.testing.network import MemoryControl, MemoryControlLink
 from kvpeer.transport.base import InboundFrame
 from kvpeer.types import RequestContext, TransferJob
-from tests.node.tierkit import BLOCK_LEN, NUM_BLOCKS, Cluster, TierNode, key
 
 DRIVER = "kvpeer-driver"
 ENGINE = "engine"

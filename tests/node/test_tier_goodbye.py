@@ -20,8 +20,8 @@ refused within ``handshake_timeout_s`` is refused without a session.
 from __future__ import annotations
 
 from kvpeer.protocol import Codec, Connect, Disconnect
+from kvpeer.testing.cluster import Cluster, TierNode, decoder, keys, prefiller
 from kvpeer.testing.network import MemoryControlLink
-from tests.node.tierkit import Cluster, TierNode, decoder, keys, prefiller
 
 KEYS = keys(1, 2, 3)
 

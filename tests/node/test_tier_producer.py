@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from kvpeer.protocol import AbortFetch, Fetch, TransferDone
+from kvpeer.testing.cluster import Cluster, TierNode, decoder, keys, kv_source, prefiller
 from kvpeer.types import LookupResult, OffloadPolicy
-from tests.node.tierkit import Cluster, TierNode, decoder, keys, kv_source, prefiller
 
 KEYS = keys(1, 2, 3)
 UNBOUND_S = 60.0  # unbound_store_timeout_s default

@@ -17,8 +17,8 @@ import logging
 import pytest
 
 from kvpeer.protocol import Connect, Disconnect
+from kvpeer.testing.cluster import Cluster, TierNode, decoder, key, keys, kv_source, prefiller
 from kvpeer.types import LookupResult
-from tests.node.tierkit import Cluster, TierNode, decoder, key, keys, kv_source, prefiller
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 KEYS = keys(1, 2, 3)
