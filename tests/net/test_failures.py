@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvpeer.node.tier import FIRST_RETRY_S
+from kvpeer.node.peertable import FIRST_RETRY_S
 from kvpeer.protocol import (
     Connect,
     ConnectAck,

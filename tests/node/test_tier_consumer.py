@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
-from kvpeer.node.tier import FIRST_RETRY_S
+from kvpeer.node.peertable import FIRST_RETRY_S
 from kvpeer.protocol import Connect, Fetch, Lookup
-from kvpeer.types import Key, LookupResult, OffloadPolicy, RequestContext
-from tests.node.tierkit import (
+from kvpeer.testing.cluster import (
     Cluster,
     TierNode,
     decoder,
@@ -25,6 +24,7 @@ from tests.node.tierkit import (
     kv_source,
     prefiller,
 )
+from kvpeer.types import Key, LookupResult, OffloadPolicy, RequestContext
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 KEYS = keys(1, 2, 3)

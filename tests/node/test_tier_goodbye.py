@@ -1,7 +1,7 @@
-"""Tier invariants 8 and 9: a session's end reaches a peer that still reaches us, and
-refusing a peer does not loop.
+"""Peer table invariants 2 and 3 (``kvpeer.node.peertable``) over a cluster: a
+session's end reaches a peer that still reaches us, and refusing a peer does not loop.
 
-Invariant 8: when our link to a peer breaks, the peer still hears that the session
+Invariant 2: when our link to a peer breaks, the peer still hears that the session
 ended (on a fresh link), so it stops using it at once.
 
 A vLLM 0.32 peer never reads answers on its own connection and keeps a session until
@@ -10,7 +10,7 @@ wait out each one (30 s, then 10 s for an abort ack), and take our next ``connec
 a duplicate. The peer here is a kvpeer tier, which reacts to a ``disconnect`` the same
 way vLLM does: its session ends and its loads fail.
 
-Invariant 9: vLLM answers a ``disconnect`` on a session it already dropped with a new
+Invariant 3: vLLM answers a ``disconnect`` on a session it already dropped with a new
 session and the same ``connect``. When both sides refuse each other (a fingerprint
 mismatch), opening a session for that connect would send our ``connect`` and goodbye
 again, and so on, many times a second (seen with real engines). An identical connect
@@ -20,8 +20,8 @@ refused within ``handshake_timeout_s`` is refused without a session.
 from __future__ import annotations
 
 from kvpeer.protocol import Codec, Connect, Disconnect
+from kvpeer.testing.cluster import Cluster, TierNode, decoder, keys, prefiller
 from kvpeer.testing.network import MemoryControlLink
-from tests.node.tierkit import Cluster, TierNode, decoder, keys, prefiller
 
 KEYS = keys(1, 2, 3)
 

@@ -8,7 +8,7 @@ descriptor) only to granted peers, so the grant must be in place before our conn
 from __future__ import annotations
 
 from kvpeer.protocol import Connect
-from tests.node.tierkit import Cluster, keys, prefiller
+from kvpeer.testing.cluster import Cluster, keys, prefiller
 
 
 def test_a_session_grants_its_peer_before_our_connect_leaves() -> None:

@@ -1,6 +1,7 @@
 """Tier, producer side: offload policy, parking and binding, late fetches, bounded state.
 
-Pins ``kvpeer.node.tier`` invariants 3-5 (DESIGN.md §5.1, §5.4-§5.6): stores for
+Pins ``kvpeer.node.bindings`` invariants 1-5 over a cluster (DESIGN.md §5.1,
+§5.4-§5.6; ``test_bindings.py`` drives the module directly): stores for
 a ``remote_decoder`` id are parked until a fetch for it arrives, in either
 order; parked stores nobody fetched fail and tombstone the id, so a late
 fetch is rejected in one round trip and a late store fails at once;
@@ -12,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from kvpeer.protocol import AbortFetch, Fetch, TransferDone
+from kvpeer.testing.cluster import Cluster, TierNode, decoder, keys, kv_source, prefiller
 from kvpeer.types import LookupResult, OffloadPolicy
-from tests.node.tierkit import Cluster, TierNode, decoder, keys, kv_source, prefiller
 
 KEYS = keys(1, 2, 3)
 UNBOUND_S = 60.0  # unbound_store_timeout_s default

@@ -1,6 +1,6 @@
 """The reference host: a primary block pool and a tiering manager without vLLM.
 
-It drives any :class:`~kvpeer.node.interface.SecondaryTier` the way vLLM's tiering
+It drives any :class:`~kvpeer.host.interface.SecondaryTier` the way vLLM's tiering
 manager does, so kvpeer's tier runs in simulations, benchmarks and other engines.
 """
 

@@ -1,7 +1,7 @@
 """The reference host: drives secondary tiers the way vLLM's tiering manager does.
 
 :class:`TieringHost` owns a :class:`~kvpeer.host.pool.BlockPool` (the primary) and an
-ordered list of :class:`~kvpeer.node.interface.SecondaryTier`. It lets kvpeer's tier run
+ordered list of :class:`~kvpeer.host.interface.SecondaryTier`. It lets kvpeer's tier run
 in simulations, benchmarks and engines that are not vLLM. One thread calls it.
 
 Invariants:
@@ -38,8 +38,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpeer.host.interface import SecondaryTier
 from kvpeer.host.pool import BlockPool, PoolStatistics, SlotState
-from kvpeer.node.interface import SecondaryTier
 from kvpeer.types import (
     JobResult,
     Key,

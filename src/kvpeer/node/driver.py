@@ -22,11 +22,40 @@ Invariants:
    again (a frame that arrived meanwhile keeps its descriptor readable).
    A data plane's thread that finishes a transfer polls itself, waiting
    briefly for the lock.
-3. A crash in the driver fails every job the tier held (they come back from
-   ``get_finished_jobs``) and raises :class:`DriverCrashed` on the engine's
-   next call, once; afterwards the tier answers MISS and fails new jobs.
+3. Every engine call enters the tier one way (``DrivenTier._call``): under the
+   lock, after a crash check. A crash in the driver fails every job the tier
+   held (they come back from ``get_finished_jobs``) and raises
+   :class:`DriverCrashed` on the engine's next call, once; afterwards the tier
+   answers MISS and fails new jobs without being called (it may be what broke).
 4. ``shutdown`` stops the thread (joined) before the tier closes its sockets;
    nothing survives it.
+
+Fields read without the lock, and why a stale read is harmless (everything else
+is read and written under the lock, or by one thread only):
+
+=================  ==============================  ===================================
+field              written                         read outside the lock by
+=================  ==============================  ===================================
+``_crash``         under the lock, once            the driver's loop and ``crashed``:
+                                                   a stale None costs one more loop,
+                                                   whose locked poll sees the crash
+``_watchers``      under the lock                  the driver, to pick what it sleeps
+                                                   on: stale 0 means two threads watch
+                                                   frames for one round (they queue on
+                                                   the lock); stale >0 is ended by the
+                                                   kick the last watcher sends
+``_deadline``      under the lock (each poll and   the driver, to size its sleep: an
+                   ``submit_load``)                earlier timer set meanwhile kicks it
+                                                   when it is before ``_sleeps_until``,
+                                                   else fires at most ``max_wait_s`` late
+``_sleeps_until``  the driver only, without lock   engine threads under the lock, to
+                                                   decide a kick: stale means a spare
+                                                   kick or a timer ``max_wait_s`` late
+``_wakeups``,      one thread each (driver; the    ``wakeups``/``polls``: counters, one
+``_polls``         lock holder)                    int read, never used for a decision
+``_stop``,         ``threading.Event``             anyone (thread-safe by itself)
+``_serve_wanted``
+=================  ==============================  ===================================
 """
 
 from __future__ import annotations
@@ -38,16 +67,19 @@ import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvpeer.errors import KVPeerError
-from kvpeer.node.tier import Tier
+from kvpeer.node.counters import CounterSnapshot
+from kvpeer.node.tier import Tier, TierStatistics
 from kvpeer.session.ports import Parent
 from kvpeer.types import JobResult, Key, LookupResult, OffloadPolicy, RequestContext, TransferJob
 
 __all__ = ["DrivenTier", "DriverCrashed", "Waitable"]
 
 log = logging.getLogger("kvpeer.driver")
+
+T = TypeVar("T")
 
 #: How long a data plane's thread waits for the lock to poll a completion itself.
 COMPLETION_LOCK_WAIT_S = 0.002
@@ -108,7 +140,6 @@ class DrivenTier:
         self._kick_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._kick_poller = select.poll()
         self._kick_poller.register(self._kick_fd, select.POLLIN)
-        tier.driven = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -284,82 +315,72 @@ class DrivenTier:
     def locked(self) -> threading.Lock:
         return self._lock
 
+    def statistics(self) -> TierStatistics:
+        """The tier's statistics (under the lock; never raises DriverCrashed)."""
+        with self._lock:
+            return self._tier.statistics()
+
+    def counters(self) -> CounterSnapshot:
+        """The tier's since-start counters (under the lock, like :meth:`statistics`)."""
+        with self._lock:
+            return self._tier.counters()
+
     # -- SecondaryTier ------------------------------------------------------------------
 
-    def on_new_request(self, request: RequestContext) -> OffloadPolicy:
+    def _call(self, call: Callable[[Tier], T], after_crash: Callable[[Tier], T]) -> T:
+        """The engine's one way into the tier (invariant 3): under the lock; a driver
+        crash is raised once as :class:`DriverCrashed`, and from then on
+        ``after_crash`` answers instead of ``call``: it only reads the tier or adds
+        a failed result, never sends, receives or calls the parent (the tier, shut
+        down by the crash, may be what broke)."""
         with self._lock:
             self._check()
-            if self._crash is not None:
-                return OffloadPolicy.CHUNK_LEVEL
-            return self._tier.on_new_request(request)
+            return call(self._tier) if self._crash is None else after_crash(self._tier)
+
+    def on_new_request(self, request: RequestContext) -> OffloadPolicy:
+        return self._call(lambda t: t.on_new_request(request), _constant(OffloadPolicy.CHUNK_LEVEL))
 
     def lookup(self, key: Key, request: RequestContext) -> LookupResult:
-        with self._lock:
-            self._check()
-            if self._crash is not None:
-                return LookupResult.MISS
-            return self._tier.lookup(key, request)
+        return self._call(lambda t: t.lookup(key, request), _constant(LookupResult.MISS))
 
     def submit_store(self, job: TransferJob) -> None:
-        with self._lock:
-            self._check()
-            if self._crash is not None:
-                self._tier.fail_job(job.job_id)
-                return
-            self._tier.submit_store(job)
+        self._call(lambda t: t.submit_store(job), lambda t: t.fail_job(job.job_id))
         self._waiter.wake()
 
     def submit_load(self, job: TransferJob) -> None:
-        with self._lock:
-            self._check()
-            if self._crash is not None:
-                self._tier.fail_job(job.job_id)
-                return
-            self._tier.submit_load(job)
+        def submit(tier: Tier) -> None:
+            tier.submit_load(job)
             # The fetch already left (frames go out under the lock); the driver
             # only needs kicking if the load's timer is due before it wakes anyway.
-            deadline = self._deadline = self._tier.next_deadline()
+            deadline = self._deadline = tier.next_deadline()
             if deadline is not None and deadline < self._sleeps_until:
                 self._kick()
 
+        self._call(submit, lambda t: t.fail_job(job.job_id))
+
     def get_finished_jobs(self) -> list[JobResult]:
-        with self._lock:
-            self._check()
-            return self._tier.get_finished_jobs()
+        return self._call(Tier.take_results, Tier.take_results)
 
     def serve_external_requests(self, parent: Parent) -> None:
-        with self._lock:
-            self._check()
-            if self._crash is None:
-                self._tier.serve_external_requests(parent)
+        self._call(lambda t: t.serve_external_requests(parent), _constant(None))
         self._waiter.wake()
 
     def on_schedule_end(self) -> None:
-        with self._lock:
-            self._check()
-            if self._crash is None:
-                self._tier.on_schedule_end()
+        self._call(Tier.on_schedule_end, _constant(None))
 
     def on_request_finished(self, request: RequestContext) -> None:
-        with self._lock:
-            self._check()
-            if self._crash is None:
-                self._tier.on_request_finished(request)
+        self._call(lambda t: t.on_request_finished(request), _constant(None))
         self._waiter.wake()
 
     def has_pending_work(self) -> bool:
-        with self._lock:
-            self._check()
-            return self._tier.has_pending_work()
+        return self._call(Tier.has_pending_work, Tier.has_pending_work)
 
     def drain_jobs(self) -> None:
         """Wait (bounded) for in-flight transfers while the driver keeps polling."""
         deadline = self._clock() + 5.0
         while self._clock() < deadline and not self._stop.is_set():
-            with self._lock:
-                self._check()
-                if self._crash is not None or not self._tier.has_transfers():
-                    return
+            if not self._call(Tier.has_transfers, _constant(False)):
+                return
             self._waiter.wake()
             time.sleep(0.001)
         log.warning("drain_jobs: transfers still in flight after 5s")
@@ -377,3 +398,8 @@ class DrivenTier:
             if self._kick_fd >= 0 and not self._thread.is_alive():
                 os.close(self._kick_fd)
                 self._kick_fd = -1
+
+
+def _constant(value: T) -> Callable[[Tier], T]:
+    """An answer that does not look at the tier."""
+    return lambda _: value

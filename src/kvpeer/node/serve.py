@@ -90,8 +90,7 @@ def serve(
                 host.step()
                 if time.monotonic() - last_stats >= STATS_EVERY_S:
                     last_stats = time.monotonic()
-                    with node.locked():
-                        stats = node.tier.statistics()
+                    stats = node.statistics()
                     print(
                         f"kvpeer serve: sessions={stats.sessions} "
                         f"transfers_in_flight={stats.transfers_in_flight} "

@@ -1,4 +1,9 @@
-"""A small in-memory cluster of :class:`Tier` nodes driven like engines.
+"""A small in-memory cluster of :class:`~kvpeer.node.tier.Tier` nodes driven like engines.
+
+For anyone testing a host or the tier itself: whole nodes over one fake clock, with
+every job result checked. It sits above the node layer (it builds tiers), so it is
+not re-exported from :mod:`kvpeer.testing`, whose other kits a session-level test
+can import without pulling in the node.
 
 :class:`Cluster` owns the fake clock, the :class:`MemoryNetwork` and the data
 plane fabric; :meth:`Cluster.add` builds a :class:`TierNode` (config, region,

@@ -1,0 +1,466 @@
+"""The peer table: one :class:`PeerSession` per peer, who may have one, and how it ends.
+
+It admits peers (allow-list, our own identity, the source address a session is
+bound to, the peer cap with eviction, handshakes per source), routes each
+inbound frame to its session, remembers the connects it refused, backs off
+peers that could not be reached, opens a fresh session when a peer restarted
+and says goodbye on a fresh link when ours broke. What a session's poll yields
+(results, a close) is handed to the tier through the injected ``reap``; the
+tier then calls :meth:`PeerTable.ended` for a closed one.
+
+Invariants:
+
+1. Only a peer's ``connect`` opens a session; other frames from a peer with no
+   live session are stragglers of an ended one and are dropped (counted).
+2. A session that ended because our link to the peer broke says goodbye on a
+   fresh link (best effort, once): the peer's link to us may still work, and a
+   vLLM peer, which never reads answers on its own connection, would otherwise
+   keep the session, wait out each load it sends us and take our next
+   ``connect`` for a duplicate.
+3. A peer's ``connect`` identical to one we refused within ``handshake_timeout_s``
+   is refused on the peer's own connection without opening a session: a vLLM peer
+   answers our goodbye with a new session and the same ``connect``, and opening
+   a session for it (our ``connect``, then our goodbye) would loop. At most
+   ``max_peers`` refusals are remembered; they expire.
+4. Nothing a peer names is dialed blindly, ourselves least of all (frames under
+   our own identity are dropped). A session an inbound peer opens is
+   dialed back at the identity it claims only if that identity's host is the
+   IP address its connection comes from (unless ``trust_peer_addresses``).
+   A session is bound to the first address its peer's frames came from;
+   frames under its identity from elsewhere are dropped.
+5. One source address holds at most ``max_handshakes_per_source`` sessions
+   still in their handshake; a connect beyond that is refused, and eviction
+   takes handshaking sessions of the busiest source first, so one address
+   cannot flood everyone else out.
+6. At most ``max_peers`` sessions. When full, an idle one is evicted (still in
+   its handshake first, then the least recently used); never one with work in
+   flight, nor a ready one a live request pulls from. With none to evict the
+   new peer is refused.
+7. A peer whose session ended unreachable (or timed out) before it ever
+   acknowledged us is backed off: requests naming it compute locally at once
+   until its retry time, which doubles from :data:`FIRST_RETRY_S` up to
+   ``peer_retry_max_s`` with each failed attempt; the first session that
+   completes its handshake clears it. At most ``4 * max_peers`` are remembered.
+8. A ``connect`` with a new boot id ends the old session (``RESTARTED``) and
+   the same frame opens a fresh one at once.
+
+Every method runs under the node's lock (it is called by the tier only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+
+from kvpeer.config import TierConfig
+from kvpeer.errors import PeerLost, ProtocolError
+from kvpeer.node.counters import TierCounters
+from kvpeer.node.params import split_peer_id
+from kvpeer.protocol import PROTOCOL_VERSION, Codec, Connect, ConnectExtension, Disconnect
+from kvpeer.session import CloseKind, PeerSession, PollResult, SessionClosed
+from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame, NodeDataPlane
+from kvpeer.types import StoreJob, TransferJob
+
+__all__ = ["FIRST_RETRY_S", "Peer", "PeerTable", "PeerTableStatistics"]
+
+log = logging.getLogger("kvpeer.tier")  # the tier's log: operators grep one name
+
+DEFAULT_HASH_SEED = "vllm-none-hash"
+#: The first back-off after a peer could not be reached (invariant 7).
+FIRST_RETRY_S = 1.0
+
+
+@dataclass(slots=True)
+class Peer:
+    """One peer's session and our control link to it."""
+
+    session: PeerSession
+    link: ControlLink
+    last_used: float
+    #: The address the peer's frames come from, once one arrived (invariant 4).
+    source: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerTableStatistics:
+    sessions: int
+    peers_refused: int  # since start: peers refused a session (or frames refused)
+    stray_frames: int  # since start: frames from peers without a live session
+    refusals_remembered: int
+    backed_off: int
+
+
+#: Called with a session's poll result; the tier applies it (and calls ``ended``).
+Reap = Callable[[str, Peer, PollResult], None]
+
+
+class PeerTable:
+    """Sessions by peer id, and the rules for opening and ending them."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        control: ControlTransport,
+        data_plane: NodeDataPlane,
+        counters: TierCounters,
+        *,
+        reap: Reap,
+        pulled_from: Callable[[], Collection[str]],
+        clock: Callable[[], float],
+        hash_seed: str | Callable[[], str] | None = None,
+        boot_id: bytes | None = None,
+    ) -> None:
+        """``pulled_from`` names the peers live requests pull from (eviction spares
+        them); ``hash_seed`` may be a callable, resolved when the first session
+        opens (vLLM knows its prefix-hash seed only after the tier was built)."""
+        self._config = config
+        self._settings = config.session_settings()
+        self._control = control
+        self._data = data_plane
+        self._counters = counters
+        self._reap = reap
+        self._pulled_from = pulled_from
+        self._clock = clock
+        self._hash_seed_source = config.hash_seed or hash_seed or DEFAULT_HASH_SEED
+        self._hash_seed: str | None = None
+        self._boot_id = boot_id or os.urandom(16)
+        self._codec = Codec()
+        self._peers: dict[str, Peer] = {}
+        self._refused = 0
+        self._stray = 0  # frames from peers without a live session (not a connect)
+        # peer -> (digest of the connect we refused, when that stops counting, why)
+        self._refused_hellos: dict[str, tuple[bytes, float, str]] = {}
+        # peer -> (no new session before this time, the back-off that set it)
+        self._backoff: dict[str, tuple[float, float]] = {}
+
+    # -- the table ------------------------------------------------------------------
+
+    def get(self, peer_id: str) -> Peer | None:
+        """The session toward ``peer_id`` (maybe no longer alive), if any."""
+        return self._peers.get(peer_id)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __iter__(self) -> Iterator[Peer]:
+        return iter(self._peers.values())
+
+    def items(self) -> list[tuple[str, Peer]]:
+        """A snapshot: safe to iterate while sessions end."""
+        return list(self._peers.items())
+
+    def next_deadline(self) -> float | None:
+        return min(
+            (d for p in self._peers.values() if (d := p.session.next_deadline()) is not None),
+            default=None,
+        )
+
+    # -- opening ----------------------------------------------------------------------
+
+    def open(self, peer_id: str, now: float, source: str | None = None) -> Peer | None:
+        """The live session toward ``peer_id``, opened if allowed and room permits."""
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            if peer.session.alive:
+                return peer
+            self._reap(peer_id, peer, peer.session.poll(now))  # reap the dead one first
+        address = split_peer_id(peer_id)
+        if (
+            address is None
+            or peer_id == self._control.local_id
+            or not self._config.allowed_peers.allows(*address)
+        ):
+            self._refused += 1
+            return None
+        if len(self._peers) >= self._config.max_peers and not self._evict_idle(now):
+            self._refused += 1
+            return None
+        link = self._control.connect(peer_id)
+        self._data.grant(peer_id)
+        session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
+        peer = Peer(session, link, now, source)
+        self._peers[peer_id] = peer
+        self._counters.sessions_opened += 1
+        session.start(now)
+        return peer
+
+    def _evict_idle(self, now: float) -> bool:
+        # Sessions still in their handshake go first, then the least recently used;
+        # never one with work in flight, nor a ready one a live request pulls from.
+        # Among handshaking ones, those of the source holding the most go first.
+        needed = self._pulled_from()
+        crowd = Counter(p.source for p in self._peers.values() if not p.session.ready)
+        idle = [
+            (peer.session.ready, -crowd[peer.source], peer.last_used, peer_id)
+            for peer_id, peer in self._peers.items()
+            if not peer.session.has_work() and not (peer.session.ready and peer_id in needed)
+        ]
+        if not idle:
+            return False
+        *_, peer_id = min(idle)
+        peer = self._peers[peer_id]
+        peer.session.close("evicted: idle and the peer cap was reached")
+        self._reap(peer_id, peer, peer.session.poll(now))
+        return True
+
+    def _resolved_hash_seed(self) -> str:
+        if self._hash_seed is None:
+            source = self._hash_seed_source
+            self._hash_seed = source if isinstance(source, str) else source()
+        return self._hash_seed
+
+    def _hello(self) -> Connect:
+        region = self._data.describe()
+        return Connect(
+            peer_id=self._control.local_id,
+            agent_metadata=region.agent_metadata,
+            base_addr=region.base_addr,
+            num_blocks=region.num_blocks,
+            block_len=region.block_len,
+            hash_seed=self._resolved_hash_seed(),
+            config_fingerprint=self._config.config_fingerprint,
+            kvpeer=ConnectExtension(
+                version=PROTOCOL_VERSION,
+                boot_id=self._boot_id,
+                transports={
+                    name: offer
+                    for name, offer in region.offers.items()
+                    if name in self._config.data_transports
+                },
+            ),
+        )
+
+    # -- inbound frames ------------------------------------------------------------------
+
+    def route(self, inbound: InboundFrame, now: float) -> None:
+        """Deliver a frame to its peer's session, opening one for an admitted
+        ``connect``; a session the frame ended is reaped at once."""
+        peer_id, frame = inbound.peer_id, inbound.frame
+        if peer_id == self._control.local_id:
+            self._stray += 1  # someone using our own identity: never a session with us
+            return
+        source = _canonical_ip(inbound.source)
+        if source is not None and not self._config.allowed_peers.allows_source(source):
+            self._refused += 1
+            self._refuse(peer_id, frame, f"connections from {source} are not in allowed_peers")
+            return
+        peer = self._peers.get(peer_id)
+        if peer is not None and peer.session.alive and source is not None:
+            if peer.source is None:
+                peer.source = source
+            elif peer.source != source:
+                self._stray += 1  # someone else claiming a live peer's identity
+                log.warning(
+                    "dropped a frame claiming to be %s from %s (its session is with %s)",
+                    peer_id,
+                    source,
+                    peer.source,
+                )
+                return
+        if peer is None or not peer.session.alive:
+            # Only a peer's connect opens a session. Anything else from a peer we
+            # hold no live session with is a straggler of a session that ended (its
+            # goodbye is on the way): answering it with a new session would make both
+            # sides open and fail sessions in a loop.
+            if not self._opens_session(frame):
+                self._stray += 1
+                return
+            refused = self._refused_hellos.get(peer_id)
+            if refused is not None and refused[0] == _digest(frame) and now < refused[1]:
+                self._refused += 1
+                self._refuse(peer_id, frame, f"{refused[2]} (this connect was refused before)")
+                return
+            problem = self._inbound_problem(peer_id, source)
+            if problem is not None:
+                self._refused += 1
+                self._refuse(peer_id, frame, problem)
+                return
+            peer = self.open(peer_id, now, source)
+            if peer is None:
+                self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
+                return
+        peer.last_used = now
+        peer.session.receive(frame, now)
+        if not peer.session.alive:
+            result = peer.session.poll(now)
+            self._reap(peer_id, peer, result)
+            closed = result.closed
+            if closed is not None and closed.kind is CloseKind.REJECTED:
+                self._remember_refusal(peer_id, frame, closed.reason, now)
+            if closed is not None and closed.kind is CloseKind.RESTARTED:
+                log.info("peer %s restarted; opening a fresh session", peer_id)
+                fresh = self.open(peer_id, now, source)
+                if fresh is not None:
+                    fresh.session.receive(frame, now)
+
+    def _inbound_problem(self, peer_id: str, source: str | None) -> str | None:
+        """Why an inbound peer may not open a session (invariants 4 and 5), or None."""
+        if source is None:
+            return None  # a transport that cannot tell (in-memory): nothing to compare
+        if not self._config.trust_peer_addresses:
+            address = split_peer_id(peer_id)
+            claimed = _canonical_ip(address[0]) if address is not None else None
+            if claimed != source:
+                return (
+                    f"peer id {peer_id!r} does not name the address its connection comes "
+                    f"from ({source}); set trust_peer_addresses for peers behind NAT"
+                )
+        handshaking = sum(
+            1 for p in self._peers.values() if p.source == source and not p.session.ready
+        )
+        if handshaking >= self._config.max_handshakes_per_source:
+            return (
+                f"{source} already has {handshaking} sessions in their handshake "
+                f"(max_handshakes_per_source)"
+            )
+        return None
+
+    def _remember_refusal(self, peer_id: str, frame: bytes, reason: str, now: float) -> None:
+        """Invariant 3: ``frame`` (a connect) made us refuse ``peer_id``."""
+        if not self._opens_session(frame):
+            return
+        self._refused_hellos.pop(peer_id, None)
+        expiry = now + self._config.handshake_timeout_s
+        self._refused_hellos[peer_id] = (_digest(frame), expiry, reason)
+        while len(self._refused_hellos) > self._config.max_peers:
+            del self._refused_hellos[next(iter(self._refused_hellos))]
+
+    def _opens_session(self, frame: bytes) -> bool:
+        try:
+            return isinstance(self._codec.decode(frame), Connect)
+        except ProtocolError:
+            return False
+
+    def _refuse(self, peer_id: str, frame: bytes, reason: str) -> None:
+        """Tell a peer we will not talk to it, on its own connection (never dial it)."""
+        try:
+            if isinstance(self._codec.decode(frame), Disconnect):
+                return  # never answer a goodbye: two refusing nodes would ping-pong
+        except ProtocolError:
+            pass
+        log.warning("refusing %s: %s", peer_id, reason)
+        self._control.refuse(peer_id, self._codec.encode(Disconnect(reason=reason)))
+
+    # -- polling and ending ------------------------------------------------------------------
+
+    def poll(self, now: float) -> None:
+        """Poll every session (a broken link ends its session) and reap the results."""
+        for peer_id, peer in list(self._peers.items()):
+            if not peer.link.alive and peer.session.alive:
+                peer.session.close("control link lost", CloseKind.UNREACHABLE)
+            self._reap(peer_id, peer, peer.session.poll(now))
+
+    def close_all(self, reason: str, now: float) -> None:
+        """End every session (the tier shuts down) and reap the results."""
+        for peer_id, peer in list(self._peers.items()):
+            peer.session.close(reason)
+            self._reap(peer_id, peer, peer.session.poll(now))
+
+    def ended(self, peer_id: str, peer: Peer, closed: SessionClosed) -> None:
+        """``peer``'s session ended (the tier applied its results): drop it, close
+        its link, then back the peer off or say goodbye (invariants 2 and 7)."""
+        if self._peers.get(peer_id) is peer:
+            del self._peers[peer_id]
+            self._data.revoke(peer_id)
+        peer.link.close()
+        unreachable = closed.kind in (CloseKind.UNREACHABLE, CloseKind.TIMEOUT)
+        if unreachable and not peer.session.answered:
+            self._back_off(peer_id, self._clock())  # and no goodbye: nobody to hear it
+        elif closed.kind is CloseKind.UNREACHABLE:
+            self._say_goodbye(peer_id, closed.reason)
+
+    def _say_goodbye(self, peer_id: str, reason: str) -> None:
+        """A ``disconnect`` on a fresh link to ``peer_id``, which then closes (its
+        queued frame still goes out; see invariant 2)."""
+        try:
+            link = self._control.connect(peer_id)
+        except PeerLost:
+            return
+        link.transmit(self._codec.encode(Disconnect(reason=f"session ended: {reason}")))
+        link.close()
+
+    def expire(self, now: float) -> None:
+        """Forget refused connects whose time is up (invariant 3)."""
+        while self._refused_hellos:  # in expiry order: one timeout for all of them
+            peer_id, (_, expiry, _) = next(iter(self._refused_hellos.items()))
+            if now < expiry:
+                break
+            del self._refused_hellos[peer_id]
+
+    # -- back-off ----------------------------------------------------------------------
+
+    def backed_off(self, peer_id: str, now: float) -> bool:
+        """Invariant 7: no new session toward ``peer_id`` yet."""
+        entry = self._backoff.get(peer_id)
+        if entry is None:
+            return False
+        peer = self._peers.get(peer_id)
+        if peer is not None and peer.session.answered:
+            del self._backoff[peer_id]  # it came back
+            return False
+        return now < entry[0]
+
+    def _back_off(self, peer_id: str, now: float) -> None:
+        previous = self._backoff.pop(peer_id, None)
+        delay = FIRST_RETRY_S if previous is None else previous[1] * 2
+        delay = min(delay, self._config.peer_retry_max_s)
+        self._backoff[peer_id] = (now + delay, delay)
+        log.info("peer %s unreachable: no new session toward it for %gs", peer_id, delay)
+        while len(self._backoff) > 4 * self._config.max_peers:  # bounded, oldest first
+            del self._backoff[next(iter(self._backoff))]
+
+    # -- Suppliers (the producer bindings reach sessions through these) ----------------
+
+    def add_supply(self, peer_id: str, kv_request_id: str, job: TransferJob, now: float) -> bool:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            return False
+        peer.last_used = now
+        return peer.session.add_supply(
+            kv_request_id, StoreJob(job.job_id, job.keys, job.slots), now
+        )
+
+    def finish_supply(self, peer_id: str, kv_request_id: str, now: float) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            peer.session.finish_supply(kv_request_id, now)
+
+    def serves(self, peer_id: str) -> bool:
+        peer = self._peers.get(peer_id)
+        return peer is not None and peer.session.alive
+
+    # -- statistics ----------------------------------------------------------------------
+
+    def statistics(self) -> PeerTableStatistics:
+        return PeerTableStatistics(
+            sessions=len(self._peers),
+            peers_refused=self._refused,
+            stray_frames=self._stray,
+            refusals_remembered=len(self._refused_hellos),
+            backed_off=len(self._backoff),
+        )
+
+
+def _canonical_ip(text: str | None) -> str | None:
+    """``text`` as a canonical IP string (IPv4-mapped IPv6 as IPv4, no brackets),
+    or None when it is not an IP literal."""
+    if text is None:
+        return None
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def _digest(frame: bytes) -> bytes:
+    return hashlib.blake2b(frame, digest_size=16).digest()

@@ -1,0 +1,452 @@
+"""The peer table driven directly (``kvpeer.node.peertable`` invariants 1-8).
+
+A fake control endpoint records every link it opened, what went out on each
+and what was refused; peers are hand-made frames routed in with the source
+address a transport would report. Sessions are real (:class:`PeerSession` over
+a fake data plane). What reaches the tier is what ``reap`` saw. The same rules
+over a whole cluster are pinned by ``test_tier_sessions.py`` and
+``test_tier_goodbye.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from kvpeer.config import TierConfig
+from kvpeer.errors import PeerLost
+from kvpeer.node.counters import TierCounters
+from kvpeer.node.peertable import FIRST_RETRY_S, Peer, PeerTable
+from kvpeer.protocol import (
+    PROTOCOL_VERSION,
+    AckExtension,
+    Codec,
+    Connect,
+    ConnectAck,
+    Disconnect,
+    Message,
+    UnknownMessage,
+)
+from kvpeer.session import CloseKind, PollResult
+from kvpeer.testing import Fabric, FakeDataPlane, Region, make_hello
+from kvpeer.transport.base import InboundFrame
+
+LOCAL = "10.0.0.1:5710"
+BLOCKS, BLOCK_LEN = 16, 64
+HANDSHAKE_S = 30.0  # handshake_timeout_s default
+
+
+def pid(n: int, host: str = "10.0.0.") -> str:
+    """Peer ``n``: its own host, so its id names the address it comes from."""
+    return f"{host}{n + 10}:5710"
+
+
+def ip(peer_id: str) -> str:
+    return peer_id.rsplit(":", 1)[0]
+
+
+class FakeLink:
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id = peer_id
+        self.alive = True
+        self.closed = False
+        self.sent: list[Message | UnknownMessage] = []
+
+    def transmit(self, frame: bytes) -> bool:
+        self.sent.append(Codec().decode(frame))
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeControl:
+    def __init__(self) -> None:
+        self.local_id = LOCAL
+        self.links: list[FakeLink] = []
+        self.refused: list[tuple[str, Message | UnknownMessage]] = []
+        self.unreachable: set[str] = set()
+
+    def connect(self, peer_id: str) -> FakeLink:
+        if peer_id in self.unreachable:
+            raise PeerLost(f"{peer_id} unreachable")
+        link = FakeLink(peer_id)
+        self.links.append(link)
+        return link
+
+    def links_to(self, peer_id: str) -> list[FakeLink]:
+        return [link for link in self.links if link.peer_id == peer_id]
+
+    def receive(self) -> list[InboundFrame]:
+        return []
+
+    def flush(self) -> None:
+        pass
+
+    def refuse(self, peer_id: str, frame: bytes) -> None:
+        self.refused.append((peer_id, Codec().decode(frame)))
+
+    def close(self) -> None:
+        pass
+
+
+class Table:
+    """A peer table and everything it did."""
+
+    def __init__(self, config: Mapping[str, object] | None = None) -> None:
+        self.now = 0.0
+        self.config = TierConfig.from_dict({"host": "10.0.0.1", "port": 5710, **(config or {})})
+        self.fabric = Fabric()
+        self.plane = FakeDataPlane(self.fabric, LOCAL, Region(BLOCKS, BLOCK_LEN))
+        self.control = FakeControl()
+        self.counters = TierCounters()
+        self.needed: set[str] = set()
+        self.closed: list[tuple[str, CloseKind]] = []
+        self.table = PeerTable(
+            self.config,
+            self.control,
+            self.plane,
+            self.counters,
+            reap=self._reap,
+            pulled_from=lambda: self.needed,
+            clock=lambda: self.now,
+        )
+        self._boots: dict[str, bytes] = {}
+
+    def _reap(self, peer_id: str, peer: Peer, result: PollResult) -> None:
+        if result.closed is not None:
+            self.closed.append((peer_id, result.closed.kind))
+            self.table.ended(peer_id, peer, result.closed)
+
+    def hello(self, peer_id: str, *, boot: int = 1, block_len: int = BLOCK_LEN) -> bytes:
+        """The ``connect`` peer ``peer_id`` sends (its region exists in the fabric)."""
+        if peer_id not in self.fabric.planes:
+            FakeDataPlane(self.fabric, peer_id, Region(BLOCKS, BLOCK_LEN))
+        claimed = Region(BLOCKS, block_len)
+        return Codec().encode(make_hello(peer_id, claimed, boot_id=bytes([boot]) * 16))
+
+    def frame(self, peer_id: str, frame: bytes, source: str | None = "") -> None:
+        """``frame`` arrives from ``peer_id`` (by default from the address it names)."""
+        self.table.route(
+            InboundFrame(peer_id, frame, ip(peer_id) if source == "" else source), self.now
+        )
+
+    def connect_from(self, peer_id: str, source: str | None = "", **hello: int) -> None:
+        self.frame(peer_id, self.hello(peer_id, **hello), source)
+
+    def ack_from(self, peer_id: str, source: str | None = "") -> None:
+        ack = ConnectAck(peer_id=peer_id, kvpeer=AckExtension(version=PROTOCOL_VERSION))
+        self.frame(peer_id, Codec().encode(ack), source)
+
+    def ready(self, peer_id: str) -> Peer:
+        """A session with ``peer_id`` whose handshake completed both ways."""
+        self.connect_from(peer_id)
+        self.ack_from(peer_id)
+        peer = self.table.get(peer_id)
+        assert peer is not None
+        assert peer.session.ready
+        return peer
+
+    def has(self, peer_id: str) -> bool:
+        peer = self.table.get(peer_id)
+        return peer is not None and peer.session.alive
+
+    def refusals_of(self, peer_id: str) -> list[str]:
+        return [
+            m.reason for p, m in self.control.refused if p == peer_id and isinstance(m, Disconnect)
+        ]
+
+
+@pytest.fixture
+def t() -> Table:
+    return Table()
+
+
+class TestOpening:
+    def test_open_dials_grants_and_greets(self, t: Table) -> None:
+        peer = t.table.open(pid(1), t.now)
+        assert peer is not None
+        assert peer.session.alive
+        (link,) = t.control.links_to(pid(1))
+        assert isinstance(link.sent[0], Connect)
+        assert link.sent[0].peer_id == LOCAL
+        assert pid(1) in t.plane.granted
+        assert t.counters.sessions_opened == 1
+        assert t.table.open(pid(1), t.now) is peer  # the live one, not a second
+        assert t.table.statistics().sessions == 1
+
+    @pytest.mark.parametrize("peer_id", [LOCAL, "not-an-address", "192.168.0.7:5710"])
+    def test_never_dials_ourselves_a_bad_id_or_a_peer_not_allowed(self, peer_id: str) -> None:
+        t = Table({"allowed_peers": ["10.0.0.0/8"]})
+        assert t.table.open(peer_id, t.now) is None
+        assert t.control.links == []
+        assert t.table.statistics().peers_refused == 1
+
+
+class TestInbound:
+    """Invariants 1 and 4."""
+
+    def test_a_connect_opens_a_session_that_acknowledges_it(self, t: Table) -> None:
+        t.connect_from(pid(1))
+        assert t.has(pid(1))
+        (link,) = t.control.links_to(pid(1))
+        assert [type(m) for m in link.sent] == [Connect, ConnectAck]
+
+    def test_anything_else_from_a_stranger_is_a_stray(self, t: Table) -> None:
+        t.frame(pid(1), Codec().encode(Disconnect(reason="bye")))
+        t.frame(pid(1), b"garbage")
+        assert not t.has(pid(1))
+        assert t.control.links == []
+        assert t.control.refused == []
+        assert t.table.statistics().stray_frames == 2
+
+    def test_frames_under_our_own_identity_are_dropped(self, t: Table) -> None:
+        t.connect_from(LOCAL)
+        assert t.control.links == []
+        assert t.table.statistics().stray_frames == 1
+
+    def test_a_source_outside_the_allow_list_is_refused_on_its_own_connection(self) -> None:
+        t = Table({"allowed_peers": ["10.0.0.0/8"]})
+        t.connect_from("192.168.0.7:5710")
+        assert t.control.links == []  # never dialed
+        assert "not in allowed_peers" in t.refusals_of("192.168.0.7:5710")[0]
+        assert t.table.statistics().peers_refused == 1
+
+    def test_a_goodbye_is_never_answered_with_a_refusal(self) -> None:
+        t = Table({"allowed_peers": ["10.0.0.0/8"]})
+        t.frame("192.168.0.7:5710", Codec().encode(Disconnect(reason="bye")))
+        assert t.control.refused == []
+
+    def test_an_id_that_does_not_name_its_source_is_refused(self, t: Table) -> None:
+        t.connect_from(pid(1), source="10.9.9.9")
+        assert not t.has(pid(1))
+        assert t.control.links == []
+        assert "does not name the address" in t.refusals_of(pid(1))[0]
+
+    def test_trusted_addresses_may_differ_from_their_source(self) -> None:
+        t = Table({"trust_peer_addresses": True})
+        t.connect_from(pid(1), source="10.9.9.9")
+        assert t.has(pid(1))
+
+    def test_ipv4_mapped_sources_count_as_ipv4(self, t: Table) -> None:
+        t.connect_from(pid(1), source=f"::ffff:{ip(pid(1))}")
+        assert t.has(pid(1))
+
+    def test_a_session_is_bound_to_its_first_source(self) -> None:
+        t = Table({"trust_peer_addresses": True})
+        t.connect_from(pid(1), source="10.9.9.9")
+        t.frame(pid(1), Codec().encode(Disconnect(reason="fake")), source="10.8.8.8")
+        assert t.has(pid(1))  # the impostor's goodbye was dropped
+        assert t.table.statistics().stray_frames == 1
+
+    def test_a_transport_that_cannot_tell_the_source_is_not_checked(self, t: Table) -> None:
+        t.connect_from(pid(1), source=None)
+        assert t.has(pid(1))
+
+    def test_handshakes_per_source_are_capped(self) -> None:
+        t = Table({"trust_peer_addresses": True, "max_handshakes_per_source": 2})
+        for n in range(3):
+            t.connect_from(pid(n), source="10.9.9.9")
+        assert [t.has(pid(n)) for n in range(3)] == [True, True, False]
+        assert "max_handshakes_per_source" in t.refusals_of(pid(2))[0]
+        t.ack_from(pid(0), source="10.9.9.9")  # one completes its handshake: room for another
+        t.connect_from(pid(2), source="10.9.9.9")
+        assert t.has(pid(2))
+
+
+class TestCapAndEviction:
+    """Invariants 5 and 6."""
+
+    def test_the_least_recently_used_handshaking_session_makes_room(self) -> None:
+        t = Table({"max_peers": 2})
+        t.table.open(pid(1), t.now)
+        t.now = 1.0
+        t.table.open(pid(2), t.now)
+        t.now = 2.0
+        assert t.table.open(pid(3), t.now) is not None
+        assert t.closed == [(pid(1), CloseKind.LOCAL)]
+        assert (t.has(pid(1)), t.has(pid(2)), t.has(pid(3))) == (False, True, True)
+        assert pid(1) not in t.plane.granted  # revoked with its session
+        assert t.control.links_to(pid(1))[0].closed
+
+    def test_a_handshaking_session_goes_before_a_ready_one(self) -> None:
+        t = Table({"max_peers": 2})
+        t.table.open(pid(1), t.now)
+        t.now = 1.0
+        t.ready(pid(2))
+        t.now = 2.0
+        t.table.open(pid(3), t.now)
+        assert [peer for peer, _ in t.closed] == [pid(1)]
+
+    def test_a_ready_session_a_live_request_pulls_from_is_kept(self) -> None:
+        t = Table({"max_peers": 2})
+        t.ready(pid(1))
+        t.ready(pid(2))
+        t.needed = {pid(1), pid(2)}
+        assert t.table.open(pid(3), t.now) is None
+        assert t.closed == []
+        assert t.table.statistics().peers_refused == 1
+        t.needed = {pid(2)}
+        assert t.table.open(pid(3), t.now) is not None
+        assert [peer for peer, _ in t.closed] == [pid(1)]
+
+    def test_the_busiest_source_loses_its_handshakes_first(self) -> None:
+        t = Table({"max_peers": 3, "trust_peer_addresses": True})
+        t.connect_from(pid(1), source="10.7.7.7")  # the oldest, alone on its source
+        t.now = 1.0
+        t.connect_from(pid(2), source="10.9.9.9")
+        t.connect_from(pid(3), source="10.9.9.9")
+        t.now = 2.0
+        t.table.open(pid(4), t.now)
+        assert [peer for peer, _ in t.closed] == [pid(2)]
+
+    def test_an_inbound_peer_beyond_the_cap_is_refused_when_nobody_is_idle(self) -> None:
+        t = Table({"max_peers": 1})
+        t.ready(pid(1))
+        t.needed = {pid(1)}
+        t.connect_from(pid(2))
+        assert not t.has(pid(2))
+        assert "peer cap" in t.refusals_of(pid(2))[0]
+
+
+class TestRefusedHellos:
+    """Invariant 3: a refused connect is refused again without a session."""
+
+    def rejected(self, t: Table, peer_id: str) -> None:
+        t.connect_from(peer_id, block_len=BLOCK_LEN * 2)  # incompatible: REJECTED
+        assert (peer_id, CloseKind.REJECTED) in t.closed
+
+    def test_the_same_connect_is_refused_without_opening_a_session(self, t: Table) -> None:
+        self.rejected(t, pid(1))
+        links = len(t.control.links)
+        t.now = HANDSHAKE_S - 1
+        t.connect_from(pid(1), block_len=BLOCK_LEN * 2)
+        assert len(t.control.links) == links  # nobody dialed, no session
+        assert "refused before" in t.refusals_of(pid(1))[-1]
+        assert t.table.statistics().refusals_remembered == 1
+
+    def test_a_different_connect_opens_a_session(self, t: Table) -> None:
+        self.rejected(t, pid(1))
+        t.connect_from(pid(1))  # a compatible one
+        assert t.has(pid(1))
+
+    def test_the_memory_expires_after_the_handshake_timeout(self, t: Table) -> None:
+        self.rejected(t, pid(1))
+        t.table.expire(HANDSHAKE_S - 0.1)
+        assert t.table.statistics().refusals_remembered == 1
+        t.now = HANDSHAKE_S
+        t.table.expire(t.now)
+        assert t.table.statistics().refusals_remembered == 0
+        links = len(t.control.links)
+        t.connect_from(pid(1), block_len=BLOCK_LEN * 2)
+        assert len(t.control.links) == links + 1  # a session tried (and refused) again
+
+    def test_at_most_max_peers_refusals_are_remembered(self) -> None:
+        t = Table({"max_peers": 2})
+        for n in range(3):
+            self.rejected(t, pid(n))
+        assert t.table.statistics().refusals_remembered == 2
+        links = len(t.control.links)
+        t.connect_from(pid(0), block_len=BLOCK_LEN * 2)  # the oldest was forgotten
+        assert len(t.control.links) == links + 1
+
+
+class TestEnding:
+    """Invariants 2 and 7: goodbye on a fresh link, back-off of the unreachable."""
+
+    def test_a_broken_link_ends_the_session_and_we_say_goodbye_on_a_fresh_one(
+        self, t: Table
+    ) -> None:
+        t.ready(pid(1))
+        old = t.control.links_to(pid(1))[0]
+        old.alive = False
+        t.table.poll(t.now)
+        assert t.closed == [(pid(1), CloseKind.UNREACHABLE)]
+        assert old.closed
+        goodbye = t.control.links_to(pid(1))[-1]
+        assert goodbye is not old
+        assert goodbye.closed
+        assert [type(m) for m in goodbye.sent] == [Disconnect]
+        assert not t.table.backed_off(pid(1), t.now)  # it answered once: no back-off
+
+    def test_no_goodbye_when_the_peer_cannot_be_dialed(self, t: Table) -> None:
+        t.ready(pid(1))
+        t.control.links_to(pid(1))[0].alive = False
+        t.control.unreachable.add(pid(1))
+        t.table.poll(t.now)  # PeerLost is swallowed
+        assert len(t.control.links_to(pid(1))) == 1
+
+    def test_a_peer_that_never_answered_is_backed_off_doubling(self) -> None:
+        t = Table({"peer_retry_max_s": 3.0})
+        for delay in (FIRST_RETRY_S, 2 * FIRST_RETRY_S, 3.0, 3.0):
+            t.table.open(pid(1), t.now)
+            t.control.links_to(pid(1))[-1].alive = False
+            t.table.poll(t.now)
+            assert t.table.backed_off(pid(1), t.now + delay - 0.01)
+            assert not t.table.backed_off(pid(1), t.now + delay)
+            t.now += delay
+        assert len(t.control.links_to(pid(1))) == 4  # no goodbyes: nobody to hear them
+
+    def test_a_peer_that_answers_clears_its_back_off(self, t: Table) -> None:
+        t.table.open(pid(1), t.now)
+        t.control.links_to(pid(1))[-1].alive = False
+        t.table.poll(t.now)
+        assert t.table.statistics().backed_off == 1
+        t.ready(pid(1))  # it came back and connected to us
+        assert not t.table.backed_off(pid(1), t.now)
+        assert t.table.statistics().backed_off == 0
+
+    def test_back_offs_remembered_are_bounded(self) -> None:
+        t = Table({"max_peers": 1})
+        for n in range(6):
+            t.table.open(pid(n), t.now)
+            t.control.links_to(pid(n))[-1].alive = False
+            t.table.poll(t.now)
+        assert t.table.statistics().backed_off == 4
+        assert not t.table.backed_off(pid(0), t.now)  # the oldest were forgotten
+
+    def test_close_all_ends_every_session(self, t: Table) -> None:
+        t.ready(pid(1))
+        t.table.open(pid(2), t.now)
+        t.table.close_all("tier shutting down", t.now)
+        assert sorted(peer for peer, _ in t.closed) == [pid(1), pid(2)]
+        assert len(t.table) == 0
+        assert t.plane.granted == set()
+
+
+class TestRestart:
+    """Invariant 8: a new boot id ends the old session and opens a fresh one."""
+
+    def test_a_new_boot_id_opens_a_fresh_session_with_the_same_connect(self, t: Table) -> None:
+        old = t.ready(pid(1))
+        t.connect_from(pid(1), boot=2)
+        assert t.closed == [(pid(1), CloseKind.RESTARTED)]
+        fresh = t.table.get(pid(1))
+        assert fresh is not None
+        assert fresh is not old
+        assert fresh.session.alive
+        new_link = t.control.links_to(pid(1))[-1]
+        assert [type(m) for m in new_link.sent] == [Connect, ConnectAck]
+        assert t.counters.sessions_opened == 2
+
+    def test_the_same_connect_again_is_acknowledged_again(self, t: Table) -> None:
+        t.connect_from(pid(1))  # not acknowledged by the peer yet
+        t.connect_from(pid(1))
+        (link,) = t.control.links_to(pid(1))
+        assert [type(m) for m in link.sent] == [Connect, ConnectAck, ConnectAck]
+        assert t.closed == []
+
+
+class TestSuppliers:
+    """What the producer bindings reach through the table."""
+
+    def test_no_session_takes_no_supply(self, t: Table) -> None:
+        assert not t.table.serves(pid(1))
+        t.table.finish_supply(pid(1), "kv", t.now)  # nothing to tell: no error
+        assert t.table.next_deadline() is None
+
+    def test_a_live_session_serves(self, t: Table) -> None:
+        t.ready(pid(1))
+        assert t.table.serves(pid(1))
+        assert [peer_id for peer_id, _ in t.table.items()] == [pid(1)]
