@@ -47,17 +47,19 @@ README = SRC.parents[1] / "README.md"
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "__main__": frozenset({"cli"}),
     "cli": frozenset(
-        {"bench", "checkconfig", "config", "demo", "errors", "fuzz", "metrics", "node", "transport"}
+        {"bench", "checkconfig", "config", "demo", "errors", "fuzz", "metrics", "node", "router",
+         "transport"}
     ),
     "bench": frozenset(
-        {"config", "host", "integrations", "node", "session", "testing", "transport", "types"}
+        {"config", "host", "integrations", "node", "router", "session", "testing", "transport",
+         "types"}
     ),
-    "demo": frozenset({"errors", "integrations", "transport"}),
+    "demo": frozenset({"errors", "integrations", "router", "transport"}),
     # The fuzzer drives a real node from outside: what a node is built of, never the
     # sans-IO session core directly, nor test helpers.
     "fuzz": frozenset({"config", "errors", "host", "node", "protocol", "transport", "types"}),
     "integrations": frozenset(
-        {"config", "errors", "host", "metrics", "node", "transport", "types"}
+        {"config", "errors", "host", "metrics", "node", "router", "transport", "types"}
     ),
     "router": frozenset({"config", "errors", "metrics", "node.params", "types"}),
     "metrics": frozenset({"kvpeer", "node", "protocol", "session"}),
