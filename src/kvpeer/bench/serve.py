@@ -130,8 +130,8 @@ class ServeBenchSpec:
         if args.rate is not None:
             shape = replace(shape, rate=args.rate)
         return cls(
-            arms=tuple(args.arms) if args.arms else ARMS,
-            workloads=tuple(args.workloads) if args.workloads else WORKLOADS,
+            arms=ARMS if args.arms is None else tuple(args.arms),
+            workloads=WORKLOADS if args.workloads is None else tuple(args.workloads),
             shape=shape,
             seed=args.seed,
             data_plane=args.data_plane,
