@@ -79,6 +79,11 @@ QUICK_SHAPE = Shape(
 INDEX_WAIT_S = 15.0  # a setup phase's prefixes must reach the router's index by then
 COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats flush
 KV_BYTES_PER_TOKEN = 24 * 1024  # the serving model's KV per token (float32)
+# An engine that misses a health check is routed around and, when back, treated as
+# restarted (its index entries dropped). On this 2-core machine vLLM's p2p EngineCores
+# spin and starve the API servers past the router's default 1 s, which would charge the
+# router's forgetting to that arm: the bench gives every arm the same generous timeout.
+HEALTH_TIMEOUT_S = 10.0
 
 Progress = Callable[[str], None]
 
@@ -336,13 +341,13 @@ class VllmArms:
                 raise ArmUnavailable(f"{first} (logs in {self.log_dir / arm})") from exc
             shared = BackgroundRouter(RouterConfig(
                 Mode.SHARED, (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
-                listen_port=0, allow_pinning=True,
+                listen_port=0, allow_pinning=True, health_timeout_s=HEALTH_TIMEOUT_S,
             ))  # fmt: skip
             try:
                 pd = BackgroundRouter(RouterConfig(
                     Mode.PD, (EngineEntry(a.router_engine(Role.PREFILL)),
                               EngineEntry(b.router_engine(Role.DECODE))),
-                    listen_port=0,
+                    listen_port=0, health_timeout_s=HEALTH_TIMEOUT_S,
                 ))  # fmt: skip
                 try:
                     live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")
