@@ -177,7 +177,7 @@ def _cmd_bench_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from kvpeer.bench import serve
+    from kvpeer.bench import serve, serve_vllm
     from kvpeer.bench.serve_stats import render
     from kvpeer.demo import default_model_dir
 
@@ -186,7 +186,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"kvpeer bench serve: {message}", file=sys.stderr, flush=True)
 
-    result = serve.run(
+    result = serve_vllm.run(
         spec,
         model_dir=Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
         log_dir=Path(args.log_dir) if args.log_dir else None,

@@ -10,38 +10,32 @@ Numbers per arm x workload and the ratios between arms come from
 :mod:`kvpeer.bench.serve_stats`.
 
 The matrix runner (:func:`run_matrix`) only needs an :data:`OpenArm`: a context manager
-per arm yielding the routers' URLs and the engines' counters. :class:`VllmArms` is the
-real one; tests pass fakes (fake engines behind the real router), so everything but
-``vllm serve`` itself is tested fast.
+per arm yielding the routers' URLs and the engines' counters.
+:class:`~kvpeer.bench.serve_vllm.VllmArms` is the real one; tests pass fakes (fake
+engines behind the real router), so everything but ``vllm serve`` itself is tested fast.
 
 An arm that cannot run here (vLLM's tier needs NIXL; engines that fail to start) is
-reported with its reason and the other arms still run.
+reported with its reason and the other arms still run. The real arms live in
+:mod:`kvpeer.bench.serve_vllm`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
-import shutil
-import tempfile
 import time
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpeer.bench.serve_client import run_phase
 from kvpeer.bench.serve_stats import ArmError, Cell, PeerCounters, ratios, summarize
 from kvpeer.bench.serve_workloads import (
     BLOCK_TOKENS,
-    ENGINES,
     MAX_CONTEXT,
     WORKLOADS,
-    BenchRequest,
     Shape,
     Workload,
     build,
@@ -49,7 +43,7 @@ from kvpeer.bench.serve_workloads import (
 from kvpeer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvpeer.router.background import BackgroundRouter
+    pass
 
 __all__ = [
     "ARMS",
@@ -60,7 +54,6 @@ __all__ = [
     "BenchResult",
     "OpenArm",
     "ServeBenchSpec",
-    "VllmArms",
     "add_arguments",
     "run_matrix",
 ]
@@ -77,13 +70,7 @@ QUICK_SHAPE = Shape(
     turns=3, background_tokens=1024, think_s=0.5,
 )  # fmt: skip
 INDEX_WAIT_S = 15.0  # a setup phase's prefixes must reach the router's index by then
-COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats flush
 KV_BYTES_PER_TOKEN = 24 * 1024  # the serving model's KV per token (float32)
-# An engine that misses a health check is routed around and, when back, treated as
-# restarted (its index entries dropped). On this 2-core machine vLLM's p2p EngineCores
-# spin and starve the API servers past the router's default 1 s, which would charge the
-# router's forgetting to that arm: the bench gives every arm the same generous timeout.
-HEALTH_TIMEOUT_S = 10.0
 
 Progress = Callable[[str], None]
 
@@ -285,185 +272,3 @@ def _run_workload(
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
-
-
-def unavailable(arm: str, data_plane: str) -> str | None:
-    """Why ``arm`` cannot run on this machine, or None."""
-    import importlib.util
-
-    from kvpeer.integrations.vllm import VLLM_INSTALL_HINT
-
-    if importlib.util.find_spec("vllm") is None:
-        return VLLM_INSTALL_HINT
-    needs_nixl = arm == "vllm-p2p" or (arm == "kvpeer" and data_plane == "nixl")
-    if needs_nixl:
-        from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
-
-        if not NixlBackend.available():
-            what = "vLLM's p2p tier runs on NIXL" if arm == "vllm-p2p" else "data plane nixl"
-            return f"{what}, which is not usable here: {INSTALL_HINT}"
-    return None
-
-
-@dataclass
-class VllmArms:
-    """The real :data:`OpenArm`: two fresh ``vllm serve`` engines per arm, two routers."""
-
-    model: Path
-    log_dir: Path
-    data_plane: str
-    cpu_bytes: int
-    progress: Progress
-
-    @contextlib.contextmanager
-    def __call__(self, arm: str) -> Iterator[ArmFleet]:
-        from kvpeer.integrations.vllm.serving import EngineFailed, ServeFleet, ServeSpec
-        from kvpeer.router.background import BackgroundRouter
-        from kvpeer.router.config import EngineEntry, RouterConfig
-        from kvpeer.router.policy import Mode, Role
-
-        reason = unavailable(arm, self.data_plane)
-        if reason is not None:
-            raise ArmUnavailable(reason)
-        specs = [
-            ServeSpec(name, self.model, tier=ARM_TIERS[arm],  # type: ignore[arg-type]
-                      data_plane=self.data_plane, cpu_bytes=self.cpu_bytes)
-            for name in ENGINES
-        ]
-        a, b = specs
-        fleet = ServeFleet(self.log_dir / arm, self.progress)
-        try:
-            self.progress(f"arm {arm}: starting engines a and b ({ARM_TIERS[arm]} tier)")
-            try:
-                fleet.start(specs)
-            except EngineFailed as exc:
-                first = str(exc).splitlines()[0]
-                raise ArmUnavailable(f"{first} (logs in {self.log_dir / arm})") from exc
-            shared = BackgroundRouter(RouterConfig(
-                Mode.SHARED, (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
-                listen_port=0, allow_pinning=True, health_timeout_s=HEALTH_TIMEOUT_S,
-            ))  # fmt: skip
-            try:
-                pd = BackgroundRouter(RouterConfig(
-                    Mode.PD, (EngineEntry(a.router_engine(Role.PREFILL)),
-                              EngineEntry(b.router_engine(Role.DECODE))),
-                    listen_port=0, health_timeout_s=HEALTH_TIMEOUT_S,
-                ))  # fmt: skip
-                try:
-                    live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")
-                    self.progress(f"arm {arm}: warm-up (each engine computes, pulls, and pd once)")
-                    live.warm_up()
-                    yield live
-                finally:
-                    pd.stop()
-            finally:
-                shared.stop()
-        finally:
-            fleet.close()
-
-
-@dataclass
-class _LiveArm:
-    shared: BackgroundRouter
-    pd: BackgroundRouter
-    engine_urls: list[str]
-    has_kvpeer: bool
-
-    @property
-    def urls(self) -> Mapping[str, str]:
-        return {"shared": self.shared.url, "pd": self.pd.url}
-
-    def warm_up(self) -> None:
-        """Each engine's first requests are slow (and not learned from by the router):
-        each computes a prompt directly, then pulls one from the other, then one PD pair."""
-        import random
-
-        rng = random.Random("warm-up")
-
-        def fresh() -> tuple[int, ...]:
-            return tuple(rng.randrange(3, 512) for _ in range(256))
-
-        for url in self.engine_urls:
-            asyncio.run(run_phase([BenchRequest(0.0, fresh(), 2)], {"shared": url}))
-        for first, second in (("a", "b"), ("b", "a")):
-            prompt = fresh()
-            asyncio.run(run_phase([BenchRequest(0.0, prompt, 2, pin=first)], self.urls))
-            self.wait_indexed([(first, prompt)], INDEX_WAIT_S)
-            asyncio.run(run_phase([BenchRequest(0.0, prompt, 2, pin=second)], self.urls))
-        asyncio.run(run_phase([BenchRequest(0.0, fresh(), 2, router="pd")], self.urls))
-
-    def counters(self) -> PeerCounters | None:
-        if not self.has_kvpeer:
-            return None
-        previous = _read_counters(self.engine_urls)
-        deadline = time.monotonic() + COUNTERS_SETTLE_S
-        while time.monotonic() < deadline:
-            time.sleep(1.0)  # vLLM's stats flush period: two reads a flush apart agree
-            current = _read_counters(self.engine_urls)
-            if current == previous:
-                break
-            previous = current
-        return previous
-
-    def wait_indexed(self, held: Sequence[tuple[str, Sequence[int]]], timeout_s: float) -> None:
-        from kvpeer.router.index import MEDIUM_CPU
-
-        index = self.shared.router.index
-        if index is None:
-            return
-        deadline = time.monotonic() + timeout_s
-        for engine, prompt in held:
-            full = len(prompt) // BLOCK_TOKENS * BLOCK_TOKENS
-            def known(engine: str = engine, prompt: Sequence[int] = prompt) -> int:
-                # Keys are empty until the index learns the block size: built each time.
-                keys = index.keys(prompt)
-                return index.longest_prefix(engine, keys, MEDIUM_CPU, time.monotonic())
-
-            while time.monotonic() < deadline:
-                if self.shared.call(known) >= full - BLOCK_TOKENS:
-                    break
-                time.sleep(0.05)
-
-
-def _read_counters(urls: Sequence[str]) -> PeerCounters:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    blocks = bytes_ = failed = 0.0
-    for url in urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:kvpeer_pulled_blocks_total":
-                    blocks += sample.value
-                elif sample.name == "vllm:kvpeer_pulled_bytes_total":
-                    bytes_ += sample.value
-                elif (sample.name == "vllm:kvpeer_fetches_total"
-                      and sample.labels.get("result") == "failed"):
-                    failed += sample.value
-    return PeerCounters(blocks, bytes_, failed)
-
-
-def run(
-    spec: ServeBenchSpec,
-    *,
-    model_dir: Path,
-    log_dir: Path | None,
-    progress: Progress,
-) -> BenchResult:
-    """The real benchmark: says at once which arms cannot run, then runs the matrix."""
-    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
-
-    for arm in spec.arms:
-        reason = unavailable(arm, spec.data_plane)
-        if reason is not None:
-            progress(f"arm {arm} cannot run here, the others will: {reason}")
-    progress(f"model: {model_dir} (created on first use)")
-    model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
-    logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-serve-"))
-    arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress)
-    result = run_matrix(spec, arms, progress)
-    if log_dir is None and result.ok:
-        shutil.rmtree(logs, ignore_errors=True)
-        return result
-    return replace(result, logs=str(logs))
