@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kvpeer.bench.serve_client import run_phase
 from kvpeer.bench.serve_stats import ArmError, Cell, PeerCounters, ratios, summarize
@@ -41,9 +41,6 @@ from kvpeer.bench.serve_workloads import (
     build,
 )
 from kvpeer.errors import ConfigError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "ARMS",
