@@ -176,6 +176,32 @@ def _cmd_bench_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvpeer.bench import serve, serve_vllm
+    from kvpeer.bench.serve_stats import render
+    from kvpeer.demo import default_model_dir
+
+    spec = serve.ServeBenchSpec.from_args(args)  # bad values fail before any engine starts
+
+    def progress(message: str) -> None:
+        print(f"kvpeer bench serve: {message}", file=sys.stderr, flush=True)
+
+    result = serve_vllm.run(
+        spec,
+        model_dir=Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        progress=progress,
+    )
+    if args.plot:
+        from kvpeer.bench.serve_plot import plot
+
+        plot(result.cells, Path(args.plot))
+        progress(f"TTFT CDFs written to {args.plot}")
+    print(json.dumps(result.to_json()) if args.json else render(
+        result.cells, result.errors, result.seconds, result.setup_errors, result.logs))
+    return 0 if result.ok else 1
+
+
 def _cmd_bench_tier(args: argparse.Namespace) -> int:
     from kvpeer.bench import tier
 
@@ -362,6 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_router_arguments(bench_router)
     bench_router.set_defaults(func=_cmd_bench_router)
+
+    from kvpeer.bench.serve import add_arguments as add_bench_serve_arguments
+
+    bench_serve = benches.add_parser(
+        "serve",
+        help="TTFT under a workload through kvpeer router: no tier vs kvpeer vs vLLM's p2p tier",
+    )
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=_cmd_bench_serve)
 
     check = commands.add_parser(
         "check-config",

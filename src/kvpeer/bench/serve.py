@@ -1,0 +1,271 @@
+"""``kvpeer bench serve``: time to first token under a workload, per secondary tier.
+
+For each **arm** — ``none`` (no secondary tier), ``kvpeer``, ``vllm-p2p`` (vLLM 0.32's
+own ``p2p`` tier) — two fresh ``vllm serve`` engines start with that tier, a ``shared``
+and a ``pd`` ``kvpeer router`` go in front of them (the same router and the same
+``kv_transfer_params`` for every arm), and every chosen workload
+(:mod:`kvpeer.bench.serve_workloads`) is driven through the routers' OpenAI API
+(:mod:`kvpeer.bench.serve_client`). The same seed gives every arm the same requests.
+Numbers per arm x workload and the ratios between arms come from
+:mod:`kvpeer.bench.serve_stats`.
+
+The matrix runner (:func:`run_matrix`) only needs an :data:`OpenArm`: a context manager
+per arm yielding the routers' URLs and the engines' counters.
+:class:`~kvpeer.bench.serve_vllm.VllmArms` is the real one; tests pass fakes (fake
+engines behind the real router), so everything but ``vllm serve`` itself is tested fast.
+
+An arm that cannot run here (vLLM's tier needs NIXL; engines that fail to start) is
+reported with its reason and the other arms still run. The real arms live in
+:mod:`kvpeer.bench.serve_vllm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
+
+from kvpeer.bench.serve_client import run_phase
+from kvpeer.bench.serve_stats import ArmError, Cell, PeerCounters, ratios, summarize
+from kvpeer.bench.serve_workloads import (
+    BLOCK_TOKENS,
+    MAX_CONTEXT,
+    WORKLOADS,
+    Shape,
+    Workload,
+    build,
+)
+from kvpeer.errors import ConfigError
+
+__all__ = [
+    "ARMS",
+    "FULL_SHAPE",
+    "QUICK_SHAPE",
+    "ArmFleet",
+    "ArmUnavailable",
+    "BenchResult",
+    "OpenArm",
+    "ServeBenchSpec",
+    "add_arguments",
+    "run_matrix",
+]
+
+ARMS = ("none", "kvpeer", "vllm-p2p")
+ARM_TIERS = {"none": "none", "kvpeer": "kvpeer", "vllm-p2p": "p2p"}
+DATA_PLANES = ("shm", "tcp", "nixl")
+FULL_SHAPE = Shape(
+    requests=24, rate=1.0, prompt_tokens=1536, suffix_tokens=128, output_tokens=16,
+    turns=3, background_tokens=1536, think_s=1.0,
+)  # fmt: skip
+QUICK_SHAPE = Shape(
+    requests=6, rate=2.0, prompt_tokens=1024, suffix_tokens=64, output_tokens=8,
+    turns=3, background_tokens=1024, think_s=0.5,
+)  # fmt: skip
+INDEX_WAIT_S = 15.0  # a setup phase's prefixes must reach the router's index by then
+KV_BYTES_PER_TOKEN = 24 * 1024  # the serving model's KV per token (float32)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeBenchSpec:
+    """Everything a run needs, validated here; every bad value is named."""
+
+    arms: tuple[str, ...] = ARMS
+    workloads: tuple[str, ...] = WORKLOADS
+    shape: Shape = FULL_SHAPE
+    seed: int = 0
+    data_plane: str = "shm"
+
+    def __post_init__(self) -> None:
+        _check_names("--arms", self.arms, ARMS)
+        _check_names("--workloads", self.workloads, WORKLOADS)
+        if self.data_plane not in DATA_PLANES:
+            raise ConfigError(
+                f"--data-plane {self.data_plane!r}: choose one of {', '.join(DATA_PLANES)}"
+            )
+        s = self.shape
+        if s.requests < 1:
+            raise ConfigError(f"--requests {s.requests}: must be at least 1")
+        if not (math.isfinite(s.rate) and s.rate > 0):
+            raise ConfigError(f"--rate {s.rate}: must be a positive number of requests/s")
+        if s.turns < 2:
+            raise ConfigError(f"chat turns {s.turns}: must be at least 2")
+        if s.prompt_tokens < 2 * BLOCK_TOKENS:
+            raise ConfigError(
+                f"prompt tokens {s.prompt_tokens}: must be at least {2 * BLOCK_TOKENS}"
+            )
+        longest = max(
+            s.chat_tokens(),
+            s.prompt_tokens + s.suffix_tokens + s.output_tokens,
+            s.background_tokens + 1,
+        )
+        if longest >= MAX_CONTEXT:
+            raise ConfigError(
+                f"prompt tokens {s.prompt_tokens}: the longest request ({longest} tokens with "
+                f"its output) must fit the engines' {MAX_CONTEXT}-token context"
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeBenchSpec:
+        shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+        if args.requests is not None:
+            shape = replace(shape, requests=args.requests)
+        if args.rate is not None:
+            shape = replace(shape, rate=args.rate)
+        return cls(
+            arms=ARMS if args.arms is None else tuple(args.arms),
+            workloads=WORKLOADS if args.workloads is None else tuple(args.workloads),
+            shape=shape,
+            seed=args.seed,
+            data_plane=args.data_plane,
+        )
+
+    def cpu_bytes(self) -> int:
+        """Each engine's CPU tier: room for every prefix busy-producer parks on ``a`` plus
+        the background prefills that follow them (which would otherwise evict the
+        prefixes before ``b`` pulls them), and some slack."""
+        s = self.shape
+        tokens = s.requests * (s.prompt_tokens + s.background_tokens + s.suffix_tokens)
+        return tokens * KV_BYTES_PER_TOKEN + (256 << 20)
+
+
+def _check_names(flag: str, given: Sequence[str], known: Sequence[str]) -> None:
+    if not given:
+        raise ConfigError(f"{flag}: name at least one of {', '.join(known)}")
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise ConfigError(f"{flag}: unknown {', '.join(map(repr, unknown))}; "
+                          f"choose from {', '.join(known)}")
+    repeated = sorted({name for name in given if given.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"{flag}: {', '.join(map(repr, repeated))} given twice")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    def names(text: str) -> list[str]:
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    parser.add_argument("--arms", type=names,
+                        help=f"comma-separated, of {','.join(ARMS)} (default: all)")
+    parser.add_argument("--workloads", type=names,
+                        help=f"comma-separated, of {','.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--requests", type=int,
+                        help="measured requests per workload (default 24; --quick 6)")
+    parser.add_argument("--rate", type=float,
+                        help="Poisson arrivals per second (default 1; --quick 2)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--quick", action="store_true",
+                        help="few requests, 1,024-token prompts (about 10 minutes for 3 arms)")
+    parser.add_argument("--data-plane", default="shm",
+                        help="kvpeer's data plane: shm (default), tcp or nixl")
+    parser.add_argument("--model",
+                        help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)")
+    parser.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
+    parser.add_argument("--plot", help="write the TTFT CDFs (one panel per workload) to this PNG")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+class ArmUnavailable(Exception):
+    """This arm cannot run here (the message says why); the others still run."""
+
+
+class ArmFleet(Protocol):
+    """One arm's running engines behind its routers."""
+
+    @property
+    def urls(self) -> Mapping[str, str]:
+        """Router kind (``shared``, ``pd``) → its base URL."""
+        ...
+
+    def counters(self) -> PeerCounters | None:
+        """kvpeer's counters summed over the engines (None: the arm has no kvpeer tier)."""
+        ...
+
+    def wait_indexed(self, held: Sequence[tuple[str, Sequence[int]]], timeout_s: float) -> None:
+        """Wait (bounded) until the router knows each engine holds its prompt."""
+        ...
+
+
+OpenArm = Callable[[str], AbstractContextManager[ArmFleet]]
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    spec: ServeBenchSpec
+    cells: list[Cell]
+    errors: list[ArmError]
+    seconds: float
+    logs: str | None = None
+    setup_errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.setup_errors and all(c.errors == 0 for c in self.cells)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "seconds": round(self.seconds, 1),
+            "spec": {**asdict(self.spec), "shape": asdict(self.spec.shape)},
+            "cells": [c.to_json() for c in self.cells],
+            "ratios": [asdict(r) for r in ratios(self.cells)],
+            "arms_not_run": [asdict(e) for e in self.errors],
+            "setup_errors": self.setup_errors,
+            "logs": self.logs,
+        }
+
+
+def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress) -> BenchResult:
+    """Every arm (fresh engines each) x every workload, one after another."""
+    started = time.monotonic()
+    workloads = [build(name, spec.shape, spec.seed) for name in spec.workloads]
+    cells: list[Cell] = []
+    errors: list[ArmError] = []
+    setup_errors: list[str] = []
+    for arm in spec.arms:
+        try:
+            with open_arm(arm) as fleet:
+                for workload in workloads:
+                    cell, failed = _run_workload(arm, workload, fleet, progress)
+                    cells.append(cell)
+                    setup_errors.extend(failed)
+        except ArmUnavailable as exc:
+            progress(f"arm {arm} did not run: {exc}")
+            errors.append(ArmError(arm, str(exc)))
+    return BenchResult(spec, cells, errors, time.monotonic() - started, setup_errors=setup_errors)
+
+
+def _run_workload(
+    arm: str, workload: Workload, fleet: ArmFleet, progress: Progress
+) -> tuple[Cell, list[str]]:
+    failed: list[str] = []
+    if workload.setup:
+        progress(f"{arm}/{workload.name}: setup, {len(workload.setup)} requests")
+        records = asyncio.run(run_phase(workload.setup, fleet.urls))
+        failed = [f"{arm}/{workload.name} setup: {r.error}" for r in records if r.error]
+        held = [(r.pin, r.prompt) for r in workload.setup if r.pin is not None]
+        fleet.wait_indexed(held, INDEX_WAIT_S)
+    measured = workload.measured
+    progress(f"{arm}/{workload.name}: {len(measured)} measured requests "
+             f"({len(workload.main) - len(measured)} background)")
+    before = fleet.counters()
+    records = asyncio.run(run_phase(workload.main, fleet.urls))
+    after = fleet.counters()
+    counters = None if before is None or after is None else after - before
+    kept = [rec for rec, req in zip(records, workload.main, strict=True) if req.measured]
+    cell = summarize(arm, workload.name, kept, counters)
+    progress(
+        f"{arm}/{workload.name}: TTFT p50 {_ms(cell.ttft_p50_s)} p99 {_ms(cell.ttft_p99_s)}, "
+        f"{cell.cached_tokens}/{cell.prompt_tokens} prompt tokens cached, {cell.errors} errors"
+    )
+    return cell, failed
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"

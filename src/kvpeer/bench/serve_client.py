@@ -1,0 +1,146 @@
+"""Drive one workload phase through the router's OpenAI API, concurrently, and record
+what each request saw.
+
+The sync ``OpenAIClient`` of the demo sends one request at a time; Poisson arrivals need
+requests in flight together, so this is an aiohttp client of ``/v1/completions``
+measuring the same things: streamed, greedy, ``ignore_eos`` (fixed output length),
+``return_token_ids``; TTFT is send → the first chunk carrying a generated token; usage
+(``include_usage``) gives ``cached_tokens``; the router's ``X-Kvpeer-*`` headers say
+which engine served and which peer it was told to pull from.
+
+A request that fails (HTTP status, a broken stream, a timeout) becomes a record with its
+``error`` set: one bad request must not end the arm, and errors are counted in the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from kvpeer.bench.serve_stats import RequestRecord
+from kvpeer.bench.serve_workloads import BenchRequest
+
+__all__ = ["MODEL_NAME", "PIN_HEADER", "run_phase", "send"]
+
+MODEL_NAME = "kvpeer-demo"  # ServeSpec's --served-model-name
+PIN_HEADER = "X-Kvpeer-Engine"
+REQUEST_TIMEOUT_S = 300.0
+
+
+async def send(
+    session: aiohttp.ClientSession, base_url: str, request: BenchRequest, model: str
+) -> tuple[float, RequestRecord]:
+    """Send ``request``; return its send time (monotonic) and its record (times relative
+    to that send; the caller rebases ``sent_s``)."""
+    body = {
+        "model": model,
+        "prompt": list(request.prompt),
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    headers = {PIN_HEADER: request.pin} if request.pin else {}
+    started = time.monotonic()
+    ttft: float | None = None
+    output = 0
+    usage: Mapping[str, Any] = {}
+    answer_headers: Mapping[str, str] = {}
+    try:
+        async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as resp:
+            answer_headers = resp.headers
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                raise _Failed(f"HTTP {resp.status}: {text}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise _Failed(f"stream error: {chunk['error']}")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    ids = choice.get("token_ids") or []
+                    produced = len(ids) if ids else int(bool(choice.get("text")))
+                    if produced and ttft is None:
+                        ttft = time.monotonic() - started
+                    output += produced
+    except (TimeoutError, _Failed, aiohttp.ClientError, json.JSONDecodeError) as exc:
+        seconds = time.monotonic() - started
+        return started, RequestRecord(
+            0.0, seconds, seconds, len(request.prompt), 0, 0,
+            error=f"{type(exc).__name__}: {exc}",
+        )  # fmt: skip
+    seconds = time.monotonic() - started
+    details = usage.get("prompt_tokens_details") or {}
+    return started, RequestRecord(
+        sent_s=0.0,
+        ttft_s=seconds if ttft is None else ttft,
+        latency_s=seconds,
+        prompt_tokens=int(usage.get("prompt_tokens") or len(request.prompt)),
+        output_tokens=int(usage.get("completion_tokens") or output),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        engine=answer_headers.get("X-Kvpeer-Engine"),
+        source=answer_headers.get("X-Kvpeer-Source"),
+    )
+
+
+class _Failed(Exception):
+    """The engine or router answered, but not with a completion."""
+
+
+async def run_phase(
+    requests: Sequence[BenchRequest],
+    urls: Mapping[str, str],
+    *,
+    model: str = MODEL_NAME,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> list[RequestRecord]:
+    """Send ``requests`` at their arrival times (after their ``after`` request and its
+    think time), all concurrently; ``urls`` maps a router kind (``shared``, ``pd``) to its
+    URL. Returns one record per request, in ``requests`` order, ``sent_s`` relative to
+    the phase's start."""
+    for index, request in enumerate(requests):
+        if request.after is not None and not 0 <= request.after < index:
+            raise ValueError(f"request {index}: after={request.after} is not an earlier request")
+        if request.router not in urls:
+            raise ValueError(f"request {index}: no URL for router {request.router!r}")
+    done = [asyncio.Event() for _ in requests]
+    records: list[RequestRecord | None] = [None] * len(requests)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.monotonic()
+
+        async def one(index: int, request: BenchRequest) -> None:
+            try:
+                await asyncio.sleep(max(0.0, start + request.at_s - time.monotonic()))
+                if request.after is not None:
+                    await done[request.after].wait()
+                    await asyncio.sleep(request.think_s)  # the user reads the answer
+                sent, record = await send(session, urls[request.router], request, model)
+                records[index] = _rebased(record, sent - start)
+            finally:
+                done[index].set()
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return [r for r in records if r is not None]
+
+
+def _rebased(record: RequestRecord, sent_s: float) -> RequestRecord:
+    return RequestRecord(
+        sent_s, record.ttft_s, record.latency_s, record.prompt_tokens, record.output_tokens,
+        record.cached_tokens, record.engine, record.source, record.error,
+    )  # fmt: skip

@@ -1,0 +1,226 @@
+"""The real arms of ``kvpeer bench serve``: two fresh ``vllm serve`` engines per arm with
+that arm's tier, a ``shared`` and a ``pd`` ``kvpeer router`` in front, a warm-up, and
+kvpeer's counters read from the engines' ``/metrics``. Split from :mod:`.serve` so the
+matrix, spec and statistics stay testable without vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvpeer.bench.serve import (
+    ARM_TIERS,
+    INDEX_WAIT_S,
+    ArmFleet,
+    ArmUnavailable,
+    BenchResult,
+    ServeBenchSpec,
+    run_matrix,
+)
+from kvpeer.bench.serve_client import run_phase
+from kvpeer.bench.serve_stats import PeerCounters
+from kvpeer.bench.serve_workloads import BLOCK_TOKENS, ENGINES, BenchRequest
+
+if TYPE_CHECKING:
+    from kvpeer.router.background import BackgroundRouter
+
+__all__ = ["VllmArms", "run", "unavailable"]
+
+COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats flush
+# An engine that misses a health check is routed around and, when back, treated as
+# restarted (its index entries dropped). On this 2-core machine vLLM's p2p EngineCores
+# spin and starve the API servers past the router's default 1 s, which would charge the
+# router's forgetting to that arm: the bench gives every arm the same generous timeout.
+HEALTH_TIMEOUT_S = 10.0
+
+Progress = Callable[[str], None]
+
+
+def unavailable(arm: str, data_plane: str) -> str | None:
+    """Why ``arm`` cannot run on this machine, or None."""
+    import importlib.util
+
+    from kvpeer.integrations.vllm import VLLM_INSTALL_HINT
+
+    if importlib.util.find_spec("vllm") is None:
+        return VLLM_INSTALL_HINT
+    needs_nixl = arm == "vllm-p2p" or (arm == "kvpeer" and data_plane == "nixl")
+    if needs_nixl:
+        from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
+
+        if not NixlBackend.available():
+            what = "vLLM's p2p tier runs on NIXL" if arm == "vllm-p2p" else "data plane nixl"
+            return f"{what}, which is not usable here: {INSTALL_HINT}"
+    return None
+
+
+@dataclass
+class VllmArms:
+    """The real :data:`OpenArm`: two fresh ``vllm serve`` engines per arm, two routers."""
+
+    model: Path
+    log_dir: Path
+    data_plane: str
+    cpu_bytes: int
+    progress: Progress
+
+    @contextlib.contextmanager
+    def __call__(self, arm: str) -> Iterator[ArmFleet]:
+        from kvpeer.integrations.vllm.serving import EngineFailed, ServeFleet, ServeSpec
+        from kvpeer.router.background import BackgroundRouter
+        from kvpeer.router.config import EngineEntry, RouterConfig
+        from kvpeer.router.policy import Mode, Role
+
+        reason = unavailable(arm, self.data_plane)
+        if reason is not None:
+            raise ArmUnavailable(reason)
+        specs = [
+            ServeSpec(name, self.model, tier=ARM_TIERS[arm],  # type: ignore[arg-type]
+                      data_plane=self.data_plane, cpu_bytes=self.cpu_bytes)
+            for name in ENGINES
+        ]
+        a, b = specs
+        fleet = ServeFleet(self.log_dir / arm, self.progress)
+        try:
+            self.progress(f"arm {arm}: starting engines a and b ({ARM_TIERS[arm]} tier)")
+            try:
+                fleet.start(specs)
+            except EngineFailed as exc:
+                first = str(exc).splitlines()[0]
+                raise ArmUnavailable(f"{first} (logs in {self.log_dir / arm})") from exc
+            shared = BackgroundRouter(RouterConfig(
+                Mode.SHARED, (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
+                listen_port=0, allow_pinning=True, health_timeout_s=HEALTH_TIMEOUT_S,
+            ))  # fmt: skip
+            try:
+                pd = BackgroundRouter(RouterConfig(
+                    Mode.PD, (EngineEntry(a.router_engine(Role.PREFILL)),
+                              EngineEntry(b.router_engine(Role.DECODE))),
+                    listen_port=0, health_timeout_s=HEALTH_TIMEOUT_S,
+                ))  # fmt: skip
+                try:
+                    live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")
+                    self.progress(f"arm {arm}: warm-up (each engine computes, pulls, and pd once)")
+                    live.warm_up()
+                    yield live
+                finally:
+                    pd.stop()
+            finally:
+                shared.stop()
+        finally:
+            fleet.close()
+
+
+@dataclass
+class _LiveArm:
+    shared: BackgroundRouter
+    pd: BackgroundRouter
+    engine_urls: list[str]
+    has_kvpeer: bool
+
+    @property
+    def urls(self) -> Mapping[str, str]:
+        return {"shared": self.shared.url, "pd": self.pd.url}
+
+    def warm_up(self) -> None:
+        """Each engine's first requests are slow (and not learned from by the router):
+        each computes a prompt directly, then pulls one from the other, then one PD pair."""
+        rng = random.Random("warm-up")
+
+        def fresh() -> tuple[int, ...]:
+            return tuple(rng.randrange(3, 512) for _ in range(256))
+
+        for url in self.engine_urls:
+            asyncio.run(run_phase([BenchRequest(0.0, fresh(), 2)], {"shared": url}))
+        for first, second in (("a", "b"), ("b", "a")):
+            prompt = fresh()
+            asyncio.run(run_phase([BenchRequest(0.0, prompt, 2, pin=first)], self.urls))
+            self.wait_indexed([(first, prompt)], INDEX_WAIT_S)
+            asyncio.run(run_phase([BenchRequest(0.0, prompt, 2, pin=second)], self.urls))
+        asyncio.run(run_phase([BenchRequest(0.0, fresh(), 2, router="pd")], self.urls))
+
+    def counters(self) -> PeerCounters | None:
+        if not self.has_kvpeer:
+            return None
+        previous = _read_counters(self.engine_urls)
+        deadline = time.monotonic() + COUNTERS_SETTLE_S
+        while time.monotonic() < deadline:
+            time.sleep(1.0)  # vLLM's stats flush period: two reads a flush apart agree
+            current = _read_counters(self.engine_urls)
+            if current == previous:
+                break
+            previous = current
+        return previous
+
+    def wait_indexed(self, held: Sequence[tuple[str, Sequence[int]]], timeout_s: float) -> None:
+        from kvpeer.router.index import MEDIUM_CPU
+
+        index = self.shared.router.index
+        if index is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        for engine, prompt in held:
+            full = len(prompt) // BLOCK_TOKENS * BLOCK_TOKENS
+            def known(engine: str = engine, prompt: Sequence[int] = prompt) -> int:
+                # Keys are empty until the index learns the block size: built each time.
+                keys = index.keys(prompt)
+                return index.longest_prefix(engine, keys, MEDIUM_CPU, time.monotonic())
+
+            while time.monotonic() < deadline:
+                if self.shared.call(known) >= full - BLOCK_TOKENS:
+                    break
+                time.sleep(0.05)
+
+
+def _read_counters(urls: Sequence[str]) -> PeerCounters:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    blocks = bytes_ = failed = 0.0
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:kvpeer_pulled_blocks_total":
+                    blocks += sample.value
+                elif sample.name == "vllm:kvpeer_pulled_bytes_total":
+                    bytes_ += sample.value
+                elif (sample.name == "vllm:kvpeer_fetches_total"
+                      and sample.labels.get("result") == "failed"):
+                    failed += sample.value
+    return PeerCounters(blocks, bytes_, failed)
+
+
+def run(
+    spec: ServeBenchSpec,
+    *,
+    model_dir: Path,
+    log_dir: Path | None,
+    progress: Progress,
+) -> BenchResult:
+    """The real benchmark: says at once which arms cannot run, then runs the matrix."""
+    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
+
+    for arm in spec.arms:
+        reason = unavailable(arm, spec.data_plane)
+        if reason is not None:
+            progress(f"arm {arm} cannot run here, the others will: {reason}")
+    progress(f"model: {model_dir} (created on first use)")
+    model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-serve-"))
+    arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress)
+    result = run_matrix(spec, arms, progress)
+    if log_dir is None and result.ok:
+        shutil.rmtree(logs, ignore_errors=True)
+        return result
+    return replace(result, logs=str(logs))

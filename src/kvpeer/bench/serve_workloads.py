@@ -1,0 +1,194 @@
+"""The serving benchmark's workloads: seeded request lists, built before anything runs.
+
+A workload is two phases of :class:`BenchRequest` s. The *setup* phase (run to the end,
+then the router is given time to hear of it) puts prefixes where the workload needs
+them; it is never measured. The *main* phase is sent at Poisson arrival times. Every
+prompt is a tuple of token ids drawn from one ``random.Random(seed)``, so a seed gives
+the same requests to every arm: arms differ only in the engines' secondary tier.
+
+Invariants the runner relies on:
+
+1. Main-phase arrival times are non-decreasing, starting near 0 (exponential gaps at
+   ``rate`` per second).
+2. ``after`` names an earlier main-phase request (by index) that must have finished
+   before this one is sent; the request then waits ``think_s`` more (a user reading the
+   answer). Only ``chat`` uses it: turn k+1's prompt starts with all of turn k's.
+3. Two engines, ``a`` and ``b``. ``pin`` names the serving engine (``X-Kvpeer-Engine``);
+   where to pull from is always the router's decision.
+4. Every prompt fits the engines' context with its output (:data:`MAX_CONTEXT`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "ENGINES",
+    "MAX_CONTEXT",
+    "WORKLOADS",
+    "BenchRequest",
+    "Shape",
+    "Workload",
+    "build",
+]
+
+WORKLOADS = ("chat", "system-prompt", "pd", "busy-producer")
+ENGINES = ("a", "b")
+MAX_CONTEXT = 2048  # the engines' --max-model-len
+VOCAB = (3, 512)  # ordinary token ids of the serving model's word-level tokenizer
+BLOCK_TOKENS = 32
+
+RouterKind = Literal["shared", "pd"]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One completion request of a workload (token-id prompt, greedy, fixed output)."""
+
+    at_s: float  # arrival, seconds after the phase starts
+    prompt: tuple[int, ...]
+    max_tokens: int
+    router: RouterKind = "shared"
+    pin: str | None = None  # serving engine; None: the router places it
+    after: int | None = None  # main-phase index that must finish first
+    think_s: float = 0.0  # wait after ``after`` finished
+    measured: bool = True  # background load is sent but not counted
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    setup: tuple[BenchRequest, ...]
+    main: tuple[BenchRequest, ...]
+
+    @property
+    def measured(self) -> tuple[BenchRequest, ...]:
+        return tuple(r for r in self.main if r.measured)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Sizes shared by all workloads of a run (validated by the bench spec)."""
+
+    requests: int  # measured main-phase requests per workload
+    rate: float  # Poisson arrivals per second
+    prompt_tokens: int  # chat's first turn, the system prompt, a pd prompt, a busy prefix
+    suffix_tokens: int  # chat's new message per turn, system-prompt's distinct suffix
+    output_tokens: int
+    turns: int  # chat turns per conversation
+    background_tokens: int  # busy-producer's long prefills on the producer
+    think_s: float  # chat: between an answer and the next turn
+
+    def chat_tokens(self) -> int:
+        """The longest chat prompt plus its answer (must fit :data:`MAX_CONTEXT`)."""
+        return (
+            self.prompt_tokens
+            + (self.turns - 1) * (self.output_tokens + self.suffix_tokens)
+            + self.output_tokens
+        )
+
+
+def build(name: str, shape: Shape, seed: int) -> Workload:
+    """The workload ``name`` for ``shape``; the same ``seed`` gives the same requests."""
+    rng = random.Random(f"{seed}:{name}")
+    makers = {
+        "chat": _chat,
+        "system-prompt": _system_prompt,
+        "pd": _pd,
+        "busy-producer": _busy_producer,
+    }
+    if name not in makers:
+        raise ValueError(f"workload {name!r}: choose from {', '.join(WORKLOADS)}")
+    return makers[name](shape, rng)
+
+
+def arrivals(count: int, rate: float, rng: random.Random) -> list[float]:
+    """``count`` Poisson arrival times at ``rate`` per second, the first at 0."""
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+def _tokens(rng: random.Random, count: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(*VOCAB) for _ in range(count))
+
+
+def _chat(shape: Shape, rng: random.Random) -> Workload:
+    """Conversations of ``turns`` turns. Turn k+1's prompt is turn k's prompt, a seeded
+    stand-in for its answer (what the client sends back as history) and a new message;
+    consecutive turns alternate engines, so each turn's history sits on the other one."""
+    conversations = -(-shape.requests // shape.turns)
+    starts = arrivals(conversations, shape.rate / shape.turns, rng)
+    main: list[BenchRequest] = []
+    for conversation, start in enumerate(starts):
+        prompt = _tokens(rng, shape.prompt_tokens)
+        previous: int | None = None
+        for turn in range(shape.turns):
+            if len(main) == shape.requests:
+                break
+            if turn:
+                answer = _tokens(rng, shape.output_tokens)
+                prompt = prompt + answer + _tokens(rng, shape.suffix_tokens)
+            main.append(
+                BenchRequest(
+                    at_s=start,
+                    prompt=prompt,
+                    max_tokens=shape.output_tokens,
+                    pin=ENGINES[(conversation + turn) % 2],
+                    after=previous,
+                    think_s=shape.think_s if turn else 0.0,
+                )
+            )
+            previous = len(main) - 1
+    # Arrival order for the runner: a turn is sent after its predecessor anyway.
+    return Workload("chat", (), tuple(main))
+
+
+def _system_prompt(shape: Shape, rng: random.Random) -> Workload:
+    """One long shared prefix, computed once on ``a`` in the setup; then distinct short
+    suffixes, placed round-robin (as a load balancer would), so ``b`` needs the prefix."""
+    prefix = _tokens(rng, shape.prompt_tokens)
+    setup = (BenchRequest(0.0, prefix + _tokens(rng, shape.suffix_tokens), 1, pin="a"),)
+    main = tuple(
+        BenchRequest(
+            at_s=at,
+            prompt=prefix + _tokens(rng, shape.suffix_tokens),
+            max_tokens=shape.output_tokens,
+            pin=ENGINES[(i + 1) % 2],
+        )
+        for i, at in enumerate(arrivals(shape.requests, shape.rate, rng))
+    )
+    return Workload("system-prompt", setup, main)
+
+
+def _pd(shape: Shape, rng: random.Random) -> Workload:
+    """Fresh prompts through the PD router: ``a`` prefills, ``b`` decodes."""
+    main = tuple(
+        BenchRequest(at, _tokens(rng, shape.prompt_tokens), shape.output_tokens, router="pd")
+        for at in arrivals(shape.requests, shape.rate, rng)
+    )
+    return Workload("pd", (), main)
+
+
+def _busy_producer(shape: Shape, rng: random.Random) -> Workload:
+    """The setup computes one prefix per measured request on ``a``. Then ``a`` gets a
+    long fresh prefill with every arrival (unmeasured), and the measured request (its
+    prefix plus a short suffix) is served by ``b``, which may pull the prefix from the
+    busy ``a``."""
+    prefixes = [_tokens(rng, shape.prompt_tokens) for _ in range(shape.requests)]
+    setup = tuple(BenchRequest(0.0, prefix, 1, pin="a") for prefix in prefixes)
+    main: list[BenchRequest] = []
+    for prefix, at in zip(prefixes, arrivals(shape.requests, shape.rate, rng), strict=True):
+        main.append(
+            BenchRequest(at, _tokens(rng, shape.background_tokens), 1, pin="a", measured=False)
+        )
+        main.append(
+            BenchRequest(
+                at, prefix + _tokens(rng, shape.suffix_tokens), shape.output_tokens, pin="b"
+            )
+        )
+    return Workload("busy-producer", setup, tuple(main))

@@ -1,0 +1,413 @@
+"""``kvpeer bench serve`` without engines: parsing and validation, the workload
+generators, the statistics, the arm x workload matrix (fake engines behind the real
+router, real HTTP), the table, ``--json`` and the plot file.
+
+The real run (two ``vllm serve`` engines per arm) is run by hand (``--quick``), its
+output kept in the README: one costs minutes on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy
+import pytest
+
+from kvpeer.bench.serve import (
+    ARMS,
+    QUICK_SHAPE,
+    ArmFleet,
+    ArmUnavailable,
+    ServeBenchSpec,
+    run_matrix,
+)
+from kvpeer.bench.serve_client import run_phase
+from kvpeer.bench.serve_plot import plot
+from kvpeer.bench.serve_stats import (
+    Cell,
+    PeerCounters,
+    RequestRecord,
+    percentile,
+    ratios,
+    render,
+    summarize,
+)
+from kvpeer.bench.serve_workloads import MAX_CONTEXT, WORKLOADS, BenchRequest, Shape, build
+from kvpeer.cli import build_parser, main
+from kvpeer.errors import ConfigError
+from kvpeer.router.background import BackgroundRouter
+from kvpeer.router.config import EngineEntry, RouterConfig
+from kvpeer.router.fakeengine import Behaviour, FakeEngine
+from kvpeer.router.policy import EngineSpec, Mode, Role
+
+TINY = replace(QUICK_SHAPE, requests=4, rate=50.0, prompt_tokens=96, suffix_tokens=32,
+               output_tokens=3, background_tokens=128, think_s=0.0)  # fmt: skip
+CACHED_BY_ARM = {"none": 0, "kvpeer": 64, "vllm-p2p": 32}
+
+
+def spec_from(*argv: str) -> ServeBenchSpec:
+    args = build_parser().parse_args(["bench", "serve", *argv])
+    return ServeBenchSpec.from_args(args)
+
+
+# --- parsing and validation -------------------------------------------------------------
+
+
+def test_defaults_are_every_arm_and_workload() -> None:
+    spec = spec_from()
+    assert spec.arms == ARMS == ("none", "kvpeer", "vllm-p2p")
+    assert spec.workloads == WORKLOADS == ("chat", "system-prompt", "pd", "busy-producer")
+    assert spec.data_plane == "shm"
+
+
+def test_flags_choose_arms_workloads_and_sizes() -> None:
+    spec = spec_from("--quick", "--arms", "kvpeer, none", "--workloads", "chat,pd",
+                     "--requests", "9", "--rate", "0.5", "--seed", "7")  # fmt: skip
+    assert spec.arms == ("kvpeer", "none")
+    assert spec.workloads == ("chat", "pd")
+    assert spec.shape == replace(QUICK_SHAPE, requests=9, rate=0.5)
+    assert spec.seed == 7
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (("--arms", "kvpeer,vllm"), "'vllm'"),
+        (("--arms", ","), "--arms"),
+        (("--arms", "none,none"), "'none' given twice"),
+        (("--workloads", "chats"), "'chats'"),
+        (("--requests", "0"), "--requests 0"),
+        (("--rate", "0"), "--rate 0.0"),
+        (("--rate", "nan"), "--rate nan"),
+        (("--rate", "-1"), "--rate -1.0"),
+        (("--data-plane", "rdma"), "'rdma'"),
+    ],
+)
+def test_bad_values_are_named(argv: tuple[str, ...], named: str) -> None:
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        spec_from(*argv)
+
+
+def test_the_command_reports_a_bad_value_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "serve", "--arms", "kvpeer,bogus"]) == 2
+    assert "'bogus'" in capsys.readouterr().err
+
+
+def test_prompts_that_cannot_fit_the_context_are_refused() -> None:
+    with pytest.raises(ConfigError, match="prompt tokens 1900"):
+        ServeBenchSpec(shape=replace(QUICK_SHAPE, prompt_tokens=1900))
+    with pytest.raises(ConfigError, match="chat turns 1"):
+        ServeBenchSpec(shape=replace(QUICK_SHAPE, turns=1))
+
+
+# --- workloads ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_are_seeded(name: str) -> None:
+    assert build(name, QUICK_SHAPE, 1) == build(name, QUICK_SHAPE, 1)
+    assert build(name, QUICK_SHAPE, 1) != build(name, QUICK_SHAPE, 2)
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_have_the_requested_size_and_fit(name: str) -> None:
+    workload = build(name, QUICK_SHAPE, 0)
+    assert len(workload.measured) == QUICK_SHAPE.requests
+    times = [r.at_s for r in workload.main]
+    assert times == sorted(times)
+    assert times[0] == 0.0
+    for request in (*workload.setup, *workload.main):
+        assert len(request.prompt) + request.max_tokens <= MAX_CONTEXT
+        assert all(3 <= token < 512 for token in request.prompt)
+
+
+def test_chat_turns_extend_each_other_on_alternating_engines() -> None:
+    shape = replace(QUICK_SHAPE, requests=7, turns=3)
+    main = build("chat", shape, 0).main
+    assert len(main) == 7
+    for index, turn in enumerate(main):
+        if turn.after is None:  # a conversation's first turn
+            assert len(turn.prompt) == shape.prompt_tokens
+            continue
+        previous = main[turn.after]
+        assert turn.after < index
+        assert turn.prompt[: len(previous.prompt)] == previous.prompt
+        assert len(turn.prompt) == len(previous.prompt) + shape.output_tokens + shape.suffix_tokens
+        assert {turn.pin, previous.pin} == {"a", "b"}
+        assert turn.think_s == shape.think_s
+    firsts = [turn for turn in main if turn.after is None]
+    assert len(firsts) == 3  # 7 turns: conversations of 3, 3 and 1
+    assert len({turn.prompt for turn in firsts}) == 3
+
+
+def test_system_prompt_shares_one_prefix_computed_first_on_a() -> None:
+    workload = build("system-prompt", QUICK_SHAPE, 0)
+    (setup,) = workload.setup
+    prefix = setup.prompt[: QUICK_SHAPE.prompt_tokens]
+    assert setup.pin == "a"
+    assert all(r.prompt[: len(prefix)] == prefix for r in workload.main)
+    assert len({r.prompt for r in workload.main}) == len(workload.main)
+    assert {r.pin for r in workload.main} == {"a", "b"}
+
+
+def test_pd_sends_fresh_prompts_through_the_pd_router() -> None:
+    workload = build("pd", QUICK_SHAPE, 0)
+    assert all(r.router == "pd" and r.pin is None for r in workload.main)
+    assert len({r.prompt for r in workload.main}) == len(workload.main)
+
+
+def test_busy_producer_keeps_a_busy_while_b_serves_prefixes_a_holds() -> None:
+    workload = build("busy-producer", QUICK_SHAPE, 0)
+    held = {r.prompt for r in workload.setup}
+    assert all(r.pin == "a" for r in workload.setup)
+    measured = workload.measured
+    background = [r for r in workload.main if not r.measured]
+    assert len(background) == len(measured)
+    assert all(r.pin == "a" and len(r.prompt) == QUICK_SHAPE.background_tokens
+               for r in background)  # fmt: skip
+    for request in measured:
+        assert request.pin == "b"
+        assert request.prompt[: QUICK_SHAPE.prompt_tokens] in held
+
+
+# --- statistics ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[1.0], [3.0, 1.0], [5.0, 1.0, 4.0, 2.0, 3.0],
+                                    [0.1 * i * i for i in range(37)]])
+def test_percentiles_match_numpy(values: list[float]) -> None:
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(numpy.percentile(values, q)))
+
+
+def test_percentile_of_nothing_is_none_and_bad_q_is_named() -> None:
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError, match="percentile 101"):
+        percentile([1.0], 101)
+
+
+def record(sent: float, ttft: float, latency: float, **kw: object) -> RequestRecord:
+    fields: dict[str, object] = {"prompt_tokens": 100, "output_tokens": 4, "cached_tokens": 64}
+    fields.update(kw)
+    return RequestRecord(sent, ttft, latency, **fields)  # type: ignore[arg-type]
+
+
+def test_summary_counts_throughput_tokens_and_fallbacks() -> None:
+    records = [
+        record(0.0, 0.1, 1.0, source="a"),
+        record(1.0, 0.3, 1.0, cached_tokens=0, source="a"),  # named, reused nothing
+        record(2.0, 0.2, 2.0),  # ends last, at 4 s
+        record(0.5, 9.9, 9.9, error="HTTP 500"),  # errors count, but not in the numbers
+    ]
+    cell = summarize("kvpeer", "chat", records, PeerCounters(pulled_blocks=3, failed_fetches=1))
+    assert (cell.requests, cell.errors) == (4, 1)
+    assert cell.ttft_p50_s == pytest.approx(0.2)
+    assert cell.ttft_p99_s == pytest.approx(0.298)
+    assert cell.requests_per_s == pytest.approx(3 / 4.0)
+    assert cell.output_tokens_per_s == pytest.approx(12 / 4.0)
+    assert (cell.prompt_tokens, cell.cached_tokens, cell.computed_tokens) == (300, 128, 172)
+    assert (cell.pulled_tokens, cell.failed_fetches) == (96, 1)
+    assert (cell.pulls_named, cell.pulls_fell_back) == (2, 1)
+    assert cell.ttfts_s == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_an_arm_without_kvpeer_has_no_pulled_count() -> None:
+    cell = summarize("none", "pd", [record(0.0, 0.5, 1.0)], None)
+    assert cell.pulled_tokens is None
+    assert cell.failed_fetches is None
+
+
+def test_ratios_are_kvpeer_over_each_baseline_per_workload() -> None:
+    def cell(arm: str, workload: str, ttfts: Sequence[float]) -> Cell:
+        return summarize(arm, workload, [record(i, t, 1.0) for i, t in enumerate(ttfts)], None)
+
+    cells = [
+        cell("none", "chat", [1.0, 1.0, 1.0]),
+        cell("kvpeer", "chat", [0.2, 0.3, 0.5]),
+        cell("vllm-p2p", "chat", [0.6, 0.6, 1.0]),
+        cell("kvpeer", "pd", [0.1]),  # no baseline ran pd: no ratio
+    ]
+    found = {(r.workload, r.baseline): r for r in ratios(cells)}
+    assert set(found) == {("chat", "none"), ("chat", "vllm-p2p")}
+    assert found["chat", "none"].ttft_p50 == pytest.approx(0.3)
+    assert found["chat", "vllm-p2p"].ttft_p50 == pytest.approx(0.5)
+    assert found["chat", "vllm-p2p"].ttft_p99 == pytest.approx(0.496 / 0.992)
+
+
+# --- the client and the matrix, through the real router -----------------------------------
+
+
+class FakeArms:
+    """An :data:`OpenArm` of fake engines behind real routers: fresh engines per arm
+    (their ``cached_tokens`` tell arms apart); ``vllm-p2p`` can be made unavailable."""
+
+    def __init__(self, unavailable: Mapping[str, str] | None = None) -> None:
+        self.unavailable = dict(unavailable or {})
+        self.opened: list[str] = []
+        self.engines: dict[str, list[FakeEngine]] = {}
+        self.waited: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def __call__(self, arm: str) -> Iterator[ArmFleet]:
+        if arm in self.unavailable:
+            raise ArmUnavailable(self.unavailable[arm])
+        self.opened.append(arm)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+
+        def on_loop(coro: object) -> None:
+            asyncio.run_coroutine_threadsafe(coro, loop).result(10)  # type: ignore[arg-type]
+
+        fakes = [FakeEngine(name, Behaviour(cached_tokens=CACHED_BY_ARM[arm], chunks=3))
+                 for name in ("a", "b")]  # fmt: skip
+        self.engines[arm] = fakes
+        try:
+            for fake in fakes:
+                on_loop(fake.start())
+
+            def specs(*roles: Role) -> tuple[EngineEntry, ...]:
+                return tuple(EngineEntry(EngineSpec(f.name, f.url, "127.0.0.1", 5710 + i, role))
+                             for i, (f, role) in enumerate(zip(fakes, roles, strict=True)))
+
+            with (
+                BackgroundRouter(RouterConfig(Mode.SHARED, specs(Role.BOTH, Role.BOTH),
+                                              listen_port=0, allow_pinning=True)) as shared,
+                BackgroundRouter(RouterConfig(Mode.PD, specs(Role.PREFILL, Role.DECODE),
+                                              listen_port=0)) as pd,
+            ):  # fmt: skip
+                yield _FakeFleet(self, arm, {"shared": shared.url, "pd": pd.url})
+        finally:
+            for fake in fakes:
+                on_loop(fake.stop())
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+
+
+class _FakeFleet:
+    def __init__(self, arms: FakeArms, arm: str, urls: Mapping[str, str]) -> None:
+        self._arms, self._arm, self._urls = arms, arm, urls
+
+    @property
+    def urls(self) -> Mapping[str, str]:
+        return self._urls
+
+    def counters(self) -> PeerCounters | None:
+        return PeerCounters() if self._arm == "kvpeer" else None
+
+    def wait_indexed(self, held: Sequence[tuple[str, Sequence[int]]], timeout_s: float) -> None:
+        self._arms.waited.extend((engine, len(prompt)) for engine, prompt in held)
+
+
+def test_the_client_records_what_each_request_saw() -> None:
+    arms = FakeArms()
+    with arms("kvpeer") as fleet:
+        requests = [
+            BenchRequest(0.0, tuple(range(3, 99)), 3, pin="b"),
+            BenchRequest(0.0, tuple(range(3, 67)), 3, router="pd"),
+            BenchRequest(0.0, tuple(range(3, 35)), 3, pin="a", after=0),
+        ]
+        records = asyncio.run(run_phase(requests, fleet.urls))
+    a, _b = arms.engines["kvpeer"]
+    assert [r.engine for r in records] == ["b", "b", "a"]
+    assert [r.prompt_tokens for r in records] == [96, 64, 32]
+    assert all(r.error is None and r.output_tokens == 3 and r.cached_tokens == 64
+               for r in records)  # fmt: skip
+    assert all(0 < r.ttft_s <= r.latency_s for r in records)
+    assert records[2].sent_s >= records[0].done_s  # sent after the one it follows
+    prefill_legs = [body for body in a.generation_bodies() if body["max_tokens"] == 1]
+    assert len(prefill_legs) == 1  # the pd request's prefill leg ran on a
+
+
+def test_a_failed_request_is_a_record_not_an_exception() -> None:
+    arms = FakeArms()
+    with arms("none") as fleet:
+        for fake in arms.engines["none"]:
+            fake.behaviour.fail_status = 400  # 4xx: the router does not retry elsewhere
+        records = asyncio.run(run_phase([BenchRequest(0.0, (5, 6, 7), 2, pin="a")], fleet.urls))
+    (only,) = records
+    assert only.error is not None
+    assert "400" in only.error
+
+
+def test_the_matrix_runs_every_arm_on_fresh_engines_and_every_workload(tmp_path: Path) -> None:
+    spec = ServeBenchSpec(shape=TINY, workloads=("chat", "busy-producer", "pd"))
+    arms = FakeArms()
+    progress: list[str] = []
+    result = run_matrix(spec, arms, progress.append)
+    assert arms.opened == list(ARMS)
+    assert len({id(fake) for fakes in arms.engines.values() for fake in fakes}) == 6
+    assert [(c.arm, c.workload) for c in result.cells] == [
+        (arm, workload) for arm in ARMS for workload in ("chat", "busy-producer", "pd")
+    ]
+    assert result.ok
+    assert not result.errors
+    for cell in result.cells:
+        assert cell.requests == TINY.requests
+        assert cell.errors == 0
+        assert cell.cached_tokens == CACHED_BY_ARM[cell.arm] * TINY.requests
+        assert (cell.pulled_tokens is None) == (cell.arm != "kvpeer")
+        assert cell.ttft_p50_s is not None
+        assert cell.requests_per_s is not None
+    # busy-producer's setup parks one prefix per measured request on a, then waits for it
+    assert arms.waited.count(("a", TINY.prompt_tokens)) == TINY.requests * len(ARMS)
+    # the producer's background prefills reached a and were not counted
+    a = arms.engines["kvpeer"][0]
+    background = [b for b in a.generation_bodies() if len(b["prompt"]) == TINY.background_tokens]
+    assert len(background) == TINY.requests
+    assert any("kvpeer/chat: TTFT p50" in line for line in progress)
+
+    table = render(result.cells, result.errors, result.seconds)
+    for workload in ("chat", "busy-producer", "pd"):
+        assert f"{workload:<14} kvpeer/none" in table
+        assert f"{workload:<14} kvpeer/vllm-p2p" in table
+    decoded = json.loads(json.dumps(result.to_json()))
+    assert len(decoded["cells"]) == 9
+    assert len(decoded["ratios"]) == 6
+    assert decoded["spec"]["shape"]["requests"] == TINY.requests
+
+    out = tmp_path / "ttft.png"
+    plot(result.cells, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_arm_that_cannot_run_is_named_and_the_others_still_run() -> None:
+    spec = ServeBenchSpec(shape=TINY, workloads=("system-prompt",))
+    arms = FakeArms({"vllm-p2p": "vLLM's p2p tier runs on NIXL, which is not usable here"})
+    progress: list[str] = []
+    result = run_matrix(spec, arms, progress.append)
+    assert arms.opened == ["none", "kvpeer"]
+    assert [c.arm for c in result.cells] == ["none", "kvpeer"]
+    assert not result.ok
+    reason = "arm vllm-p2p did not run: vLLM's p2p tier runs on NIXL, which is not usable here"
+    assert reason in progress
+    table = render(result.cells, result.errors, result.seconds)
+    assert reason in table
+    assert "kvpeer/none" in table
+    assert "kvpeer/vllm-p2p" not in table
+    assert result.to_json()["arms_not_run"] == [
+        {"arm": "vllm-p2p", "reason": "vLLM's p2p tier runs on NIXL, which is not usable here"}
+    ]
+
+
+def test_shapes_scale_the_cpu_tier_to_the_busy_producers_prefixes() -> None:
+    small = ServeBenchSpec(shape=TINY).cpu_bytes()
+    big = ServeBenchSpec(shape=replace(TINY, requests=40)).cpu_bytes()
+    assert big > small >= 256 << 20
+    assert math.isfinite(big)
+
+
+def test_shape_chat_tokens_counts_every_turn() -> None:
+    shape = Shape(requests=1, rate=1.0, prompt_tokens=100, suffix_tokens=10, output_tokens=5,
+                  turns=3, background_tokens=64, think_s=0.0)  # fmt: skip
+    assert shape.chat_tokens() == 100 + 2 * 15 + 5
