@@ -169,14 +169,14 @@ def test_pull_rates_and_cold_session_are_learned() -> None:
     cost = policy.cost
     assert not cost.is_warm("e0", "e1")
     for i in range(100):
-        plan = policy.plan(f"r{i}", PROMPT, {"e0": idle(), "e1": busy()}, float(i))
+        plan = policy.plan(f"r{i}", PROMPT, loads, float(i), serve_on="e0")
         assert plan.source == "e1"
         compute = cost.compute_s("e0", 1024 - USABLE, loads["e0"])
         # r0 is both engines' first request (their warm-up: not learned from), r1 the
         # pair's first pull (a cold session).
         pull = 0.002 + 1e-6 * USABLE + {0: 5.0, 1: 0.3}.get(i, 0.0)
         policy.on_outcome(
-            Outcome(f"r{i}", "e0", True, 1024, USABLE, compute + pull + 0.02), float(i)
+            Outcome(f"r{i}", "e0", True, 1024, USABLE, compute + pull), float(i)
         )
     assert cost.is_warm("e0", "e1")
     rates = policy.stats()
@@ -320,3 +320,27 @@ def test_an_engine_without_its_own_history_is_predicted_by_the_fleets_rates() ->
     assert cost.compute_s("pulls-only", 1000, load) == pytest.approx(
         cost.compute_s("computes", 1000, load), rel=0.05)
     assert cost.compute_s("pulls-only", 1000, load) > 3 * prior
+
+
+def test_a_source_whose_pulls_are_slow_while_it_is_busy_is_not_pulled_from_when_busy() -> None:
+    """Where engines share cores, a busy source serves pulls slowly: the router learns
+    what a busy source costs and stops choosing it then, while it still pulls from the
+    same source when idle."""
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    cost = policy.cost
+    for i in range(40):
+        loads = {"e0": idle(), "e1": busy(queued=0, in_flight=1) if i % 2 else idle()}
+        plan = policy.plan(f"r{i}", PROMPT, loads, float(i), serve_on="e0")
+        if plan.source is None:
+            continue
+        compute = cost.compute_s("e0", 1024 - USABLE, loads["e0"])
+        pull = 0.002 + 1e-6 * USABLE + (2.0 if i % 2 else 0.0)  # busy: 2 s more
+        policy.on_outcome(Outcome(f"r{i}", "e0", True, 1024, USABLE, compute + pull), float(i))
+    # Learned until pulling from it busy no longer paid (then it stops being tried).
+    assert policy.stats()["rate:source_busy_s"] > 10 * CostPriors().source_busy_s
+    busy_plan = policy.plan("busy", PROMPT, {"e0": idle(), "e1": busy(queued=0, in_flight=1)},
+                            50, serve_on="e0")
+    idle_plan = policy.plan("idle", PROMPT, {"e0": idle(), "e1": idle()}, 51, serve_on="e0")
+    assert busy_plan.source is None
+    assert idle_plan.source == "e1"

@@ -6,8 +6,10 @@ The model (all terms in seconds):
   + in_flight_e * in_flight_s``. The engine prefills what is queued before ours, then
   ours; running requests interleave decode steps with our prefill.
 - pull of ``k`` tokens from source ``s`` into ``e``: ``base_s + per_token_s * k``, plus
-  ``source_busy_s`` when ``s`` is running requests (it resolves lookups at its next
-  engine step), plus ``cold_session_s`` for the first pull between the pair (handshake,
+  a busy-source cost when ``s`` is running requests (its lookups may wait for an engine
+  step, and where engines share cores serving a pull competes with its prefill; learned
+  as an EWMA of the excess of such pulls over the idle prediction, from the
+  ``source_busy_s`` prior), plus ``cold_session_s`` for the first pull between the pair (handshake,
   data-plane registration).
 
 An engine with fewer than ``own_samples`` observations of its own is predicted by the
@@ -106,6 +108,7 @@ class CostModel:
         self._pooled = self._new_compute_line()
         self._pull: dict[str, Line] = {}
         self._cold_s = self.priors.cold_session_s
+        self._busy_s = self.priors.source_busy_s
         self._warm: set[tuple[str, str]] = set()
 
     # --- predictions ------------------------------------------------------------------
@@ -122,7 +125,7 @@ class CostModel:
         """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier."""
         seconds = self._pull_line(source).predict(max(0, tokens))
         if source_load.in_flight > 0:
-            seconds += self.priors.source_busy_s
+            seconds += self._busy_s
         if (engine, source) not in self._warm:
             seconds += self._cold_s
         return seconds
@@ -143,9 +146,16 @@ class CostModel:
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float
     ) -> None:
         """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT)."""
-        if source_load.in_flight > 0:
-            seconds -= self.priors.source_busy_s
         line = self._pull_line(source)
+        if source_load.in_flight > 0 and (engine, source) in self._warm:
+            # What a busy source costs beyond an idle one's pull (the line learns only
+            # from idle sources, so the two stay apart).
+            alpha = self.priors.cold_alpha
+            excess = seconds - line.predict(tokens)
+            self._busy_s = max(0.0, (1 - alpha) * self._busy_s + alpha * excess)
+            return
+        if source_load.in_flight > 0:
+            seconds -= self._busy_s
         if (engine, source) not in self._warm:
             self._warm.add((engine, source))
             excess = seconds - line.predict(tokens)
@@ -160,7 +170,7 @@ class CostModel:
 
     def rates(self) -> dict[str, float]:
         """The learned parameters, as plain numbers for export."""
-        out: dict[str, float] = {"cold_session_s": self._cold_s}
+        out: dict[str, float] = {"cold_session_s": self._cold_s, "source_busy_s": self._busy_s}
         out["overhead_s:*"], out["prefill_s_per_token:*"] = self._pooled.params
         for name, line in sorted(self._compute.items()):
             a, b = line.params

@@ -262,7 +262,8 @@ class ServeFleet:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=engine_env(multiprocessing=True),
+                # Unbuffered: a server stopped mid-run still leaves its last log lines.
+                env={**engine_env(multiprocessing=True), "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,  # one group: the server and what vLLM spawns
             )
         return ServeEngine(spec, process, log_path)
