@@ -141,7 +141,7 @@ def _metrics_server(
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from kvpeer.metrics.view import fetch, metrics_url, render
+    from kvpeer.metrics.view import fetch, metrics_url, peers_section, render
 
     target = args.metrics_url or args.target
     if not target:
@@ -154,6 +154,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print(f"kvpeer stats: cannot read {url}: {exc}", file=sys.stderr)
         return 1
     print(render(text, url))
+    print()
+    print(peers_section(url))
     return 0
 
 

@@ -112,6 +112,7 @@ def values(reading: NodeReading) -> dict[str, dict[tuple[str, ...], Value]]:
         "pulled_bytes_total": _one(s.blocks_loaded * reading.block_len),
         "served_blocks_total": _one(c.blocks_served),
         "served_bytes_total": _one(c.blocks_served * reading.block_len),
+        "peer_step_wait_seconds": {(): c.step_wait_seconds},
         "sessions": _one(s.sessions),
         "session_events_total": {
             ("opened",): float(c.sessions_opened),
