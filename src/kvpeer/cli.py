@@ -182,7 +182,12 @@ def _cmd_bench_tier(args: argparse.Namespace) -> int:
     from kvpeer.bench import tier
 
     print("kvpeer bench tier: measuring (in memory, no sockets)...", file=sys.stderr, flush=True)
-    result = tier.run(quick=args.quick)
+    scraper = None
+    if args.metrics:
+        from kvpeer.metrics.prom import tier_scraper
+
+        scraper = tier_scraper
+    result = tier.run(quick=args.quick, scraper=scraper)
     print(json.dumps(result) if args.json else tier.render(result))
     return 0
 
@@ -333,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     tier = benches.add_parser("tier", help="tier step overhead and memory (in memory)")
     tier.add_argument("--quick", action="store_true", help="smaller counts, under a minute")
     tier.add_argument("--json", action="store_true", help="print one JSON object")
+    tier.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also time each step while a thread scrapes the tier's metrics (on vs off)",
+    )
     tier.set_defaults(func=_cmd_bench_tier)
 
     transport = benches.add_parser(

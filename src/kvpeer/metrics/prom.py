@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -26,11 +26,12 @@ from prometheus_client.registry import Collector
 
 from kvpeer.metrics.catalog import CATALOG, MetricType
 from kvpeer.metrics.peers import encode, peers_document
-from kvpeer.metrics.reading import ThreadCpu, read_node, values
+from kvpeer.metrics.reading import NodeReading, ThreadCpu, read_node, read_tier, values
 from kvpeer.node.counters import HistogramSnapshot
 from kvpeer.node.driver import DrivenTier
+from kvpeer.node.tier import Tier
 
-__all__ = ["PREFIX", "MetricsServer", "NodeCollector", "registry_for"]
+__all__ = ["PREFIX", "MetricsServer", "NodeCollector", "registry_for", "tier_scraper"]
 
 PREFIX = "kvpeer_"
 
@@ -47,13 +48,16 @@ def _buckets(snapshot: HistogramSnapshot) -> list[tuple[str, float]]:
 class NodeCollector(Collector):
     """Reads ``node`` at each scrape and yields every catalog metric as ``kvpeer_*``."""
 
-    def __init__(self, node: DrivenTier, prefix: str = PREFIX) -> None:
-        self._node = node
+    def __init__(
+        self, node: DrivenTier | Callable[[ThreadCpu], NodeReading], prefix: str = PREFIX
+    ) -> None:
+        """``node``, or a function that takes one reading (benchmarks read a bare tier)."""
+        self._read = (lambda cpu: read_node(node, cpu)) if isinstance(node, DrivenTier) else node
         self._prefix = prefix
         self._cpu = ThreadCpu()
 
     def collect(self) -> Iterator[Metric]:
-        current = values(read_node(self._node, self._cpu))
+        current = values(self._read(self._cpu))
         for metric in CATALOG:
             name = self._prefix + metric.name
             labels = list(metric.labels)
@@ -74,11 +78,25 @@ class NodeCollector(Collector):
             yield family
 
 
-def registry_for(node: DrivenTier) -> CollectorRegistry:
+def registry_for(
+    node: DrivenTier | Callable[[ThreadCpu], NodeReading],
+) -> CollectorRegistry:
     """A private registry (never prometheus-client's global one) with ``node``'s metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(node))
     return registry
+
+
+def tier_scraper(tier: Tier, lock: threading.Lock) -> Callable[[], bytes]:
+    """One full scrape of a bare ``tier`` per call (reading under ``lock``, the text
+    rendered outside it), as ``/metrics`` would serve it: what benchmarks run."""
+
+    def read(cpu: ThreadCpu) -> NodeReading:
+        with lock:
+            return read_tier(tier, cpu)
+
+    registry = registry_for(read)
+    return lambda: generate_latest(registry)
 
 
 StartResponse = Callable[..., Any]
