@@ -205,7 +205,15 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"kvpeer bench transport: {message}", file=sys.stderr, flush=True)
 
-    result = transport.run(spec, progress)
+    serve_metrics = None
+    if args.metrics:
+        from kvpeer.metrics.prom import MetricsServer
+
+        def serve_metrics(node: DrivenTier) -> tuple[int, Callable[[], None]]:
+            server = MetricsServer(node, "127.0.0.1", 0)
+            return server.port, server.close
+
+    result = transport.run(spec, progress, serve_metrics)
     print(json.dumps(result) if args.json else transport.render(result))
     return 0
 
@@ -355,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transport.add_argument("--quick", action="store_true", help="a subset, under a minute")
     transport.add_argument("--json", action="store_true", help="print one JSON object")
+    transport.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also measure the 1-block rtt while both nodes' /metrics are scraped (on vs off)",
+    )
     transport.set_defaults(func=_cmd_bench_transport)
 
     idle = benches.add_parser(
