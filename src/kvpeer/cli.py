@@ -141,7 +141,7 @@ def _metrics_server(
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from kvpeer.metrics.view import fetch, metrics_url, render
+    from kvpeer.metrics.view import fetch, metrics_url, peers_section, render
 
     target = args.metrics_url or args.target
     if not target:
@@ -154,6 +154,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print(f"kvpeer stats: cannot read {url}: {exc}", file=sys.stderr)
         return 1
     print(render(text, url))
+    print()
+    print(peers_section(url))
     return 0
 
 
@@ -206,7 +208,12 @@ def _cmd_bench_tier(args: argparse.Namespace) -> int:
     from kvpeer.bench import tier
 
     print("kvpeer bench tier: measuring (in memory, no sockets)...", file=sys.stderr, flush=True)
-    result = tier.run(quick=args.quick)
+    scraper = None
+    if args.metrics:
+        from kvpeer.metrics.prom import tier_scraper
+
+        scraper = tier_scraper
+    result = tier.run(quick=args.quick, scraper=scraper)
     print(json.dumps(result) if args.json else tier.render(result))
     return 0
 
@@ -224,7 +231,15 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"kvpeer bench transport: {message}", file=sys.stderr, flush=True)
 
-    result = transport.run(spec, progress)
+    serve_metrics = None
+    if args.metrics:
+        from kvpeer.metrics.prom import MetricsServer
+
+        def serve_metrics(node: DrivenTier) -> tuple[int, Callable[[], None]]:
+            server = MetricsServer(node, "127.0.0.1", 0)
+            return server.port, server.close
+
+    result = transport.run(spec, progress, serve_metrics)
     print(json.dumps(result) if args.json else transport.render(result))
     return 0
 
@@ -357,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     tier = benches.add_parser("tier", help="tier step overhead and memory (in memory)")
     tier.add_argument("--quick", action="store_true", help="smaller counts, under a minute")
     tier.add_argument("--json", action="store_true", help="print one JSON object")
+    tier.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also time each step while a thread scrapes the tier's metrics (on vs off)",
+    )
     tier.set_defaults(func=_cmd_bench_tier)
 
     transport = benches.add_parser(
@@ -369,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transport.add_argument("--quick", action="store_true", help="a subset, under a minute")
     transport.add_argument("--json", action="store_true", help="print one JSON object")
+    transport.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also measure the 1-block rtt while both nodes' /metrics are scraped (on vs off)",
+    )
     transport.set_defaults(func=_cmd_bench_transport)
 
     idle = benches.add_parser(

@@ -13,6 +13,10 @@ this run on the same number of bytes:
 The one-block fetch is also reported as a round trip (``rtt_us``) next to a raw
 ZMQ DEALER/ROUTER ping-pong (``zmq_rtt_us``). Medians of several repetitions;
 the machine is shared and noisy, so compare ratios, not absolute numbers.
+
+With ``--metrics`` both nodes serve ``/metrics`` and the one-block round trip is
+also measured while a thread scrapes both over HTTP at ``SCRAPE_HZ`` (metrics
+on), in rounds interleaved with unscraped ones (off): ``rtt_us_metrics``.
 """
 
 from __future__ import annotations
@@ -28,15 +32,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpeer.bench.rawnixl import raw_nixl_gbps
+from kvpeer.bench.tier import SCRAPE_HZ, scraping
 from kvpeer.config import TierConfig
 from kvpeer.host import BlockPool
 from kvpeer.node.build import open_node
+from kvpeer.node.driver import DrivenTier
 from kvpeer.node.pull import Puller
 from kvpeer.node.synthetic import synthetic_index, synthetic_key
 from kvpeer.transport.data.base import PrimaryRegion
@@ -50,6 +57,8 @@ KIB = 1024
 MIB = 1024 * KIB
 MAX_REGION_BYTES = 1024 * MIB  # per side
 RTT_REPS = 51  # one-block fetches per median
+#: Serves a node's metrics on a free loopback port: (port, close).
+ServeMetrics = Callable[[DrivenTier], tuple[int, Callable[[], None]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +208,9 @@ class Baselines:
 
 
 @contextlib.contextmanager
-def producer(plane: str, block_len: int, blocks: int) -> Iterator[str]:
+def producer(
+    plane: str, block_len: int, blocks: int, metrics_port: int | None = None
+) -> Iterator[str]:
     """A ``kvpeer serve`` process with ``blocks`` synthetic blocks; yields its peer id."""
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
@@ -209,6 +220,8 @@ def producer(plane: str, block_len: int, blocks: int) -> Iterator[str]:
             "--synthetic-blocks", str(blocks), "--ready-file", str(ready),
             "--nixl-peer", LOOPBACK,
         ]  # fmt: skip
+        if metrics_port is not None:
+            command += ["--metrics-port", str(metrics_port)]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 60
@@ -238,19 +251,39 @@ def _consumer(plane: str, block_len: int, blocks: int) -> tuple[Any, BlockPool]:
     return open_node(config, region), pool
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _get(url: str) -> None:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        response.read()
+
+
 def measure_plane(
     plane: str,
     block_len: int,
     fetch_sizes: tuple[int, ...],
     reps: int,
+    serve_metrics: ServeMetrics | None = None,
+    scraped: dict[str, float] | None = None,
 ) -> dict[int, tuple[float, float]]:
     """fetch size -> (median load seconds, median lookup seconds). One-block fetches
-    are repeated :data:`RTT_REPS` times at least: they are quick, and noisy."""
+    are repeated :data:`RTT_REPS` times at least: they are quick, and noisy. With
+    ``serve_metrics``, ``scraped`` receives :func:`_scraped_rtt`'s numbers."""
     blocks = max(fetch_sizes)
     results: dict[int, tuple[float, float]] = {}
-    with producer(plane, block_len, blocks) as peer_id:
+    producer_port = _free_port() if serve_metrics is not None else None
+    with producer(plane, block_len, blocks, producer_port) as peer_id:
         node, pool = _consumer(plane, block_len, blocks)
+        close_metrics: Callable[[], None] | None = None
         try:
+            urls = []
+            if serve_metrics is not None:
+                port, close_metrics = serve_metrics(node)
+                urls = [f"http://127.0.0.1:{p}/metrics" for p in (port, producer_port)]
             puller = Puller(node, peer_id)
             keys = [synthetic_key(i) for i in range(blocks)]
             slots = list(range(blocks))
@@ -276,13 +309,49 @@ def measure_plane(
                     loads.append(result.load_s)
                     lookups.append(result.lookup_s)
                 results[size] = (statistics.median(loads), statistics.median(lookups))
+            if urls and scraped is not None:
+                scraped.update(_scraped_rtt(puller, keys, slots, urls))
         finally:
+            if close_metrics is not None:
+                close_metrics()
             node.shutdown()
             pool.close()
     return results
 
 
-def run(spec: BenchSpec, progress: Callable[[str], None]) -> dict[str, Any]:
+def _scraped_rtt(
+    puller: Puller, keys: list[bytes], slots: list[int], urls: list[str]
+) -> dict[str, float]:
+    """One-block load seconds, median, with ``urls`` scraped (``on_s``) and not
+    (``off_s``), in 3 interleaved pairs of rounds; scrapes per second while on."""
+    on: list[float] = []
+    off: list[float] = []
+    scrapes, seconds = 0, 0.0
+
+    def scrape() -> None:
+        for url in urls:
+            _get(url)
+
+    for _ in range(3):
+        off += [puller.pull(keys[:1], slots[:1]).load_s for _ in range(RTT_REPS)]
+        started = time.perf_counter()
+        with scraping(scrape, SCRAPE_HZ / len(urls)) as done:
+            on += [puller.pull(keys[:1], slots[:1]).load_s for _ in range(RTT_REPS)]
+        seconds += time.perf_counter() - started
+        scrapes += done[0] * len(urls)
+    return {
+        "on_s": statistics.median(on),
+        "off_s": statistics.median(off),
+        "scrapes_per_s": scrapes / seconds,
+    }
+
+
+def run(
+    spec: BenchSpec,
+    progress: Callable[[str], None],
+    serve_metrics: ServeMetrics | None = None,
+) -> dict[str, Any]:
+    """``serve_metrics``: also measure the one-block rtt with metrics scraped."""
     max_bytes = max(
         min(b, MAX_REGION_BYTES // bl) * bl for bl in spec.block_lens for b in spec.fetch_sizes
     )
@@ -316,7 +385,8 @@ def run(spec: BenchSpec, progress: Callable[[str], None]) -> dict[str, Any]:
                     f"{plane}: {block_len // KIB} KiB blocks, fetches of {sizes} "
                     f"(raw ZMQ round trip now: {zmq_rtt:.0f} us)"
                 )
-                timings = measure_plane(plane, block_len, sizes, spec.reps)
+                scraped: dict[str, float] = {}
+                timings = measure_plane(plane, block_len, sizes, spec.reps, serve_metrics, scraped)
                 for size, (load_s, _lookup_s) in timings.items():
                     total = size * block_len
                     gbps = total / load_s / 1e9
@@ -336,6 +406,10 @@ def run(spec: BenchSpec, progress: Callable[[str], None]) -> dict[str, Any]:
                         row["rtt_us"] = round(load_s * 1e6, 1)
                         row["zmq_rtt_us"] = round(zmq_rtt, 1)
                         row["rtt_target_us"] = round(3 * zmq_rtt + copy_us, 1)
+                        if scraped:
+                            row["rtt_us_metrics_off"] = round(scraped["off_s"] * 1e6, 1)
+                            row["rtt_us_metrics_on"] = round(scraped["on_s"] * 1e6, 1)
+                            row["scrapes_per_s"] = round(scraped["scrapes_per_s"], 1)
                     results.append(row)
     finally:
         baselines.close()
@@ -357,4 +431,15 @@ def render(result: dict[str, Any]) -> str:
             f"{row['transport']:5} {row['block_len'] // KIB:>5}Ki {row['blocks']:>6} "
             f"{row['gbps']:7.2f}  {row['baseline']:10} {base:>7} {ratio:>6}  {rtt:>24}"
         )
+    scraped = [row for row in result["results"] if "rtt_us_metrics_on" in row]
+    if scraped:
+        lines.append("1-block rtt with metrics off vs on (both nodes' /metrics scraped), same run:")
+        lines.append(f"  {'plane':5} {'block':>7} {'off us':>8} {'on us':>8} {'on/off':>6} "
+                     f"{'scrapes/s':>9}")  # fmt: skip
+        for row in scraped:
+            off, on = row["rtt_us_metrics_off"], row["rtt_us_metrics_on"]
+            lines.append(
+                f"  {row['transport']:5} {row['block_len'] // KIB:>5}Ki {off:8.0f} {on:8.0f} "
+                f"{on / off:6.2f} {row['scrapes_per_s']:9.0f}"
+            )
     return "\n".join(lines)

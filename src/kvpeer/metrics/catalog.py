@@ -22,6 +22,7 @@ from kvpeer.node.counters import (
     FETCH_SECONDS_BUCKETS,
     FETCH_SIZE_BUCKETS,
     LOOKUP_SECONDS_BUCKETS,
+    STEP_WAIT_SECONDS_BUCKETS,
 )
 from kvpeer.session import CloseKind
 
@@ -131,6 +132,14 @@ CATALOG: tuple[Metric, ...] = (
     Metric("pulled_bytes_total", MetricType.COUNTER, "bytes", "Bytes loads brought from peers."),
     Metric("served_blocks_total", MetricType.COUNTER, "blocks", "Blocks written to peers."),
     Metric("served_bytes_total", MetricType.COUNTER, "bytes", "Bytes written to peers."),
+    Metric(
+        "peer_step_wait_seconds",
+        MetricType.HISTOGRAM,
+        "seconds",
+        "Peer lookups and releases waiting for an engine step: from the oldest one "
+        "reaching the tier to the step that served it, per peer and step.",
+        buckets=STEP_WAIT_SECONDS_BUCKETS,
+    ),
     Metric("sessions", MetricType.GAUGE, "sessions", "Peer sessions open now."),
     Metric(
         "session_events_total",

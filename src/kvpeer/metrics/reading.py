@@ -23,10 +23,10 @@ from kvpeer.metrics.catalog import (
 )
 from kvpeer.node.counters import CounterSnapshot, HistogramSnapshot
 from kvpeer.node.driver import DrivenTier
-from kvpeer.node.tier import TierStatistics
+from kvpeer.node.tier import Tier, TierStatistics
 from kvpeer.protocol import PROTOCOL_VERSION
 
-__all__ = ["NodeReading", "ThreadCpu", "Value", "read_node", "values"]
+__all__ = ["NodeReading", "ThreadCpu", "Value", "read_node", "read_tier", "values"]
 
 Value = float | HistogramSnapshot
 THREAD_PREFIX = "kvpeer"
@@ -79,12 +79,15 @@ class NodeReading:
 def read_node(node: DrivenTier, cpu: ThreadCpu) -> NodeReading:
     """One consistent reading of ``node`` (holds its lock for the tier's part only)."""
     with node.locked():
-        tier = node.tier
-        statistics = tier.statistics()
-        counters = tier.counters()
-        block_len = tier.block_len
-        planes = tuple(tier.data_planes)
-    return NodeReading(statistics, counters, node.wakeups, cpu.seconds(), block_len, planes)
+        return read_tier(node.tier, cpu, node.wakeups)
+
+
+def read_tier(tier: Tier, cpu: ThreadCpu, wakeups: int = 0) -> NodeReading:
+    """One reading of a bare ``tier``; the caller holds whatever lock guards it."""
+    statistics = tier.statistics()
+    counters = tier.counters()
+    planes = tuple(tier.data_planes)
+    return NodeReading(statistics, counters, wakeups, cpu.seconds(), tier.block_len, planes)
 
 
 def _by(keys: tuple[str, ...], counts: dict[str, int]) -> dict[tuple[str, ...], Value]:
@@ -112,6 +115,7 @@ def values(reading: NodeReading) -> dict[str, dict[tuple[str, ...], Value]]:
         "pulled_bytes_total": _one(s.blocks_loaded * reading.block_len),
         "served_blocks_total": _one(c.blocks_served),
         "served_bytes_total": _one(c.blocks_served * reading.block_len),
+        "peer_step_wait_seconds": {(): c.step_wait_seconds},
         "sessions": _one(s.sessions),
         "session_events_total": {
             ("opened",): float(c.sessions_opened),

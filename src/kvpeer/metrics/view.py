@@ -1,7 +1,8 @@
 """``kvpeer stats``: one screen of a live node, from its Prometheus metrics.
 
 Reads ``kvpeer_*`` (a standalone node) or ``vllm:kvpeer_*`` (vLLM's ``/metrics``;
-vLLM's own labels, e.g. several engines, are summed).
+vLLM's own labels, e.g. several engines, are summed), then the node's ``/peers``
+(:mod:`kvpeer.metrics.peers`) when it has one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpeer.metrics import peers
 from kvpeer.metrics.catalog import (
     CLOSE_KINDS,
     INFO,
@@ -19,7 +21,7 @@ from kvpeer.metrics.catalog import (
     TIMEOUT_KINDS,
 )
 
-__all__ = ["fetch", "metrics_url", "render"]
+__all__ = ["fetch", "metrics_url", "peers_section", "render"]
 
 PREFIXES = ("vllm:kvpeer_", "kvpeer_")
 #: The catalog's labels; any other label (vLLM's model_name, engine) is summed over.
@@ -82,7 +84,7 @@ def render(text: str, source: str = "") -> str:
     if not t:
         return f"no kvpeer metrics at {source or 'that address'}"
     info = next(iter(t.get(INFO, {})), ())
-    described = ", ".join(f"{k} {v}" for k, v in info) or "unknown version"
+    described = peers.safe(", ".join(f"{k} {v}" for k, v in info) or "unknown version", 120)
     fetched = _get(t, "fetches_total", result="ok")
     lookups = {r: _get(t, "lookups_total", result=r) for r in LOOKUP_RESULTS}
     answered = lookups["hit"] + lookups["miss"]
@@ -114,3 +116,18 @@ def render(text: str, source: str = "") -> str:
         f"{_get(t, 'thread_cpu_seconds_total'):.2f} s",
     ]
     return "\n".join(lines)
+
+
+def peers_section(metrics_url: str) -> str:
+    """The per-peer table from the ``/peers`` next to ``metrics_url``, or why there is none."""
+    url = peers.peers_url(metrics_url)
+    try:
+        document = peers.fetch_peers(url)
+    except peers.PeersUnavailable as exc:
+        return (
+            f"peers             no per-peer view here ({peers.safe(exc, 120)}); "
+            "kvpeer serve --metrics-port has one"
+        )
+    except OSError as exc:
+        return f"peers             cannot read {peers.safe(url, 120)}: {peers.safe(exc, 120)}"
+    return peers.render(document)

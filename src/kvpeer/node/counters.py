@@ -23,6 +23,7 @@ __all__ = [
     "FETCH_SECONDS_BUCKETS",
     "FETCH_SIZE_BUCKETS",
     "LOOKUP_SECONDS_BUCKETS",
+    "STEP_WAIT_SECONDS_BUCKETS",
     "CounterSnapshot",
     "Histogram",
     "HistogramSnapshot",
@@ -34,6 +35,7 @@ RECENT = 4096
 LOOKUP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                           2.5, 5.0, 10.0, 30.0)  # fmt: skip
 FETCH_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
+STEP_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 FETCH_SIZE_BUCKETS = tuple(float(4096 * 4**i) for i in range(10))  # 4 KiB .. 1 GiB
 
 
@@ -96,6 +98,10 @@ class TierCounters:
     lookup_seconds: Histogram = field(default_factory=lambda: Histogram(LOOKUP_SECONDS_BUCKETS))
     load_seconds: Histogram = field(default_factory=lambda: Histogram(FETCH_SECONDS_BUCKETS))
     load_bytes: Histogram = field(default_factory=lambda: Histogram(FETCH_SIZE_BUCKETS))
+    #: peer work waiting for the engine's serve window, per peer and window
+    step_wait_seconds: Histogram = field(
+        default_factory=lambda: Histogram(STEP_WAIT_SECONDS_BUCKETS)
+    )
 
     def activity(self) -> int:
         """A number that grows whenever a load, lookup answer or session event is counted.
@@ -125,3 +131,4 @@ class CounterSnapshot:
     lookup_seconds: HistogramSnapshot
     load_seconds: HistogramSnapshot
     load_bytes: HistogramSnapshot
+    step_wait_seconds: HistogramSnapshot

@@ -66,7 +66,7 @@ from kvpeer.session import CloseKind, PeerSession, PollResult, SessionClosed
 from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame, NodeDataPlane
 from kvpeer.types import StoreJob, TransferJob
 
-__all__ = ["FIRST_RETRY_S", "Peer", "PeerTable", "PeerTableStatistics"]
+__all__ = ["FIRST_RETRY_S", "Peer", "PeerTable", "PeerTableStatistics", "PeerView"]
 
 log = logging.getLogger("kvpeer.tier")  # the tier's log: operators grep one name
 
@@ -84,6 +84,35 @@ class Peer:
     last_used: float
     #: The address the peer's frames come from, once one arrived (invariant 4).
     source: str | None = None
+    #: When the session opened, and when a frame of the peer last arrived.
+    opened_at: float = 0.0
+    last_heard: float | None = None
+    #: Blocks this peer's loads brought us (the tier counts them).
+    blocks_pulled: int = 0
+    #: Since when peer work waits for the engine's serve window (None: nothing waits).
+    serve_wait_since: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    """One peer as an operator sees it (``kvpeer stats``); times are seconds before now.
+
+    ``state`` is ``handshake``, ``ready``, ``closed`` (ended, not reaped yet) or
+    ``backed_off`` (no session: unreachable a moment ago, retried in ``retry_in_s``)."""
+
+    peer_id: str
+    state: str
+    age_s: float | None
+    silent_s: float | None  # since the peer's last frame (None: never heard)
+    consumer_requests: int  # our requests pulling from it
+    producer_requests: int  # its requests we serve
+    loads_in_flight: int
+    lookups_waiting: int  # keys we probed, waiting for its answer
+    lookups_queued: int  # keys it looked up, waiting for our engine
+    transfers_in_flight: int
+    blocks_pulled: int
+    blocks_served: int
+    retry_in_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +212,7 @@ class PeerTable:
         link = self._control.connect(peer_id)
         self._data.grant(peer_id)
         session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
-        peer = Peer(session, link, now, source)
+        peer = Peer(session, link, now, source, opened_at=now)
         self._peers[peer_id] = peer
         self._counters.sessions_opened += 1
         session.start(now)
@@ -284,7 +313,7 @@ class PeerTable:
             if peer is None:
                 self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
                 return
-        peer.last_used = now
+        peer.last_used = peer.last_heard = now
         peer.session.receive(frame, now)
         if not peer.session.alive:
             result = peer.session.poll(now)
@@ -444,6 +473,42 @@ class PeerTable:
             refusals_remembered=len(self._refused_hellos),
             backed_off=len(self._backoff),
         )
+
+    def view(self, now: float, limit: int) -> tuple[list[PeerView], int]:
+        """At most ``limit`` peers (sessions, then backed-off peers without one,
+        each by peer id) and how many there are in all."""
+        views: list[PeerView] = []
+        total = len(self._peers) + sum(1 for p in self._backoff if p not in self._peers)
+        for peer_id in sorted(self._peers)[:limit]:
+            peer = self._peers[peer_id]
+            session = peer.session
+            stats = session.statistics()
+            state = "closed" if stats.closed else "ready" if stats.ready else "handshake"
+            entry = self._backoff.get(peer_id)
+            views.append(
+                PeerView(
+                    peer_id=peer_id,
+                    state=state,
+                    age_s=now - peer.opened_at,
+                    silent_s=None if peer.last_heard is None else now - peer.last_heard,
+                    consumer_requests=stats.consumer.requests,
+                    producer_requests=stats.producer.requests,
+                    loads_in_flight=stats.consumer.loads_in_flight,
+                    lookups_waiting=stats.consumer.probes_waiting,
+                    lookups_queued=stats.producer.lookups_queued,
+                    transfers_in_flight=stats.producer.transfers_in_flight,
+                    blocks_pulled=peer.blocks_pulled,
+                    blocks_served=stats.producer.blocks_written,
+                    retry_in_s=None if entry is None else max(0.0, entry[0] - now),
+                )
+            )
+        for peer_id in sorted(p for p in self._backoff if p not in self._peers):
+            if len(views) >= limit:
+                break
+            until, _ = self._backoff[peer_id]
+            idle = (0,) * 8  # no session: no requests, work or blocks
+            views.append(PeerView(peer_id, "backed_off", None, None, *idle, max(0.0, until - now)))
+        return views, total
 
 
 def _canonical_ip(text: str | None) -> str | None:

@@ -40,7 +40,7 @@ from kvpeer.errors import ProtocolError
 from kvpeer.node.bindings import Bindings
 from kvpeer.node.counters import CounterSnapshot, TierCounters
 from kvpeer.node.params import LOCAL, Routing, parse_transfer_params
-from kvpeer.node.peertable import Peer, PeerTable
+from kvpeer.node.peertable import Peer, PeerTable, PeerView
 from kvpeer.session import CloseKind, PeerSession, PollResult
 from kvpeer.session.ports import Parent
 from kvpeer.transport.base import ControlTransport, NodeDataPlane
@@ -253,7 +253,11 @@ class Tier:
         now = self._clock()
         for peer in list(self._peers):
             if peer.session.needs_serve():
+                if peer.serve_wait_since is not None:
+                    self._counters.step_wait_seconds.observe(now - peer.serve_wait_since)
                 peer.session.serve(parent, now)
+                # What is still waiting (keys not stored yet) waits for data from now on.
+                peer.serve_wait_since = now if peer.session.needs_serve() else None
 
     def has_results(self) -> bool:
         return bool(self._results)
@@ -387,7 +391,13 @@ class Tier:
             lookup_seconds=c.lookup_seconds.snapshot(),
             load_seconds=c.load_seconds.snapshot(),
             load_bytes=c.load_bytes.snapshot(),
+            step_wait_seconds=c.step_wait_seconds.snapshot(),
         )
+
+    def peers(self, limit: int = 256) -> tuple[list[PeerView], int]:
+        """At most ``limit`` peers as an operator sees them, and how many there are
+        (under the node's lock, like :meth:`statistics`)."""
+        return self._peers.view(self._clock(), limit)
 
     def _retire(self, session: PeerSession) -> None:
         """Keep what an ending session counted (counters invariant 3)."""
@@ -439,6 +449,9 @@ class Tier:
         self._peers.poll(now)
         self._results.extend(self._bindings.expire(now))
         self._peers.expire(now)
+        for peer in self._peers:  # peer work reached us: its wait for a step starts
+            if peer.serve_wait_since is None and peer.session.needs_serve():
+                peer.serve_wait_since = now
         self._control.flush()  # what this tick queued goes out now, not next loop
 
     def _pulled_from(self) -> set[str]:
@@ -459,6 +472,8 @@ class Tier:
                 )
             )
             self._blocks_loaded += load.blocks
+            if load.success:
+                peer.blocks_pulled += load.blocks
             self._load_seconds += load.seconds
             if load.success:
                 counters.loads_ok += 1
