@@ -201,6 +201,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         progress(f"TTFT CDFs written to {args.plot}")
     print(json.dumps(result.to_json()) if args.json else render(
         result.cells, result.errors, result.seconds, result.setup_errors, result.logs))
+    if result.timelines and not args.json:
+        print("\nTimelines (--trace; wall clock, from the router's send)")
+        print("\n".join(result.timelines))
     return 0 if result.ok else 1
 
 
@@ -488,6 +491,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    # KVPEER_TRACE=1: the router's one line per request (kvpeer.node.trace); never otherwise
+    traced = os.environ.get("KVPEER_TRACE", "") in ("1", "true", "yes")
+    logging.getLogger("kvpeer.trace").setLevel(logging.INFO if traced else logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return int(args.func(args))

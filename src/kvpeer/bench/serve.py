@@ -31,7 +31,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from kvpeer.bench.serve_client import run_phase
-from kvpeer.bench.serve_stats import ArmError, Cell, PeerCounters, ratios, summarize
+from kvpeer.bench.serve_stats import (
+    ArmError,
+    Cell,
+    PeerCounters,
+    RequestRecord,
+    ratios,
+    summarize,
+)
 from kvpeer.bench.serve_workloads import (
     BLOCK_TOKENS,
     MAX_CONTEXT,
@@ -81,6 +88,7 @@ class ServeBenchSpec:
     shape: Shape = FULL_SHAPE
     seed: int = 0
     data_plane: str = "shm"
+    trace: bool = False  # engines and routers trace requests (kvpeer.bench.serve_trace)
 
     def __post_init__(self) -> None:
         _check_names("--arms", self.arms, ARMS)
@@ -124,6 +132,7 @@ class ServeBenchSpec:
             shape=shape,
             seed=args.seed,
             data_plane=args.data_plane,
+            trace=args.trace,
         )
 
     def cpu_bytes(self) -> int:
@@ -169,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
     parser.add_argument("--plot", help="write the TTFT CDFs (one panel per workload) to this PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--trace", action="store_true",
+                        help="trace requests (KVPEER_TRACE=1) and print the slowest kvpeer "
+                             "request's timeline per workload")
 
 
 class ArmUnavailable(Exception):
@@ -193,6 +205,8 @@ class ArmFleet(Protocol):
 
 
 OpenArm = Callable[[str], AbstractContextManager[ArmFleet]]
+#: Told each cell's measured records (arm, workload, records): ``--trace`` picks from them.
+Observe = Callable[[str, str, Sequence[RequestRecord]], None]
 
 
 @dataclass(frozen=True)
@@ -203,6 +217,7 @@ class BenchResult:
     seconds: float
     logs: str | None = None
     setup_errors: list[str] = field(default_factory=list)
+    timelines: list[str] = field(default_factory=list)  # --trace: rendered, one per line
 
     @property
     def ok(self) -> bool:
@@ -218,10 +233,12 @@ class BenchResult:
             "arms_not_run": [asdict(e) for e in self.errors],
             "setup_errors": self.setup_errors,
             "logs": self.logs,
+            "timelines": self.timelines,
         }
 
 
-def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress) -> BenchResult:
+def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
+               observe: Observe | None = None) -> BenchResult:
     """Every arm (fresh engines each) x every workload, one after another."""
     started = time.monotonic()
     workloads = [build(name, spec.shape, spec.seed) for name in spec.workloads]
@@ -232,7 +249,7 @@ def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress) -> B
         try:
             with open_arm(arm) as fleet:
                 for workload in workloads:
-                    cell, failed = _run_workload(arm, workload, fleet, progress)
+                    cell, failed = _run_workload(arm, workload, fleet, progress, observe)
                     cells.append(cell)
                     setup_errors.extend(failed)
         except ArmUnavailable as exc:
@@ -242,7 +259,7 @@ def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress) -> B
 
 
 def _run_workload(
-    arm: str, workload: Workload, fleet: ArmFleet, progress: Progress
+    arm: str, workload: Workload, fleet: ArmFleet, progress: Progress, observe: Observe | None
 ) -> tuple[Cell, list[str]]:
     failed: list[str] = []
     if workload.setup:
@@ -260,6 +277,8 @@ def _run_workload(
     counters = None if before is None or after is None else after - before
     kept = [rec for rec, req in zip(records, workload.main, strict=True) if req.measured]
     cell = summarize(arm, workload.name, kept, counters)
+    if observe is not None:
+        observe(arm, workload.name, kept)
     progress(
         f"{arm}/{workload.name}: TTFT p50 {_ms(cell.ttft_p50_s)} p99 {_ms(cell.ttft_p99_s)}, "
         f"{cell.cached_tokens}/{cell.prompt_tokens} prompt tokens cached, {cell.errors} errors"

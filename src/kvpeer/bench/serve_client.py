@@ -94,6 +94,7 @@ async def send(
         cached_tokens=int(details.get("cached_tokens") or 0),
         engine=answer_headers.get("X-Kvpeer-Engine"),
         source=answer_headers.get("X-Kvpeer-Source"),
+        request_id=answer_headers.get("X-Kvpeer-Request-Id"),
     )
 
 
@@ -142,5 +143,5 @@ async def run_phase(
 def _rebased(record: RequestRecord, sent_s: float) -> RequestRecord:
     return RequestRecord(
         sent_s, record.ttft_s, record.latency_s, record.prompt_tokens, record.output_tokens,
-        record.cached_tokens, record.engine, record.source, record.error,
+        record.cached_tokens, record.engine, record.source, record.error, record.request_id,
     )  # fmt: skip

@@ -38,6 +38,7 @@ class RequestRecord:
     engine: str | None = None  # X-Kvpeer-Engine
     source: str | None = None  # X-Kvpeer-Source: the peer the router named
     error: str | None = None
+    request_id: str | None = None  # X-Kvpeer-Request-Id: the kv_request_id (--trace)
 
     @property
     def done_s(self) -> float:

@@ -14,7 +14,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,7 @@ from kvpeer.bench.serve import (
 )
 from kvpeer.bench.serve_client import run_phase
 from kvpeer.bench.serve_stats import PeerCounters
+from kvpeer.bench.serve_trace import TRACE_ENV, RouterCapture, Slowest, read_logs
 from kvpeer.bench.serve_workloads import BLOCK_TOKENS, ENGINES, BenchRequest
 
 if TYPE_CHECKING:
@@ -73,9 +74,13 @@ class VllmArms:
     data_plane: str
     cpu_bytes: int
     progress: Progress
+    trace: bool = False
+    #: every engine's tier peer id (host:port) -> its name, for trace timelines
+    peer_names: dict[str, str] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def __call__(self, arm: str) -> Iterator[ArmFleet]:
+        from kvpeer.integrations.vllm.scenario import HOST
         from kvpeer.integrations.vllm.serving import EngineFailed, ServeFleet, ServeSpec
         from kvpeer.router.background import BackgroundRouter
         from kvpeer.router.config import EngineEntry, RouterConfig
@@ -86,9 +91,11 @@ class VllmArms:
             raise ArmUnavailable(reason)
         specs = [
             ServeSpec(name, self.model, tier=ARM_TIERS[arm],  # type: ignore[arg-type]
-                      data_plane=self.data_plane, cpu_bytes=self.cpu_bytes)
+                      data_plane=self.data_plane, cpu_bytes=self.cpu_bytes,
+                      env={TRACE_ENV: "1"} if self.trace else {})
             for name in ENGINES
         ]
+        self.peer_names.update({f"{HOST}:{s.tier_port}": s.name for s in specs})
         a, b = specs
         fleet = ServeFleet(self.log_dir / arm, self.progress)
         try:
@@ -218,9 +225,19 @@ def run(
     progress(f"model: {model_dir} (created on first use)")
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-serve-"))
-    arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress)
-    result = run_matrix(spec, arms, progress)
-    if log_dir is None and result.ok:
+    arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress, spec.trace)
+    if not spec.trace:
+        result = run_matrix(spec, arms, progress)
+    else:
+        slowest = Slowest("kvpeer")
+        capture = RouterCapture().install()
+        try:
+            result = run_matrix(spec, arms, progress, slowest)
+        finally:
+            capture.remove()
+        events = capture.events() + read_logs(sorted((logs / slowest.arm).glob("*.log")))
+        result = replace(result, timelines=slowest.timelines(events, arms.peer_names))
+    if log_dir is None and result.ok and not spec.trace:
         shutil.rmtree(logs, ignore_errors=True)
         return result
     return replace(result, logs=str(logs))

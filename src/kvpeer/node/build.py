@@ -90,13 +90,15 @@ def open_node(
     clock: Callable[[], float] = time.monotonic,
     wake_host: Callable[[], None] | None = None,
     shm_same_process: bool = False,
+    trace: bool = False,
 ) -> DrivenTier:
     """Bind the control port, start the data planes and the driver thread.
 
     ``shm_same_process``: let the shm plane exchange regions with other nodes of this
     very process (tests run several in one; otherwise such a region is refused).
     First, region files that processes which died left in /dev/shm are removed
-    (``kvpeer.host.claims``)."""
+    (``kvpeer.host.claims``). ``trace``: the tier logs each pull's steps
+    (:mod:`kvpeer.node.trace`)."""
     sweep()
     curve = None
     if config.curve is not None:
@@ -128,7 +130,9 @@ def open_node(
     except (ConfigError, DataPlaneError):
         control.close()
         raise
-    tier = Tier(config, control, data, clock=clock, sleep=time.sleep, hash_seed=hash_seed)
+    tier = Tier(
+        config, control, data, clock=clock, sleep=time.sleep, hash_seed=hash_seed, trace=trace
+    )
     log.info(
         "kvpeer node %s: %d blocks x %d bytes, data planes %s",
         control.local_id,

@@ -61,6 +61,7 @@ from kvpeer.config import TierConfig
 from kvpeer.errors import PeerLost, ProtocolError
 from kvpeer.node.counters import TierCounters
 from kvpeer.node.params import split_peer_id
+from kvpeer.node.trace import Trace
 from kvpeer.protocol import PROTOCOL_VERSION, Codec, Connect, ConnectExtension, Disconnect
 from kvpeer.session import CloseKind, PeerSession, PollResult, SessionClosed
 from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame, NodeDataPlane
@@ -143,6 +144,7 @@ class PeerTable:
         clock: Callable[[], float],
         hash_seed: str | Callable[[], str] | None = None,
         boot_id: bytes | None = None,
+        trace: Trace | None = None,
     ) -> None:
         """``pulled_from`` names the peers live requests pull from (eviction spares
         them); ``hash_seed`` may be a callable, resolved when the first session
@@ -151,6 +153,8 @@ class PeerTable:
         self._settings = config.session_settings()
         self._control = control
         self._data = data_plane
+        self._trace = trace or Trace(control.local_id)
+        self._session_data = self._trace.wrap_data_plane(data_plane)
         self._counters = counters
         self._reap = reap
         self._pulled_from = pulled_from
@@ -211,8 +215,14 @@ class PeerTable:
             return None
         link = self._control.connect(peer_id)
         self._data.grant(peer_id)
+<<<<<<< HEAD
         session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
         peer = Peer(session, link, now, source, opened_at=now)
+=======
+        send = self._trace.wrap_send(peer_id, link.transmit)
+        session = PeerSession(peer_id, self._hello(), self._session_data, send, self._settings)
+        peer = Peer(session, link, now, source)
+>>>>>>> trace-work
         self._peers[peer_id] = peer
         self._counters.sessions_opened += 1
         session.start(now)
@@ -313,7 +323,13 @@ class PeerTable:
             if peer is None:
                 self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
                 return
+<<<<<<< HEAD
         peer.last_used = peer.last_heard = now
+=======
+        peer.last_used = now
+        if self._trace.enabled:
+            self._trace.received(peer_id, frame)
+>>>>>>> trace-work
         peer.session.receive(frame, now)
         if not peer.session.alive:
             result = peer.session.poll(now)
@@ -450,6 +466,8 @@ class PeerTable:
         if peer is None:
             return False
         peer.last_used = now
+        if self._trace.enabled:
+            self._trace.supplying(peer_id, kv_request_id)
         return peer.session.add_supply(
             kv_request_id, StoreJob(job.job_id, job.keys, job.slots), now
         )

@@ -41,6 +41,7 @@ from kvpeer.node.bindings import Bindings
 from kvpeer.node.counters import CounterSnapshot, TierCounters
 from kvpeer.node.params import LOCAL, Routing, parse_transfer_params
 from kvpeer.node.peertable import Peer, PeerTable, PeerView
+from kvpeer.node.trace import Trace
 from kvpeer.session import CloseKind, PeerSession, PollResult
 from kvpeer.session.ports import Parent
 from kvpeer.transport.base import ControlTransport, NodeDataPlane
@@ -95,10 +96,13 @@ class Tier:
         sleep: Callable[[float], None] | None = None,
         hash_seed: str | Callable[[], str] | None = None,
         boot_id: bytes | None = None,
+        trace: bool = False,
     ) -> None:
         """``hash_seed`` may be a callable: resolved when the first session opens
-        (vLLM knows its prefix-hash seed only after the tier was built)."""
+        (vLLM knows its prefix-hash seed only after the tier was built). ``trace``:
+        log every step of each pull on ``kvpeer.trace`` (:mod:`kvpeer.node.trace`)."""
         self._config = config
+        self._trace = Trace(control.local_id, enabled=trace, block_len=lambda: self.block_len)
         self._control = control
         self._data = data_plane
         self._clock = clock
@@ -114,6 +118,7 @@ class Tier:
             clock=clock,
             hash_seed=hash_seed,
             boot_id=boot_id,
+            trace=self._trace,
         )
         self._bindings = Bindings(
             self._peers,
@@ -189,6 +194,8 @@ class Tier:
             return LookupResult.MISS
         now = self._clock()
         peer.last_used = now
+        if self._trace.enabled:
+            self._trace.lookup_asked(source.kv_request_id, source.peer_id)
         answer = peer.session.register_probe(source.kv_request_id, key, now)
         if answer is None:
             return LookupResult.RETRY
@@ -209,6 +216,9 @@ class Tier:
             return
         now = self._clock()
         peer.last_used = now
+        if self._trace.enabled:
+            self._trace.emit(source.kv_request_id, "load_submitted", peer=source.peer_id,
+                             blocks=len(job.keys))  # fmt: skip
         try:
             peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots, now)
         except ProtocolError as exc:
@@ -284,6 +294,8 @@ class Tier:
         source = routing.source
         if source is not None:
             kv_request_id = source.kv_request_id
+            if self._trace.enabled:
+                self._trace.forget(kv_request_id)
             peer = self._peers.get(source.peer_id)
             if peer is not None:
                 peer.session.finish_consumer(kv_request_id, now)
@@ -463,6 +475,11 @@ class Tier:
         for seconds in result.lookup_seconds:
             counters.lookup_seconds.observe(seconds)
         for load in result.loads:
+            if self._trace.enabled:
+                self._trace.emit(load.kv_request_id, "load_done" if load.success else "load_failed",
+                                 peer=peer_id, blocks=load.blocks,
+                                 bytes=load.blocks * self.block_len, seconds=load.seconds,
+                                 reason=load.reason or None)  # fmt: skip
             self._results.append(
                 JobResult(
                     load.job_id,

@@ -50,6 +50,8 @@ from kvpeer.router.subscriber import EventSubscriber
 __all__ = ["PIN_HEADER", "Router", "RouterStatistics"]
 
 log = logging.getLogger(__name__)
+# One line per request when this logger is at INFO (``KVPEER_TRACE=1``; kvpeer.node.trace).
+trace_log = logging.getLogger("kvpeer.trace")
 
 FORWARDED_HEADERS = ("Authorization",)
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
@@ -499,7 +501,7 @@ class Router:
         load.in_flight += 1
         load.queued_prompt_tokens += len(ctx.tokens)
         queued = True
-        sent = time.monotonic()
+        sent, sent_wall = time.monotonic(), time.time()
         ok = False
         usage: params.Usage | None = None
         ttft: float | None = None
@@ -583,6 +585,8 @@ class Router:
             if queued:
                 load.queued_prompt_tokens -= len(ctx.tokens)
             self._finished(ctx, entry, plan, ok, usage, ttft, prefill_s)
+            if trace_log.isEnabledFor(logging.INFO):
+                _trace(ctx.request_id, entry.name, plan, sent_wall, ttft, prefill_s, ok)
 
     async def _relay(self, upstream: aiohttp.ClientResponse, client: web.StreamResponse,
                      stream: params.StreamFilter) -> str | None:
@@ -621,6 +625,24 @@ class Router:
             ttft_s=ttft,
             prefill_leg_s=prefill_s,
         ))
+
+
+def _trace(request_id: str, engine: str, plan: Plan, sent_wall: float, ttft: float | None,
+           prefill_s: float | None, ok: bool) -> None:
+    """The request's trace line: t is when the serving leg was sent (wall clock)."""
+    values = {"engine": engine, "source": plan.source or plan.prefill_engine,
+              "reason": plan.reason, "predicted_ttft_s": plan.predicted_ttft_s,
+              "first_byte_s": ttft, "prefill_leg_s": prefill_s, "ok": int(ok)}
+    fields = []
+    for name, value in values.items():
+        if isinstance(value, str):
+            fields.append(f"{name}={json.dumps(value)}")  # quoted: reasons have spaces
+        elif isinstance(value, float):
+            fields.append(f"{name}={value:.6f}")
+        elif value is not None:
+            fields.append(f"{name}={value}")
+    trace_log.info("kvpeer.trace t=%.6f node=router id=%s event=sent %s",
+                   sent_wall, request_id, " ".join(fields))
 
 
 def _route_headers(ctx: _Request, plan: Plan, prefill_s: float | None) -> dict[str, str]:

@@ -66,6 +66,7 @@ class ServeSpec:
     engine_id: str = field(default_factory=lambda: f"kvpeer-serve-{uuid.uuid4().hex[:12]}")
     tier_options: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
 
     @property
     def url(self) -> str:
@@ -263,7 +264,7 @@ class ServeFleet:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 # Unbuffered: a server stopped mid-run still leaves its last log lines.
-                env={**engine_env(multiprocessing=True), "PYTHONUNBUFFERED": "1"},
+                env={**engine_env(multiprocessing=True), "PYTHONUNBUFFERED": "1", **spec.env},
                 start_new_session=True,  # one group: the server and what vLLM spawns
             )
         return ServeEngine(spec, process, log_path)

@@ -57,6 +57,7 @@ from kvpeer.host.claims import Claim
 from kvpeer.integrations.vllm.metrics import StatsSource, metric_definitions
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
+from kvpeer.node.trace import TRACE_ENV, TRACE_LOGGER
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.types import (
     Key,
@@ -107,6 +108,21 @@ def _hash_seed() -> str:
     from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
     return str(get_none_hash_seed())
+
+
+def _trace_from_env() -> bool:
+    """``KVPEER_TRACE=1``: the tier traces each pull (kvpeer.node.trace) to stderr, which
+    vLLM's own logging setup would not show (its handlers serve ``vllm.*`` only)."""
+    if os.environ.get(TRACE_ENV, "") not in ("1", "true", "yes"):
+        return False
+    logger = logging.getLogger(TRACE_LOGGER)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return True
 
 
 def _region(primary_kv_view: memoryview, engine_id: str) -> PrimaryRegion:
@@ -219,9 +235,11 @@ class KVPeerTier(SecondaryTierManager):
         # vLLM's region file outlives an engine that is killed: our claim lets the
         # next node started on this machine remove it (kvpeer.host.claims).
         self._claim = Claim(self._region.shm_path) if self._region.shm_path else None
+        trace = _trace_from_env()
         self._node: DrivenTier = open_node(
-            self._config, self._region, hash_seed=_hash_seed, wake_host=_EngineWaker()
-        )
+            self._config, self._region, hash_seed=_hash_seed, wake_host=_EngineWaker(),
+            trace=trace,
+        )  # fmt: skip
         self._serve_contexts: dict[str, ReqContext] = {}
         self._stats = StatsSource(self._node)
         _LIVE.add(self)
