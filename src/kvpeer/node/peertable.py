@@ -215,14 +215,9 @@ class PeerTable:
             return None
         link = self._control.connect(peer_id)
         self._data.grant(peer_id)
-<<<<<<< HEAD
-        session = PeerSession(peer_id, self._hello(), self._data, link.transmit, self._settings)
-        peer = Peer(session, link, now, source, opened_at=now)
-=======
         send = self._trace.wrap_send(peer_id, link.transmit)
         session = PeerSession(peer_id, self._hello(), self._session_data, send, self._settings)
-        peer = Peer(session, link, now, source)
->>>>>>> trace-work
+        peer = Peer(session, link, now, source, opened_at=now)
         self._peers[peer_id] = peer
         self._counters.sessions_opened += 1
         session.start(now)
@@ -323,13 +318,9 @@ class PeerTable:
             if peer is None:
                 self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
                 return
-<<<<<<< HEAD
         peer.last_used = peer.last_heard = now
-=======
-        peer.last_used = now
         if self._trace.enabled:
             self._trace.received(peer_id, frame)
->>>>>>> trace-work
         peer.session.receive(frame, now)
         if not peer.session.alive:
             result = peer.session.poll(now)
