@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds < 0 or args.ticks < 1 or args.jobs < 1:
         _parser().error("--seeds must be >= 0, --ticks and --jobs >= 1")
     violations = jobs = loads_ok = loads_failed = 0
+    faults = {"deaths": 0, "partitions": 0, "freezes": 0, "restarts": 0}
+    gaps = {"greeted_waits": 0, "unconnected_waits": 0}
     started = time.monotonic()
     every = max(1, args.seeds // 10)
     for done, result in enumerate(_results(args), 1):
@@ -75,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs += result.jobs
         loads_ok += result.loads_ok
         loads_failed += result.loads_failed
+        for counts in (faults, gaps):
+            for name in counts:
+                counts[name] += getattr(result, name)
         if args.verbose:
             print(result.summary())
             for violation in result.violations:
@@ -92,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         sys.stdout.flush()
+    print("faults: " + " ".join(f"{name}={count}" for name, count in faults.items()))
+    print(
+        "waits past peer_wait_s the node allows by design (kvpeer.sim.budgets): "
+        + " ".join(f"{name}={count}" for name, count in gaps.items())
+    )
     print(
         f"seeds={args.seeds} violations={violations} jobs={jobs} "
         f"loads_ok={loads_ok} loads_failed={loads_failed}"

@@ -36,14 +36,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvpeer.host import SlotState
+from kvpeer.sim.budgets import Reach
 from kvpeer.sim.checks import Checker
 from kvpeer.sim.config import Bounds, SimContext, Timeouts
+from kvpeer.sim.network import Heartbeat, SimNetwork
 from kvpeer.sim.node import SimNode, TierProbe
 from kvpeer.sim.prompts import Blocks, PromptBook
 from kvpeer.sim.scenarios import GHOST_PEER, Planned, Router
 from kvpeer.testing.clock import FakeClock
 from kvpeer.testing.dataplane import Fabric
-from kvpeer.testing.network import MemoryNetwork
 
 __all__ = ["SeedResult", "World", "run_seed"]
 
@@ -70,6 +71,12 @@ class SeedResult:
     loads_failed: int
     requests: int
     deaths: int
+    partitions: int = 0
+    freezes: int = 0
+    restarts: int = 0
+    #: waits past the request budget the node allows by design (kvpeer.sim.budgets)
+    greeted_waits: int = 0
+    unconnected_waits: int = 0
 
     @property
     def loads_ok(self) -> int:
@@ -79,7 +86,9 @@ class SeedResult:
         return (
             f"seed={self.seed} violations={len(self.violations)} jobs={self.jobs} "
             f"loads_ok={self.loads_ok} (pd={self.loads_ok_pd} sym={self.loads_ok_sym}) "
-            f"loads_failed={self.loads_failed} requests={self.requests} deaths={self.deaths}"
+            f"loads_failed={self.loads_failed} requests={self.requests} deaths={self.deaths} "
+            f"partitions={self.partitions} freezes={self.freezes} restarts={self.restarts} "
+            f"greeted_waits={self.greeted_waits} unconnected_waits={self.unconnected_waits}"
         )
 
 
@@ -130,9 +139,11 @@ class World:
         self.leak_pin = leak_pin
         self.rng = rng = random.Random(seed)
         self.clock = FakeClock()
-        self.timeouts = timeouts or Timeouts()
         # Fault profile of this seed.
         self.max_delay = rng.choice((0.0, 0.02, 0.1, 0.3))
+        answer = Bounds(Timeouts(), self.max_delay, MAX_TICK).answer
+        drawn = Timeouts.drawn(rng, answer)  # drawn even when given: the seed stays the same
+        self.timeouts = timeouts or drawn
         self._pair_delay = {
             (f"n{a}:5710", f"n{b}:5710"): rng.uniform(0.0, self.max_delay)
             for a in range(nodes)
@@ -142,6 +153,9 @@ class World:
         self.death_rate = (rng.random() < (0.8 if soak else 0.4)) * rng.uniform(0.003, 0.02)
         self.fail_rate = (rng.random() < (0.7 if soak else 0.5)) * rng.uniform(0.01, 0.08)
         self.stall_rate = (rng.random() < (0.6 if soak else 0.3)) * rng.uniform(0.005, 0.03)
+        self.partition_rate = (rng.random() < (0.7 if soak else 0.5)) * rng.uniform(0.01, 0.05)
+        self.freeze_rate = (rng.random() < (0.5 if soak else 0.3)) * rng.uniform(0.003, 0.015)
+        self.restart_rate = (rng.random() < (0.5 if soak else 0.3)) * rng.uniform(0.002, 0.01)
         self.arrival_rate = rng.uniform(0.25, 0.7)
         block_len = rng.choice((64, 128, 256))
         num_blocks = rng.randint(48, 128)
@@ -149,7 +163,8 @@ class World:
         self.ctx = SimContext(
             self.clock, Blocks(block_len), bounds, self.clock.now, corrupt_loads=corrupt_loads
         )
-        self.net = MemoryNetwork(self.clock, self._delay)
+        heartbeat = Heartbeat(self.timeouts.heartbeat_interval, self.timeouts.heartbeat_timeout)
+        self.net = SimNetwork(self.clock, self._delay, heartbeat, random.Random(rng.random()))
         self.fabric = Fabric()
         self.nodes = [
             SimNode(i, self.ctx, self.net, self.fabric, self.timeouts, num_blocks, block_len)
@@ -162,6 +177,9 @@ class World:
                 node.busy_p = rng.choice((0.0, 0.0, 0.1))
             node.fail_p = self.fail_rate * rng.random()
         self.peer_ids = [node.peer_id for node in self.nodes] + [GHOST_PEER]
+        self.reach = Reach(self.ctx, self.net, self.peer_ids[:-1], GHOST_PEER)
+        self.ctx.reach = self.reach
+        self._cuts: dict[tuple[str, str], int] = {}  # (from, to) -> tick it heals
         self.router = Router(rng, self.nodes, PromptBook(rng, max_blocks=min(16, num_blocks // 4)))
         self.checker = Checker(self.ctx)
         self.probes: list[TierProbe] = []
@@ -171,6 +189,9 @@ class World:
         self._frames: deque[int] = deque()  # frames sent per tick, last STORM_WINDOW ticks
         self.requests = 0
         self.deaths = 0
+        self.partitions = 0
+        self.freezes = 0
+        self.restarts = 0
 
     # -- the run ---------------------------------------------------------------------
 
@@ -202,9 +223,16 @@ class World:
             loads_failed=sum(p.loads_failed for p in self.probes),
             requests=self.requests,
             deaths=self.deaths,
+            partitions=self.partitions,
+            freezes=self.freezes,
+            restarts=self.restarts,
+            greeted_waits=self.reach.greeted_waits,
+            unconnected_waits=self.reach.unconnected_waits,
         )
 
     def _step(self, tick: int, full_check: bool) -> None:
+        self.net.update()
+        self.reach.update(node.peer_id for node in self.nodes if node.stalled_until > tick)
         frames = self.net.frames_sent
         live = [node for node in self.nodes if node.live is not None]
         self.rng.shuffle(live)
@@ -239,6 +267,9 @@ class World:
         for plan in self._planned:
             plan.request.done = True
         self._planned.clear()
+        for sender, receiver in self._cuts:
+            self.net.heal(sender, receiver)
+        self._cuts.clear()
         for node in self.nodes:
             if node.live is not None and node.stalled_until >= tick:
                 node.resume()  # the engine is done with its busy spell
@@ -265,18 +296,24 @@ class World:
         for node in self.nodes:
             if node.live is not None:
                 self.checker.quiet(node, self._peers_of(node))
+        self.checker.sessions(self.nodes, GHOST_PEER)
 
     # -- nodes -----------------------------------------------------------------------
 
     def _boot(self, node: SimNode) -> None:
         live = node.boot(self.rng.getrandbits(128).to_bytes(16, "big"))
         self.probes.append(live.probe)
+        self.reach.disturb(node.peer_id)
+
+    def _kill(self, node: SimNode) -> None:
+        node.kill()
+        self.reach.disturb(node.peer_id)
 
     def _crashed(self, node: SimNode, during: str, exc: Exception) -> None:
         frames = traceback.extract_tb(exc.__traceback__)[-3:]
         where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames)
         self.ctx.violate(node.name, f"{type(exc).__name__} during {during}: {exc} [{where}]")
-        node.kill()
+        self._kill(node)
 
     def _peers_of(self, node: SimNode) -> list[str]:
         return [peer_id for peer_id in self.peer_ids if peer_id != node.peer_id]
@@ -296,10 +333,11 @@ class World:
             if when <= tick:
                 del self._restarts[index]
                 self._boot(self.nodes[index])
+        self._network_faults(tick)
         live = [node for node in self.nodes if node.live is not None]
         if len(live) > 1 and rng.random() < self.death_rate:
             victim = rng.choice(live)
-            victim.kill()
+            self._kill(victim)
             self.deaths += 1
             roll = rng.random()
             if roll < 0.25:  # a bounce: back before its peers noticed it was gone
@@ -311,6 +349,21 @@ class World:
             if sleeper.live is not None and sleeper.stalled_until <= tick:
                 sleeper.stalled_until = tick + rng.randint(2, 24)
                 sleeper.stalled_at = self.clock.now
+        if live and rng.random() < self.freeze_rate:
+            frozen = rng.choice(live)
+            if frozen.live is not None and frozen.stalled_until <= tick:
+                # SIGSTOP: some shorter than the heartbeat, some far longer.
+                frozen.stalled_until = tick + rng.choice((rng.randint(1, 3), rng.randint(2, 30)))
+                frozen.stalled_at = self.clock.now
+                frozen.frozen = True
+                self.net.freeze(frozen.peer_id)
+                self.freezes += 1
+        live = [node for node in self.nodes if node.live is not None]
+        if live and rng.random() < self.restart_rate:
+            restarted = rng.choice(live)  # the same address, a new process, at once
+            self._kill(restarted)
+            self._boot(restarted)
+            self.restarts += 1
         if self.fail_rate and rng.random() < self.fail_rate:
             target = rng.choice(self.nodes).live
             if target is not None:
@@ -318,6 +371,25 @@ class World:
         self._complete_slow_writes()
         if self.leak_pin and not self._leaked and tick >= self.ticks // 2:
             self._leak_a_pin()
+
+    def _network_faults(self, tick: int) -> None:
+        """Partitions heal when due; a new one cuts one direction or both between
+        two nodes (up or down), now and then for less than the heartbeat notices."""
+        rng = self.rng
+        for cut, heals in list(self._cuts.items()):
+            if heals <= tick:
+                del self._cuts[cut]
+                self.net.heal(*cut)
+        if not (self.partition_rate and rng.random() < self.partition_rate):
+            return
+        a, b = (node.peer_id for node in rng.sample(self.nodes, 2))
+        roll = rng.random()
+        directions = [(a, b)] if roll < 0.3 else [(b, a)] if roll < 0.6 else [(a, b), (b, a)]
+        heals = tick + rng.choice((rng.randint(1, 3), rng.randint(2, 40)))
+        for cut in directions:
+            self._cuts[cut] = max(heals, self._cuts.get(cut, 0))
+            self.net.cut(*cut)
+        self.partitions += 1
 
     def _complete_slow_writes(self) -> None:
         rng = self.rng
@@ -330,6 +402,8 @@ class World:
                 for transfer_id, write in list(plane.pending.items()):
                     if transfer_id not in plane.pending:
                         continue
+                    if not self.net.carries(node.peer_id, write.peer_id):
+                        continue  # stalled by a partition or a frozen end
                     roll = rng.random()
                     if roll < node.fail_p:
                         plane.fail(transfer_id)
