@@ -143,7 +143,7 @@ class SimNetwork:
             return
         if self._clock() - since > self.heartbeat.timeout:
             for link in control.links:
-                if link.connected_at is not None and link.connected_at < since:
+                if link.connected_at is not None and link.connected_at <= since:
                     link.die("peer closed the connection (heartbeat TTL) while we were frozen")
 
     def ever_connected(self, sender: str, receiver: str) -> bool:

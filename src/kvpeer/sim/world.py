@@ -130,7 +130,10 @@ class World:
         corrupt_loads: bool = False,
         leak_pin: bool = False,
         timeouts: Timeouts | None = None,
+        tier_overrides: dict[str, float] | None = None,
     ) -> None:
+        """``tier_overrides``: config keys the tiers get instead of the seed's (a
+        negative control: the checker still expects the seed's budgets)."""
         if nodes < 2:
             raise ValueError(f"a world needs at least 2 nodes, got {nodes}")
         self.seed = seed
@@ -143,7 +146,7 @@ class World:
         self.max_delay = rng.choice((0.0, 0.02, 0.1, 0.3))
         answer = Bounds(Timeouts(), self.max_delay, MAX_TICK).answer
         drawn = Timeouts.drawn(rng, answer)  # drawn even when given: the seed stays the same
-        self.timeouts = timeouts or drawn
+        self.timeouts = (timeouts or drawn).overridden(**(tier_overrides or {}))
         self._pair_delay = {
             (f"n{a}:5710", f"n{b}:5710"): rng.uniform(0.0, self.max_delay)
             for a in range(nodes)
@@ -459,6 +462,7 @@ def run_seed(
     corrupt_loads: bool = False,
     leak_pin: bool = False,
     timeouts: Timeouts | None = None,
+    tier_overrides: dict[str, float] | None = None,
 ) -> SeedResult:
     """Build the world of ``seed``, run it, return what the checker found."""
     world = World(
@@ -469,5 +473,6 @@ def run_seed(
         corrupt_loads=corrupt_loads,
         leak_pin=leak_pin,
         timeouts=timeouts,
+        tier_overrides=tier_overrides,
     )
     return world.run()
