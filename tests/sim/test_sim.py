@@ -9,6 +9,7 @@ CLI's run (and usually, not always, this one).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -277,3 +278,41 @@ class TestRequestBudgets:
         match = re.search(rf"{gap}=(\d+)", proc.stdout.splitlines()[0])
         assert match is not None, proc.stdout
         assert int(match[1]) > 0, proc.stdout
+
+
+HALF_OPEN_SEED = 651
+WITHOUT_THE_STRAY_ANSWER = """
+from kvpeer.node import tier
+answer = tier.Tier._refuse
+def refuse(self, peer_id, frame, reason, *, quiet=False):
+    if not quiet:  # strays go unanswered again, as before the fix
+        answer(self, peer_id, frame, reason)
+tier.Tier._refuse = refuse
+from kvpeer.sim import run_seed
+for violation in run_seed(%d).violations:
+    print(violation)
+"""
+
+
+class TestHalfOpenSessionRegression:
+    """Seed 651: a cut n1->n0 heals between the two links' heartbeat timeouts. n0's
+    link dies, its session ends and its goodbye cannot connect through the cut; n1's
+    link lives on, so n1 keeps a ready session n0 forgot. n0 dropped n1's frames as
+    stragglers, so every request of n1 toward n0 waited out its timeouts, for ever.
+    The tier now answers a straggler with a disconnect: n1's next request fails in a
+    round trip and the one after is served."""
+
+    def test_the_stale_side_is_served_again(self) -> None:
+        proc = run_cli("--seeds", "1", "--first-seed", str(HALF_OPEN_SEED))
+        assert proc.returncode == 0, proc.stdout
+
+    def test_without_the_fix_the_seed_fails(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-c", WITHOUT_THE_STRAY_ANSWER % HALF_OPEN_SEED],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+        )
+        assert "reunion: n1:5710 is not served by n0:5710" in proc.stdout, proc.stdout

@@ -224,7 +224,10 @@ class Checker:
 
     # -- after the quiet phase ---------------------------------------------------------
 
-    def quiet(self, node: SimNode, peers: list[str]) -> None:
+    def quiet(self, node: SimNode, peers: list[str], stale: frozenset[str] = frozenset()) -> None:
+        """``stale``: peers toward which ``node`` holds a half-open session (the peer
+        forgot it): what such a session holds is judged after the reunion, which
+        must mend it (kvpeer.sim.reunion)."""
         live = node.live
         assert live is not None
         where = node.name
@@ -262,7 +265,7 @@ class Checker:
             leftovers[f"tier {name}"] = getattr(tier, name)
         for peer_id in peers:
             session = live.tier.session(peer_id)
-            if session is None:
+            if session is None or peer_id in stale:
                 continue
             stats = session.statistics()
             leftovers[f"session {peer_id} consumer entries"] = stats.consumer.requests
@@ -286,6 +289,22 @@ class Checker:
                 start = slot * block_len
                 if view[start : start + block_len] != self.ctx.blocks.content(key):
                     self.ctx.violate(where, f"READY slot {slot} holds wrong bytes at the end")
+
+    @staticmethod
+    def half_open(nodes: list[SimNode]) -> dict[str, frozenset[str]]:
+        """Per node: the peers it holds a ready session toward that hold no ready
+        session toward it."""
+        live = {node.peer_id: node.live for node in nodes if node.live is not None}
+        found: dict[str, frozenset[str]] = {}
+        for peer_id, mine in live.items():
+            stale = set()
+            for other_id, other in live.items():
+                ours = mine.tier.session(other_id)
+                theirs = other.tier.session(peer_id)
+                if ours is not None and ours.ready and (theirs is None or not theirs.ready):
+                    stale.add(other_id)
+            found[peer_id] = frozenset(stale)
+        return found
 
     def sessions(self, nodes: list[SimNode], ghost: str) -> None:
         """After the quiet phase every session a node holds is ready, toward a live

@@ -7,10 +7,12 @@ Frames on a link keep their order and spend ``delay(sender, receiver)`` in
 flight. The faults, and what a node sees of them (``kvpeer.transport.zmq_control``
 rule 3: a link that loses its connection is dead, never reconnected):
 
-1. **Death** (:meth:`SimControl.close`, the process vanished but its host is
-   up): links toward it are dead at the next :meth:`SimNetwork.update` (the
-   kernel resets the connection); a link dialled to it while it is dead is
-   dead at once (connection refused).
+1. **Death** (:meth:`SimNetwork.kill`, the process vanished but its host is
+   up; attaching again is a restart on the same address): links toward it
+   are dead at the next :meth:`SimNetwork.update` (the kernel resets the
+   connection), and so is a link dialled to it while it is down (connection
+   refused) - unless the path is cut (3): then the reset never arrives and
+   the link dies like any other behind a cut.
 2. **No host** (an id nobody ever attached): a link toward it never connects
    and never dies; its frames vanish (SYNs lost, no answer ever).
 3. **Partition** (:meth:`SimNetwork.cut` one direction, :meth:`SimNetwork.heal`):

@@ -5,19 +5,29 @@ other randomness, no real time, no threads): the pool geometry, the fault
 profile, which requests arrive when and where (:mod:`kvpeer.sim.scenarios`),
 when requests finish, which transfers complete, fail or hang.
 
+Each seed also draws the request budgets the tiers get (``peer_wait_s``,
+``peer_retry_max_s``) and the transport's heartbeat (:meth:`Timeouts.drawn`).
+
 Faults, each present in a seed or not, at a rate the seed picks: control
 delays per link (0-0.3 s, with hiccups); slow producers, whose writes
 complete only with some probability per tick, some of them *busy* (a cancel
 cannot stop them); transfers that fail once started or cannot start; nodes
-that die and come back later, at once (a bounce) or never; engines that
-stall (take no step) for up to 24 ticks.
+that die (connections to them refused) and come back later, at once on the
+same address (a restart) or never; engines that stall (take no step, their
+transport answers) for up to 24 ticks; partitions of one direction or both
+between two nodes, for 1-40 ticks; frozen processes (SIGSTOP: no step and
+no transport answer) for 1-30 ticks. What each network fault shows a node is
+:mod:`kvpeer.sim.network`; the budgets it must keep, :mod:`kvpeer.sim.budgets`.
 
 Each tick advances the shared fake clock by 0.05-0.5 s, applies faults,
 starts the requests due, then steps every live node in a random order (the
 scheduler's lookups, computes and finishes, then ``TieringHost.step``), and
-runs the checks of :mod:`kvpeer.sim.checks`. After the last tick every open
-request finishes and time runs on, in ticks, past every timeout; then every
-live node must be empty. Any exception a node raises, or ERROR it logs, is a
+runs the checks of :mod:`kvpeer.sim.checks`. After the last tick every fault
+heals, every open request finishes and time runs on, in ticks, past every
+timeout; then every live node must be empty (a session left half-open by a
+partition is judged after the next phase), every live node must pull from
+every other one again (:mod:`kvpeer.sim.reunion`), and every session left
+must be ready at both ends. Any exception a node raises, or ERROR it logs, is a
 violation (a raising node is treated as crashed). A control-frame storm (far
 more frames than a healthy world sends) is a violation that ends the run.
 
@@ -42,6 +52,7 @@ from kvpeer.sim.config import Bounds, SimContext, Timeouts
 from kvpeer.sim.network import Heartbeat, SimNetwork
 from kvpeer.sim.node import SimNode, TierProbe
 from kvpeer.sim.prompts import Blocks, PromptBook
+from kvpeer.sim.reunion import reunite
 from kvpeer.sim.scenarios import GHOST_PEER, Planned, Router
 from kvpeer.testing.clock import FakeClock
 from kvpeer.testing.dataplane import Fabric
@@ -51,6 +62,7 @@ __all__ = ["SeedResult", "World", "run_seed"]
 MIN_TICK, MAX_TICK = 0.05, 0.5
 LONG_QUIET_TICK = 2.0  # once every job is past its deadline, only expiries are left
 FULL_CHECK_EVERY = 8  # ticks between the (costlier) tier-statistics checks
+SETTLE_TICKS = 10  # after the reunion: its last jobs report
 # A healthy world sends at most ~2 control frames per node and tick, over 20 ticks.
 STORM_WINDOW, STORM_FRAMES_PER_NODE_AND_TICK = 20, 5
 
@@ -208,7 +220,7 @@ class World:
                     self.clock.advance(self.rng.uniform(MIN_TICK, MAX_TICK))
                     self._faults(tick)
                     self._arrivals(tick)
-                    self._step(tick, full_check=tick % FULL_CHECK_EVERY == 0)
+                    self.step(tick, full_check=tick % FULL_CHECK_EVERY == 0)
                 self._quiesce(total)
             except _Stopped:
                 pass
@@ -233,7 +245,7 @@ class World:
             unconnected_waits=self.reach.unconnected_waits,
         )
 
-    def _step(self, tick: int, full_check: bool) -> None:
+    def step(self, tick: int, full_check: bool) -> None:
         self.net.update()
         self.reach.update(node.peer_id for node in self.nodes if node.stalled_until > tick)
         frames = self.net.frames_sent
@@ -294,11 +306,23 @@ class World:
             else:  # every job's deadline has passed: coarser steps, looser expiry checks
                 self.ctx.bounds = Bounds(self.timeouts, self.max_delay, LONG_QUIET_TICK)
                 self.clock.advance(LONG_QUIET_TICK)
-            self._complete_slow_writes()
-            self._step(tick, full_check=tick % FULL_CHECK_EVERY == 0)
+            self.complete_writes()
+            self.step(tick, full_check=tick % FULL_CHECK_EVERY == 0)
+        stale = self.checker.half_open(self.nodes)
         for node in self.nodes:
             if node.live is not None:
-                self.checker.quiet(node, self._peers_of(node))
+                self.checker.quiet(node, self._peers_of(node), stale[node.peer_id])
+        tick = reunite(self, tick)
+        if any(stale.values()):  # what the half-open sessions held must be gone now
+            for _ in range(SETTLE_TICKS):
+                if not any(n.live is not None and n.live.probe.open_jobs for n in self.nodes):
+                    break
+                tick += 1
+                self.clock.advance(MAX_TICK)
+                self.step(tick, full_check=False)
+            for node in self.nodes:
+                if node.live is not None:
+                    self.checker.quiet(node, self._peers_of(node))
         self.checker.sessions(self.nodes, GHOST_PEER)
 
     # -- nodes -----------------------------------------------------------------------
@@ -349,12 +373,12 @@ class World:
                 self._restarts[victim.index] = tick + rng.randint(3, 40)
         if live and rng.random() < self.stall_rate:
             sleeper = rng.choice(live)
-            if sleeper.live is not None and sleeper.stalled_until <= tick:
+            if sleeper.live is not None and sleeper.stalled_until < tick:  # resumed already
                 sleeper.stalled_until = tick + rng.randint(2, 24)
                 sleeper.stalled_at = self.clock.now
         if live and rng.random() < self.freeze_rate:
             frozen = rng.choice(live)
-            if frozen.live is not None and frozen.stalled_until <= tick:
+            if frozen.live is not None and frozen.stalled_until < tick:
                 # SIGSTOP: some shorter than the heartbeat, some far longer.
                 frozen.stalled_until = tick + rng.choice((rng.randint(1, 3), rng.randint(2, 30)))
                 frozen.stalled_at = self.clock.now
@@ -371,7 +395,7 @@ class World:
             target = rng.choice(self.nodes).live
             if target is not None:
                 target.plane.fail_next_writes += 1
-        self._complete_slow_writes()
+        self.complete_writes()
         if self.leak_pin and not self._leaked and tick >= self.ticks // 2:
             self._leak_a_pin()
 
@@ -394,7 +418,7 @@ class World:
             self.net.cut(*cut)
         self.partitions += 1
 
-    def _complete_slow_writes(self) -> None:
+    def complete_writes(self) -> None:
         rng = self.rng
         for node in self.nodes:
             live = node.live
