@@ -187,13 +187,16 @@ class Reach:
         return self._ctx.clock.now - self._disturbed.get((consumer, peer), self._ctx.start)
 
     def check_first_pd_lookup(
-        self, where: str, consumer: str, peer: str, req_id: str, hit: bool
+        self, where: str, consumer: str, peer: str, req_id: str, hit: bool, started: float
     ) -> None:
-        """The first answer the tier gave a fresh PD request of ``consumer`` naming ``peer``."""
+        """The first answer the tier gave a fresh PD request of ``consumer`` naming
+        ``peer``, which started at ``started``: judged only if the path was healthy
+        from the recovery bound before its start until now (what befell an earlier
+        session of the pair, a churn right after a heal, may decide its fate)."""
         if hit:
             return
         healthy = self.healthy_for(consumer, peer)
-        if healthy > self._ctx.bounds.recovery:
+        if healthy - (self._ctx.clock.now - started) > self._ctx.bounds.recovery:
             self._ctx.violate(
                 where,
                 f"PD request {req_id} turned away (MISS) although the path to {peer} has "

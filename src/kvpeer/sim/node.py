@@ -150,6 +150,7 @@ class TierProbe:
         self.retry_since: dict[str, dict[Key, float]] = {}
         self._answered: set[str] = set()  # PD requests the tier answered a lookup of
         self._source_users: dict[str, int] = {}  # kv id -> requests here that pulled it
+        self._started: dict[str, float] = {}  # PD consumer request -> when it started
         self.jobs = 0
         self.loads_ok_pd = 0
         self.loads_ok_sym = 0
@@ -227,6 +228,7 @@ class TierProbe:
         if routing.source is not None and not routing.source.probe:
             kv_request_id = routing.source.kv_request_id
             self._source_users[kv_request_id] = self._source_users.get(kv_request_id, 0) + 1
+            self._started[request.req_id] = self.ctx.clock.now
         return self.tier.on_new_request(request)
 
     def lookup(self, key: Key, request: RequestContext) -> LookupResult:
@@ -249,7 +251,12 @@ class TierProbe:
             if self._source_users[source.kv_request_id] > 1:
                 return result  # a twin or a reused id: another request shares its fate
             reach.check_first_pd_lookup(
-                self.where, self.peer_id, source.peer_id, req_id, result is LookupResult.HIT
+                self.where,
+                self.peer_id,
+                source.peer_id,
+                req_id,
+                result is LookupResult.HIT,
+                self._started.get(req_id, self.ctx.clock.now),
             )
         return result
 
@@ -294,6 +301,7 @@ class TierProbe:
     def on_request_finished(self, request: RequestContext) -> None:
         self.retry_since.pop(request.req_id, None)
         self._answered.discard(request.req_id)
+        self._started.pop(request.req_id, None)
         routing = self.routing.pop(request.req_id, None)
         if routing is not None and routing.source is not None:
             self.finished_sources[routing.source.kv_request_id] = self.ctx.clock.now
