@@ -119,6 +119,16 @@ class TestPartition:
         net.after(1.0)
         assert not a_to_b.alive  # never reconnected: the session layer starts over
 
+    def test_a_cut_turning_around_in_one_tick_does_not_reset_the_heartbeat(self, net: Net) -> None:
+        link = net.a.connect("b")
+        net.net.cut("a", "b")
+        net.after(HEARTBEAT.timeout / 2)
+        net.net.heal("a", "b")  # and, before any heartbeat could cross:
+        net.net.cut("b", "a")
+        # Past the detection from the first cut, well before it from the second:
+        net.after(HEARTBEAT.longest_detection - HEARTBEAT.timeout / 2 + 0.01)
+        assert link.dead == "heartbeat timeout"
+
     def test_a_link_dialled_across_a_cut_waits_and_connects_when_it_heals(self, net: Net) -> None:
         net.net.cut("b", "a")  # the SYN goes out, its answer is lost
         link = net.a.connect("b")

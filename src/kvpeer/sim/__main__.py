@@ -1,7 +1,9 @@
 """``python -m kvpeer.sim --seeds N [--first-seed S] [--nodes K]``: run seeded worlds.
 
 Exit status 1 if any seed found a violation. The last stdout line is always
-``seeds=N violations=V jobs=J loads_ok=L loads_failed=F``. Each failing seed
+``seeds=N violations=V jobs=J loads_ok=L loads_failed=F``; the two before it
+count the faults injected and the waits past ``peer_wait_s`` the node allows by
+design (:mod:`kvpeer.sim.budgets`). Each failing seed
 prints a one-line command that reproduces it. The tier iterates some sets of
 strings, so a run is reproducible only under a fixed ``PYTHONHASHSEED``: when
 none is set, the CLI re-executes itself with ``PYTHONHASHSEED=0``. With

@@ -188,7 +188,7 @@ class SimNetwork:
                 return
             if link.connected_at is None:
                 return  # SYNs lost: keep trying
-            if now >= max(cut, link.connected_at) + link.detection:
+            if now >= self._broken_from(link, cut) + link.detection:
                 link.die("heartbeat timeout")
             return
         frozen = self._frozen.get(link.peer_id)
@@ -205,12 +205,22 @@ class SimNetwork:
             return
         broken = [t for t in (cut, frozen) if t is not None]
         if broken:
-            since = max(min(broken), link.connected_at)
-            if now >= since + link.detection:
+            if now >= self._broken_from(link, min(broken)) + link.detection:
                 link.die("heartbeat timeout")
                 return
+        else:
+            link.broken_from = None  # heartbeats got through at this update
         if not self.is_cut(link.sender, link.peer_id):
             self._release(link, now)
+
+    @staticmethod
+    def _broken_from(link: SimLink, since: float) -> float:
+        """Since when ``link``'s heartbeats are lost: a cut that heals and a new one
+        (or a freeze) in the same tick leave no moment for a heartbeat to cross."""
+        if link.broken_from is None:
+            assert link.connected_at is not None
+            link.broken_from = max(since, link.connected_at)
+        return link.broken_from
 
     # -- frames ------------------------------------------------------------------------
 
@@ -277,6 +287,7 @@ class SimLink:
         self.detection = detection  # heartbeat: cut -> dead
         self.tcp_at: float | None = None
         self.connected_at: float | None = None
+        self.broken_from: float | None = None  # heartbeats lost since (connected links)
         self.held: deque[bytes] = deque()
         self.last_due = 0.0
         self.closed = False
