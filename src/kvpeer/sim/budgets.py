@@ -96,7 +96,9 @@ class Reach:
                     if not net.is_up(consumer) or consumer in busy or peer in busy:
                         self._disturbed[pair] = now
                 else:
-                    if self._state.get(pair, (0.0, None))[1] != kind:
+                    # A consumer that does not step does not spend its budget (its
+                    # own waits are shifted the same way when it resumes).
+                    if self._state.get(pair, (0.0, None))[1] != kind or consumer in busy:
                         self._state[pair] = (now, kind)
                     self._disturbed[pair] = now
 
