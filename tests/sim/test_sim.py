@@ -1,5 +1,6 @@
 """The multi-node simulation: seeds keep every invariant, the CLI contract,
-determinism, and negative controls proving that each kind of check can fail.
+determinism, and negative controls proving that each kind of check can fail
+(request budgets toward unreachable peers and their recovery included).
 
 The sweep runs in this process, under this interpreter's hash seed; the CLI
 pins ``PYTHONHASHSEED=0``, so a failing seed's printed command reproduces the
@@ -8,6 +9,7 @@ CLI's run (and usually, not always, this one).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,10 +18,12 @@ from collections.abc import Iterator
 import pytest
 
 from kvpeer.host import TieringHost
+from kvpeer.node import peertable as peertable_module
 from kvpeer.sim import SeedResult, World, run_seed
 from kvpeer.sim import __main__ as cli
 from kvpeer.sim import world as world_module
 from kvpeer.sim.config import Bounds
+from kvpeer.sim.scenarios import GHOST_PEER
 
 SWEEP = [(seed, 3) for seed in range(200)] + [(seed, 4) for seed in range(200, 260)]
 LAST_LINE = re.compile(r"seeds=(\d+) violations=(\d+) jobs=(\d+) loads_ok=(\d+) loads_failed=(\d+)")
@@ -75,6 +79,11 @@ class TestSweep:
         assert sum(result.loads_failed for result in sweep) > 0  # faults really happen
         assert sum(result.deaths for result in sweep) > 0
 
+    def test_every_network_fault_kind_happens(self, sweep: list[SeedResult]) -> None:
+        assert sum(result.partitions for result in sweep) > 100
+        assert sum(result.freezes for result in sweep) > 30
+        assert sum(result.restarts for result in sweep) > 30
+
 
 class TestCli:
     def test_last_line_and_exit_status(self) -> None:
@@ -107,6 +116,12 @@ class TestCli:
         lines = capsys.readouterr().out.splitlines()
         assert "  reproduce: python -m kvpeer.sim --seeds 1 --first-seed 8 --nodes 4" in lines
         assert lines[-1] == "seeds=3 violations=1 jobs=30 loads_ok=9 loads_failed=9"
+
+    def test_faults_and_known_gaps_are_summed(self) -> None:
+        lines = run_cli("--seeds", "20").stdout.splitlines()
+        faults = r"faults: deaths=\d+ partitions=\d+ freezes=\d+ restarts=\d+"
+        assert re.fullmatch(faults, lines[-3])
+        assert re.search(r"greeted_waits=\d+ unconnected_waits=\d+$", lines[-2])
 
     def test_clean_run_exits_zero(
         self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -195,3 +210,109 @@ class TestNegativeControls:
         result = run_seed(clean_seed)
         assert len(result.violations) == 1
         assert "control-frame storm" in result.violations[0]
+
+
+#: Seeds whose worlds send requests toward silent or partitioned peers.
+UNREACHABLE_SEEDS = (7, 17, 18, 27)
+
+
+class TestRequestBudgets:
+    """Budgets toward unreachable peers (kvpeer.sim.budgets) are checked, not assumed."""
+
+    def test_a_request_that_waits_out_a_session_timeout_is_reported(self) -> None:
+        # The tiers wait 5.5 s on a peer that never answered; the checker expects the
+        # seed's peer_wait_s (at most 2.6 s) plus its slack.
+        found = [
+            violation
+            for seed in UNREACHABLE_SEEDS
+            for violation in run_seed(seed, tier_overrides={"peer_wait_s": 5.5}).violations
+        ]
+        assert found
+        assert all("on silent peer" in v and "handshake_timeout_s" in v for v in found), found
+
+    def test_a_back_off_that_never_ends_is_reported(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(peertable_module, "FIRST_RETRY_S", 60.0)
+        found = [
+            violation
+            for seed in UNREACHABLE_SEEDS
+            for violation in run_seed(seed, tier_overrides={"peer_retry_max_s": 60.0}).violations
+        ]
+        assert found
+        assert all("turned away (MISS)" in v for v in found), found
+
+    def test_a_half_open_session_at_the_end_is_reported(self, clean_seed: int) -> None:
+        world = World(clean_seed)
+        world.run()
+        assert not world.ctx.violations
+        pairs = [
+            (a, b)
+            for a in world.nodes
+            for b in world.nodes
+            if a.live is not None
+            and b.live is not None
+            and a.live.tier.session(b.peer_id) is not None
+            and b.live.tier.session(a.peer_id) is not None
+        ]
+        assert pairs
+        a, b = pairs[0]
+        assert b.live is not None
+        session = b.live.tier.session(a.peer_id)
+        assert session is not None
+        session.close("forgotten")  # its goodbye is never read: a keeps its side
+        b.live.tier.get_finished_jobs()
+        world.checker.sessions(world.nodes, GHOST_PEER)
+        assert any(f"session {b.peer_id} half-open" in v for v in world.ctx.violations), (
+            world.ctx.violations
+        )
+
+    @pytest.mark.parametrize(("seed", "gap"), [(90, "greeted_waits"), (161, "unconnected_waits")])
+    def test_known_gaps_of_the_node_are_counted(self, seed: int, gap: str) -> None:
+        """Pinned findings (README, Simulation): a request waits past peer_wait_s, up to
+        a session timeout, on a peer that froze or was cut off mid-handshake
+        (``greeted_waits``), or on a session made ready by the peer's frames while
+        our own link never connected (``unconnected_waits``). When the node gives
+        these requests their budget, the count drops to 0: then make the checker
+        strict (kvpeer.sim.budgets) and flip this test."""
+        proc = run_cli("--seeds", "1", "--first-seed", str(seed), "--verbose")
+        assert proc.returncode == 0, proc.stdout
+        match = re.search(rf"{gap}=(\d+)", proc.stdout.splitlines()[0])
+        assert match is not None, proc.stdout
+        assert int(match[1]) > 0, proc.stdout
+
+
+HALF_OPEN_SEED = 651
+WITHOUT_THE_STRAY_ANSWER = """
+from kvpeer.node import peertable
+answer = peertable.PeerTable._refuse
+def refuse(self, peer_id, frame, reason, *, quiet=False):
+    if not quiet:  # strays go unanswered again, as before the fix
+        answer(self, peer_id, frame, reason)
+peertable.PeerTable._refuse = refuse
+from kvpeer.sim import run_seed
+for violation in run_seed(%d).violations:
+    print(violation)
+"""
+
+
+class TestHalfOpenSessionRegression:
+    """Seed 651: a cut n1->n0 heals between the two links' heartbeat timeouts. n0's
+    link dies, its session ends and its goodbye cannot connect through the cut; n1's
+    link lives on, so n1 keeps a ready session n0 forgot. n0 dropped n1's frames as
+    stragglers, so every request of n1 toward n0 waited out its timeouts, for ever.
+    The tier now answers a straggler with a disconnect: n1's next request fails in a
+    round trip and the one after is served."""
+
+    def test_the_stale_side_is_served_again(self) -> None:
+        proc = run_cli("--seeds", "1", "--first-seed", str(HALF_OPEN_SEED))
+        assert proc.returncode == 0, proc.stdout
+
+    def test_without_the_fix_the_seed_fails(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-c", WITHOUT_THE_STRAY_ANSWER % HALF_OPEN_SEED],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+        )
+        assert "reunion: n1:5710 is not served by n0:5710" in proc.stdout, proc.stdout

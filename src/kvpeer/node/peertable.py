@@ -11,7 +11,13 @@ tier then calls :meth:`PeerTable.ended` for a closed one.
 Invariants:
 
 1. Only a peer's ``connect`` opens a session; other frames from a peer with no
-   live session are stragglers of an ended one and are dropped (counted).
+   live session are stragglers of an ended one and are dropped (counted). Once
+   the session ended ``peer_wait_s`` ago or more (stragglers in flight have
+   arrived by then), a peer still sending into it holds a session we forgot -
+   its goodbye was lost, e.g. in a partition that healed between the two ends'
+   heartbeat timeouts - and would wait out the timeouts of every request it
+   sends: it gets a ``disconnect`` on its own connection (never a dial). At
+   most ``4 * max_peers`` end times are remembered.
 2. A session that ended because our link to the peer broke says goodbye on a
    fresh link (best effort, once): the peer's link to us may still work, and a
    vLLM peer, which never reads answers on its own connection, would otherwise
@@ -170,6 +176,8 @@ class PeerTable:
         self._refused_hellos: dict[str, tuple[bytes, float, str]] = {}
         # peer -> (no new session before this time, the back-off that set it)
         self._backoff: dict[str, tuple[float, float]] = {}
+        # peer -> when its last session ended, oldest first (invariant 1)
+        self._sessions_ended_at: dict[str, float] = {}
 
     # -- the table ------------------------------------------------------------------
 
@@ -303,6 +311,9 @@ class PeerTable:
             # sides open and fail sessions in a loop.
             if not self._opens_session(frame):
                 self._stray += 1
+                ended = self._sessions_ended_at.get(peer_id)
+                if ended is not None and now >= ended + self._config.peer_wait_s:
+                    self._refuse(peer_id, frame, "no session with you (it ended)", quiet=True)
                 return
             refused = self._refused_hellos.get(peer_id)
             if refused is not None and refused[0] == _digest(frame) and now < refused[1]:
@@ -372,14 +383,15 @@ class PeerTable:
         except ProtocolError:
             return False
 
-    def _refuse(self, peer_id: str, frame: bytes, reason: str) -> None:
+    def _refuse(self, peer_id: str, frame: bytes, reason: str, *, quiet: bool = False) -> None:
         """Tell a peer we will not talk to it, on its own connection (never dial it)."""
         try:
             if isinstance(self._codec.decode(frame), Disconnect):
                 return  # never answer a goodbye: two refusing nodes would ping-pong
         except ProtocolError:
             pass
-        log.warning("refusing %s: %s", peer_id, reason)
+        if not quiet:
+            log.warning("refusing %s: %s", peer_id, reason)
         self._control.refuse(peer_id, self._codec.encode(Disconnect(reason=reason)))
 
     # -- polling and ending ------------------------------------------------------------------
@@ -403,6 +415,10 @@ class PeerTable:
         if self._peers.get(peer_id) is peer:
             del self._peers[peer_id]
             self._data.revoke(peer_id)
+        self._sessions_ended_at.pop(peer_id, None)
+        self._sessions_ended_at[peer_id] = self._clock()
+        while len(self._sessions_ended_at) > 4 * self._config.max_peers:  # bounded
+            del self._sessions_ended_at[next(iter(self._sessions_ended_at))]
         peer.link.close()
         unreachable = closed.kind in (CloseKind.UNREACHABLE, CloseKind.TIMEOUT)
         if unreachable and not peer.session.answered:

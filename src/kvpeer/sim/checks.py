@@ -55,6 +55,7 @@ class Checker:
         live = node.live
         assert live is not None
         self._jobs(node.name, live)
+        self._budgets(node.name, live)
         self._pins(node.name, live, full)
         self._written(node.name, live)
         if full:
@@ -69,6 +70,17 @@ class Checker:
                     where,
                     f"{_describe(job_id, job)} unreported {now - job.submitted:.2f}s after "
                     f"submission (bound {job.deadline - job.submitted:.2f}s)",
+                )
+
+    def _budgets(self, where: str, live: Incarnation) -> None:
+        """Loads from an unreachable peer end within the request budget (budgets.py)."""
+        reach = self.ctx.reach
+        if reach is None:
+            return
+        for job_id, job in live.probe.open_jobs.items():
+            if job.kind == LOAD and job.peer_id is not None:
+                reach.check_load(
+                    live.tier, where, job_id, job.peer_id, job.kv_request_id, job.submitted
                 )
 
     def _pins(self, where: str, live: Incarnation, full: bool) -> None:
@@ -212,7 +224,10 @@ class Checker:
 
     # -- after the quiet phase ---------------------------------------------------------
 
-    def quiet(self, node: SimNode, peers: list[str]) -> None:
+    def quiet(self, node: SimNode, peers: list[str], stale: frozenset[str] = frozenset()) -> None:
+        """``stale``: peers toward which ``node`` holds a half-open session (the peer
+        forgot it): what such a session holds is judged after the reunion, which
+        must mend it (kvpeer.sim.reunion)."""
         live = node.live
         assert live is not None
         where = node.name
@@ -250,7 +265,7 @@ class Checker:
             leftovers[f"tier {name}"] = getattr(tier, name)
         for peer_id in peers:
             session = live.tier.session(peer_id)
-            if session is None:
+            if session is None or peer_id in stale:
                 continue
             stats = session.statistics()
             leftovers[f"session {peer_id} consumer entries"] = stats.consumer.requests
@@ -274,3 +289,50 @@ class Checker:
                 start = slot * block_len
                 if view[start : start + block_len] != self.ctx.blocks.content(key):
                     self.ctx.violate(where, f"READY slot {slot} holds wrong bytes at the end")
+
+    @staticmethod
+    def half_open(nodes: list[SimNode]) -> dict[str, frozenset[str]]:
+        """Per node: the peers it holds a ready session toward that hold no ready
+        session toward it."""
+        live = {node.peer_id: node.live for node in nodes if node.live is not None}
+        found: dict[str, frozenset[str]] = {}
+        for peer_id, mine in live.items():
+            stale = set()
+            for other_id, other in live.items():
+                ours = mine.tier.session(other_id)
+                theirs = other.tier.session(peer_id)
+                if ours is not None and ours.ready and (theirs is None or not theirs.ready):
+                    stale.add(other_id)
+            found[peer_id] = frozenset(stale)
+        return found
+
+    def sessions(self, nodes: list[SimNode], ghost: str) -> None:
+        """After the quiet phase every session a node holds is ready, toward a live
+        node that holds a ready one toward it: none waits on a dead, silent or
+        nonexistent peer, and none is half-open (its peer forgot it)."""
+        live = {node.peer_id: node.live for node in nodes if node.live is not None}
+        for node in nodes:
+            if node.live is None:
+                continue
+            tier = node.live.tier
+            held = 0
+            for peer_id in [*(n.peer_id for n in nodes if n is not node), ghost]:
+                session = tier.session(peer_id)
+                if session is None:
+                    continue
+                held += 1
+                other = live.get(peer_id)
+                if other is None:
+                    problem = "toward a node that is down or does not exist"
+                elif not session.statistics().ready:
+                    problem = "still in its handshake"
+                elif (back := other.tier.session(node.peer_id)) is None or not back.ready:
+                    problem = "half-open: the peer holds no ready session toward us"
+                else:
+                    continue
+                self.ctx.violate(node.name, f"after the quiet phase: session {peer_id} {problem}")
+            sessions = tier.statistics().sessions
+            if sessions != held:
+                self.ctx.violate(
+                    node.name, f"after the quiet phase: {sessions} sessions, {held} toward peers"
+                )

@@ -8,11 +8,16 @@ control frames spending up to the largest link delay in flight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from kvpeer.config import TierConfig
 from kvpeer.sim.prompts import Blocks
 from kvpeer.testing.clock import FakeClock
+
+if TYPE_CHECKING:
+    from kvpeer.sim.budgets import Reach
 
 __all__ = ["Bounds", "SimContext", "Timeouts"]
 
@@ -21,17 +26,50 @@ PORT = 5710
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Short tier timeouts, so a few hundred ticks exercise every expiry path."""
+    """Short tier timeouts, so a few hundred ticks exercise every expiry path.
 
-    load: float = 3.0
+    The request budgets (``peer_wait``, the back-off cap) and the transport's
+    heartbeat are drawn per seed (:meth:`drawn`). Every request budget stays
+    under the session timeouts (``handshake``, ``load``, ``lookup``) by more
+    than the checker's slack, so a request that waits out a session timeout
+    instead of its budget is told apart. ``overrides`` change what the tier is
+    really given, not what the checker expects (negative controls).
+    """
+
+    load: float = 4.0
     abort_ack: float = 1.0
-    lookup: float = 3.0
+    lookup: float = 4.0
     lookup_pending: float = 0.5
     store: float = 3.0
     unbound_store: float = 5.0
     tombstone: float = 8.0
-    handshake: float = 3.0
+    handshake: float = 6.0
     abort_drain: float = 0.5  # under abort_ack, as a fleet must be (README)
+    peer_wait: float = 1.0
+    peer_retry_max: float = 4.0
+    heartbeat_interval: float = 0.2
+    heartbeat_timeout: float = 1.0
+    overrides: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def drawn(cls, rng: random.Random, answer: float) -> Timeouts:
+        """The request budgets and heartbeat of one seed, within sane ranges.
+
+        ``answer``: the longest a healthy peer takes to answer a ``connect`` here
+        (a tick for it to step, the frame's way back, a tick for us to step; a
+        real node's driver answers in milliseconds): ``peer_wait_s`` exceeds it,
+        as the default 2 s exceeds a real peer's answer.
+        """
+        interval = rng.uniform(0.1, 0.3)
+        return cls(
+            peer_wait=answer + rng.uniform(0.1, 1.0),
+            peer_retry_max=rng.choice((1.0, 2.0, rng.uniform(1.0, 8.0))),
+            heartbeat_interval=interval,
+            heartbeat_timeout=rng.uniform(max(0.4, 2 * interval), 1.2),
+        )
+
+    def overridden(self, **values: float) -> Timeouts:
+        return replace(self, overrides=self.overrides + tuple(values.items()))
 
     def tier_config(self, host: str) -> TierConfig:
         return TierConfig.from_dict(
@@ -47,6 +85,11 @@ class Timeouts:
                 "tombstone_retention_s": self.tombstone,
                 "handshake_timeout_s": self.handshake,
                 "abort_drain_timeout_s": self.abort_drain,
+                "peer_wait_s": self.peer_wait,
+                "peer_retry_max_s": self.peer_retry_max,
+                "heartbeat_interval_s": self.heartbeat_interval,
+                "heartbeat_timeout_s": self.heartbeat_timeout,
+                **dict(self.overrides),
             }
         )
 
@@ -112,6 +155,47 @@ class Bounds:
         t = self.timeouts
         return t.handshake + t.load + t.abort_ack + self.slack
 
+    # -- request budgets toward unreachable peers (kvpeer.sim.budgets) ---------------
+
+    @property
+    def budget_slack(self) -> float:
+        """A fault is seen at the first tick after it (the network updates before nodes
+        step); a timer fires at the first step at or after its deadline; a lookup of
+        the step it fired in was asked before the tier polled."""
+        return 2 * self.max_tick + 0.01
+
+    @property
+    def refused(self) -> float:
+        """Waiting on a peer whose process is gone (connection refused or reset)."""
+        return self.budget_slack
+
+    @property
+    def silent(self) -> float:
+        """Waiting on a peer that answers nothing (partitioned, frozen, no host): the
+        request budget ``peer_wait_s`` before the peer ever answered, the transport's
+        heartbeat after; never a session timeout."""
+        t = self.timeouts
+        return max(t.peer_wait, t.heartbeat_timeout + t.heartbeat_interval) + self.budget_slack
+
+    @property
+    def greeted(self) -> float:
+        """Waiting on a peer whose ``connect`` arrived but which never acknowledged
+        ours: at most the session's handshake deadline (budgets.py)."""
+        return self.timeouts.handshake + self.budget_slack
+
+    @property
+    def recovery(self) -> float:
+        """After the path to a peer healed: its last failed attempt (``peer_wait_s``
+        after the heal at the latest), then the longest back-off."""
+        t = self.timeouts
+        return t.peer_wait + t.peer_retry_max + 2 * self.max_delay + self.budget_slack
+
+    @property
+    def answer(self) -> float:
+        """A healthy peer's answer to a frame: it steps within a tick, the answer
+        travels back, we step within a tick."""
+        return 2 * self.max_tick + 2 * self.max_delay
+
     @property
     def consumer_entry(self) -> float:
         """After the consumer request finished: an abort, then an owed ack."""
@@ -130,6 +214,7 @@ class SimContext:
     # peer id -> kv_request_id -> last time some node submitted a load from it
     loads_toward: dict[str, dict[str, float]] = field(default_factory=dict)
     corrupt_loads: bool = False
+    reach: Reach | None = None  # set by the world once its network exists
 
     def violate(self, where: str, message: str) -> None:
         self.violations.append(f"t={self.clock.now - self.start:.2f}s {where}: {message}")

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from kvpeer.host import BlockPool, TieringHost
 from kvpeer.node.params import Routing, parse_transfer_params
 from kvpeer.node.tier import Tier
-from kvpeer.session.ports import Parent
+from kvpeer.session.ports import Parent, TransferEvent
 from kvpeer.sim.config import SimContext, Timeouts
+from kvpeer.sim.network import SimNetwork
 from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
-from kvpeer.testing.network import MemoryNetwork
 from kvpeer.types import (
     JobResult,
     Key,
@@ -40,7 +40,15 @@ from kvpeer.types import (
     TransferJob,
 )
 
-__all__ = ["Incarnation", "OpenJob", "SimNode", "SimRegion", "SimRequest", "TierProbe"]
+__all__ = [
+    "Incarnation",
+    "OpenJob",
+    "SimDataPlane",
+    "SimNode",
+    "SimRegion",
+    "SimRequest",
+    "TierProbe",
+]
 
 LOAD, STORE, SERVE = "load", "store", "serve"
 
@@ -58,6 +66,33 @@ class SimRegion(Region):
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         super().write(slot, data)
         self.dirty.add(slot)
+
+
+class SimDataPlane(FakeDataPlane):
+    """Writes move only while the network carries bytes between the two nodes: a
+    partition or a frozen end stalls them (and a dead session drops them).
+
+    The consumer's write windows are enforced, as the tcp plane does: a write a
+    stalled producer resumes after the consumer gave up on it is refused.
+    One-sided planes (shm, nixl) cannot refuse it; that residual risk is a
+    property of those transports, documented in the README, not of the logic
+    under test here.
+    """
+
+    def __init__(
+        self, network: SimNetwork, fabric: Fabric, node_id: str, region: Region, *, slow: bool
+    ) -> None:
+        super().__init__(fabric, node_id, region, auto_complete=not slow, enforce_windows=True)
+        self.network = network
+
+    def poll(self, peer_id: str) -> list[TransferEvent]:
+        if self.auto_complete and not self.network.carries(self.node_id, peer_id):
+            self.auto_complete = False
+            try:
+                return super().poll(peer_id)
+            finally:
+                self.auto_complete = True
+        return super().poll(peer_id)
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +138,7 @@ class TierProbe:
     def __init__(self, tier: Tier, where: str, pool: BlockPool, ctx: SimContext) -> None:
         self.tier = tier
         self.where = where
+        self.peer_id = tier.peer_id
         self.pool = pool
         self.ctx = ctx
         self.open_jobs: dict[int, OpenJob] = {}
@@ -110,6 +146,11 @@ class TierProbe:
         self.failed_destinations: dict[str, float] = {}  # kv id -> last failed store
         self.finished_sources: dict[str, float] = {}  # kv id -> consumer finished at
         self.key_loaded: dict[Key, float] = {}  # key -> when a load of it last reported
+        # req id -> key -> since when the tier answers RETRY for it (symmetric probes)
+        self.retry_since: dict[str, dict[Key, float]] = {}
+        self._answered: set[str] = set()  # PD requests the tier answered a lookup of
+        self._source_users: dict[str, int] = {}  # kv id -> requests here that pulled it
+        self._started: dict[str, float] = {}  # PD consumer request -> when it started
         self.jobs = 0
         self.loads_ok_pd = 0
         self.loads_ok_sym = 0
@@ -182,11 +223,42 @@ class TierProbe:
     # -- SecondaryTier -------------------------------------------------------------
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
-        self.routing[request.req_id] = parse_transfer_params(request.kv_transfer_params)
+        routing = parse_transfer_params(request.kv_transfer_params)
+        self.routing[request.req_id] = routing
+        if routing.source is not None and not routing.source.probe:
+            kv_request_id = routing.source.kv_request_id
+            self._source_users[kv_request_id] = self._source_users.get(kv_request_id, 0) + 1
+            self._started[request.req_id] = self.ctx.clock.now
         return self.tier.on_new_request(request)
 
     def lookup(self, key: Key, request: RequestContext) -> LookupResult:
-        return self.tier.lookup(key, request)
+        result = self.tier.lookup(key, request)
+        reach = self.ctx.reach
+        routing = self.routing.get(request.req_id)
+        source = routing.source if routing is not None else None
+        if reach is None or source is None:
+            return result
+        req_id = request.req_id
+        if source.probe:
+            if result is LookupResult.RETRY:
+                streaks = self.retry_since.setdefault(req_id, {})
+                since = streaks.setdefault(key, self.ctx.clock.now)
+                reach.check_retry(self.tier, self.where, source.peer_id, req_id, since)
+            elif req_id in self.retry_since:
+                self.retry_since[req_id].pop(key, None)
+        elif req_id not in self._answered:
+            self._answered.add(req_id)
+            if self._source_users[source.kv_request_id] > 1:
+                return result  # a twin or a reused id: another request shares its fate
+            reach.check_first_pd_lookup(
+                self.where,
+                self.peer_id,
+                source.peer_id,
+                req_id,
+                result is LookupResult.HIT,
+                self._started.get(req_id, self.ctx.clock.now),
+            )
+        return result
 
     def submit_store(self, job: TransferJob) -> None:
         routing = self.routing.get(job.request.req_id)
@@ -227,6 +299,9 @@ class TierProbe:
         self.tier.on_schedule_end()
 
     def on_request_finished(self, request: RequestContext) -> None:
+        self.retry_since.pop(request.req_id, None)
+        self._answered.discard(request.req_id)
+        self._started.pop(request.req_id, None)
         routing = self.routing.pop(request.req_id, None)
         if routing is not None and routing.source is not None:
             self.finished_sources[routing.source.kv_request_id] = self.ctx.clock.now
@@ -265,7 +340,7 @@ class Incarnation:
 
     pool: BlockPool
     region: SimRegion
-    plane: FakeDataPlane
+    plane: SimDataPlane
     tier: Tier
     probe: TierProbe
     host: TieringHost
@@ -278,7 +353,7 @@ class SimNode:
 
     index: int
     ctx: SimContext
-    net: MemoryNetwork
+    net: SimNetwork
     fabric: Fabric
     timeouts: Timeouts
     num_blocks: int
@@ -292,6 +367,7 @@ class SimNode:
     requests: dict[str, SimRequest] = field(default_factory=dict)
     stalled_until: int = -1  # a busy engine: no steps before this tick
     stalled_at: float = 0.0
+    frozen: bool = False  # the stall is a frozen process (SIGSTOP), not a busy engine
 
     @property
     def name(self) -> str:
@@ -306,24 +382,14 @@ class SimNode:
         assert config.peer_id == self.peer_id
         pool = BlockPool(self.num_blocks, self.block_len)
         region = SimRegion(pool, self.ctx)
-        # The consumer's write windows are enforced, as the tcp plane does: a write
-        # a stalled producer resumes after the consumer gave up on it is refused.
-        # One-sided planes (shm, nixl) cannot refuse it; that residual risk is a
-        # property of those transports, documented in the README, not of the logic
-        # under test here.
-        plane = FakeDataPlane(
-            self.fabric,
-            self.peer_id,
-            region,
-            auto_complete=not self.slow,
-            enforce_windows=True,
-        )
+        plane = SimDataPlane(self.net, self.fabric, self.peer_id, region, slow=self.slow)
         control = self.net.attach(self.peer_id)
         tier = Tier(config, control, plane, clock=self.ctx.clock, boot_id=boot_id)
         probe = TierProbe(tier, self.name, pool, self.ctx)
         self.live = Incarnation(pool, region, plane, tier, probe, TieringHost(pool, [probe]))
         self.boots += 1
         self.stalled_until = -1
+        self.frozen = False
         return self.live
 
     def resume(self) -> None:
@@ -331,7 +397,13 @@ class SimNode:
         bounds (its timers fire at its next step, and frames sent to it wait)."""
         live = self.live
         assert live is not None
+        if self.frozen:
+            self.frozen = False
+            self.net.thaw(self.peer_id)
         paused = self.ctx.clock.now - self.stalled_at
+        for streaks in live.probe.retry_since.values():
+            for key in streaks:
+                streaks[key] += paused
         for job in live.probe.open_jobs.values():
             job.submitted += paused
             job.deadline += paused
@@ -350,6 +422,7 @@ class SimNode:
         """The process vanishes: links to it die, nothing of it is checked any more."""
         self.net.kill(self.peer_id)
         self.live = None
+        self.frozen = False
         for request in self.requests.values():
             request.done = True
         self.requests.clear()

@@ -1,0 +1,207 @@
+"""Request budgets toward unreachable peers, and their recovery (issue 11, item 1).
+
+The world knows, for each consumer node C and peer P, whether P is reachable
+from C (:class:`Reach`, updated once per tick after the faults):
+
+- **refused**: P's process is down and nothing cuts the path (the connection is
+  refused or reset): a request of C waiting on P ends within
+  :attr:`Bounds.refused` (a tick or two);
+- **silent**: the path is cut in either direction, P is frozen, or P's host does
+  not exist: it ends within :attr:`Bounds.silent` - ``peer_wait_s`` before P
+  ever answered, the heartbeat after, plus the slack - and never waits out a
+  session timeout (``handshake_timeout_s``, ``load_timeout_s``,
+  ``lookup_timeout_s``, each longer than that bound).
+
+One exception, by the session's design (``kvpeer.session.peer`` invariant 4,
+pinned by ``test_a_peer_that_answered_gets_the_whole_handshake_time``): a peer
+whose ``connect`` reached us but which never acknowledged ours - the path was
+cut, or it froze, in the middle of the handshake - is treated as alive and
+slow (its registration of our region may take seconds), so a request waits
+for the handshake deadline. Such waits are allowed up to
+:attr:`Bounds.greeted` and counted (:attr:`Reach.greeted_waits`): issue 11
+asks for ``peer_wait_s`` there too, which the node does not give yet.
+
+A second known gap: a session that completed its handshake on the peer's
+frames alone - the peer's ``connect`` and an ack meant for an earlier session
+of ours with the same peer - while our own link to it never connected (the
+path was cut as we dialled). It is ready, so no handshake deadline applies,
+and a link that never connected has no heartbeat (ZMQ gives up on it only
+when TCP's connect times out, about two minutes): a request waits for its
+load or lookup timeout. Allowed up to those timeouts and counted
+(:attr:`Reach.unconnected_waits`).
+
+Budgets run from the later of the moment the peer became unreachable (of that
+kind) and the moment the request started waiting. What waits: an open load
+job from P (judged every tick by :meth:`Reach.check_loads`), and a
+symmetric request whose probes the tier keeps answering RETRY (judged at
+each RETRY, :meth:`Reach.check_retry`).
+
+Recovery: once the path between C and P has been healthy (both up and
+stepping, not frozen, nothing cut) for :attr:`Bounds.recovery` - the last
+failed attempt plus the longest back-off - a new PD request of C naming P is
+not turned away: its first lookup answers HIT, not MISS
+(:meth:`Reach.check_first_pd_lookup`). At the end of the run every session a
+node still holds is ready, toward a live node that holds one toward it
+(:meth:`Reach.check_sessions`): no half-open session outlives the faults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvpeer.node.tier import Tier
+from kvpeer.sim.config import SimContext
+from kvpeer.sim.network import SimNetwork
+
+__all__ = ["REFUSED", "SILENT", "Reach"]
+
+REFUSED, SILENT = "refused", "silent"
+_NEVER = float("-inf")
+
+
+class Reach:
+    """Reachability of every (consumer, peer) pair, as the world made it."""
+
+    def __init__(self, ctx: SimContext, net: SimNetwork, nodes: list[str], ghost: str) -> None:
+        self._ctx = ctx
+        self._net = net
+        self._nodes = nodes
+        self._ghost = ghost
+        self._state: dict[tuple[str, str], tuple[float, str]] = {}  # unreachable: since, kind
+        self._disturbed: dict[tuple[str, str], float] = {}  # last time not healthy
+        self._flagged: set[object] = set()
+        self.greeted_waits = 0  # waits past the budget on a peer that greeted, never acked
+        self.unconnected_waits = 0  # ... on a ready session whose link never connected
+
+    # -- the world's view --------------------------------------------------------------
+
+    def update(self, busy: Iterable[str]) -> None:
+        """Record each pair's state now; ``busy``: nodes that do not step this tick."""
+        now = self._ctx.clock.now
+        net = self._net
+        busy = set(busy)
+        for consumer in self._nodes:
+            for peer in self._nodes:
+                if peer == consumer:
+                    continue
+                pair = (consumer, peer)
+                if net.broken_since(consumer, peer) is not None or net.frozen_since(peer):
+                    kind: str | None = SILENT
+                elif not net.is_up(peer):
+                    kind = REFUSED
+                else:
+                    kind = None
+                if kind is None:
+                    self._state.pop(pair, None)
+                    if not net.is_up(consumer) or consumer in busy or peer in busy:
+                        self._disturbed[pair] = now
+                else:
+                    # A consumer that does not step does not spend its budget (its
+                    # own waits are shifted the same way when it resumes).
+                    if self._state.get(pair, (0.0, None))[1] != kind or consumer in busy:
+                        self._state[pair] = (now, kind)
+                    self._disturbed[pair] = now
+
+    def disturb(self, node: str) -> None:
+        """``node`` booted, died or restarted: every pair with it starts over."""
+        now = self._ctx.clock.now
+        for other in self._nodes:
+            if other != node:
+                self._disturbed[(node, other)] = now
+                self._disturbed[(other, node)] = now
+
+    def unreachable(self, consumer: str, peer: str) -> tuple[float, str] | None:
+        if peer == self._ghost:
+            return (_NEVER, SILENT)
+        return self._state.get((consumer, peer))
+
+    def budget(self, kind: str) -> float:
+        bounds = self._ctx.bounds
+        return bounds.refused if kind == REFUSED else bounds.silent
+
+    # -- checks ------------------------------------------------------------------------
+
+    def overdue(
+        self, tier: Tier, consumer: str, peer: str, waiting_since: float, what: object
+    ) -> str | None:
+        """Why a wait on ``peer`` since ``waiting_since`` is over budget now, or None."""
+        state = self.unreachable(consumer, peer)
+        if state is None:
+            return None
+        since, kind = state
+        start = max(since, waiting_since)
+        budget = self.budget(kind)
+        waited = self._ctx.clock.now - start
+        if waited <= budget:
+            return None
+        session = tier.session(peer)
+        greeted = (
+            session is not None
+            and session.alive
+            and not session.answered
+            and session.statistics().frames_received > 0
+        )
+        if greeted and waited <= self._ctx.bounds.greeted:
+            if ("greeted", what) not in self._flagged:
+                self._flagged.add(("greeted", what))
+                self.greeted_waits += 1
+            return None  # greeted us, never acked: the handshake deadline (see above)
+        ready = session is not None and session.alive and session.ready
+        unconnected = ready and not self._net.ever_connected(consumer, peer)
+        if unconnected and waited <= self._ctx.bounds.load:
+            if ("unconnected", what) not in self._flagged:
+                self._flagged.add(("unconnected", what))
+                self.unconnected_waits += 1
+            return None  # ready on the peer's frames, our link never connected
+        t = self._ctx.bounds.timeouts
+        return (
+            f"waited {waited:.2f}s on {kind} peer {peer} (budget {budget:.2f}s: "
+            f"peer_wait_s={t.peer_wait:.2f}, heartbeat {t.heartbeat_timeout:.2f}"
+            f"+{t.heartbeat_interval:.2f}s; handshake_timeout_s={t.handshake:g})"
+        )
+
+    def check_retry(
+        self, tier: Tier, where: str, peer: str, req_id: str, streak_since: float
+    ) -> None:
+        """The tier answered RETRY for ``req_id``'s probes toward ``peer`` again."""
+        problem = self.overdue(tier, tier.peer_id, peer, streak_since, (where, req_id))
+        if problem is not None and ("retry", where, req_id) not in self._flagged:
+            self._flagged.add(("retry", where, req_id))
+            self._ctx.violate(where, f"request {req_id} still answered RETRY: {problem}")
+
+    def check_load(
+        self,
+        tier: Tier,
+        where: str,
+        job_id: int,
+        peer: str,
+        kv_request_id: str | None,
+        submitted: float,
+    ) -> None:
+        problem = self.overdue(tier, tier.peer_id, peer, submitted, (where, job_id))
+        if problem is not None and ("load", where, job_id) not in self._flagged:
+            self._flagged.add(("load", where, job_id))
+            self._ctx.violate(where, f"load job {job_id} ({kv_request_id}) unreported: {problem}")
+
+    def healthy_for(self, consumer: str, peer: str) -> float:
+        if peer == self._ghost:
+            return 0.0
+        return self._ctx.clock.now - self._disturbed.get((consumer, peer), self._ctx.start)
+
+    def check_first_pd_lookup(
+        self, where: str, consumer: str, peer: str, req_id: str, hit: bool, started: float
+    ) -> None:
+        """The first answer the tier gave a fresh PD request of ``consumer`` naming
+        ``peer``, which started at ``started``: judged only if the path was healthy
+        from the recovery bound before its start until now (what befell an earlier
+        session of the pair, a churn right after a heal, may decide its fate)."""
+        if hit:
+            return
+        healthy = self.healthy_for(consumer, peer)
+        if healthy - (self._ctx.clock.now - started) > self._ctx.bounds.recovery:
+            self._ctx.violate(
+                where,
+                f"PD request {req_id} turned away (MISS) although the path to {peer} has "
+                f"been healthy for {healthy:.2f}s (back-off and its last attempt take at "
+                f"most {self._ctx.bounds.recovery:.2f}s)",
+            )
