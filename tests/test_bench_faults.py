@@ -162,7 +162,7 @@ def test_the_table_has_a_row_per_cell_and_lists_problems() -> None:
     assert lines[0].split()[:4] == ["fault", "tier", "median", "max"]
     row = next(line for line in lines if line.startswith("killed-during-lookup"))
     assert row.split()[1:4] == ["kvpeer", "12", "ms"]
-    assert row.split()[6:8] == ["1/1", "ok"]
+    assert row.split()[8:11] == ["1", "1/1", "ok"]
     assert row.endswith("lookup hit; fetch failed")
     assert "FAIL" in next(
         line for line in lines if "frozen-in-session" in line and "kvpeer" in line
