@@ -41,12 +41,14 @@ from typing import Any
 from kvpeer.bench.faults import FaultsSpec, Sample, render, to_json
 from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec, TierKind
 
-__all__ = ["Workload", "main", "run"]
+__all__ = ["Pair", "Workload", "main", "measure_tier", "run"]
 
 MODEL = "kvpeer-demo"
 HOST = "127.0.0.1"
 REQUEST_TIMEOUT_S = 180.0
-COUNTER_SETTLE_S = 1.0
+# kvpeer's counters reach /metrics with the request's last step; kept well under the first
+# 1 s back-off, which backed-off must measure right after killed-before-contact.
+COUNTER_SETTLE_S = 0.3
 RECOVER_TIMEOUT_S = 60.0
 Progress = Callable[[str], None]
 
@@ -235,6 +237,13 @@ class Pair:
             f"{self.tier}: no pull worked for {RECOVER_TIMEOUT_S:.0f} s; measuring anyway"
         )
 
+    def close(self) -> None:
+        """Stop both engines; a stopped producer is resumed first (it could not act on
+        SIGTERM otherwise)."""
+        if "p" in self.fleet.engines:
+            self.fleet.engines["p"].signal(signal.SIGCONT)
+        self.fleet.close()
+
     def restart_producer(self) -> None:
         self.fleet.restart("p")
         self.post("p", self.body(self.prompt(), cache_salt=uuid.uuid4().hex))  # warm-up
@@ -262,7 +271,7 @@ def phase(delta: dict[str, float]) -> str:
     return "; ".join(parts) or "no contact"
 
 
-def _tier_faults(pair: Pair, spec: FaultsSpec) -> None:
+def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
     want, runs = set(spec.faults), spec.runs
     if "frozen-first-contact" in want:
         for run in range(runs):
@@ -340,11 +349,9 @@ def run(spec: FaultsSpec, work: Workload, log_dir: Path, progress: Progress) -> 
         pair = Pair("kvpeer" if tier == "kvpeer" else "p2p", work, log_dir, progress)
         try:
             pair.start()
-            _tier_faults(pair, spec)
+            measure_tier(pair, spec)
         finally:
-            if "p" in pair.fleet.engines:  # a stopped group cannot act on SIGTERM
-                pair.fleet.engines["p"].signal(signal.SIGCONT)
-            pair.fleet.close()
+            pair.close()
             samples += pair.samples
     return samples
 
