@@ -163,6 +163,7 @@ class Sample:
     phase: str = ""  # what the consumer's kvpeer counters say it reached
     counters: dict[str, float] = field(default_factory=dict)
     error: str = ""
+    producer_gone_s: float | None = None  # SIGKILL to the producer's last process gone
 
     @property
     def fallback_s(self) -> float:

@@ -50,6 +50,7 @@ REQUEST_TIMEOUT_S = 90.0
 # 1 s back-off, which backed-off must measure right after killed-before-contact.
 COUNTER_SETTLE_S = 0.3
 RECOVER_TIMEOUT_S = 60.0
+GONE_TIMEOUT_S = 10.0
 Progress = Callable[[str], None]
 
 
@@ -72,6 +73,7 @@ class Pair:
         self.rng = random.Random(11)
         self.samples: list[Sample] = []
         self.healthy_latency_s = 0.0
+        self.producer_gone_s: float | None = None
 
     def start(self) -> None:
         self.fleet.start(
@@ -169,6 +171,7 @@ class Pair:
         try:
             reference, local_s = local if local is not None else self.local(prompt)
             before = self.counters()
+            self.producer_gone_s = None
             with ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(self.post, "c", self.pull_body(prompt, kv_id))
                 if inject is not None:
@@ -203,6 +206,7 @@ class Pair:
                     (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 ),
                 phase=phase(delta) if self.tier == "kvpeer" else "",
+                producer_gone_s=self.producer_gone_s,
                 counters=delta,
             )
         self.samples.append(sample)
@@ -215,6 +219,11 @@ class Pair:
                 f"cached {sample.cached_tokens}, "
                 f"outputs {'equal' if sample.outputs_equal else 'DIFFER'}"
                 f"{', ' + sample.phase if sample.phase else ''}"
+                + (
+                    f", producer gone {sample.producer_gone_s * 1000:.0f} ms after its SIGKILL"
+                    if sample.producer_gone_s is not None
+                    else ""
+                )
             )
         )
         return sample
@@ -223,10 +232,20 @@ class Pair:
         return lambda: self.fleet.engines["p"].signal(signum)
 
     def kill_producer(self) -> None:
+        """SIGKILL the producer's group; note when the last process of it was gone (the
+        kernel closes a process's sockets only after it has torn down its memory)."""
         engine = self.fleet.engines["p"]
+        killed = time.monotonic()
         engine.signal(signal.SIGKILL)
         with contextlib.suppress(Exception):
             engine.process.wait(timeout=30)
+        while time.monotonic() - killed < GONE_TIMEOUT_S:
+            try:
+                os.killpg(engine.process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.002)
+        self.producer_gone_s = time.monotonic() - killed
 
     def recover(self) -> None:
         """Pull until a pull works: the consumer's back-off is over and a session is up."""
