@@ -254,7 +254,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"{cell['fault']:<22} {cell['tier']:<7} {_ms(cell['median_s']):>9} "
             f"{_ms(cell['max_s']):>9} {bound:>8} {cell['runs']:>4}  {equal:<9} {verdict:<7} "
-            f"{', '.join(cell['phases']) or '-'}"
+            f"{' | '.join(cell['phases']) or '-'}"
         )
     problems = [f"{c['fault']}/{c['tier']}: {p}" for c in result["cells"] for p in c["problems"]]
     if problems:
