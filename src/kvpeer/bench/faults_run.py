@@ -356,6 +356,9 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
         for run in range(runs):
             if run:  # wait out the back-off (1 s, doubling per failed attempt)
                 time.sleep(min(2.0 ** (run - 1), 30.0) + 0.5)
+                # A fresh prompt naming the dead producer: the consumer computed the last
+                # one itself and would find it in its own cache.
+                prompt, kv_id = pair.prompt(), f"faults-{uuid.uuid4().hex[:12]}"
             again = pair.prompt()
             again_local = pair.local(again)  # before: the back-off lasts only 1 s at first
             if "killed-before-contact" in want:  # no second local run: the back-off is short
