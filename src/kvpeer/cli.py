@@ -247,6 +247,12 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_faults(args: argparse.Namespace) -> int:
+    from kvpeer.bench import faults_run
+
+    return faults_run.main(args)
+
+
 def _cmd_bench_idle(args: argparse.Namespace) -> int:
     from kvpeer.bench import idle
     from kvpeer.demo import default_model_dir
@@ -408,6 +414,14 @@ def build_parser() -> argparse.ArgumentParser:
     idle.add_argument("--log-dir", help="keep the engines' logs here")
     idle.add_argument("--json", action="store_true", help="print one JSON object")
     idle.set_defaults(func=_cmd_bench_idle)
+
+    from kvpeer.bench.faults import add_arguments as add_bench_faults_arguments
+
+    faults = benches.add_parser(
+        "faults", help="producer faults in real engines: consumer fallback time, kvpeer vs p2p"
+    )
+    add_bench_faults_arguments(faults)
+    faults.set_defaults(func=_cmd_bench_faults)
 
     from kvpeer.router.bench import add_arguments as add_bench_router_arguments
 
