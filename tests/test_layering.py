@@ -51,8 +51,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
          "transport"}
     ),
     "bench": frozenset(
-        {"config", "errors", "host", "integrations", "node", "router", "session", "testing",
-         "transport", "types"}
+        {"config", "demo", "errors", "host", "integrations", "node", "router", "session",
+         "testing", "transport", "types"}
     ),
     "demo": frozenset({"errors", "integrations", "router", "transport"}),
     # The fuzzer drives a real node from outside: what a node is built of, never the
