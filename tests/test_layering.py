@@ -63,7 +63,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     ),
     "router": frozenset({"config", "errors", "metrics", "node.params", "types"}),
     "metrics": frozenset({"kvpeer", "node", "protocol", "session"}),
-    "sim": frozenset({"config", "host", "node", "session", "testing", "types"}),
+    "sim": frozenset({"config", "host", "node", "session", "testing", "transport", "types"}),
     "node": frozenset({"config", "errors", "host", "protocol", "session", "transport", "types"}),
     "host": frozenset({"session.ports", "types"}),
     # testing.cluster builds whole tiers: the kit sits above the node.
