@@ -2,7 +2,7 @@
 
 Two backends in one process (two agents), one in a child process over a /dev/shm
 region, and, when vLLM is installed, vLLM's own ``NixlTransport`` as the peer. The
-contract checks shared with the other planes live in ``conformance.py``; these are the
+contract checks shared with the other planes live in ``kvpeer.testing.conformance``; these are the
 NIXL specifics: registration, remove-before-add, cancel, teardown and interop.
 """
 
