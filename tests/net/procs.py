@@ -57,6 +57,7 @@ from kvpeer.protocol import (
     TransportChoice,
     UnknownMessage,
 )
+from kvpeer.testing.expect import record_once
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.types import Key, LookupResult, RequestContext, TransferJob
 
@@ -233,8 +234,7 @@ class LocalNode:
 
     def collect(self) -> None:
         for result in self.node.get_finished_jobs():
-            assert result.job_id not in self.results, f"job {result.job_id} reported twice"
-            self.results[result.job_id] = result.success
+            record_once(self.results, result.job_id, result.success)
 
     def wait_job(self, job_id: int, timeout_s: float = DEADLINE_S) -> bool | None:
         """The job's success, or None if it did not finish within ``timeout_s``."""

@@ -29,7 +29,7 @@ from kvpeer.host import BlockPool
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension
 from kvpeer.session.ports import TransferEvent
 from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
-from kvpeer.testing.expect import raises, skip
+from kvpeer.testing.expect import raises, record_once, skip
 from kvpeer.transport.base import NodeDataPlane
 from kvpeer.transport.data.base import Backend, PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
@@ -44,6 +44,7 @@ __all__ = [
     "NamedBackendCluster",
     "Node",
     "Windows",
+    "collect_events",
     "hello_of",
     "wait_for_events",
 ]
@@ -229,7 +230,20 @@ ClusterFactory = Callable[[], Cluster]
 def wait_for_events(
     node: Node, peer: str, ids: Sequence[int], *, settle_s: float = 0.0
 ) -> dict[int, TransferEvent]:
-    """Poll ``node`` for ``peer`` until every id in ``ids`` was reported.
+    """Poll ``node`` for ``peer`` until every id in ``ids`` was reported (see
+    :func:`collect_events`)."""
+    return collect_events(lambda: node.plane.poll(peer), ids, settle_s=settle_s, what=node.name)
+
+
+def collect_events(
+    poll: Callable[[], Sequence[TransferEvent]],
+    ids: Sequence[int],
+    *,
+    settle_s: float = 0.0,
+    what: str = "plane",
+) -> dict[int, TransferEvent]:
+    """Call ``poll`` (a plane's or a backend's, for one peer) until every id in ``ids``
+    was reported.
 
     Returns every event seen (ids outside ``ids`` included); fails on a duplicate or
     when :data:`TIMEOUT_S` passes. ``settle_s``: keep polling that long afterwards,
@@ -239,9 +253,8 @@ def wait_for_events(
     deadline = time.monotonic() + TIMEOUT_S
     settle_until: float | None = None
     while True:
-        for event in node.plane.poll(peer):
-            assert event.transfer_id not in events, f"transfer {event.transfer_id} reported twice"
-            events[event.transfer_id] = event
+        for event in poll():
+            record_once(events, event.transfer_id, event, "transfer")
         now = time.monotonic()
         if settle_until is None and set(ids) <= events.keys():
             settle_until = now + settle_s
@@ -249,9 +262,7 @@ def wait_for_events(
             return events
         if now > deadline:
             missing = sorted(set(ids) - events.keys())
-            raise AssertionError(
-                f"{node.name}: transfers {missing} to {peer} not reported in {TIMEOUT_S} s"
-            )
+            raise AssertionError(f"{what}: transfers {missing} not reported in {TIMEOUT_S} s")
         time.sleep(0.0005)
 
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import re
 import unittest
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, MutableMapping
 from contextlib import contextmanager
+from typing import TypeVar
 
-__all__ = ["raises", "skip"]
+__all__ = ["raises", "record_once", "skip"]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
 @contextmanager
@@ -30,3 +34,11 @@ def raises(kind: type[BaseException], match: str | None = None) -> Iterator[None
 def skip(reason: str) -> None:
     """This check does not apply to the implementation under test."""
     raise unittest.SkipTest(reason)
+
+
+def record_once(seen: MutableMapping[K, V], key: K, value: V, what: str = "job") -> None:
+    """Record ``value`` under ``key``, failing if ``key`` was reported before (every
+    job, transfer or result is reported exactly once)."""
+    if key in seen:
+        raise AssertionError(f"{what} {key} reported twice")
+    seen[key] = value
