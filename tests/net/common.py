@@ -67,8 +67,14 @@ def plane_params() -> list[object]:
 
     from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 
+    # Slow: real NIXL agents in two processes take seconds to set up (and a lost peer
+    # tens of seconds to notice); tests/transport covers nixl in the fast loop.
     nixl = pytest.param(
-        "nixl", marks=pytest.mark.skipif(not NixlBackend.available(), reason=INSTALL_HINT)
+        "nixl",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(not NixlBackend.available(), reason=INSTALL_HINT),
+        ],
     )
     return ["tcp", "shm", nixl]
 

@@ -43,6 +43,8 @@ from tests.net.localnode import LocalNode
 from tests.net.netns import CUTS, VethNamespace, unavailable, veth_namespace
 from tests.net.processes import NodeProcess, start_producer, start_serve
 
+pytestmark = pytest.mark.slow  # network-namespace partitions
+
 HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 HEARTBEAT_TIMEOUT_S = 1.0
 PEER_WAIT_S = 2.0  # the default of peer_wait_s, which these tests keep

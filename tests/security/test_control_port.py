@@ -323,6 +323,7 @@ def _forged_metadata(ours: bytes) -> bytes:
     return bytes(forged)
 
 
+@pytest.mark.slow  # a nixl node process
 @pytest.mark.skipif(not NixlBackend.available(), reason="nixl is not installed")
 @pytest.mark.parametrize("extension", [False, True], ids=["vllm-style", "kvpeer-nixl-only"])
 def test_an_untrusted_peer_s_nixl_metadata_is_never_loaded(

@@ -429,6 +429,7 @@ def shm_path() -> Iterator[str]:
         os.unlink(path)
 
 
+@pytest.mark.slow  # a NIXL agent in a child process
 def test_write_into_another_process_then_it_dies(make_side: MakeSide, shm_path: str) -> None:
     a = make_side("A")
     context = multiprocessing.get_context("spawn")
