@@ -25,7 +25,7 @@ from kvpeer.errors import PeerLost
 from kvpeer.testing.clock import FakeClock
 from kvpeer.testing.expect import raises
 from kvpeer.testing.network import MemoryNetwork
-from kvpeer.transport.base import ControlTransport, InboundFrame
+from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame
 
 __all__ = [
     "CHECKS",
@@ -136,6 +136,19 @@ class Inbox:
             self.net.settle()
 
 
+def _linked(
+    net: ControlNet, first: bytes
+) -> tuple[ControlTransport, ControlTransport, ControlLink, Inbox]:
+    """Endpoints ``a`` and ``b``, a's link to b, and an inbox in which ``first`` (sent
+    on that link) has arrived at b."""
+    a, b = net.endpoint(), net.endpoint()
+    link = a.connect(b.local_id)
+    inbox = Inbox(net)
+    assert link.transmit(first)
+    inbox.until(lambda: len(inbox.of(b)) == 1, "the first frame delivered")
+    return a, b, link, inbox
+
+
 # -- the checks ---------------------------------------------------------------------------
 
 
@@ -163,11 +176,7 @@ def check_frames_arrive_in_order_tagged_with_the_sender(make: ControlNetFactory)
 
 def check_refuse_answers_on_the_callers_connection(make: ControlNetFactory) -> None:
     with make() as net:
-        a, b = net.endpoint(), net.endpoint()
-        link = a.connect(b.local_id)
-        inbox = Inbox(net)
-        assert link.transmit(b"hello")
-        inbox.until(lambda: len(inbox.of(b)) == 1, "hello delivered")
+        a, b, _link, inbox = _linked(net, b"hello")
         b.refuse(a.local_id, b"go away")
         inbox.until(lambda: len(inbox.of(a)) == 1, "refusal delivered")
         assert inbox.of(a) == [InboundFrame(b.local_id, b"go away", inbox.of(a)[0].source)]
@@ -200,11 +209,7 @@ def check_a_link_to_an_absent_peer_never_raises(make: ControlNetFactory) -> None
 
 def check_a_closed_link_sends_nothing_more(make: ControlNetFactory) -> None:
     with make() as net:
-        a, b = net.endpoint(), net.endpoint()
-        link = a.connect(b.local_id)
-        inbox = Inbox(net)
-        assert link.transmit(b"before")
-        inbox.until(lambda: len(inbox.of(b)) == 1, "first frame delivered")
+        _a, b, link, inbox = _linked(net, b"before")
         link.close()
         link.close()  # idempotent
         assert not link.alive
@@ -228,11 +233,7 @@ def check_last_words_still_go_out(make: ControlNetFactory) -> None:
 
 def check_a_closed_peer_is_a_dead_link(make: ControlNetFactory) -> None:
     with make() as net:
-        a, b = net.endpoint(), net.endpoint()
-        link = a.connect(b.local_id)
-        inbox = Inbox(net)
-        assert link.transmit(b"hello")
-        inbox.until(lambda: len(inbox.of(b)) == 1, "hello delivered")
+        _a, b, link, inbox = _linked(net, b"hello")
         b.close()
         inbox.until(lambda: not link.alive, "the link to a closed peer dies")
         assert link.transmit(b"anyone?") is False
