@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvpeer.bench.transport import render
 
 KIB = 1024
@@ -22,6 +24,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a real benchmark run, ~20 s
 def test_quick_json_run_over_shm_reports_every_row_against_its_baseline() -> None:
     run = _bench("--quick", "--planes", "shm", "--json")
 

@@ -66,8 +66,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "sim": frozenset({"config", "host", "node", "session", "testing", "transport", "types"}),
     "node": frozenset({"config", "errors", "host", "protocol", "session", "transport", "types"}),
     "host": frozenset({"session.ports", "types"}),
-    # testing.cluster builds whole tiers: the kit sits above the node.
-    "testing": frozenset({"config", "errors", "node", "protocol", "session", "transport", "types"}),
+    # testing.cluster builds whole tiers and testing.conformance data planes over a
+    # host's BlockPool: the kit sits above the node and the host.
+    "testing": frozenset(
+        {"config", "errors", "host", "node", "protocol", "session", "transport", "types"}
+    ),
     "checkconfig": frozenset({"config"}),
     "config": frozenset({"errors", "protocol", "session.settings"}),
     "transport": frozenset({"errors", "protocol", "session.ports"}),

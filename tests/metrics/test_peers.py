@@ -17,7 +17,9 @@ import pytest
 from kvpeer.metrics import peers
 from kvpeer.metrics.prom import MetricsServer
 from kvpeer.metrics.view import peers_section
-from tests.net.procs import LocalNode, NodeProcess, free_port, keys_of, start_serve
+from tests.net.common import free_port, keys_of
+from tests.net.localnode import LocalNode
+from tests.net.processes import NodeProcess, start_serve
 
 HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 

@@ -10,7 +10,8 @@ from kvpeer.metrics import ThreadCpu, read_node, values
 from kvpeer.node.counters import HistogramSnapshot
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.pull import PullResult
-from tests.net.procs import BLOCK_LEN, LocalNode, keys_of, open_pool_node
+from tests.net.common import BLOCK_LEN, keys_of
+from tests.net.localnode import LocalNode, open_pool_node
 
 HELD_S = 0.3
 

@@ -7,7 +7,9 @@ import sys
 
 from kvpeer.metrics.prom import MetricsServer
 from kvpeer.metrics.view import fetch, metrics_url, render
-from tests.net.procs import BLOCK_LEN, LocalNode, ServingNode, keys_of
+from tests.net.common import BLOCK_LEN, keys_of
+from tests.net.localnode import LocalNode
+from tests.net.servingnode import ServingNode
 
 
 def test_the_view_of_a_node_that_pulled() -> None:

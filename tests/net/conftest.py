@@ -13,14 +13,8 @@ from typing import Any
 import pytest
 import zmq
 
-from tests.net.procs import (
-    SHM_PREFIX,
-    NodeProcess,
-    StartNode,
-    plane_params,
-    start_producer,
-    start_serve,
-)
+from tests.net.common import SHM_PREFIX, plane_params
+from tests.net.processes import NodeProcess, StartNode, start_producer, start_serve
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +69,7 @@ def processes() -> Iterator[list[NodeProcess]]:
 
 @pytest.fixture
 def serve(tmp_path: Path, processes: list[NodeProcess]) -> StartNode:
-    """``serve(**kwargs)``: a ``kvpeer serve`` subprocess (see ``procs.start_serve``)."""
+    """``serve(**kwargs)``: a ``kvpeer serve`` subprocess (see ``processes.start_serve``)."""
 
     def start(**kwargs: Any) -> NodeProcess:
         wait = kwargs.pop("wait", True)
@@ -90,7 +84,7 @@ def serve(tmp_path: Path, processes: list[NodeProcess]) -> StartNode:
 
 @pytest.fixture
 def producer(tmp_path: Path, processes: list[NodeProcess]) -> StartNode:
-    """``producer(**kwargs)``: a PD producer subprocess (see ``procs.start_producer``)."""
+    """``producer(**kwargs)``: a PD producer subprocess (see ``processes.start_producer``)."""
 
     def start(**kwargs: Any) -> NodeProcess:
         wait = kwargs.pop("wait", True)

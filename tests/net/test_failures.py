@@ -26,20 +26,11 @@ from kvpeer.protocol import (
     LookupResponse,
 )
 from kvpeer.types import LookupResult
-from tests.net.procs import (
-    LocalNode,
-    NodeProcess,
-    PdLoad,
-    RawPeer,
-    ServingNode,
-    SilentListener,
-    StartNode,
-    free_port,
-    keys_of,
-    plane_params,
-    start_serve,
-    wait_until,
-)
+from tests.net.common import free_port, keys_of, plane_params, wait_until
+from tests.net.localnode import LocalNode, PdLoad
+from tests.net.processes import NodeProcess, StartNode, start_serve
+from tests.net.rawpeer import RawPeer, SilentListener
+from tests.net.servingnode import ServingNode
 
 HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 HEARTBEAT_TIMEOUT_S = 1.0

@@ -3,7 +3,7 @@ veth pair this test made (tests/net/netns.py), and every packet between the two 
 dropped in the middle of a handshake, a lookup, a PD fetch and a transfer.
 
 The producer is a real process (``kvpeer serve``, or the PD producer program of
-tests/net/procs.py) started with ``ip netns exec`` and bound to the namespace's
+tests/net/producer.py) started with ``ip netns exec`` and bound to the namespace's
 address; the consumer is a :class:`LocalNode` of this process bound to the root
 side of the pair, so the address its connections come from is its peer id and
 the producer dials it back there. Each case checks what an engine would see:
@@ -38,15 +38,12 @@ import pytest
 
 from kvpeer.node.params import split_peer_id
 from kvpeer.types import Key, LookupResult, RequestContext, TransferJob
+from tests.net.common import keys_of, wait_until
+from tests.net.localnode import LocalNode
 from tests.net.netns import CUTS, VethNamespace, unavailable, veth_namespace
-from tests.net.procs import (
-    LocalNode,
-    NodeProcess,
-    keys_of,
-    start_producer,
-    start_serve,
-    wait_until,
-)
+from tests.net.processes import NodeProcess, start_producer, start_serve
+
+pytestmark = pytest.mark.slow  # network-namespace partitions
 
 HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -77,11 +74,11 @@ class Partition:
         self.processes: list[NodeProcess] = []
 
     def serve(self, **kwargs: Any) -> NodeProcess:
-        """``kvpeer serve`` inside the namespace (see ``procs.start_serve``)."""
+        """``kvpeer serve`` inside the namespace (see ``processes.start_serve``)."""
         return self._start(start_serve, **kwargs)
 
     def producer(self, **kwargs: Any) -> NodeProcess:
-        """The PD producer program inside the namespace (see ``procs.start_producer``)."""
+        """The PD producer program inside the namespace (see ``processes.start_producer``)."""
         return self._start(start_producer, **kwargs)
 
     def _start(self, start: Callable[..., NodeProcess], **kwargs: Any) -> NodeProcess:

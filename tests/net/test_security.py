@@ -30,18 +30,11 @@ from kvpeer.protocol import (
     limits,
 )
 from kvpeer.types import LookupResult
-from tests.net.procs import (
-    LocalNode,
-    NodeProcess,
-    RawPeer,
-    ServingNode,
-    SilentListener,
-    StartNode,
-    free_port,
-    keys_of,
-    start_serve,
-    wait_until,
-)
+from tests.net.common import free_port, keys_of, wait_until
+from tests.net.localnode import LocalNode
+from tests.net.processes import NodeProcess, StartNode, start_serve
+from tests.net.rawpeer import RawPeer, SilentListener
+from tests.net.servingnode import ServingNode
 
 SLACK_S = 2.0
 ZmqContext = zmq.Context[zmq.Socket[bytes]]

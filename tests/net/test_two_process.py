@@ -1,7 +1,7 @@
 """Two processes over loopback: symmetric pulls and PD loads, byte-exact, on every plane.
 
 The producer is a real subprocess (``kvpeer serve`` with synthetic blocks, or the PD
-producer program of ``procs.py``); the consumer is a node in the test process driven
+producer program of ``producer.py``); the consumer is a node in the test process driven
 the way an engine drives it. Blocks land in permuted slots so an index mix-up shows.
 """
 
@@ -19,17 +19,9 @@ import pytest
 from kvpeer.node.pull import PullResult
 from kvpeer.node.synthetic import synthetic_key
 from kvpeer.types import LookupResult
-from tests.net.procs import (
-    DEADLINE_S,
-    LocalNode,
-    NodeProcess,
-    StartNode,
-    cpu_seconds,
-    keys_of,
-    plane_params,
-    start_serve,
-    wait_until,
-)
+from tests.net.common import DEADLINE_S, cpu_seconds, keys_of, plane_params, wait_until
+from tests.net.localnode import LocalNode
+from tests.net.processes import NodeProcess, StartNode, start_serve
 
 COUNT = 64
 

@@ -25,14 +25,10 @@ from kvpeer.errors import ConfigError, PeerLost
 from kvpeer.transport.base import InboundFrame
 from kvpeer.transport.zmq_control import CurveKeys, ZmqControl, ZmqLink
 from kvpeer.types import JobResult, RequestContext, TransferJob
-from tests.net.procs import (
-    DEADLINE_S,
-    LocalNode,
-    RawPeer,
-    ServingNode,
-    keys_of,
-    plane_params,
-)
+from tests.net.common import DEADLINE_S, keys_of, plane_params
+from tests.net.localnode import LocalNode
+from tests.net.rawpeer import RawPeer
+from tests.net.servingnode import ServingNode
 
 ZmqContext = zmq.Context[zmq.Socket[bytes]]
 

@@ -247,6 +247,7 @@ class TestDecodingArbitraryMsgpack:
         """Nested None/bool/int/float/str/bytes/lists/dicts."""
         decodes_totally(msgspec.msgpack.encode(value))
 
+    @pytest.mark.slow  # 300 fuzzed maps
     @settings(max_examples=300, deadline=None)
     @given(message_like_maps)
     def test_message_like_maps(self, value: dict[Any, Any]) -> None:

@@ -30,17 +30,11 @@ from kvpeer.protocol import (
 )
 from kvpeer.transport.data.nixl import NixlBackend
 from kvpeer.transport.zmq_control import ZmqControl
-from tests.net.procs import (
-    BLOCK_LEN,
-    HASH_SEED,
-    LocalNode,
-    RawPeer,
-    ServingNode,
-    StartNode,
-    free_port,
-    keys_of,
-    wait_until,
-)
+from tests.net.common import BLOCK_LEN, HASH_SEED, free_port, keys_of, wait_until
+from tests.net.localnode import LocalNode
+from tests.net.processes import StartNode
+from tests.net.rawpeer import RawPeer
+from tests.net.servingnode import ServingNode
 
 ZmqContext = zmq.Context[zmq.Socket[bytes]]
 CODEC = Codec()
@@ -329,6 +323,7 @@ def _forged_metadata(ours: bytes) -> bytes:
     return bytes(forged)
 
 
+@pytest.mark.slow  # a nixl node process
 @pytest.mark.skipif(not NixlBackend.available(), reason="nixl is not installed")
 @pytest.mark.parametrize("extension", [False, True], ids=["vllm-style", "kvpeer-nixl-only"])
 def test_an_untrusted_peer_s_nixl_metadata_is_never_loaded(

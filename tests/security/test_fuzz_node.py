@@ -20,6 +20,8 @@ from kvpeer.fuzz.generator import MESSAGE_TYPES
 from kvpeer.fuzz.harness import FuzzResult, FuzzSpec, available_planes, run_fuzz
 from kvpeer.fuzz.report import render
 
+pytestmark = pytest.mark.slow  # a live node under 100,000 frames
+
 FRAMES_PER_RUN = 50_000
 SEEDS = (1, 2)  # 2 x 50,000 frames: the suite's 100,000
 

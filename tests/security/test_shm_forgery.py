@@ -31,17 +31,10 @@ from kvpeer.protocol import (
     TransferDone,
     TransportOffer,
 )
-from tests.net.procs import (
-    BLOCK_LEN,
-    DEADLINE_S,
-    LocalNode,
-    NodeProcess,
-    RawPeer,
-    free_port,
-    keys_of,
-    start_serve,
-    wait_until,
-)
+from tests.net.common import BLOCK_LEN, DEADLINE_S, free_port, keys_of, wait_until
+from tests.net.localnode import LocalNode
+from tests.net.processes import NodeProcess, start_serve
+from tests.net.rawpeer import RawPeer
 
 ZmqContext = zmq.Context[zmq.Socket[bytes]]
 NODE_BLOCKS = 64

@@ -23,7 +23,10 @@ import zmq
 
 from kvpeer.protocol import Connect
 from kvpeer.transport.data.tcpgate import MAX_PENDING
-from tests.net.procs import LocalNode, RawPeer, StartNode, free_port, keys_of, wait_until
+from tests.net.common import free_port, keys_of, wait_until
+from tests.net.localnode import LocalNode
+from tests.net.processes import StartNode
+from tests.net.rawpeer import RawPeer
 from tests.transport.test_tcp import dialed, listeners
 
 ZmqContext = zmq.Context[zmq.Socket[bytes]]

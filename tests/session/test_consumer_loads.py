@@ -7,7 +7,6 @@ Hand-made producer messages are delivered straight to ``a`` after the handshake.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TypeVar
 
 import pytest
@@ -16,7 +15,6 @@ from kvpeer.errors import ProtocolError
 from kvpeer.protocol import (
     AbortAck,
     AbortFetch,
-    Codec,
     Fetch,
     LookupResponse,
     Message,
@@ -24,6 +22,7 @@ from kvpeer.protocol import (
 )
 from kvpeer.session import CloseKind
 from kvpeer.testing import Node, SessionPair
+from kvpeer.testing.steps import fetch, inject, probe, sent, serve_lookups
 from kvpeer.types import Key
 
 ID = "req-1"
@@ -35,33 +34,9 @@ def key(n: int) -> Key:
     return f"prefix-hash-{n:04d}".encode() + (0).to_bytes(4, "big")
 
 
-def sent(node: Node, kind: type[M]) -> list[M]:
-    """Messages of one type ``node`` put on the wire, in order."""
-    return [m for m in node.sent() if isinstance(m, kind)]
 
 
-def to_consumer(pair: SessionPair, message: Message) -> None:
-    """Deliver a hand-made producer message to the consumer."""
-    pair.a.session.receive(Codec().encode(message), pair.clock.now)
 
-
-def probe(pair: SessionPair, kv_request_id: str, *keys: Key) -> list[bool | None]:
-    return [pair.a.session.register_probe(kv_request_id, k, pair.clock.now) for k in keys]
-
-
-def serve_lookups(pair: SessionPair) -> None:
-    """Flush a's probes, let b resolve them against its parent, deliver the answers."""
-    pair.a.session.flush_lookups()
-    pair.deliver()
-    pair.serve()
-    pair.pump()
-
-
-def fetch(pair: SessionPair, keys: Sequence[Key], slots: Sequence[int], kv_id: str = ID) -> int:
-    """Submit a load job on the consumer; return its job id."""
-    job = pair.next_job_id()
-    pair.a.session.request_blocks(job, kv_id, keys, slots, pair.clock.now)
-    return job
 
 
 def done(round_seq: int, success: bool = True, reason: str | None = None) -> TransferDone:
@@ -84,7 +59,7 @@ class TestFetch:
     def test_request_blocks_sends_one_fetch_with_the_current_round(self) -> None:
         """Keys and our slots go out pairwise in one fetch for round 0."""
         pair = SessionPair()
-        fetch(pair, [key(0), key(1)], [3, 4])
+        fetch(pair, [key(0), key(1)], [3, 4], ID)
 
         assert sent(pair.a, Fetch) == [
             Fetch(kv_request_id=ID, keys=(key(0), key(1)), block_indexes=(3, 4), round_seq=0)
@@ -95,8 +70,8 @@ class TestFetch:
         """Each fetch of an id takes the next round; another id counts on its own."""
         pair = SessionPair()
         for n in range(3):
-            fetch(pair, [key(n)], [n])
-        fetch(pair, [key(9)], [9], kv_id="req-2")
+            fetch(pair, [key(n)], [n], ID)
+        fetch(pair, [key(9)], [9], "req-2")
 
         rounds = [(m.kv_request_id, m.round_seq) for m in sent(pair.a, Fetch)]
         assert rounds == [(ID, 0), (ID, 1), (ID, 2), ("req-2", 0)]
@@ -124,7 +99,7 @@ class TestInvalidLoads:
     def test_invalid_load_is_refused_locally(self, keys: list[Key], slots: list[int]) -> None:
         """Nothing is sent, no slot opens, and a load already in flight survives."""
         pair = SessionPair(num_blocks=64)
-        other = fetch(pair, [key(9)], [9], kv_id="req-2")
+        other = fetch(pair, [key(9)], [9], "req-2")
         pair.pump()
         frames = len(pair.a.outbox.log)
         job = pair.next_job_id()
@@ -153,15 +128,15 @@ class TestConcurrentLoads:
     def test_crafted_completions_out_of_order(self) -> None:
         """transfer_done for rounds 1, 2, 0 reports each job with its own outcome."""
         pair = SessionPair()
-        jobs = [fetch(pair, [key(n)], [n]) for n in range(3)]
+        jobs = [fetch(pair, [key(n)], [n], ID) for n in range(3)]
 
-        to_consumer(pair, done(1))
+        inject(pair, pair.a, done(1))
         pair.poll()
         assert set(pair.a.loads) == {jobs[1]}
         assert pair.a.loads[jobs[1]].success
 
-        to_consumer(pair, done(2, success=False, reason="peer lost the block"))
-        to_consumer(pair, done(0))
+        inject(pair, pair.a, done(2, success=False, reason="peer lost the block"))
+        inject(pair, pair.a, done(0))
         pair.poll()
 
         assert {j: r.success for j, r in pair.a.loads.items()} == {
@@ -175,12 +150,12 @@ class TestConcurrentLoads:
     def test_duplicate_or_foreign_transfer_done_is_stale(self) -> None:
         """A second transfer_done, or one for an unknown id, reports nothing."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
-        to_consumer(pair, done(0))
+        job = fetch(pair, [key(0)], [3], ID)
+        inject(pair, pair.a, done(0))
         pair.poll()
 
-        to_consumer(pair, done(0, success=False))
-        to_consumer(pair, TransferDone(kv_request_id="req-other", success=True, round_seq=0))
+        inject(pair, pair.a, done(0, success=False))
+        inject(pair, pair.a, TransferDone(kv_request_id="req-other", success=True, round_seq=0))
         pair.poll()
 
         assert list(pair.a.loads) == [job]
@@ -195,11 +170,11 @@ class TestConcurrentLoads:
         pair.b.parent.put(key(1))
         probe(pair, ID, key(0))
         serve_lookups(pair)
-        first = fetch(pair, [key(0)], [10])
+        first = fetch(pair, [key(0)], [10], ID)
         pair.pump()
         probe(pair, ID, key(1))
         serve_lookups(pair)
-        second = fetch(pair, [key(1)], [11])
+        second = fetch(pair, [key(1)], [11], ID)
         pair.pump()
         write_0, write_1 = sorted(pair.b.plane.pending)
 
@@ -224,7 +199,7 @@ class TestLoadTimeout:
         pair = SessionPair()
         timeout = pair.settings.load_timeout_s
         start = pair.clock.now
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         assert pair.a.session.next_deadline() == start + timeout
 
         pair.clock.advance(timeout - 1)
@@ -245,7 +220,7 @@ class TestLoadTimeout:
     def test_abort_ack_fails_the_load_with_a_reason(self) -> None:
         """The producer's abort_ack ends the load as a failure that says why."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.pump()  # b parks the PD demand: no supply ever comes
 
         pair.clock.advance(pair.settings.load_timeout_s)
@@ -259,7 +234,7 @@ class TestLoadTimeout:
     def test_missing_ack_fails_the_load_after_the_ack_timeout(self) -> None:
         """Without an ack the load fails abort_ack_timeout_s after the abort, not before."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()  # abort_fetch sent; nothing is delivered from here on
 
@@ -284,24 +259,24 @@ class TestLoadTimeout:
     def test_reused_id_after_an_unacked_abort_keeps_counting_rounds(self) -> None:
         """A late abort_ack of round 0 cannot complete a newer load of the same id."""
         pair = SessionPair()
-        old = fetch(pair, [key(0)], [3])
+        old = fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()  # abort_fetch for round 0 goes out, never acknowledged
         pair.clock.advance(pair.settings.abort_ack_timeout_s)
         pair.poll()
         assert not pair.a.loads[old].success
 
-        new = fetch(pair, [key(1)], [4])
+        new = fetch(pair, [key(1)], [4], ID)
         rounds = [m.round_seq for m in pair.a.sent_of(Fetch) if isinstance(m, Fetch)]
         assert rounds == [0, 1]
-        to_consumer(pair, AbortAck(kv_request_id=ID, round_seq=0))  # the late ack
+        inject(pair, pair.a, AbortAck(kv_request_id=ID, round_seq=0))  # the late ack
         pair.poll()
         assert new not in pair.a.loads
 
     def test_late_answers_after_the_ack_timeout_are_ignored(self) -> None:
         """A late abort_ack and transfer_done change nothing and count as stale."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.pump()
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()
@@ -310,7 +285,7 @@ class TestLoadTimeout:
         failed = pair.a.loads[job]
 
         pair.pump()  # b finally receives the abort and acks it
-        to_consumer(pair, done(0))
+        inject(pair, pair.a, done(0))
         pair.poll()
 
         assert sent(pair.b, AbortAck) == [AbortAck(kv_request_id=ID, round_seq=0)]
@@ -320,16 +295,16 @@ class TestLoadTimeout:
     def test_timeout_of_one_round_leaves_the_next_round_alone(self) -> None:
         """Round 0 times out and aborts; round 1, submitted later, completes."""
         pair = SessionPair()
-        first = fetch(pair, [key(0)], [3])
+        first = fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s / 2)
-        second = fetch(pair, [key(1)], [4])
+        second = fetch(pair, [key(1)], [4], ID)
 
         pair.clock.advance(pair.settings.load_timeout_s / 2)
         pair.poll()
         assert sent(pair.a, AbortFetch) == [AbortFetch(kv_request_id=ID, round_seq=0)]
 
-        to_consumer(pair, done(1))
-        to_consumer(pair, AbortAck(kv_request_id=ID, round_seq=0))
+        inject(pair, pair.a, done(1))
+        inject(pair, pair.a, AbortAck(kv_request_id=ID, round_seq=0))
         pair.poll()
         assert pair.a.loads[second].success
         assert not pair.a.loads[first].success
@@ -337,12 +312,12 @@ class TestLoadTimeout:
     def test_transfer_done_while_aborting_reports_the_real_outcome(self) -> None:
         """A transfer_done that crossed our abort ends the load; the ack is then stale."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()
 
-        to_consumer(pair, done(0))
-        to_consumer(pair, AbortAck(kv_request_id=ID, round_seq=0))
+        inject(pair, pair.a, done(0))
+        inject(pair, pair.a, AbortAck(kv_request_id=ID, round_seq=0))
         pair.poll()
 
         assert pair.a.loads[job].success
@@ -355,7 +330,7 @@ class TestFinish:
     def test_finish_aborts_loads_and_reports_them_on_ack(self) -> None:
         """Each in-flight load gets abort_fetch and is reported once, after the ack."""
         pair = SessionPair()
-        jobs = [fetch(pair, [key(n)], [n]) for n in range(2)]
+        jobs = [fetch(pair, [key(n)], [n], ID) for n in range(2)]
         pair.pump()
 
         pair.a.session.finish_consumer(ID, pair.clock.now)
@@ -373,7 +348,7 @@ class TestFinish:
     def test_finish_reports_loads_when_no_ack_comes(self) -> None:
         """Loads of a finished request are never dropped: the ack timeout fails them."""
         pair = SessionPair()
-        jobs = [fetch(pair, [key(n)], [n]) for n in range(2)]
+        jobs = [fetch(pair, [key(n)], [n], ID) for n in range(2)]
         pair.a.session.finish_consumer(ID, pair.clock.now)
 
         pair.clock.advance(pair.settings.abort_ack_timeout_s - 1)
@@ -388,7 +363,7 @@ class TestFinish:
     def test_finish_does_not_abort_an_aborting_load_again(self) -> None:
         """A load already aborted by its timeout gets no second abort_fetch."""
         pair = SessionPair()
-        fetch(pair, [key(0)], [3])
+        fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()
 
@@ -426,8 +401,8 @@ class TestFinish:
     def test_finish_without_lookup_sends_no_fetch(self) -> None:
         """No lookup ever went out: nothing to release."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
-        to_consumer(pair, done(0))
+        job = fetch(pair, [key(0)], [3], ID)
+        inject(pair, pair.a, done(0))
         pair.poll()
         frames = len(pair.a.sent())
 
@@ -442,7 +417,7 @@ class TestFinish:
         pair.b.parent.put(key(0))
         probe(pair, ID, key(0))
         serve_lookups(pair)
-        fetch(pair, [key(0)], [3])
+        fetch(pair, [key(0)], [3], ID)
         pair.pump()
         pair.b.plane.complete_all()
         pair.pump()
@@ -466,7 +441,7 @@ class TestFinish:
     def test_finish_with_load_and_later_lookup_sends_both(self) -> None:
         """A load of round 0 in flight and a lookup for round 1: abort and empty fetch."""
         pair = SessionPair()
-        fetch(pair, [key(0)], [3])
+        fetch(pair, [key(0)], [3], ID)
         probe(pair, ID, key(1))
         pair.a.session.flush_lookups()
 
@@ -480,7 +455,7 @@ class TestFinish:
     def test_finish_of_unknown_id_is_a_noop(self) -> None:
         """Finishing an id we know nothing about sends and reports nothing."""
         pair = SessionPair()
-        fetch(pair, [key(0)], [3])
+        fetch(pair, [key(0)], [3], ID)
         frames = len(pair.a.sent())
 
         pair.a.session.finish_consumer("req-unknown", pair.clock.now)
@@ -498,15 +473,15 @@ class TestClose:
         """Ids with loads or waiting probes are listed once; resolved ones are not."""
         pair = SessionPair()
         jobs = [
-            fetch(pair, [key(0)], [0], kv_id="loading"),
-            fetch(pair, [key(1)], [1], kv_id="two-loads"),
-            fetch(pair, [key(2)], [2], kv_id="two-loads"),
+            fetch(pair, [key(0)], [0], "loading"),
+            fetch(pair, [key(1)], [1], "two-loads"),
+            fetch(pair, [key(2)], [2], "two-loads"),
         ]
         probe(pair, "waiting", key(3))
         probe(pair, "resolved", key(4))
         pair.a.session.flush_lookups()
         answer = LookupResponse(kv_request_id="resolved", keys=(key(4),), hits=(True,), round_seq=0)
-        to_consumer(pair, answer)
+        inject(pair, pair.a, answer)
 
         pair.a.session.close()
         pair.poll()
@@ -521,7 +496,7 @@ class TestClose:
     def test_close_counts_an_aborting_load_once(self) -> None:
         """A load waiting for its abort_ack is failed by the close, exactly once."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()
 
@@ -544,7 +519,7 @@ class TestClose:
         pair.a.session.close()
 
         assert probe(pair, ID, key(0), key(1)) == [False, False]
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.poll()
         assert not pair.a.loads[job].success
         assert sent(pair.a, Fetch) == []
@@ -556,10 +531,10 @@ class TestWriteWindow:
     def test_slots_are_open_while_the_load_runs(self) -> None:
         """Opened at the fetch, closed when transfer_done reports the load."""
         pair = SessionPair()
-        fetch(pair, [key(0), key(1)], [3, 4])
+        fetch(pair, [key(0), key(1)], [3, 4], ID)
         assert pair.a.plane.open_slots_for("b") == {3, 4}
 
-        to_consumer(pair, done(0))
+        inject(pair, pair.a, done(0))
         pair.poll()
 
         assert pair.a.plane.open_slots_for("b") == set()
@@ -567,9 +542,9 @@ class TestWriteWindow:
     def test_failed_load_closes_its_slots(self) -> None:
         """A transfer_done(false) closes the slots too."""
         pair = SessionPair()
-        fetch(pair, [key(0)], [3])
+        fetch(pair, [key(0)], [3], ID)
 
-        to_consumer(pair, done(0, success=False))
+        inject(pair, pair.a, done(0, success=False))
         pair.poll()
 
         assert pair.a.plane.open_slots_for("b") == set()
@@ -577,13 +552,13 @@ class TestWriteWindow:
     def test_aborted_load_keeps_its_slots_open_until_the_ack(self) -> None:
         """The peer may still write until it acks: slots stay open, the job unreported."""
         pair = SessionPair()
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()
         assert pair.a.plane.open_slots_for("b") == {3}
         assert job not in pair.a.loads
 
-        to_consumer(pair, AbortAck(kv_request_id=ID, round_seq=0))
+        inject(pair, pair.a, AbortAck(kv_request_id=ID, round_seq=0))
         pair.poll()
 
         assert pair.a.plane.open_slots_for("b") == set()
@@ -592,7 +567,7 @@ class TestWriteWindow:
     def test_ack_timeout_closes_the_slots(self) -> None:
         """When the ack never comes, the slots close as the load fails."""
         pair = SessionPair()
-        fetch(pair, [key(0)], [3])
+        fetch(pair, [key(0)], [3], ID)
         pair.clock.advance(pair.settings.load_timeout_s)
         pair.poll()
         pair.clock.advance(pair.settings.abort_ack_timeout_s)
@@ -603,10 +578,10 @@ class TestWriteWindow:
     def test_each_load_closes_only_its_own_slots(self) -> None:
         """Completing round 1 leaves round 0's slots open."""
         pair = SessionPair()
-        fetch(pair, [key(0), key(1)], [1, 2])
-        fetch(pair, [key(2)], [3])
+        fetch(pair, [key(0), key(1)], [1, 2], ID)
+        fetch(pair, [key(2)], [3], ID)
 
-        to_consumer(pair, done(1))
+        inject(pair, pair.a, done(1))
         pair.poll()
 
         assert pair.a.plane.open_slots_for("b") == {1, 2}
@@ -614,8 +589,8 @@ class TestWriteWindow:
     def test_close_closes_every_slot(self) -> None:
         """A closed session leaves nothing open for the peer."""
         pair = SessionPair()
-        fetch(pair, [key(0)], [1])
-        fetch(pair, [key(1)], [2], kv_id="req-2")
+        fetch(pair, [key(0)], [1], ID)
+        fetch(pair, [key(1)], [2], "req-2")
 
         pair.a.session.close()
         pair.poll()

@@ -14,7 +14,8 @@ import pytest
 
 from kvpeer.protocol import Codec, Fetch, Lookup, LookupResponse, Message, TransferDone
 from kvpeer.session import SessionSettings
-from kvpeer.testing import Node, SessionPair
+from kvpeer.testing import SessionPair
+from kvpeer.testing.steps import fetch, probe, sent, serve_lookups
 from kvpeer.types import Key
 
 ID = "req-1"
@@ -26,14 +27,6 @@ def key(n: int) -> Key:
     return f"prefix-hash-{n:04d}".encode() + (0).to_bytes(4, "big")
 
 
-def sent(node: Node, kind: type[M]) -> list[M]:
-    """Messages of one type ``node`` put on the wire, in order."""
-    return [m for m in node.sent() if isinstance(m, kind)]
-
-
-def probe(pair: SessionPair, kv_request_id: str, *keys: Key) -> list[bool | None]:
-    """The consumer's answers to the engine for ``keys`` right now."""
-    return [pair.a.session.register_probe(kv_request_id, k, pair.clock.now) for k in keys]
 
 
 def answer(
@@ -48,23 +41,10 @@ def answer(
     pair.a.session.receive(Codec().encode(message), pair.clock.now)
 
 
-def serve_lookups(pair: SessionPair) -> None:
-    """Flush a's probes, let b resolve them against its parent, deliver the answers."""
-    pair.a.session.flush_lookups()
-    pair.deliver()
-    pair.serve()
-    pair.pump()
-
 
 def stale_answers(pair: SessionPair) -> int:
     return pair.a.session.statistics().consumer.stale_answers
 
-
-def fetch(pair: SessionPair, keys: list[Key], slots: list[int]) -> int:
-    """Submit a load job on the consumer; return its job id."""
-    job = pair.next_job_id()
-    pair.a.session.request_blocks(job, ID, keys, slots, pair.clock.now)
-    return job
 
 
 class TestLookupAggregation:
@@ -238,7 +218,7 @@ class TestCraftedAnswers:
         probe(pair, ID, key(0))
         pair.a.session.flush_lookups()
         answer(pair, (key(0),), (True,))
-        fetch(pair, [key(0)], [3])
+        fetch(pair, [key(0)], [3], ID)
         assert probe(pair, ID, key(0)) == [None]
         pair.a.session.flush_lookups()
         assert sent(pair.a, Lookup)[-1] == Lookup(kv_request_id=ID, keys=(key(0),), round_seq=1)
@@ -265,7 +245,7 @@ class TestCraftedAnswers:
     def test_untagged_answer_resolves_a_later_round(self) -> None:
         """Without a round tag an answer is taken for the current round's probes."""
         pair = SessionPair()
-        fetch(pair, [key(5)], [3])
+        fetch(pair, [key(5)], [3], ID)
         probe(pair, ID, key(0))
         pair.a.session.flush_lookups()
         assert sent(pair.a, Lookup)[-1].round_seq == 1
@@ -286,7 +266,7 @@ class TestFetchClosesTheRound:
         serve_lookups(pair)
         assert probe(pair, ID, key(0)) == [True]
 
-        fetch(pair, [key(0)], [7])
+        fetch(pair, [key(0)], [7], ID)
         assert probe(pair, ID, key(0)) == [None]
         serve_lookups(pair)
 
@@ -303,7 +283,7 @@ class TestFetchClosesTheRound:
         probe(pair, ID, key(0), key(1))
         serve_lookups(pair)
 
-        job = fetch(pair, [key(0), key(1)], [3, 4])
+        job = fetch(pair, [key(0), key(1)], [3, 4], ID)
         pair.poll()
 
         assert not pair.a.loads[job].success
@@ -324,7 +304,7 @@ class TestFetchClosesTheRound:
         probe(pair, ID, key(0))
         pair.a.session.flush_lookups()
 
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.poll()
 
         assert not pair.a.loads[job].success
@@ -439,7 +419,7 @@ class TestLookupTimeout:
         pair.clock.advance(pair.settings.lookup_timeout_s)
         pair.poll()
 
-        job = fetch(pair, [key(0)], [3])
+        job = fetch(pair, [key(0)], [3], ID)
         pair.poll()
 
         assert not pair.a.loads[job].success
@@ -506,7 +486,7 @@ class TestBytes:
         serve_lookups(pair)
         assert probe(pair, ID, *keys) == [True] * 4
 
-        job = fetch(pair, keys, slots)
+        job = fetch(pair, keys, slots, ID)
         pair.pump()
         assert pair.a.plane.open_slots_for("b") == set(slots)
         pair.b.plane.complete_all()

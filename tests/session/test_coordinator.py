@@ -26,10 +26,10 @@ from kvpeer.protocol import (
     LookupResponse,
     Message,
     TransferDone,
-    UnknownMessage,
 )
-from kvpeer.session import CloseKind, PeerSession, SessionClosed, SessionSettings
+from kvpeer.session import CloseKind, PeerSession, SessionSettings
 from kvpeer.testing import Fabric, FakeDataPlane, Node, Region, SessionPair, make_hello
+from kvpeer.testing.steps import closed, inject, kinds, sent
 from kvpeer.types import Key
 
 T = TypeVar("T", bound=Message)
@@ -51,23 +51,8 @@ def connected(first: str = "a", **kwargs: Any) -> SessionPair:
     return pair
 
 
-def kinds(node: Node) -> list[type[Message | UnknownMessage]]:
-    return [type(m) for m in node.sent()]
 
 
-def sent(node: Node, kind: type[T]) -> list[T]:
-    return [m for m in node.sent() if isinstance(m, kind)]
-
-
-def closed(node: Node) -> SessionClosed:
-    assert node.closed is not None, f"session of {node.node_id} is still open"
-    return node.closed
-
-
-def inject(pair: SessionPair, node: Node, frame: bytes | Message) -> None:
-    """Hand ``node`` a frame as if its peer had sent it."""
-    raw = frame if isinstance(frame, bytes) else CODEC.encode(frame)
-    node.session.receive(raw, pair.clock.now)
 
 
 def pd_fetch(

@@ -24,10 +24,10 @@ from kvpeer.protocol import (
     Fetch,
     Lookup,
     Message,
-    UnknownMessage,
 )
-from kvpeer.session import CloseKind, PeerSession, SessionClosed, SessionSettings
+from kvpeer.session import CloseKind, PeerSession, SessionSettings
 from kvpeer.testing import Fabric, FakeDataPlane, Node, Region, SessionPair, make_hello
+from kvpeer.testing.steps import closed, kinds, sent
 
 T = TypeVar("T", bound=Message)
 
@@ -58,17 +58,7 @@ def handshake(pair: SessionPair, first: str) -> None:
     pair.pump()
 
 
-def kinds(node: Node) -> list[type[Message | UnknownMessage]]:
-    return [type(m) for m in node.sent()]
 
-
-def sent(node: Node, kind: type[T]) -> list[T]:
-    return [m for m in node.sent() if isinstance(m, kind)]
-
-
-def closed(node: Node) -> SessionClosed:
-    assert node.closed is not None, f"session of {node.node_id} is still open"
-    return node.closed
 
 
 def advance_to(pair: SessionPair, when: float) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpeer.protocol import Codec, Fetch, Lookup, LookupResponse, Message, TransferDone, limits
+from kvpeer.protocol import Codec, Fetch, Lookup, LookupResponse, TransferDone, limits
 from kvpeer.session import CloseKind, SessionSettings
 from kvpeer.session.producer import MAX_QUEUED_LOOKUP_KEYS
-from kvpeer.testing import Node, SessionPair
+from kvpeer.testing import SessionPair
+from kvpeer.testing.steps import inject, sent
 from kvpeer.types import Key
 
 KV = "req-1"
@@ -29,17 +30,7 @@ def probe(pair: SessionPair, keys: list[Key], kv: str = KV) -> None:
     pair.deliver()
 
 
-def send_to_b(pair: SessionPair, message: Message) -> None:
-    """Deliver a hand-crafted consumer message to the producer."""
-    pair.b.session.receive(Codec().encode(message), pair.clock.now)
 
-
-def responses(node: Node) -> list[LookupResponse]:
-    return [m for m in node.sent() if isinstance(m, LookupResponse)]
-
-
-def transfers_done(node: Node) -> list[TransferDone]:
-    return [m for m in node.sent() if isinstance(m, TransferDone)]
 
 
 def fetch(pair: SessionPair, keys: list[Key], first_slot: int = 10) -> int:
@@ -83,12 +74,12 @@ class TestServeWindow:
         pair.pump()
         parent = pair.b.parent
         assert (parent.requests_seen, parent.lookups, parent.open_jobs) == (0, 0, {})
-        assert responses(pair.b) == []
+        assert sent(pair.b, LookupResponse) == []
 
         pair.serve()
         pair.pump()
         assert parent.requests_seen == 1
-        assert [r.hits for r in responses(pair.b)] == [(True,)]
+        assert [r.hits for r in sent(pair.b, LookupResponse)] == [(True,)]
         assert pair.a.session.register_probe(KV, K1, pair.clock.now) is True
         finish_consumer(pair)
         assert_settled(pair)
@@ -106,7 +97,7 @@ class TestImmediateAnswers:
         assert len(jobs) == 1
         assert jobs[0].keys == (K1, K2, K3)
         assert pair.b.parent.pins == dict.fromkeys(slots, 1)
-        [response] = responses(pair.b)
+        [response] = sent(pair.b, LookupResponse)
         assert (response.keys, response.hits) == ((K1, K2, K3), (True, True, True))
         assert pair.b.parent.open_requests == {}
         pair.pump()
@@ -123,7 +114,7 @@ class TestImmediateAnswers:
         parent = pair.b.parent
         assert parent.open_jobs == {}
         assert parent.finished_jobs == {}
-        [response] = responses(pair.b)
+        [response] = sent(pair.b, LookupResponse)
         assert (response.keys, response.hits) == ((K1, K2), (False, False))
         assert parent.requests_seen == 1
         assert parent.open_requests == {}
@@ -136,12 +127,12 @@ class TestImmediateAnswers:
         """lookup_resp is tagged with the round_seq of the lookup it answers."""
         pair = SessionPair()
         pair.b.parent.put(K1)
-        send_to_b(pair, Lookup(kv_request_id=KV, keys=(K1, K2), round_seq=3))
+        inject(pair, pair.b, Lookup(kv_request_id=KV, keys=(K1, K2), round_seq=3))
         pair.serve()
-        [response] = responses(pair.b)
+        [response] = sent(pair.b, LookupResponse)
         assert response.round_seq == 3
         assert (response.keys, response.hits) == ((K1, K2), (True, False))
-        send_to_b(pair, Fetch(kv_request_id=KV, keys=(), block_indexes=(), round_seq=4))
+        inject(pair, pair.b, Fetch(kv_request_id=KV, keys=(), block_indexes=(), round_seq=4))
         pair.pump()
         assert_settled(pair)
 
@@ -156,7 +147,7 @@ class TestImmediateAnswers:
         fetch(pair, [K1])
         probe(pair, [K2])
         pair.serve()
-        assert [r.round_seq for r in responses(pair.b)] == [0, 1]
+        assert [r.round_seq for r in sent(pair.b, LookupResponse)] == [0, 1]
         pair.b.plane.complete_all()
         pair.pump()
         finish_consumer(pair)
@@ -167,14 +158,14 @@ class TestImmediateAnswers:
         pair = SessionPair()
         s1, s3 = pair.b.parent.put(K1), pair.b.parent.put(K3)
         keys = (K1, K2, K1, K3, K2)
-        send_to_b(pair, Lookup(kv_request_id=KV, keys=keys, round_seq=0))
+        inject(pair, pair.b, Lookup(kv_request_id=KV, keys=keys, round_seq=0))
         pair.serve()
-        [response] = responses(pair.b)
+        [response] = sent(pair.b, LookupResponse)
         assert response.keys == keys
         assert response.hits == (True, False, True, True, False)
         assert len(pair.b.parent.open_jobs) == 1
         assert pair.b.parent.pins == {s1: 1, s3: 1}
-        send_to_b(pair, Fetch(kv_request_id=KV, keys=(), block_indexes=(), round_seq=1))
+        inject(pair, pair.b, Fetch(kv_request_id=KV, keys=(), block_indexes=(), round_seq=1))
         pair.pump()
         assert_settled(pair)
 
@@ -192,7 +183,7 @@ class TestPendingKeys:
 
         [first_job] = parent.open_jobs.values()
         assert first_job.keys == (K1,)
-        assert responses(pair.b) == []
+        assert sent(pair.b, LookupResponse) == []
         assert len(parent.open_requests) == 1  # the serve request stays open while parked
 
         parent.pending.discard(K3)
@@ -201,7 +192,7 @@ class TestPendingKeys:
         assert len(parent.open_jobs) == 2
         second = next(j for j in parent.open_jobs.values() if j is not first_job)
         assert second.keys == (K3,)
-        [response] = responses(pair.b)
+        [response] = sent(pair.b, LookupResponse)
         assert (response.keys, response.hits) == ((K1, K2, K3), (True, False, True))
         assert parent.open_requests == {}
 
@@ -231,11 +222,11 @@ class TestPendingKeys:
         pair.clock.advance(timeout - 0.5)
         pair.poll()
         pair.serve()
-        assert responses(pair.b) == []
+        assert sent(pair.b, LookupResponse) == []
 
         pair.clock.advance(0.5)
         pair.serve()
-        [response] = responses(pair.b)
+        [response] = sent(pair.b, LookupResponse)
         assert (response.keys, response.hits) == ((K1, K2), (True, False))
         [job] = parent.open_jobs.values()
         assert job.keys == (K1,)
@@ -247,7 +238,7 @@ class TestPendingKeys:
         parent.undecided.clear()
         pair.serve()
         assert len(parent.open_jobs) == 1
-        assert len(responses(pair.b)) == 1
+        assert len(sent(pair.b, LookupResponse)) == 1
         pair.pump()
         finish_consumer(pair)
         assert_settled(pair)
@@ -266,7 +257,8 @@ class TestOneResponsePerLookup:
         pair.deliver()
         pair.serve()
 
-        assert [(r.keys, r.hits) for r in responses(pair.b)] == [((K1,), (True,)), ((K2,), (True,))]
+        answers = [(r.keys, r.hits) for r in sent(pair.b, LookupResponse)]
+        assert answers == [((K1,), (True,)), ((K2,), (True,))]
         assert parent.requests_seen == 2
         assert parent.open_requests == {}  # each finished once (the fake asserts no twice)
         assert sorted(j.keys for j in parent.open_jobs.values()) == [(K1,), (K2,)]
@@ -289,7 +281,7 @@ class TestOneResponsePerLookup:
         pair.pump()
         probe(pair, [K3, K2])  # K3 pinned at once, K2 parks the lookup
         pair.serve()
-        assert len(responses(pair.b)) == 1
+        assert len(sent(pair.b, LookupResponse)) == 1
         assert len(parent.open_requests) == 1
 
         load = fetch(pair, [K1])  # closes round 0 on the producer
@@ -297,13 +289,13 @@ class TestOneResponsePerLookup:
         pair.serve()
         assert parent.open_requests == {}
         pair.serve()
-        assert len(responses(pair.b)) == 1
+        assert len(sent(pair.b, LookupResponse)) == 1
         assert all(K2 not in j.keys for j in parent.open_jobs.values())
 
         pair.b.plane.complete_all()
         pair.pump()
         assert pair.a.loads[load].success
-        assert [(d.round_seq, d.success) for d in transfers_done(pair.b)] == [(0, True)]
+        assert [(d.round_seq, d.success) for d in sent(pair.b, TransferDone)] == [(0, True)]
         assert pair.b.session.statistics().producer.pinned_blocks == 0
         finish_consumer(pair)
         assert_settled(pair)
@@ -325,8 +317,8 @@ class TestOneResponsePerLookup:
         parent.pending.clear()
         pair.serve()
         pair.pump()
-        assert responses(pair.b) == []
-        assert transfers_done(pair.b) == []
+        assert sent(pair.b, LookupResponse) == []
+        assert sent(pair.b, TransferDone) == []
         assert parent.requests_seen == 1
         stats = pair.b.session.statistics().producer
         assert (stats.pinned_blocks, stats.lookups_queued, stats.requests) == (0, 0, 0)

@@ -14,15 +14,14 @@ import pytest
 from kvpeer.protocol import (
     AbortAck,
     AbortFetch,
-    Codec,
     Fetch,
     Lookup,
     LookupResponse,
-    Message,
     TransferDone,
 )
 from kvpeer.session import SessionSettings
 from kvpeer.testing import Node, SessionPair
+from kvpeer.testing.steps import inject, sent
 from kvpeer.types import Key, StoreJob
 
 KV = "req-1"
@@ -61,20 +60,14 @@ def fetch(pair: SessionPair, keys: list[Key], first_slot: int = 10, *, pump: boo
     return job_id
 
 
-def send_to_b(pair: SessionPair, message: Message) -> None:
-    pair.b.session.receive(Codec().encode(message), pair.clock.now)
-
 
 def crafted_fetch(pair: SessionPair, round_seq: int, keys: list[Key], first_slot: int) -> None:
     """A fetch with an explicit round, sent as a consumer would (slots opened first)."""
     slots = tuple(range(first_slot, first_slot + len(keys)))
     pair.a.plane.expect_writes("b", slots)
     fetch = Fetch(kv_request_id=KV, keys=tuple(keys), block_indexes=slots, round_seq=round_seq)
-    send_to_b(pair, fetch)
+    inject(pair, pair.b, fetch)
 
-
-def responses(node: Node) -> list[LookupResponse]:
-    return [m for m in node.sent() if isinstance(m, LookupResponse)]
 
 
 def done(node: Node) -> list[tuple[int, bool]]:
@@ -255,7 +248,8 @@ class TestSymmetricFetch:
         pair.b.parent.put(K1)
         probe(pair, [K1, K2])
         [pin] = pair.b.parent.open_jobs.values()
-        send_to_b(pair, Fetch(kv_request_id=KV, keys=(K1, K2), block_indexes=(10, 11), round_seq=0))
+        crafted = Fetch(kv_request_id=KV, keys=(K1, K2), block_indexes=(10, 11), round_seq=0)
+        inject(pair, pair.b, crafted)
         assert done(pair.b) == [(0, False)]
         assert pair.b.plane.pending == {}
         pair.pump()
@@ -304,20 +298,21 @@ class TestRoundIsolation:
         pair = SessionPair()
         pair.b.parent.put(K1)
         pair.b.parent.put(K2)
-        send_to_b(pair, Lookup(kv_request_id=KV, keys=(K1,), round_seq=0))
+        inject(pair, pair.b, Lookup(kv_request_id=KV, keys=(K1,), round_seq=0))
         pair.serve()
         crafted_fetch(pair, 0, [K1], 10)
         pair.b.plane.complete_all()
         pair.pump()
         assert done(pair.b) == [(0, True)]
 
-        send_to_b(pair, Lookup(kv_request_id=KV, keys=(K2,), round_seq=1))
+        inject(pair, pair.b, Lookup(kv_request_id=KV, keys=(K2,), round_seq=1))
         pair.serve()
         crafted_fetch(pair, 1, [K2], 20)
         pair.b.plane.complete_all()
         pair.pump()
         assert done(pair.b) == [(0, True), (1, True)]
-        assert [(r.round_seq, r.hits) for r in responses(pair.b)] == [(0, (True,)), (1, (True,))]
+        answers = [(r.round_seq, r.hits) for r in sent(pair.b, LookupResponse)]
+        assert answers == [(0, (True,)), (1, (True,))]
         assert_loaded(pair, [K1], 10)
         assert_loaded(pair, [K2], 20)
         assert_settled(pair)
@@ -455,9 +450,9 @@ class TestAbort:
         [tid] = pair.b.plane.pending
         pair.b.plane.pending[tid].busy = True
         abort = AbortFetch(kv_request_id=KV, round_seq=0)
-        send_to_b(pair, abort)
+        inject(pair, pair.b, abort)
         pair.clock.advance(drain / 2)
-        send_to_b(pair, abort)
+        inject(pair, pair.b, abort)
         pair.pump()
         assert acks(pair.b) == []
 
@@ -475,7 +470,7 @@ class TestAbort:
     def test_abort_for_an_unknown_round_is_acked(self) -> None:
         """Nothing of an unknown round can touch the consumer: ack at once."""
         pair = SessionPair()
-        send_to_b(pair, AbortFetch(kv_request_id="ghost", round_seq=7))
+        inject(pair, pair.b, AbortFetch(kv_request_id="ghost", round_seq=7))
         assert acks(pair.b) == [("ghost", 7)]
         pair.pump()
         assert_settled(pair)

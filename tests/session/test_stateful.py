@@ -25,6 +25,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -475,6 +476,7 @@ CoupledSessions.TestCase.settings = settings(
 )
 
 
+@pytest.mark.slow  # a stateful Hypothesis run over two sessions
 class TestCoupledSessions(CoupledSessions.TestCase):  # type: ignore[misc,valid-type]
     """Jobs are reported once, pins and writes stay safe, and nothing outlives its request."""
 

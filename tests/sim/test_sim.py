@@ -64,6 +64,7 @@ def describe(results: list[SeedResult]) -> Iterator[str]:
         )
 
 
+@pytest.mark.slow  # a sweep of many seeds
 class TestSweep:
     def test_every_seed_keeps_every_invariant(self, sweep: list[SeedResult]) -> None:
         failing = [result for result in sweep if result.violations]

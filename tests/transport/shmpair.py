@@ -14,9 +14,9 @@ import pytest
 from kvpeer.host import BlockPool
 from kvpeer.protocol import Connect
 from kvpeer.session.ports import TransferEvent
+from kvpeer.testing.conformance import TIMEOUT_S
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.shm import ShmBackend
-from tests.transport.conformance import TIMEOUT_S
 
 __all__ = [
     "BLOCK",

@@ -1,7 +1,7 @@
-"""Every data plane against the one conformance suite (tests/transport/conformance.py).
+"""Every data plane against the one conformance suite (kvpeer.testing.conformance).
 
 To add a plane, append a factory to :data:`FACTORIES`: a callable returning a fresh
-:class:`~tests.transport.conformance.Cluster`. A plane that needs optional software
+:class:`~kvpeer.testing.conformance.Cluster`. A plane that needs optional software
 skips inside its factory (see :func:`nixl_cluster`).
 """
 
@@ -11,9 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvpeer.transport.data.shm import ShmBackend
-from kvpeer.transport.data.tcp import TcpBackend
-from tests.transport.conformance import (
+from kvpeer.testing.conformance import (
     CHECKS,
     BackendCluster,
     Cluster,
@@ -22,6 +20,8 @@ from tests.transport.conformance import (
     NamedBackendCluster,
     Windows,
 )
+from kvpeer.transport.data.shm import ShmBackend
+from kvpeer.transport.data.tcp import TcpBackend
 
 
 def memory_cluster() -> Cluster:

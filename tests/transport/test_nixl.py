@@ -2,7 +2,7 @@
 
 Two backends in one process (two agents), one in a child process over a /dev/shm
 region, and, when vLLM is installed, vLLM's own ``NixlTransport`` as the peer. The
-contract checks shared with the other planes live in ``conformance.py``; these are the
+contract checks shared with the other planes live in ``kvpeer.testing.conformance``; these are the
 NIXL specifics: registration, remove-before-add, cancel, teardown and interop.
 """
 
@@ -29,6 +29,7 @@ from kvpeer.errors import DataPlaneError
 from kvpeer.host import BlockPool
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportChoice
 from kvpeer.session.ports import TransferEvent
+from kvpeer.testing.conformance import collect_events
 from kvpeer.transport.data import nixl as nixl_module
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
@@ -128,21 +129,7 @@ def wait_for(
     backend: NixlBackend, peer: str, ids: Sequence[int], *, settle_s: float = 0.0
 ) -> dict[int, TransferEvent]:
     """Poll until every id in ``ids`` was reported (once); then ``settle_s`` more."""
-    events: dict[int, TransferEvent] = {}
-    deadline = time.monotonic() + TIMEOUT_S
-    settle_until: float | None = None
-    while True:
-        for event in backend.poll(peer):
-            assert event.transfer_id not in events, f"transfer {event.transfer_id} reported twice"
-            events[event.transfer_id] = event
-        now = time.monotonic()
-        if settle_until is None and set(ids) <= events.keys():
-            settle_until = now + settle_s
-        if settle_until is not None and now >= settle_until:
-            return events
-        if now > deadline:
-            pytest.fail(f"transfers {sorted(set(ids) - events.keys())} not reported")
-        time.sleep(0.0005)
+    return collect_events(lambda: backend.poll(peer), ids, settle_s=settle_s, what="nixl")
 
 
 def write(a: Side, b: Side, local: Sequence[int], remote: Sequence[int]) -> TransferEvent:
@@ -442,6 +429,7 @@ def shm_path() -> Iterator[str]:
         os.unlink(path)
 
 
+@pytest.mark.slow  # a NIXL agent in a child process
 def test_write_into_another_process_then_it_dies(make_side: MakeSide, shm_path: str) -> None:
     a = make_side("A")
     context = multiprocessing.get_context("spawn")

@@ -19,13 +19,13 @@ import pytest
 from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.host import BlockPool
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportOffer
+from kvpeer.testing.conformance import TIMEOUT_S
 from kvpeer.transport.data import shm
 from kvpeer.transport.data.base import WriteWindow
 from kvpeer.transport.data.planes import DataPlaneSet
 from kvpeer.transport.data.shm import INLINE_BYTES, PREFAULT_BYTES, ShmBackend, host_identity
 from kvpeer.transport.data.shmgrant import is_socket_name
 from kvpeer.transport.data.tcp import TcpBackend
-from tests.transport.conformance import TIMEOUT_S
 from tests.transport.shmpair import (
     BLOCK,
     Pair,

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvpeer.errors import DataPlaneError
 from kvpeer.protocol import TransportOffer
+from kvpeer.testing.conformance import TIMEOUT_S
 from kvpeer.transport.data import shm, shmgrant
 from kvpeer.transport.data.shm import host_identity
 from kvpeer.transport.data.shmgrant import (
@@ -29,7 +30,6 @@ from kvpeer.transport.data.shmgrant import (
     decode_request,
     encode_request,
 )
-from tests.transport.conformance import TIMEOUT_S
 from tests.transport.shmpair import BLOCK, Pair, open_fds_to, pair
 
 __all__ = ["pair"]  # the fixture, imported for pytest

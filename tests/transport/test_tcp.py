@@ -23,9 +23,7 @@ from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.host import BlockPool
 from kvpeer.protocol import Connect
 from kvpeer.session.ports import TransferEvent
-from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
-from kvpeer.transport.data.tcp import INLINE_BYTES, TcpBackend
-from tests.transport.conformance import (
+from kvpeer.testing.conformance import (
     TIMEOUT_S,
     BackendCluster,
     Cluster,
@@ -33,6 +31,8 @@ from tests.transport.conformance import (
     check_bytes_land_exactly,
     check_unopened_slots_are_refused,
 )
+from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.tcp import INLINE_BYTES, TcpBackend
 
 BLOCK = 4096
 MIB = 1024 * 1024

@@ -24,7 +24,10 @@ from kvpeer.bench.idle import KVPEER_TCP, LOOKUP_TIMEOUT_S, VLLM_P2P
 from kvpeer.integrations.vllm.launcher import SHM_DIR
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 
-pytestmark = pytest.mark.skipif(not NixlBackend.available(), reason=INSTALL_HINT)
+pytestmark = [  # real engines, ~2 minutes
+    pytest.mark.slow,
+    pytest.mark.skipif(not NixlBackend.available(), reason=INSTALL_HINT),
+]
 
 BENCH_TIMEOUT_S = 900
 ENGINE_CORE = "VLLM::EngineCor"

@@ -334,6 +334,7 @@ def assert_same_output(loaded: EngineOutcome, label: str, reference: EngineOutco
     assert delta <= LOGPROB_TOLERANCE, f"max |Δlogprob| {delta}"
 
 
+@pytest.mark.slow  # real engines
 def test_cpu_offload_loads_back_what_it_stored(scenarios: Scenarios) -> None:
     outcome = scenarios.single.result()
     runs = outcome.runs
@@ -345,6 +346,7 @@ def test_cpu_offload_loads_back_what_it_stored(scenarios: Scenarios) -> None:
     assert_same_output(outcome, "loaded", outcome)
 
 
+@pytest.mark.slow  # real engines
 def test_cpu_offload_loads_a_chunk_entered_mid_chunk(scenarios: Scenarios) -> None:
     outcome = scenarios.single.result()
 
@@ -353,6 +355,7 @@ def test_cpu_offload_loads_a_chunk_entered_mid_chunk(scenarios: Scenarios) -> No
     assert_same_output(outcome, "loaded-partial", outcome)
 
 
+@pytest.mark.slow  # real engines
 def test_corrupting_the_cpu_copy_changes_the_loaded_output(scenarios: Scenarios) -> None:
     runs = scenarios.single.result().runs
     corrupt, computed = runs["loaded-corrupt"], runs["computed"]
@@ -364,6 +367,7 @@ def test_corrupting_the_cpu_copy_changes_the_loaded_output(scenarios: Scenarios)
     )
 
 
+@pytest.mark.slow  # real engines
 @pytest.mark.parametrize("mode", ["in-process", "multiprocessing"])
 def test_fs_tier_carries_kv_from_one_engine_to_the_next(scenarios: Scenarios, mode: str) -> None:
     future = scenarios.fs_in_process if mode == "in-process" else scenarios.fs_multiprocessing

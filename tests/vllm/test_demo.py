@@ -15,6 +15,8 @@ pytest.importorskip("vllm")
 from kvpeer.demo import BLOCK_TOKENS
 from kvpeer.integrations.vllm.launcher import SHM_DIR
 
+pytestmark = pytest.mark.slow  # real vllm serve engines
+
 DEMO_TIMEOUT_S = 900
 FIELDS = {
     "name",

@@ -73,6 +73,8 @@ from tests.vllm.scenario import (
     vllm_p2p_tier,
 )
 
+pytestmark = pytest.mark.slow  # real vLLM engines
+
 needs_nixl = pytest.mark.skipif(not NixlBackend.available(), reason=INSTALL_HINT)
 
 PD_PROMPT = prompt(21)

@@ -65,6 +65,8 @@ from tests.vllm.scenario import (
     signal,
 )
 
+pytestmark = pytest.mark.slow  # real vLLM engines
+
 # The consumer that meets a dead peer uses shorter timeouts than the scenario's
 # PEER_TIMEOUT_S: the in-process engine steps nonstop while a request waits, so each
 # wait burns a core the other engines need.

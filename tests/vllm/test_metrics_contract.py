@@ -27,7 +27,9 @@ from vllm.v1.kv_offload.base import (
 
 from kvpeer.integrations.vllm.metrics import PREFIX, StatsSource
 from kvpeer.metrics.catalog import CATALOG
-from tests.net.procs import BLOCK_LEN, LocalNode, ServingNode, keys_of
+from tests.net.common import BLOCK_LEN, keys_of
+from tests.net.localnode import LocalNode
+from tests.net.servingnode import ServingNode
 
 EXTRA_CONFIG = {
     "spec_name": "CpuTieringOffloadingSpec",

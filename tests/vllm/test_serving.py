@@ -32,6 +32,8 @@ from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.index import MEDIUM_CPU
 from kvpeer.router.policy import Mode, Role
 
+pytestmark = pytest.mark.slow  # real vllm serve engines
+
 MODEL = "kvpeer-demo"
 BLOCK = 32
 PROMPT = 512  # about 0.3 s to compute here, a few ms to pull

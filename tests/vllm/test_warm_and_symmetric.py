@@ -40,6 +40,8 @@ from tests.vllm.scenario import (
     signal,
 )
 
+pytestmark = pytest.mark.slow  # real vLLM engines
+
 PEER_TIMEOUT_S = 20.0
 SHAPES = ("gpu-warm", "primary-warm", "symmetric")
 

@@ -25,6 +25,7 @@ from kvpeer.session.results import LoadFinished, PollResult, SessionClosed, Stor
 from kvpeer.session.settings import SessionSettings
 from kvpeer.testing.clock import FakeClock
 from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
+from kvpeer.testing.expect import record_once
 from kvpeer.testing.link import LinkEnd, MemoryLink
 from kvpeer.testing.parent import FakeParent
 
@@ -85,11 +86,9 @@ class Node:
             for serve in result.closed.unreleased_serves:
                 self.parent.on_request_finished(serve)
         for load in loads:
-            assert load.job_id not in self.loads, f"load job {load.job_id} reported twice"
-            self.loads[load.job_id] = load
+            record_once(self.loads, load.job_id, load, "load job")
         for store in stores:
-            assert store.job_id not in self.stores, f"store job {store.job_id} reported twice"
-            self.stores[store.job_id] = store
+            record_once(self.stores, store.job_id, store, "store job")
             self.parent.job_finished(store)
         self.fetched_ids.extend(result.fetched_ids)
         self.expired_probe_ids.extend(result.expired_probe_ids)

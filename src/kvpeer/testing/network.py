@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from kvpeer.errors import PeerLost
 from kvpeer.transport.base import InboundFrame
 
 __all__ = ["MemoryControl", "MemoryControlLink", "MemoryNetwork"]
@@ -118,7 +119,7 @@ class MemoryControl:
 
     def connect(self, peer_id: str) -> MemoryControlLink:
         if self.closed:
-            raise RuntimeError(f"{self._local_id}: endpoint closed")
+            raise PeerLost(f"{self._local_id}: endpoint closed")
         link = MemoryControlLink(self._network, self, peer_id)
         self.links = [x for x in self.links if not x.closed]
         self.links.append(link)
@@ -141,6 +142,8 @@ class MemoryControl:
 
     def refuse(self, peer_id: str, frame: bytes) -> None:
         """Deliver ``frame`` straight back to ``peer_id`` (its own connection)."""
+        if self.closed:
+            return
         target = self._network._nodes.get(peer_id)
         if target is not None and not target.closed:
             now = self._network._clock()

@@ -5,7 +5,21 @@ inbound endpoint, tagged with the sender's peer id, and sends to each peer on
 an outbound :class:`ControlLink`. Frames are delivered in order per peer;
 ``transmit`` never blocks (False = the peer cannot take it, the session
 ends); ``alive`` turns False when the transport decides the peer is gone
-(heartbeat, disconnect). Data planes are the session core's
+(heartbeat, disconnect). The contract in full (one conformance suite,
+:mod:`kvpeer.testing.control_conformance`, runs it on every implementation):
+
+1. ``connect`` on an open endpoint never raises: an unreachable or malformed peer id
+   gives a link that is dead at once or dies when the transport learns so.
+2. ``transmit`` never raises; a closed or dead link says False. Frames a link took
+   before ``close`` still go out (a goodbye: connect, transmit, close).
+3. Frames arrive in order per link, tagged with the sender's ``local_id``; a
+   ``refuse`` arrives at the peer tagged with ours, and to an unknown peer is dropped.
+4. A link to an endpoint that closed dies.
+5. After ``close`` (idempotent) an endpoint is inert: its links are dead,
+   ``receive`` returns nothing, ``flush`` and ``refuse`` do nothing, and
+   ``connect`` raises :class:`~kvpeer.errors.PeerLost`.
+
+Data planes are the session core's
 :class:`~kvpeer.session.ports.DataPlane` plus what a node needs to describe
 its own region in ``connect`` and to shut down.
 """

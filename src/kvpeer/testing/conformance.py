@@ -1,5 +1,8 @@
 """Conformance checks for data planes (the :class:`~kvpeer.session.ports.DataPlane` contract).
 
+Run it on a new plane the way ``tests/transport/test_conformance.py`` does: a factory
+of :class:`Cluster` per plane, each check of :data:`CHECKS` called with it.
+
 A :class:`Cluster` builds nodes, each a data plane over its own :class:`BlockPool`, and
 connects pairs the way sessions do: each grants the other, ``register_peer`` with the
 peer's ``connect`` (carrying our ``describe().offers``), then ``peer_acknowledged`` with
@@ -21,13 +24,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import pytest
-
 from kvpeer.errors import DataPlaneError
 from kvpeer.host import BlockPool
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension
 from kvpeer.session.ports import TransferEvent
-from kvpeer.testing import Fabric, FakeDataPlane, Region
+from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
+from kvpeer.testing.expect import raises, record_once, skip
 from kvpeer.transport.base import NodeDataPlane
 from kvpeer.transport.data.base import Backend, PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
@@ -42,6 +44,7 @@ __all__ = [
     "NamedBackendCluster",
     "Node",
     "Windows",
+    "collect_events",
     "hello_of",
     "wait_for_events",
 ]
@@ -227,7 +230,20 @@ ClusterFactory = Callable[[], Cluster]
 def wait_for_events(
     node: Node, peer: str, ids: Sequence[int], *, settle_s: float = 0.0
 ) -> dict[int, TransferEvent]:
-    """Poll ``node`` for ``peer`` until every id in ``ids`` was reported.
+    """Poll ``node`` for ``peer`` until every id in ``ids`` was reported (see
+    :func:`collect_events`)."""
+    return collect_events(lambda: node.plane.poll(peer), ids, settle_s=settle_s, what=node.name)
+
+
+def collect_events(
+    poll: Callable[[], Sequence[TransferEvent]],
+    ids: Sequence[int],
+    *,
+    settle_s: float = 0.0,
+    what: str = "plane",
+) -> dict[int, TransferEvent]:
+    """Call ``poll`` (a plane's or a backend's, for one peer) until every id in ``ids``
+    was reported.
 
     Returns every event seen (ids outside ``ids`` included); fails on a duplicate or
     when :data:`TIMEOUT_S` passes. ``settle_s``: keep polling that long afterwards,
@@ -237,9 +253,8 @@ def wait_for_events(
     deadline = time.monotonic() + TIMEOUT_S
     settle_until: float | None = None
     while True:
-        for event in node.plane.poll(peer):
-            assert event.transfer_id not in events, f"transfer {event.transfer_id} reported twice"
-            events[event.transfer_id] = event
+        for event in poll():
+            record_once(events, event.transfer_id, event, "transfer")
         now = time.monotonic()
         if settle_until is None and set(ids) <= events.keys():
             settle_until = now + settle_s
@@ -247,7 +262,7 @@ def wait_for_events(
             return events
         if now > deadline:
             missing = sorted(set(ids) - events.keys())
-            pytest.fail(f"{node.name}: transfers {missing} to {peer} not reported in {TIMEOUT_S} s")
+            raise AssertionError(f"{what}: transfers {missing} not reported in {TIMEOUT_S} s")
         time.sleep(0.0005)
 
 
@@ -343,7 +358,7 @@ def check_many_concurrent_transfers(make: ClusterFactory) -> None:
 def check_unknown_peer_is_refused(make: ClusterFactory) -> None:
     with make() as cluster:
         a, _ = _pair(cluster)
-        with pytest.raises(DataPlaneError):
+        with raises(DataPlaneError):
             a.plane.write_blocks("nobody", [0], [0])
 
 
@@ -352,15 +367,15 @@ def check_bad_slots_are_refused(make: ClusterFactory) -> None:
         a = cluster.node("A", num_blocks=8)
         b = cluster.node("B", num_blocks=4)
         cluster.connect(a, b)
-        with pytest.raises(DataPlaneError):
+        with raises(DataPlaneError):
             a.plane.write_blocks(b.name, [0, 1], [0])
         if not cluster.validates_slots:
             return
-        with pytest.raises(DataPlaneError, match="4"):
+        with raises(DataPlaneError, match="4"):
             a.plane.write_blocks(b.name, [0], [4])
-        with pytest.raises(DataPlaneError, match="8"):
+        with raises(DataPlaneError, match="8"):
             a.plane.write_blocks(b.name, [8], [0])
-        with pytest.raises(DataPlaneError):
+        with raises(DataPlaneError):
             a.plane.write_blocks(b.name, [0], [-1])
 
 
@@ -411,7 +426,7 @@ def check_unregister_purges(make: ClusterFactory) -> None:
         a.plane.unregister_peer(b.name)
         b.plane.unregister_peer(a.name)
         assert a.plane.poll(b.name) == []
-        with pytest.raises(DataPlaneError):
+        with raises(DataPlaneError):
             a.plane.write_blocks(b.name, [0], [0])
         assert a.plane.cancel(ids, wait=True) == []
         cluster.connect(a, b)  # a new session between the same nodes
@@ -447,7 +462,7 @@ def check_close_releases_everything(make: ClusterFactory) -> None:
 def check_unopened_slots_are_refused(make: ClusterFactory) -> None:
     with make() as cluster:
         if cluster.windows is Windows.UNENFORCED:
-            pytest.skip("one-sided writes: the consumer cannot refuse them")
+            skip("one-sided writes: the consumer cannot refuse them")
         a, b = _pair(cluster)
         a.fill([0, 1])
         b.fill([2, 3])
