@@ -509,6 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     traced = os.environ.get("KVPEER_TRACE", "") in ("1", "true", "yes")
     logging.getLogger("kvpeer.trace").setLevel(logging.INFO if traced else logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C stops every command, even one started where SIGINT is ignored (a shell
+    # starts background jobs that way, and children inherit it): a node an operator
+    # or a supervisor interrupts must stop and clean up, not keep running.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return int(args.func(args))
     except KVPeerError as exc:
