@@ -35,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -126,7 +126,15 @@ class Backend(Protocol):
 
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None: ...
 
-    def remove_peer(self, peer_id: str) -> None: ...
+    def remove_peer(self, peer_id: str) -> None:
+        """Forget ``peer_id``: :meth:`detach_peer` and its returned work, in order."""
+        ...
+
+    def detach_peer(self, peer_id: str) -> Callable[[], None] | None:
+        """Forget ``peer_id`` at once (its transfers abandoned, no new ones, no events)
+        and return the slow rest of the removal (unmapping, unloading NIXL state) for
+        the caller to run later, off its lock; None when nothing is left to do."""
+        ...
 
     def write_blocks(
         self, peer_id: str, local_slots: Sequence[int], remote_slots: Sequence[int]

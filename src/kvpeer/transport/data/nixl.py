@@ -363,9 +363,25 @@ class NixlBackend:
                 t.peer_id != peer_id or t.abandoned for t in self._transfers.values()
             ):
                 return
-        with self._agent_lock:
-            if not self._closed:
-                self._remove(peer_id)
+        release = self.detach_peer(peer_id)
+        if release is not None:
+            release()
+
+    def detach_peer(self, peer_id: str) -> Callable[[], None] | None:
+        """Forget ``peer_id`` now; the returned work releases its descriptors and, for
+        the agent's last peer, unloads the agent (NIXL calls that took up to seconds)."""
+        with self._lock:
+            forgotten = self._forget_peer(peer_id)
+        if forgotten is None:
+            return None
+        peer, last_user = forgotten
+
+        def release() -> None:
+            with self._agent_lock:
+                if not self._closed:
+                    self._release_peer(peer_id, peer, last_user)
+
+        return release
 
     # -- transfers -----------------------------------------------------------------------
 
@@ -558,24 +574,35 @@ class NixlBackend:
     # -- internals (teardown, ``_agent_lock`` held) --------------------------------------
 
     def _remove(self, peer_id: str) -> None:
-        """Tear down ``peer_id``'s registration; abandon its transfers."""
+        """Tear down ``peer_id``'s registration; abandon its transfers (agent lock held)."""
         with self._lock:
-            peer = self._peers.pop(peer_id, None)
-            for transfer_id, transfer in list(self._transfers.items()):
-                if transfer.peer_id != peer_id:
-                    continue
-                if transfer_id in self._running:
-                    transfer.abandoned = True  # released by the thread when NIXL is done
-                    continue
-                if transfer.state is _State.QUEUED:
-                    self._queue.remove(transfer_id)
-                del self._transfers[transfer_id]
-            if peer is None:
-                return
-            self._agent_users[peer.agent] -= 1
-            last_user = self._agent_users[peer.agent] <= 0
-            if last_user:
-                del self._agent_users[peer.agent]
+            forgotten = self._forget_peer(peer_id)
+        if forgotten is not None:
+            self._release_peer(peer_id, *forgotten)
+
+    def _forget_peer(self, peer_id: str) -> tuple[_Peer, bool] | None:
+        """Drop ``peer_id`` and its transfers (lock held): its peer record and whether
+        it was its agent's last user, for :meth:`_release_peer`."""
+        peer = self._peers.pop(peer_id, None)
+        for transfer_id, transfer in list(self._transfers.items()):
+            if transfer.peer_id != peer_id:
+                continue
+            if transfer_id in self._running:
+                transfer.abandoned = True  # released by the thread when NIXL is done
+                continue
+            if transfer.state is _State.QUEUED:
+                self._queue.remove(transfer_id)
+            del self._transfers[transfer_id]
+        if peer is None:
+            return None
+        self._agent_users[peer.agent] -= 1
+        last_user = self._agent_users[peer.agent] <= 0
+        if last_user:
+            del self._agent_users[peer.agent]
+        return peer, last_user
+
+    def _release_peer(self, peer_id: str, peer: _Peer, last_user: bool) -> None:
+        """NIXL's part of forgetting a peer (agent lock held, not the lock)."""
         self._attempt(self._nixl.release, peer.dlist, f"release descriptors of {peer_id!r}")
         if last_user:
             self._attempt(self._nixl.unload, peer.agent, f"remove the agent of {peer_id!r}")

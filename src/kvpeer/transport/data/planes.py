@@ -10,13 +10,23 @@ peer without the kvpeer extension is a vLLM peer: we use NIXL with its
 then accepts its writes through the peer's :class:`WriteWindow`. Transfer ids are
 unique across backends.
 ``grant``/``revoke`` go to every backend.
+
+Forgetting a peer (``unregister_peer``, or a new ``register_peer`` for it) is quick
+for the caller, who holds the node's lock: each backend detaches the peer at once
+(no new transfer, no event, no write into our region) and the slow rest (unmapping
+its shm file, releasing its NIXL descriptors and agent) runs on the set's
+:class:`Reaper` thread, in order. ``register_peer`` waits for what is left of the
+same peer's removal before adding it again (a restart right after a close), and
+``close`` for all of it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 
 from kvpeer.errors import DataPlaneError, HandshakeRejected, LocalFault
 from kvpeer.protocol import Connect, TransportChoice
@@ -24,9 +34,66 @@ from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.base import LocalRegion
 from kvpeer.transport.data.base import Backend, PrimaryRegion, WriteWindow
 
-__all__ = ["DataPlaneSet"]
+__all__ = ["DataPlaneSet", "Reaper"]
 
 log = logging.getLogger("kvpeer.planes")
+
+
+class Reaper:
+    """Runs the slow part of forgetting peers on its own thread, in submission order,
+    started at the first submission. ``failures`` counts work that raised (logged)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._work: deque[tuple[str, Callable[[], None]]] = deque()
+        self._pending: Counter[str] = Counter()  # per peer: submitted, not finished
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.failures = 0
+
+    def submit(self, peer_id: str, work: Callable[[], None]) -> None:
+        with self._cond:
+            if self._stopping:
+                raise DataPlaneError("data plane is closed")
+            self._work.append((peer_id, work))
+            self._pending[peer_id] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvpeer-reaper", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait_for(self, peer_id: str) -> None:
+        """Return once no work submitted for ``peer_id`` is left."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending[peer_id])
+
+    def close(self) -> None:
+        """Run what is left, then stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._work) or self._stopping)
+                if not self._work:
+                    return
+                peer_id, work = self._work.popleft()
+            try:
+                work()
+            except Exception:  # the node's caller is long gone: log it, keep reaping
+                self.failures += 1
+                log.exception("data plane: forgetting %s failed", peer_id)
+            finally:
+                with self._cond:
+                    self._pending[peer_id] -= 1
+                    if self._pending[peer_id] <= 0:
+                        del self._pending[peer_id]
+                    self._cond.notify_all()
 
 
 class DataPlaneSet:
@@ -46,6 +113,7 @@ class DataPlaneSet:
         self._ids = itertools.count(1)
         self._global: dict[int, tuple[Backend, int, str]] = {}  # id -> (backend, local, peer)
         self._local: dict[tuple[int, int], int] = {}
+        self._reaper = Reaper()
         self._closed = False
 
     @property
@@ -77,6 +145,7 @@ class DataPlaneSet:
                 f"block_len {hello.block_len} differs from ours ({self.region.block_len})"
             )
         self._forget(peer_id)
+        self._reaper.wait_for(peer_id)  # a backend may key its state by peer id
         extension = hello.kvpeer
         if extension is None:
             nixl = self._by_name.get("nixl")
@@ -186,6 +255,7 @@ class DataPlaneSet:
         if self._closed:
             return
         self._closed = True
+        self._reaper.close()
         for backend in self._backends:
             backend.close()
         self._writers.clear()
@@ -197,7 +267,9 @@ class DataPlaneSet:
 
     def _forget(self, peer_id: str) -> None:
         for backend in self._backends:
-            backend.remove_peer(peer_id)
+            work = backend.detach_peer(peer_id)
+            if work is not None and not self._closed:  # closed: released with the backend
+                self._reaper.submit(peer_id, work)
         self._writers.pop(peer_id, None)
         for transfer_id in [t for t, e in self._global.items() if e[2] == peer_id]:
             backend, local_id, _ = self._global.pop(transfer_id)

@@ -306,19 +306,31 @@ class ShmBackend:
         """Nothing to do: the peer writes into our file without us."""
 
     def remove_peer(self, peer_id: str) -> None:
+        unmap = self.detach_peer(peer_id)
+        if unmap is not None:
+            unmap()
+
+    def detach_peer(self, peer_id: str) -> Callable[[], None] | None:
+        """Forget ``peer_id`` now; the returned work waits for a copy into its mapping
+        to stop (a removed mapping starts no new one) and unmaps it."""
         with self._lock:
             mapping = self._peers.pop(peer_id, None)
             for transfer in [t for t in self._transfers.values() if t.peer_id == peer_id]:
                 self._drop(transfer)
             self._counters.events.pop(peer_id, None)
             if mapping is None:
-                return
+                return None
             mapping.removed = True
             with contextlib.suppress(ValueError):
                 self._unfaulted.remove(mapping)
-            if not self._idle.wait_for(lambda: mapping.users == 0, timeout=_JOIN_TIMEOUT_S):
-                raise DataPlaneError(f"shm: copy into {peer_id!r} did not stop; mapping kept")
-        mapping.mm.close()
+
+        def unmap() -> None:
+            with self._lock:
+                if not self._idle.wait_for(lambda: mapping.users == 0, timeout=_JOIN_TIMEOUT_S):
+                    raise DataPlaneError(f"shm: copy into {peer_id!r} did not stop; mapping kept")
+            mapping.mm.close()
+
+        return unmap
 
     # -- transfers -----------------------------------------------------------------------
 

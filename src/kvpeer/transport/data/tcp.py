@@ -310,6 +310,13 @@ class TcpBackend:
         for conn in inbound:
             _stop_receiving(conn)
 
+    def detach_peer(self, peer_id: str) -> Callable[[], None] | None:
+        """All of :meth:`remove_peer`, now: waiting for the peer's receiving threads is
+        what guarantees that none of its bytes lands in our region once this returns
+        (the engine may reuse the slots); the socket shutdown makes that wait short."""
+        self.remove_peer(peer_id)
+        return None
+
     # -- transfers -----------------------------------------------------------------------
 
     def write_blocks(
