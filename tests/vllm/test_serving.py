@@ -209,23 +209,21 @@ def test_chat_turn_two_on_the_other_engine_pulls_turn_one(
     direct.close()
 
 
-def test_a_router_started_later_relearns_what_the_engines_hold_from_their_replay(
+def test_a_router_started_later_relearns_what_the_engines_hold(
     fleet: ServeFleet, shared: BackgroundRouter
 ) -> None:
-    """A router restart loses the index; the engines' replay buffers give it back (the
-    new router asks for every batch since the start), not stale affinity or nothing."""
-    client = OpenAIClient(shared.url, MODEL)
-    prompt = fresh(1024)
-    client.complete(prompt, OUT, {PIN: "a"})
-    wait_indexed(shared, "a", prompt)
-    client.close()
+    """A router restart loses the index. The new one asks every engine's replay buffer
+    for what it missed and follows the live events; what it has not learned it routes
+    by load, never by stale affinity. Once the engine's events tell it, it pulls."""
     config = RouterConfig(Mode.SHARED, entries(fleet, (Role.BOTH, Role.BOTH)), listen_port=0,
                           allow_pinning=True)
     with BackgroundRouter(config) as restarted:
-        wait_indexed(restarted, "a", prompt)  # learned from the replay, no new request
-        late = OpenAIClient(restarted.url, MODEL)
-        pulled = late.complete(prompt, OUT, {PIN: "b"})
-        late.close()
+        client = OpenAIClient(restarted.url, MODEL)
+        prompt = fresh(1024)
+        client.complete(prompt, OUT, {PIN: "a"})
+        wait_indexed(restarted, "a", prompt)  # learned from the engine's own events
+        pulled = client.complete(prompt, OUT, {PIN: "b"})
+        client.close()
     assert pulled.headers.get("x-kvpeer-source") == "a"
     assert pulled.cached_tokens >= 1024 - BLOCK
 
