@@ -7,21 +7,16 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvpeer.metrics import peers
 from kvpeer.metrics.prom import MetricsServer
 from kvpeer.metrics.view import peers_section
-from tests.net.common import free_port, keys_of
+from tests.metrics.conftest import HEARTBEATS
+from tests.net.common import keys_of
 from tests.net.localnode import LocalNode
-from tests.net.processes import NodeProcess, start_serve
-
-HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
+from tests.net.processes import NodeProcess
 
 
 def get_peers(port: int) -> dict[str, Any]:
@@ -41,17 +36,6 @@ def stats(target: str) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
-
-
-@pytest.fixture
-def producer(tmp_path: Path) -> Iterator[tuple[NodeProcess, int]]:
-    port = free_port()
-    node = start_serve(tmp_path, config=HEARTBEATS, args=["--metrics-port", str(port)])
-    try:
-        assert node.wait_for_output("metrics at"), node.log()
-        yield node, port
-    finally:
-        node.stop()
 
 
 def test_the_producer_shows_the_consumers_session_and_stats_prints_it(

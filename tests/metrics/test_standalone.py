@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpeer.metrics.catalog import CATALOG, INFO, MetricType
 from kvpeer.metrics.prom import MetricsServer
+from tests.metrics.conftest import HEARTBEATS
 from tests.net.procs import (
     BLOCK_LEN,
     LocalNode,
@@ -28,7 +27,6 @@ from tests.net.procs import (
     wait_until,
 )
 
-HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -48,17 +46,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def histogram_count(samples: Samples, name: str) -> float:
     return value(samples, name + "_count")
-
-
-@pytest.fixture
-def producer(tmp_path: Path) -> Iterator[tuple[NodeProcess, int]]:
-    port = free_port()
-    node = start_serve(tmp_path, config=HEARTBEATS, args=["--metrics-port", str(port)])
-    try:
-        assert node.wait_for_output("metrics at"), node.log()
-        yield node, port
-    finally:
-        node.stop()
 
 
 def test_every_series_exists_at_zero_before_the_first_event(
