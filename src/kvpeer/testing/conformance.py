@@ -16,6 +16,7 @@ Planes run real threads: waits are deadline loops that poll until the event arri
 
 from __future__ import annotations
 
+import abc
 import enum
 import os
 import threading
@@ -116,8 +117,11 @@ def hello_of(name: str, plane: NodeDataPlane) -> Connect:
     )
 
 
-class Cluster:
-    """Nodes of one plane kind; ``close`` releases every plane, pool and file."""
+class Cluster(abc.ABC):
+    """Nodes of one plane kind; ``close`` releases every plane, pool and file.
+
+    A plane's conformance run subclasses it and says how to build one node
+    (:meth:`_make`); :class:`FakeCluster` and :class:`BackendCluster` are the two here."""
 
     windows: Windows = Windows.UNENFORCED
     validates_slots: bool = True  # write_blocks raises for slots outside the regions
@@ -138,8 +142,9 @@ class Cluster:
         self.nodes[name] = node
         return node
 
+    @abc.abstractmethod
     def _make(self, name: str, pool: BlockPool) -> Node:
-        raise NotImplementedError
+        """One node of this plane kind over ``pool``."""
 
     def connect(self, a: Node, b: Node) -> None:
         """Both handshakes, as two sessions do them."""
