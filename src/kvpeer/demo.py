@@ -32,7 +32,6 @@ import random
 import shutil
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -325,23 +324,13 @@ def _settled_counters(url: str, before: PeerCounters) -> PeerCounters:
 
 
 def _peer_counters(url: str) -> PeerCounters:
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvpeer.integrations.vllm.serving import kvpeer_samples
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in (
-                "vllm:kvpeer_pulled_blocks_total",
-                "vllm:kvpeer_pulled_bytes_total",
-                "vllm:kvpeer_fetch_duration_seconds_sum",
-            ):
-                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    found = kvpeer_samples(url)
     return PeerCounters(
-        found.get("vllm:kvpeer_pulled_blocks_total", 0.0),
-        found.get("vllm:kvpeer_pulled_bytes_total", 0.0),
-        found.get("vllm:kvpeer_fetch_duration_seconds_sum", 0.0),
+        found.get("pulled_blocks_total", 0.0),
+        found.get("pulled_bytes_total", 0.0),
+        found.get("fetch_duration_seconds_sum", 0.0),
     )
 
 

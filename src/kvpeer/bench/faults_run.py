@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpeer.bench.faults import FaultsSpec, Sample, render, to_json
-from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec, TierKind
+from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec, TierKind, kvpeer_samples
 
 __all__ = ["Pair", "Workload", "main", "measure_tier", "run"]
 
@@ -132,24 +132,8 @@ class Pair:
     def counters(self) -> dict[str, float]:
         if self.tier != "kvpeer":
             return {}
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(self.url("c") + "/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith("vllm:kvpeer_") and not sample.name.endswith(
-                    ("_bucket", "_created", "_sum")
-                ):
-                    ours = [
-                        v for k, v in sample.labels.items() if k not in ("engine", "model_name")
-                    ]
-                    key = sample.name[len("vllm:kvpeer_") :] + (
-                        f"[{','.join(ours)}]" if ours else ""
-                    )
-                    out[key] = out.get(key, 0.0) + sample.value
-        return out
+        samples = kvpeer_samples(self.url("c"))
+        return {k: v for k, v in samples.items() if not k.endswith("_sum")}
 
     def local(self, prompt: list[int]) -> tuple[dict[str, Any], float]:
         """``prompt`` computed by the consumer alone (salted: it shares no block)."""

@@ -12,7 +12,6 @@ import random
 import shutil
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -190,21 +189,14 @@ class _LiveArm:
 
 
 def _read_counters(urls: Sequence[str]) -> PeerCounters:
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvpeer.integrations.vllm.serving import kvpeer_samples
 
     blocks = bytes_ = failed = 0.0
     for url in urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:kvpeer_pulled_blocks_total":
-                    blocks += sample.value
-                elif sample.name == "vllm:kvpeer_pulled_bytes_total":
-                    bytes_ += sample.value
-                elif (sample.name == "vllm:kvpeer_fetches_total"
-                      and sample.labels.get("result") == "failed"):
-                    failed += sample.value
+        samples = kvpeer_samples(url)
+        blocks += samples.get("pulled_blocks_total", 0.0)
+        bytes_ += samples.get("pulled_bytes_total", 0.0)
+        failed += samples.get("fetches_total[failed]", 0.0)
     return PeerCounters(blocks, bytes_, failed)
 
 

@@ -35,7 +35,7 @@ from kvpeer.integrations.vllm.launcher import engine_env, free_port, shm_files
 from kvpeer.integrations.vllm.scenario import HOST, kvpeer_tier, vllm_p2p_tier
 from kvpeer.router.policy import EngineSpec, Role
 
-__all__ = ["ServeEngine", "ServeFleet", "ServeSpec", "TierKind"]
+__all__ = ["ServeEngine", "ServeFleet", "ServeSpec", "TierKind", "kvpeer_samples"]
 
 TierKind = Literal["kvpeer", "p2p", "none"]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -44,6 +44,7 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 0.25
 LOG_TAIL_CHARS = 4000
 BLOCK_TOKENS = 32
+PREFIX = "vllm:kvpeer_"  # kvpeer's series on vLLM's /metrics
 
 Progress = Callable[[str], None]
 
@@ -268,3 +269,23 @@ class ServeFleet:
                 start_new_session=True,  # one group: the server and what vLLM spawns
             )
         return ServeEngine(spec, process, log_path)
+
+
+def kvpeer_samples(url: str) -> dict[str, float]:
+    """kvpeer's series on the vLLM engine at ``url`` (its ``/metrics``), summed over
+    vLLM's ``engine``/``model_name`` labels: ``name`` or ``name[label,...]`` without the
+    ``vllm:kvpeer_`` prefix; histograms give ``_count`` and ``_sum``, no buckets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if not name.startswith(PREFIX) or name.endswith(("_bucket", "_created")):
+                continue
+            ours = [v for k, v in sample.labels.items() if k not in ("engine", "model_name")]
+            key = name[len(PREFIX):] + (f"[{','.join(ours)}]" if ours else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
