@@ -77,6 +77,7 @@ def test_one_pull_traces_both_sides_in_order(caplog: pytest.LogCaptureFixture) -
         (b.peer_id, "lookup_received"),
         (b.peer_id, "lookup_answered"),
         (a.peer_id, "lookup_answered"),
+        (a.peer_id, "lookup_hit"),
         (a.peer_id, "load_submitted"),
         (a.peer_id, "fetch_sent"),
         (b.peer_id, "fetch_received"),
@@ -84,6 +85,8 @@ def test_one_pull_traces_both_sides_in_order(caplog: pytest.LogCaptureFixture) -
         (b.peer_id, "transfer_done"),
         (a.peer_id, "transfer_done_received"),
         (a.peer_id, "load_done"),
+        (a.peer_id, "load_reported"),
+        (a.peer_id, "request_finished"),
     ]
     by_event = {(e.node, e.event): e for e in events(caplog)}
     assert {e.fields["peer"] for e in events(caplog) if e.node == a.peer_id} == {b.peer_id}
@@ -98,6 +101,11 @@ def test_one_pull_traces_both_sides_in_order(caplog: pytest.LogCaptureFixture) -
     assert done["bytes"] == str(3 * BLOCK_LEN)
     times = [e.t for e in events(caplog)]
     assert times == sorted(times)  # wall clock, one process
+    # Engine-side events count the consumer engine's steps, which never go back.
+    steps = [int(e.fields["step"]) for e in events(caplog) if "step" in e.fields]
+    assert len(steps) == 5
+    assert steps == sorted(steps)
+    assert int(by_event[(a.peer_id, "request_finished")].fields["step"]) > steps[0]
 
 
 def test_disabled_trace_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:

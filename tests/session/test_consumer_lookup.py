@@ -273,6 +273,34 @@ class TestFetchClosesTheRound:
         assert sent(pair.a, Lookup)[-1] == Lookup(kv_request_id=ID, keys=(key(0),), round_seq=1)
         assert probe(pair, ID, key(0)) == [True]
 
+    def test_a_missed_key_stays_missed_after_the_fetch(self) -> None:
+        """A key answered MISS is not asked again in a later round of the same request:
+        its second answer would wait for another producer serve window (issue 14)."""
+        pair = SessionPair()
+        pair.b.parent.put(key(0))
+        probe(pair, ID, key(0), key(1))
+        serve_lookups(pair)
+        fetch(pair, [key(0)], [7], ID)
+        lookups_before = len(sent(pair.a, Lookup))
+
+        assert probe(pair, ID, key(1)) == [False]
+        pair.pump()
+        assert len(sent(pair.a, Lookup)) == lookups_before
+
+    def test_a_missed_key_is_asked_again_by_the_next_request_of_the_id(self) -> None:
+        """The MISS memory ends with the request: a reused id asks anew."""
+        pair = SessionPair()
+        probe(pair, ID, key(1))
+        serve_lookups(pair)
+        assert probe(pair, ID, key(1)) == [False]
+        pair.a.session.finish_consumer(ID, pair.clock.now)
+        pair.pump()
+
+        pair.b.parent.put(key(1))
+        assert probe(pair, ID, key(1)) == [None]
+        serve_lookups(pair)
+        assert probe(pair, ID, key(1)) == [True]
+
     def test_fetch_of_a_missed_key_fails_at_once(self) -> None:
         """A key the peer answered MISS fails the load now: no fetch, no open slots.
 

@@ -89,6 +89,9 @@ class Cell:
     pulls_fell_back: int  # ...of which the engine reused nothing
     failed_fetches: int | None  # kvpeer's failed loads (computed locally instead)
     ttfts_s: list[float] = field(default_factory=list)  # for the CDF
+    #: each measured request in send order: sent, TTFT, prompt and cached tokens, where
+    #: it ran and the peer named (to see which requests a percentile is made of)
+    per_request: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,7 +164,20 @@ def summarize(
         pulls_fell_back=sum(1 for r in ok if r.fell_back),
         failed_fetches=None if counters is None else int(counters.failed_fetches),
         ttfts_s=sorted(ttfts),
+        per_request=[_brief(r) for r in sorted(records, key=lambda r: r.sent_s)],
     )
+
+
+def _brief(record: RequestRecord) -> dict[str, Any]:
+    return {
+        "sent_s": round(record.sent_s, 3),
+        "ttft_s": round(record.ttft_s, 4),
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "engine": record.engine,
+        "source": record.source,
+        "error": record.error,
+    }
 
 
 def ratios(

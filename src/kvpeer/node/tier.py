@@ -137,6 +137,7 @@ class Tier:
         self._ended: Counter[str] = Counter()
         self._block_len: int | None = None
         self._shut_down = False
+        self._steps = 0  # on_schedule_end calls: the engine's scheduler steps
 
     # -- SecondaryTier -----------------------------------------------------------
 
@@ -188,6 +189,8 @@ class Tier:
         if source is None or source.kv_request_id in self._failed:
             return LookupResult.MISS
         if not source.probe:
+            if self._trace.enabled:
+                self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
             return LookupResult.HIT  # PD: the prefiller will have every block
         peer = self._peers.get(source.peer_id)
         if peer is None or not peer.session.alive:
@@ -195,10 +198,12 @@ class Tier:
         now = self._clock()
         peer.last_used = now
         if self._trace.enabled:
-            self._trace.lookup_asked(source.kv_request_id, source.peer_id)
+            self._trace.lookup_asked(source.kv_request_id, source.peer_id, self._steps)
         answer = peer.session.register_probe(source.kv_request_id, key, now)
         if answer is None:
             return LookupResult.RETRY
+        if answer and self._trace.enabled:
+            self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
         return LookupResult.HIT if answer else LookupResult.MISS
 
     def submit_load(self, job: TransferJob) -> None:
@@ -217,8 +222,8 @@ class Tier:
         now = self._clock()
         peer.last_used = now
         if self._trace.enabled:
-            self._trace.emit(source.kv_request_id, "load_submitted", peer=source.peer_id,
-                             blocks=len(job.keys))  # fmt: skip
+            self._trace.load_submitted(source.kv_request_id, source.peer_id, job.job_id,
+                                       len(job.keys), self._steps)  # fmt: skip
         try:
             peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots, now)
         except ProtocolError as exc:
@@ -244,6 +249,9 @@ class Tier:
     def take_results(self) -> list[JobResult]:
         """Every job result not reported yet, without polling (a driver polls)."""
         results, self._results = self._results, []
+        if self._trace.enabled:
+            for result in results:
+                self._trace.load_reported(result.job_id, result.success, self._steps)
         return results
 
     def poll(self) -> None:
@@ -285,6 +293,7 @@ class Tier:
         return bool(self._unreleased) or any(p.session.needs_serve() for p in self._peers)
 
     def on_schedule_end(self) -> None:
+        self._steps += 1  # the engine's scheduler steps (trace lines carry it)
         for peer in self._peers:
             peer.session.flush_lookups()
 
@@ -295,7 +304,7 @@ class Tier:
         if source is not None:
             kv_request_id = source.kv_request_id
             if self._trace.enabled:
-                self._trace.forget(kv_request_id)
+                self._trace.forget(kv_request_id, source.peer_id, self._steps)
             peer = self._peers.get(source.peer_id)
             if peer is not None:
                 peer.session.finish_consumer(kv_request_id, now)

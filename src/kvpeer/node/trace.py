@@ -20,6 +20,13 @@ hits of keys), ``load_submitted``, ``fetch_sent``, ``transfer_done_received``,
 answered, i.e. the wait for the engine's serve window), ``fetch_received``,
 ``transfer_started`` (blocks), ``transfer_done`` (ok, blocks, bytes).
 
+Consumer events seen by the engine carry ``step``, the engine's scheduler steps
+so far (the tier counts ``on_schedule_end``): ``lookup_asked``, ``lookup_hit``
+(the first step whose lookup of the id returned HIT: the gap from
+``lookup_answered`` is time spent waiting for that step), ``load_submitted``,
+``load_reported`` (the step that handed the load's result to the engine), and
+``request_finished``. Differences of ``step`` count the engine steps a pull took.
+
 Invariants:
 
 1. Disabled, a hook costs its caller one boolean check: the frame wrapper and
@@ -84,6 +91,8 @@ class Trace:
         self._log = logger or logging.getLogger(TRACE_LOGGER)
         self._codec = Codec()
         self._asked: dict[str, None] = {}  # ids whose first probe was traced (invariant 4)
+        self._hit: dict[str, None] = {}  # ids whose first HIT was traced
+        self._jobs: dict[int, tuple[str, str]] = {}  # load job -> (id, peer) until reported
         self._waiting: dict[tuple[str, str, int], float] = {}  # lookups received, unanswered
         self._writing: dict[str, str] = {}  # peer -> id its next write serves (invariant 3)
 
@@ -97,16 +106,37 @@ class Trace:
 
     # -- hooks the tier and peer table call when enabled -----------------------------
 
-    def lookup_asked(self, kv_request_id: str, peer_id: str) -> None:
+    def lookup_asked(self, kv_request_id: str, peer_id: str, step: int | None = None) -> None:
         """The engine probed an id: traced once per id."""
         if kv_request_id in self._asked:
             return
         _bounded_put(self._asked, kv_request_id, None)
-        self.emit(kv_request_id, "lookup_asked", peer=peer_id)
+        self.emit(kv_request_id, "lookup_asked", peer=peer_id, step=step)
 
-    def forget(self, kv_request_id: str) -> None:
-        """The engine's request for the id finished."""
+    def lookup_hit(self, kv_request_id: str, peer_id: str, step: int) -> None:
+        """The engine's lookup of an id returned HIT: traced once per id."""
+        if kv_request_id in self._hit:
+            return
+        _bounded_put(self._hit, kv_request_id, None)
+        self.emit(kv_request_id, "lookup_hit", peer=peer_id, step=step)
+
+    def load_submitted(self, kv_request_id: str, peer_id: str, job_id: int, blocks: int,
+                       step: int) -> None:  # fmt: skip
+        _bounded_put(self._jobs, job_id, (kv_request_id, peer_id))
+        self.emit(kv_request_id, "load_submitted", peer=peer_id, blocks=blocks, step=step)
+
+    def load_reported(self, job_id: int, success: bool, step: int) -> None:
+        """The engine took a load job's result (jobs not submitted by a pull: ignored)."""
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            self.emit(job[0], "load_reported", peer=job[1], ok=int(success), step=step)
+
+    def forget(self, kv_request_id: str, peer_id: str, step: int) -> None:
+        """The engine's request for the id (pulling from ``peer_id``) finished."""
+        if kv_request_id in self._asked or kv_request_id in self._hit:
+            self.emit(kv_request_id, "request_finished", peer=peer_id, step=step)
         self._asked.pop(kv_request_id, None)
+        self._hit.pop(kv_request_id, None)
 
     def supplying(self, peer_id: str, kv_request_id: str) -> None:
         """Supply for the id goes to ``peer_id``'s session (a write may start)."""

@@ -3,7 +3,10 @@
 Invariants (per ``kv_request_id``):
 
 1. A probe is registered once per round; until the round closes (our fetch
-   for it, or finish) repeated lookups return the cached answer.
+   for it, or finish) repeated lookups return the cached answer. A key the
+   peer answered MISS stays MISS until the request finishes: later rounds
+   do not ask for it again (the peer did not hold it when asked, and waiting
+   for a second answer costs a producer serve window).
 2. Probes registered since the last flush go out as one ``lookup`` per
    request per flush, tagged with the current round.
 3. An answer resolves a probe only if it is still unresolved, and only for
@@ -66,6 +69,7 @@ class _Load:
 class _Request:
     round_seq: int = 0  # the next round to open
     probes: dict[Key, bool | None] = field(default_factory=dict)
+    missed: set[Key] = field(default_factory=set)  # answered MISS, in any round
     waiting_since: dict[Key, float] = field(default_factory=dict)  # unresolved probes
     unsent: list[Key] = field(default_factory=list)
     peer_lookup_open: bool = False
@@ -130,6 +134,8 @@ class ConsumerRole:
         request.finished = False  # a reused id continues counting rounds
         if key in request.probes:
             return request.probes[key]
+        if key in request.missed:
+            return False
         request.probes[key] = None
         request.waiting_since[key] = now
         request.unsent.append(key)
@@ -232,6 +238,7 @@ class ConsumerRole:
             request.peer_lookup_open = False
         request.unsent.clear()
         self._clear_probes(kv_request_id, request)
+        request.missed.clear()
         request.finished = True
         self._prune(kv_request_id)
 
@@ -249,6 +256,8 @@ class ConsumerRole:
         for key, hit in zip(message.keys, message.hits, strict=True):
             if key in request.probes and request.probes[key] is None:
                 request.probes[key] = hit
+                if not hit:
+                    request.missed.add(key)
                 since = request.waiting_since.pop(key)
                 oldest = since if oldest is None else min(oldest, since)
         if oldest is not None:
