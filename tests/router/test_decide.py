@@ -80,14 +80,32 @@ def test_local_prefix_attracts_the_request() -> None:
     assert plan.predicted_cached_tokens == USABLE
 
 
-def test_longer_prefix_on_a_busy_peer_is_pulled() -> None:
+def test_longer_prefix_on_a_peer_busy_decoding_is_pulled() -> None:
     policy, index = shared("e0", "e1")
     hold(index, "e1", 1024, MEDIUM_CPU)
     hold(index, "e0", 64, MEDIUM_GPU, salt=1)
-    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy()}, 0.0)
+    # Forty requests decoding there: its serve windows come every decode step, but a
+    # prefill there would share its steps with all forty.
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy(queued=0, in_flight=40)}, 0.0)
     assert (plan.engine, plan.source, plan.reason) == ("e0", "e1", REASON_PULL)
     assert plan.predicted_cached_tokens == USABLE
     assert plan.predicted_pulled_tokens == USABLE - 64
+
+
+def test_a_peer_busy_prefilling_is_not_pulled_from() -> None:
+    """Its engine answers our lookup only after the step prefilling its queue: computing
+    here is sooner (issue 14's busy producer, where such a lookup waited 8 s)."""
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy(queued=4000)}, 0.0)
+    assert (plan.engine, plan.source, plan.reason) == ("e0", None, REASON_PULL_SLOWER)
+    # The serve wait is the source's predicted time through its queue.
+    cost = policy.cost
+    wait = cost.serve_wait_s("e1", busy(queued=4000))
+    priors = CostPriors()
+    assert wait == pytest.approx(priors.overhead_s + 4000 * priors.prefill_s_per_token)
+    assert wait > cost.serve_wait_s("e1", busy(queued=0)) > 0.0
+    assert cost.serve_wait_s("e1", idle()) == 0.0
 
 
 def test_pull_predicted_slower_is_not_planned() -> None:
@@ -344,3 +362,14 @@ def test_a_source_whose_pulls_are_slow_while_it_is_busy_is_not_pulled_from_when_
     idle_plan = policy.plan("idle", PROMPT, {"e0": idle(), "e1": idle()}, 51, serve_on="e0")
     assert busy_plan.source is None
     assert idle_plan.source == "e1"
+
+
+def test_a_pd_pull_does_not_wait_for_the_prefill_engines_steps() -> None:
+    """PD supply is parked by the prefill leg and served by the source's driver, so a
+    busy prefill engine adds no serve wait to the decode engine's pull."""
+    cost = CostModel()
+    loaded = busy(queued=4000)
+    symmetric = cost.pull_s("d", "p", 512, loaded)
+    parked = cost.pull_s("d", "p", 512, loaded, parked=True)
+    assert symmetric - parked == pytest.approx(cost.serve_wait_s("p", loaded))
+    assert parked == pytest.approx(cost.pull_s("d", "p", 512, busy(queued=0), parked=True))

@@ -5,12 +5,15 @@ The model (all terms in seconds):
 - compute on engine ``e``: ``overhead_e + rate_e * (queued_prompt_tokens_e + tokens_to_compute)
   + in_flight_e * in_flight_s``. The engine prefills what is queued before ours, then
   ours; running requests interleave decode steps with our prefill.
-- pull of ``k`` tokens from source ``s`` into ``e``: ``base_s + per_token_s * k``, plus
-  a busy-source cost when ``s`` is running requests (its lookups may wait for an engine
-  step, and where engines share cores serving a pull competes with its prefill; learned
-  as an EWMA of the excess of such pulls over the idle prediction, from the
-  ``source_busy_s`` prior), plus ``cold_session_s`` for the first pull between the pair (handshake,
-  data-plane registration).
+- pull of ``k`` tokens from source ``s`` into ``e``: ``base_s + per_token_s * k``, plus,
+  when ``s`` is running requests, its *serve wait* and a busy-source cost. A vLLM engine
+  answers a peer's lookup between two of its steps, and the step running when the lookup
+  arrives prefills what is queued, so the serve wait is the source's own compute line at
+  its queued prompt tokens (a step that only decodes costs the line's base). The busy-source
+  cost is what remains (where engines share cores, serving a pull competes with the
+  source's prefill): an EWMA of the excess of such pulls over the idle prediction plus the
+  serve wait, from the ``source_busy_s`` prior. Plus ``cold_session_s`` for the first
+  pull between the pair (handshake, data-plane registration).
 
 An engine with fewer than ``own_samples`` observations of its own is predicted by the
 fleet's pooled compute line (every engine's observations): engines of one fleet mostly
@@ -125,14 +128,32 @@ class CostModel:
             line = self._pooled
         return line.predict(ahead) + max(0, load.in_flight) * self.priors.in_flight_s
 
-    def pull_s(self, engine: str, source: str, tokens: int, source_load: EngineLoad) -> float:
-        """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier."""
+    def pull_s(
+        self, engine: str, source: str, tokens: int, source_load: EngineLoad, *,
+        parked: bool = False,
+    ) -> float:
+        """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier.
+
+        ``parked``: a PD pull, served from what the prefill leg stored for it without
+        waiting for the source's engine (no serve wait)."""
         seconds = self._pull_line(source).predict(max(0, tokens))
         if source_load.in_flight > 0:
             seconds += self._busy_s
+            if not parked:
+                seconds += self.serve_wait_s(source, source_load)
         if (engine, source) not in self._warm:
             seconds += self._cold_s
         return seconds
+
+    def serve_wait_s(self, source: str, source_load: EngineLoad) -> float:
+        """How long a busy ``source``'s engine takes to reach its next serve window."""
+        if source_load.in_flight <= 0:
+            return 0.0
+        # The step under way prefills the queue; a decode-only step is the line's base.
+        line = self._compute_line(source)
+        if line.samples < self.priors.own_samples:
+            line = self._pooled
+        return line.predict(max(0, source_load.queued_prompt_tokens))
 
     def is_warm(self, engine: str, source: str) -> bool:
         return (engine, source) in self._warm
@@ -147,19 +168,21 @@ class CostModel:
         self._pooled.observe(ahead, y)
 
     def observe_pull(
-        self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float
+        self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float,
+        *, parked: bool = False,
     ) -> None:
         """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT)."""
         line = self._pull_line(source)
+        wait = 0.0 if parked else self.serve_wait_s(source, source_load)
         if source_load.in_flight > 0 and (engine, source) in self._warm:
             # What a busy source costs beyond an idle one's pull (the line learns only
             # from idle sources, so the two stay apart).
             alpha = self.priors.cold_alpha
-            excess = seconds - line.predict(tokens)
+            excess = seconds - line.predict(tokens) - wait
             self._busy_s = max(0.0, (1 - alpha) * self._busy_s + alpha * excess)
             return
         if source_load.in_flight > 0:
-            seconds -= self._busy_s
+            seconds -= wait + self._busy_s
         if (engine, source) not in self._warm:
             self._warm.add((engine, source))
             excess = seconds - line.predict(tokens)

@@ -362,7 +362,7 @@ class RouterPolicy:
             else:
                 t, chosen = prefill
                 # The decode engine pulls what it lacks, then computes the last tokens.
-                t += self.cost.pull_s(d, chosen, usable - local[d], healthy[chosen])
+                t += self.cost.pull_s(d, chosen, usable - local[d], healthy[chosen], parked=True)
                 t += self.cost.compute_s(d, n - usable, load)
             rank = (t, load.in_flight, d)
             if best is None or rank < best:
@@ -415,7 +415,8 @@ class RouterPolicy:
             self.cost.observe_compute(plan.engine, computed, engine_load, ttft)
             return
         residual = ttft - self.cost.compute_s(plan.engine, computed, engine_load)
-        self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual)
+        self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
+                               parked=plan.prefill_engine is not None)  # fmt: skip
         self._stats.add("pulled_tokens_observed_total", pulled)
 
 
