@@ -63,7 +63,9 @@ class SlotState(enum.Enum):
     READY = "ready"  # key mapped and readable; evictable when unpinned
 
 
+_FREE: Final = SlotState.FREE
 _WRITING: Final = SlotState.WRITING
+_READY: Final = SlotState.READY
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +115,7 @@ class BlockPool:
         self._view = memoryview(self._region)
         # Prefault: a first write into fresh pages runs at a fraction of memcpy speed.
         self._view[::_PAGE_SIZE] = bytes(len(range(0, len(self._view), _PAGE_SIZE)))
-        self._states = [SlotState.FREE] * num_blocks
+        self._states = [_FREE] * num_blocks
         self._keys: list[Key | None] = [None] * num_blocks
         self._pins = [0] * num_blocks
         self._slots: dict[Key, int] = {}
@@ -187,7 +189,7 @@ class BlockPool:
             self._forget(victim)
             self._evictions += 1
             slot = victim
-        self._states[slot] = SlotState.WRITING
+        self._states[slot] = _WRITING
         self._writing += 1
         self._keys[slot] = key
         self._slots[key] = slot
@@ -195,9 +197,9 @@ class BlockPool:
 
     def complete_write(self, slot: int, success: bool) -> None:
         """End the write into ``slot``: READY, or FREE with its key forgotten on failure."""
-        self._require(slot, SlotState.WRITING, "complete a write of")
+        self._require(slot, _WRITING, "complete a write of")
         if success:
-            self._states[slot] = SlotState.READY
+            self._states[slot] = _READY
             self._recency[slot] = None
         else:
             self._forget(slot)
@@ -208,7 +210,7 @@ class BlockPool:
         """Add one pin to each of ``slots`` (all READY); a slot listed twice gets two."""
         slots = list(slots)
         for slot in slots:
-            self._require(slot, SlotState.READY, "pin")
+            self._require(slot, _READY, "pin")
         for slot in slots:
             if self._pins[slot] == 0:
                 self._pinned += 1
@@ -234,7 +236,7 @@ class BlockPool:
 
     def write(self, slot: int, data: bytes | bytearray | memoryview) -> None:
         """Copy one block into a WRITING slot."""
-        self._require(slot, SlotState.WRITING, "write into")
+        self._require(slot, _WRITING, "write into")
         if len(data) != self._block_len:
             raise ValueError(
                 f"slot {slot}: data is {len(data)} bytes, a block is {self._block_len}"
@@ -244,7 +246,7 @@ class BlockPool:
 
     def read(self, slot: int) -> bytes:
         """A copy of a READY slot's block."""
-        self._require(slot, SlotState.READY, "read")
+        self._require(slot, _READY, "read")
         start = slot * self._block_len
         return bytes(self._view[start : start + self._block_len])
 
@@ -308,4 +310,4 @@ class BlockPool:
         del self._slots[key]
         self._keys[slot] = None
         self._recency.pop(slot, None)
-        self._states[slot] = SlotState.FREE
+        self._states[slot] = _FREE
