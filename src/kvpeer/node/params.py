@@ -60,8 +60,8 @@ LOCAL = Routing()
 
 def format_peer_id(host: str, port: int) -> str:
     """``host:port``, with IPv6 literals in brackets (``[::1]:5710``)."""
-    try:
-        is_v6 = ipaddress.ip_address(host).version == 6
+    try:  # every IPv6 literal has a colon; parsing a name costs two exceptions
+        is_v6 = ":" in host and ipaddress.ip_address(host).version == 6
     except ValueError:
         is_v6 = False
     return f"[{host}]:{port}" if is_v6 else f"{host}:{port}"

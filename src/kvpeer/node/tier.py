@@ -34,6 +34,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvpeer.config import TierConfig
 from kvpeer.errors import ProtocolError
@@ -58,6 +59,12 @@ from kvpeer.types import (
 __all__ = ["Tier", "TierStatistics"]
 
 log = logging.getLogger("kvpeer.tier")
+
+# Members the hot paths compare against, bound once: ``Enum.MEMBER`` goes through
+# EnumType.__getattr__ on Python 3.11 (~0.2 us an access, millions per simulated world).
+_HIT: Final = LookupResult.HIT
+_MISS: Final = LookupResult.MISS
+_RETRY: Final = LookupResult.RETRY
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,24 +194,24 @@ class Tier:
     def _lookup(self, key: Key, request: RequestContext) -> LookupResult:
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None or source.kv_request_id in self._failed:
-            return LookupResult.MISS
+            return _MISS
         if not source.probe:
             if self._trace.enabled:
                 self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
-            return LookupResult.HIT  # PD: the prefiller will have every block
+            return _HIT  # PD: the prefiller will have every block
         peer = self._peers.get(source.peer_id)
         if peer is None or not peer.session.alive:
-            return LookupResult.MISS
+            return _MISS
         now = self._clock()
         peer.last_used = now
         if self._trace.enabled:
             self._trace.lookup_asked(source.kv_request_id, source.peer_id, self._steps)
         answer = peer.session.register_probe(source.kv_request_id, key, now)
         if answer is None:
-            return LookupResult.RETRY
+            return _RETRY
         if answer and self._trace.enabled:
             self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
-        return LookupResult.HIT if answer else LookupResult.MISS
+        return _HIT if answer else _MISS
 
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source

@@ -43,9 +43,9 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 
 from kvpeer.errors import (
     BudgetExceeded,
@@ -103,6 +103,9 @@ class SessionStatistics:
     producer: ProducerStatistics
 
 
+_NOTHING = PollResult()
+
+
 class PeerSession:
     """Both roles toward one peer over one control link."""
 
@@ -140,6 +143,7 @@ class PeerSession:
         self._frames_in = 0
         self._frames_out = 0
         self._unknown = 0
+        self._guard_cm = _Guard(self)
 
     # -- state -----------------------------------------------------------------
 
@@ -251,13 +255,16 @@ class PeerSession:
         if self._closed is not None and not self._close_reported:
             closed = self._closed
             self._close_reported = True
+        lookup_seconds = self._consumer.take_lookup_seconds()
+        if closed is None and not (loads or stores or fetched or expired or lookup_seconds):
+            return _NOTHING  # most polls (frozen, so one instance serves them all)
         return PollResult(
             loads=tuple(loads),
             stores=tuple(stores),
             fetched_ids=tuple(fetched),
             expired_probe_ids=tuple(expired),
             closed=closed,
-            lookup_seconds=tuple(self._consumer.take_lookup_seconds()),
+            lookup_seconds=tuple(lookup_seconds),
         )
 
     def _fire_timers(self, now: float) -> None:
@@ -354,29 +361,28 @@ class PeerSession:
 
     # -- the exception boundary (invariant 5) -------------------------------------
 
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
+    def _guard(self) -> _Guard:
         """Run a step on the peer's input; whatever it raises ends this session."""
-        try:
-            yield
-        except BudgetExceeded as exc:  # a ProtocolError, named apart
+        return self._guard_cm
+
+    def _ended_by(self, exc: Exception) -> None:
+        """The exception boundary (invariant 5): ``exc`` names how the session ends."""
+        if isinstance(exc, BudgetExceeded):  # a ProtocolError, named apart
             self._end(CloseKind.OVER_BUDGET, str(exc))
-        except ProtocolError as exc:
+        elif isinstance(exc, ProtocolError):
             self._end(CloseKind.PROTOCOL_ERROR, str(exc))
-        except HandshakeRejected as exc:
+        elif isinstance(exc, HandshakeRejected):
             self._end(CloseKind.REJECTED, str(exc))
-        except LocalFault as exc:
+        elif isinstance(exc, LocalFault):
             self._end(CloseKind.LOCAL_FAULT, f"our data plane failed: {exc}", error=exc)
-        except DataPlaneError as exc:
+        elif isinstance(exc, DataPlaneError):
             self._end(CloseKind.PEER_FAULT, f"data plane: {exc}")
-        except Exception as exc:  # a bug of ours; the peer must not take the node down
+        else:  # a bug of ours; the peer must not take the node down
             self._end(
                 CloseKind.INTERNAL_ERROR,
                 f"internal error: {exc.__class__.__name__}: {exc}",
                 error=exc,
             )
-        else:
-            self._settle_deferred_close()
 
     # -- dispatch --------------------------------------------------------------
 
@@ -539,3 +545,30 @@ class PeerSession:
             unreleased_serves=tuple(serves),
             error=error,
         )
+
+
+class _Guard:
+    """:meth:`PeerSession._guard` as a plain context manager, one per session (the
+    generator-based kind cost a generator per entry point, on every poll)."""
+
+    __slots__ = ("_session",)
+
+    def __init__(self, session: PeerSession) -> None:
+        self._session = session
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            self._session._settle_deferred_close()
+            return False
+        if not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: not the peer's doing
+        self._session._ended_by(exc)
+        return True

@@ -52,7 +52,7 @@ class WorkMap(Generic[K, V]):
 
     def __iter__(self) -> Iterator[K]:
         """Iterate over a snapshot of the keys (safe to mutate meanwhile)."""
-        return iter(list(self._items))
+        return iter(list(self._items)) if self._items else iter(())  # mostly empty
 
     def get(self, key: K, default: V | None = None) -> V | None:
         return self._items.get(key, default)

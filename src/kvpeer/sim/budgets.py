@@ -80,27 +80,32 @@ class Reach:
         now = self._ctx.clock.now
         net = self._net
         busy = set(busy)
-        for consumer in self._nodes:
-            for peer in self._nodes:
+        nodes = self._nodes
+        state, disturbed = self._state, self._disturbed
+        up = {node: net.is_up(node) for node in nodes}
+        silent = {node: bool(net.frozen_since(node)) for node in nodes}
+        for consumer in nodes:
+            still = up[consumer] and consumer not in busy
+            for peer in nodes:
                 if peer == consumer:
                     continue
                 pair = (consumer, peer)
-                if net.broken_since(consumer, peer) is not None or net.frozen_since(peer):
+                if silent[peer] or net.broken_since(consumer, peer) is not None:
                     kind: str | None = SILENT
-                elif not net.is_up(peer):
+                elif not up[peer]:
                     kind = REFUSED
                 else:
                     kind = None
                 if kind is None:
-                    self._state.pop(pair, None)
-                    if not net.is_up(consumer) or consumer in busy or peer in busy:
-                        self._disturbed[pair] = now
+                    state.pop(pair, None)
+                    if not still or peer in busy:
+                        disturbed[pair] = now
                 else:
                     # A consumer that does not step does not spend its budget (its
                     # own waits are shifted the same way when it resumes).
-                    if self._state.get(pair, (0.0, None))[1] != kind or consumer in busy:
-                        self._state[pair] = (now, kind)
-                    self._disturbed[pair] = now
+                    if state.get(pair, (0.0, None))[1] != kind or consumer in busy:
+                        state[pair] = (now, kind)
+                    disturbed[pair] = now
 
     def disturb(self, node: str) -> None:
         """``node`` booted, died or restarted: every pair with it starts over."""

@@ -161,8 +161,13 @@ class SimNetwork:
 
     def broken_since(self, a: str, b: str) -> float | None:
         """Since when the path between ``a`` and ``b`` (either direction) is cut."""
-        cuts = [t for key in ((a, b), (b, a)) if (t := self._cuts.get(key)) is not None]
-        return min(cuts, default=None)
+        cuts = self._cuts
+        if not cuts:  # the common case, asked for every link and pair every tick
+            return None
+        there, back = cuts.get((a, b)), cuts.get((b, a))
+        if there is None or back is None:
+            return back if there is None else there
+        return min(there, back)
 
     # -- time --------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvpeer.host import BlockPool, TieringHost
 from kvpeer.node.params import Routing, parse_transfer_params
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 LOAD, STORE, SERVE = "load", "store", "serve"
+_HIT: Final = LookupResult.HIT  # bound once: slow on 3.11 (EnumType.__getattr__)
+_RETRY: Final = LookupResult.RETRY
 
 
 class SimRegion(Region):
@@ -240,7 +243,7 @@ class TierProbe:
             return result
         req_id = request.req_id
         if source.probe:
-            if result is LookupResult.RETRY:
+            if result is _RETRY:
                 streaks = self.retry_since.setdefault(req_id, {})
                 since = streaks.setdefault(key, self.ctx.clock.now)
                 reach.check_retry(self.tier, self.where, source.peer_id, req_id, since)
@@ -255,7 +258,7 @@ class TierProbe:
                 self.peer_id,
                 source.peer_id,
                 req_id,
-                result is LookupResult.HIT,
+                result is _HIT,
                 self._started.get(req_id, self.ctx.clock.now),
             )
         return result
