@@ -64,6 +64,7 @@ field               written                       read outside the lock by
                                                   no write goes into a reused descriptor
 ``_wakeups``,       under the lock                the properties: counters, one int read,
 ``_polls``                                        never used for a decision
+``_fresh``          the driver only               the driver only (no other reader)
 ==================  ============================  =====================================
 
 Stale decisions this design accepts: a driver that was watching when an engine
@@ -168,6 +169,7 @@ class NodeLoop:
         self._host_due = False  # the driver owes a wake_host call
         self._deadline: float | None = None  # the tier's next timer
         self._sleeps_until = 0.0  # when the driver wakes by itself next
+        self._fresh = True  # the driver's last wake came from the poll set (driver only)
         self._wakeups = 0
         self._polls = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -309,7 +311,7 @@ class NodeLoop:
                 return False
             watching = self._watchers == 0
             try:
-                if watching or self._clock() >= self._sleeps_until:
+                if (watching and self._fresh) or self._clock() >= self._sleeps_until:
                     self._poll_here(watcher=watching, driver=True)
             except Exception:
                 return False  # a crash, recorded by ``poll``
@@ -324,6 +326,9 @@ class NodeLoop:
             if (deadline := self._deadline) is not None:
                 wait = min(wait, max(0.0, deadline - now))
             self._sleeps_until = now + wait
+            # Woken from anything but the poll set, the driver has nothing to poll
+            # for: what arrived meanwhile keeps the poll set readable.
+            self._fresh = False
             if not host and not watching:
                 self._cond.wait(wait)  # timers only: the engine watches
                 return True
@@ -331,8 +336,9 @@ class NodeLoop:
         if host:
             assert self._wake_host is not None
             self._wake_host()  # once per wait for a serve window
-            return True  # a fresh round: the sleep is decided under the lock again
+            return True  # the sleep is decided under the lock again
         self._block(fds, wait)
+        self._fresh = True
         return True
 
     # -- internals (lock held) ------------------------------------------------------------
