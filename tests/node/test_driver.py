@@ -265,7 +265,7 @@ class TestWakeHost:
         a.control.until_asleep(DRIVER)
         assert a.driven.wakeups == 1
         polls = a.driven.polls
-        a.driven.serve_external_requests(a.parent)  # the window: wakes the driver
+        a.driven.serve_external_requests(a.parent)  # the window, polled at once
         a.control.until(
             "the driver polled after the serve window",
             lambda: a.driven.polls > polls and DRIVER in a.control.asleep,
@@ -274,6 +274,23 @@ class TestWakeHost:
         send_lookup(a, b, ctx, 3)  # a new wait
         assert a.host_wakeups.acquire(timeout=SAFETY_S)
         assert a.driven.wakeups == 2
+
+
+class TestServeWindow:
+    def test_a_window_that_serves_polls_on_the_engine_thread(self, a: Node, b: TierNode) -> None:
+        ctx = handshake(a, b)
+        send_lookup(a, b, ctx, 1)
+        assert a.host_wakeups.acquire(timeout=SAFETY_S)
+        a.control.until_asleep(DRIVER)
+        polls = a.driven.polls
+        a.driven.serve_external_requests(a.parent)
+        assert a.driven.polls == polls + 1  # done before the call returned, by this thread
+
+    def test_a_window_with_nothing_to_serve_polls_nothing(self, a: Node, b: TierNode) -> None:
+        handshake(a, b)
+        polls = a.driven.polls
+        a.driven.serve_external_requests(a.parent)
+        assert a.driven.polls == polls
 
 
 class TestTimers:

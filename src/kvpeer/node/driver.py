@@ -206,8 +206,19 @@ class DrivenTier:
         return self._call(Tier.take_results, Tier.take_results)
 
     def serve_external_requests(self, parent: Parent) -> None:
-        self._call(lambda t: t.serve_external_requests(parent), _constant(None))
-        self._loop.wake()
+        def serve(tier: Tier) -> None:
+            if not tier.needs_serve():
+                return  # nothing waits for this window: nothing to serve or poll
+            tier.serve_external_requests(parent)
+            # What the window started (a copy done inline, answers) is reported by
+            # a poll: this thread holds the lock, so it polls rather than wake one.
+            try:
+                self._loop.poll_now()
+            except Exception:
+                self._check()  # raises DriverCrashed: the poll recorded the crash
+                raise
+
+        self._call(serve, _constant(None))
 
     def on_schedule_end(self) -> None:
         self._call(Tier.on_schedule_end, _constant(None))

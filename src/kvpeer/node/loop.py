@@ -34,8 +34,10 @@ driver            an engine  the lock's condition,    a timer set earlier than  
 engine in         watcher    the poll set, until its  a frame, the wake-up        on every wake
 ``wait_for_work``            own timeout              channel (e.g. a poll
                                                       elsewhere found host work)
-engine, any       -          the lock only            -                           never; frames
-other call                                                                        it queues
+engine, any       -          the lock only            -                           after a serve
+other call                                                                        window that
+                                                                                  served; frames
+                                                                                  it queues
                                                                                   leave at once
 data-plane        -          the lock, at most        -                           if it got the
 thread                       ``COMPLETION_LOCK_                                   lock, else it
@@ -212,6 +214,11 @@ class NodeLoop:
                 self._settle()
             finally:
                 self.lock.release()
+
+    def poll_now(self) -> None:
+        """Lock held: poll on this thread now (an engine call that knows a poll is due:
+        cheaper than waking the watcher for it)."""
+        self._poll_here(watcher=False)
 
     def want(self) -> None:
         """Lock held: something waits for the host (a crash's failed jobs)."""
