@@ -22,6 +22,7 @@ import zmq
 import zmq.auth
 
 from kvpeer.errors import ConfigError, PeerLost
+from kvpeer.node.loop import poll_block
 from kvpeer.transport.base import InboundFrame
 from kvpeer.transport.zmq_control import CurveKeys, ZmqControl, ZmqLink
 from kvpeer.types import JobResult, RequestContext, TransferJob
@@ -70,7 +71,7 @@ class Inbox:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            self.controls[0].wait(0.005)
+            poll_block([fd for c in self.controls for fd in c.descriptors], 0.005)
 
 
 @pytest.fixture
@@ -405,8 +406,7 @@ def test_close_is_idempotent_and_leaves_no_threads_or_sockets(
     assert threading.active_count() == threads
     assert _open_fds() <= fds
     assert a.receive() == []
-    a.wait(0)  # returns at once
-    a.wake()
+    assert not a.pending()
     assert not link.transmit(b"after close")
     with pytest.raises(PeerLost):
         a.connect(b.local_id)
@@ -424,11 +424,6 @@ def _ends_soon(wait: Callable[[], None], trigger: Callable[[], object]) -> bool:
         timer.cancel()
         timer.join()
     return time.monotonic() - started < 2.0
-
-
-def test_wake_interrupts_a_wait_from_another_thread(controls: Callable[..., ZmqControl]) -> None:
-    control = controls()
-    assert _ends_soon(lambda: control.wait(5.0), control.wake)
 
 
 def test_a_frame_on_an_open_link_leaves_without_a_pump(
@@ -450,30 +445,41 @@ def test_a_frame_on_an_open_link_leaves_without_a_pump(
 
 
 def test_an_arriving_frame_ends_a_wait(controls: Callable[..., ZmqControl]) -> None:
-    """wait() sleeps on the sockets' descriptors: a frame arriving after a pump
-    drained everything still wakes it (the edge is not lost)."""
+    """A sleep on the descriptors: a frame arriving after a pump drained everything
+    and ``pending`` said so still ends it (the edge is not lost)."""
     a, b = controls(), controls()
     link = a.connect(b.local_id)
     link.transmit(b"opens the socket")
     both = Inbox(a, b)
     assert both.until(lambda: len(both.of(b)) == 1)
     assert b.receive() == []  # drained: the next frame must wake the wait by itself
+    assert not b.pending()
 
-    assert _ends_soon(lambda: b.wait(5.0), lambda: link.transmit(b"late"))
+    assert _ends_soon(lambda: poll_block(b.descriptors, 5.0), lambda: link.transmit(b"late"))
     assert [f.frame for f in b.receive()] == [b"late"]
 
 
-def test_a_wait_ends_when_an_extra_descriptor_is_readable(
+def test_a_send_that_finds_input_waiting_leaves_it_pending(
     controls: Callable[..., ZmqControl],
 ) -> None:
-    control = controls()
-    extra = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-    try:
-        assert _ends_soon(
-            lambda: control.wait(5.0, also=(extra,)), lambda: os.eventfd_write(extra, 1)
-        )
-    finally:
-        os.close(extra)
+    """The edge rule: a send on a DEALER whose peer's answer waits unread may eat
+    ``ZMQ_FD``'s edge for it, so ``pending`` reports the answer until it is read."""
+    a, b = controls(), controls()
+    link = a.connect(b.local_id)
+    link.transmit(b"opens the socket")
+    inbox = Inbox(b)
+    assert inbox.until(lambda: len(inbox.of(b)) == 1)
+    b.refuse(a.local_id, b"answer")  # lands on a's DEALER, unread
+    deadline = time.monotonic() + DEADLINE_S
+    while True:  # until a send on the DEALER shows the answer there (bounded)
+        assert link.transmit(b"more")
+        if a.pending():
+            break
+        assert time.monotonic() < deadline, "the answer never showed"
+        poll_block(a.descriptors, 0.005)
+    assert not a.pending()  # reported once; nothing touched since
+    assert [f.frame for f in a.receive()] == [b"answer"]
+    assert not a.pending()
 
 
 # -- a real node: clean start and stop --------------------------------------------------------

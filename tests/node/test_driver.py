@@ -44,25 +44,34 @@ SAFETY_S = 10.0  # bounds a wait for a thread only if the test is already failin
 
 
 class WaitableControl:
-    """An in-memory control endpoint the driver can sleep on (ControlTransport and
-    Waitable). Frames become visible to ``wait`` when the test calls :meth:`arrive`
-    (or someone calls :meth:`wake`); that stays so until the next ``receive``."""
+    """An in-memory control endpoint the loop can watch (ControlTransport and the
+    loop's Source) and the loop's ``block``. Frames become visible on its
+    descriptor when the test calls :meth:`arrive`; that stays so until the next
+    ``receive``."""
 
     def __init__(self, inner: MemoryControl) -> None:
         self.inner = inner
         self._ready = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._descriptors = (self._ready,)
         self._changed = threading.Condition()
         self.received_by: list[str] = []  # the thread of each receive that got frames
         self.asleep: dict[str, float | None] = {}  # thread -> timeout it sleeps with
         self.sleeps: list[tuple[str, float | None]] = []  # every wait, in order
 
-    # -- Waitable --------------------------------------------------------------------
+    # -- Source and Block ---------------------------------------------------------------
 
-    def wait(self, timeout_s: float | None, also: Sequence[int] = ()) -> None:
-        """Block until a frame arrived, a wake-up, or one of ``also`` is readable.
-        ``timeout_s`` is recorded, never waited for: time is the test's."""
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        return self._descriptors
+
+    def pending(self) -> bool:
+        return False  # level-triggered: what arrived stays readable until received
+
+    def block(self, fds: Sequence[int], timeout_s: float) -> None:
+        """Block until one of ``fds`` is readable. ``timeout_s`` is recorded, never
+        waited for: time is the test's."""
         poller = select.poll()
-        for fd in (self._ready, *also):
+        for fd in fds:
             poller.register(fd, select.POLLIN)
         name = threading.current_thread().name
         with self._changed:
@@ -75,9 +84,6 @@ class WaitableControl:
             with self._changed:
                 del self.asleep[name]
                 self._changed.notify_all()
-
-    def wake(self) -> None:
-        os.eventfd_write(self._ready, 1)
 
     # -- ControlTransport --------------------------------------------------------------
 
@@ -142,6 +148,7 @@ class Node:
             clock=cluster.clock,
             max_wait_s=MAX_WAIT_S,
             wake_host=self.host_wakeups.release,
+            block=self.control.block,
         )
 
     @property
@@ -258,7 +265,7 @@ class TestWakeHost:
         a.control.until_asleep(DRIVER)
         assert a.driven.wakeups == 1
         polls = a.driven.polls
-        a.driven.serve_external_requests(a.parent)  # the window: wakes the driver
+        a.driven.serve_external_requests(a.parent)  # the window, polled at once
         a.control.until(
             "the driver polled after the serve window",
             lambda: a.driven.polls > polls and DRIVER in a.control.asleep,
@@ -267,6 +274,23 @@ class TestWakeHost:
         send_lookup(a, b, ctx, 3)  # a new wait
         assert a.host_wakeups.acquire(timeout=SAFETY_S)
         assert a.driven.wakeups == 2
+
+
+class TestServeWindow:
+    def test_a_window_that_serves_polls_on_the_engine_thread(self, a: Node, b: TierNode) -> None:
+        ctx = handshake(a, b)
+        send_lookup(a, b, ctx, 1)
+        assert a.host_wakeups.acquire(timeout=SAFETY_S)
+        a.control.until_asleep(DRIVER)
+        polls = a.driven.polls
+        a.driven.serve_external_requests(a.parent)
+        assert a.driven.polls == polls + 1  # done before the call returned, by this thread
+
+    def test_a_window_with_nothing_to_serve_polls_nothing(self, a: Node, b: TierNode) -> None:
+        handshake(a, b)
+        polls = a.driven.polls
+        a.driven.serve_external_requests(a.parent)
+        assert a.driven.polls == polls
 
 
 class TestTimers:
@@ -292,7 +316,7 @@ class TestTimers:
 class TestCompletions:
     def test_a_completion_polls_on_the_planes_thread(self, a: Node, b: TierNode) -> None:
         b.request("r", {"remote_kv_source": a.source("kv")})  # a frame waits, unannounced
-        plane = threading.Thread(target=a.driven.on_transfer_finished, name="plane")
+        plane = threading.Thread(target=a.driven.loop.request_poll, name="plane")
         plane.start()
         plane.join(SAFETY_S)
         assert a.control.received_by == ["plane"]
@@ -300,7 +324,7 @@ class TestCompletions:
     def test_with_the_lock_taken_a_completion_wakes_the_driver(self, a: Node, b: TierNode) -> None:
         b.request("r", {"remote_kv_source": a.source("kv")})
         with a.driven.locked():
-            plane = threading.Thread(target=a.driven.on_transfer_finished, name="plane")
+            plane = threading.Thread(target=a.driven.loop.request_poll, name="plane")
             plane.start()
             plane.join(SAFETY_S)
             assert a.control.received_by == []

@@ -23,14 +23,18 @@ log = logging.getLogger("kvpeer.node")
 
 
 class _Completions:
-    """Where tcp and shm report finished transfers: the driven tier once it exists
-    (it polls on the reporting thread when it can), the control's wake-up before."""
+    """Where every data plane asks for a poll: the node loop's ``request_poll`` once
+    the driven tier exists (before it, nothing polls and no transfer runs)."""
 
-    def __init__(self, fallback: Callable[[], None]) -> None:
-        self.target = fallback
+    def __init__(self) -> None:
+        self.target: Callable[[], None] = _nothing
 
     def __call__(self) -> None:
         self.target()
+
+
+def _nothing() -> None:
+    """No poll to ask for yet."""
 
 
 def _allows(allowed: AllowList, peer_id: str) -> bool:
@@ -41,7 +45,6 @@ def _allows(allowed: AllowList, peer_id: str) -> bool:
 def _backends(
     config: TierConfig,
     region: PrimaryRegion,
-    notify: Callable[[], None],
     completions: Callable[[], None],
     *,
     local_id: str,
@@ -76,7 +79,7 @@ def _backends(
                 log.info("data plane nixl skipped: nixl is not installed")
                 continue
             trusted = functools.partial(_allows, config.nixl_trusted())
-            backends.append(NixlBackend(region, notify, trusted=trusted))
+            backends.append(NixlBackend(region, completions, trusted=trusted))
     if not backends:
         raise ConfigError(f"data_transports: none of {list(config.data_transports)!r} can run here")
     return backends
@@ -116,12 +119,11 @@ def open_node(
         max_link_bytes=config.max_peer_bytes,
         curve=curve,
     )
-    completions = _Completions(control.wake)
+    completions = _Completions()
     try:
         backends = _backends(
             config,
             region,
-            control.wake,
             completions,
             local_id=control.local_id,
             shm_same_process=shm_same_process,
@@ -141,5 +143,5 @@ def open_node(
         ",".join(data.backends),
     )
     driven = DrivenTier(tier, control, clock=clock, wake_host=wake_host)
-    completions.target = driven.on_transfer_finished
+    completions.target = driven.loop.request_poll
     return driven

@@ -12,12 +12,15 @@ carries ours. Socket rules:
    has nothing queued, so a frame from the engine thread - a first contact's
    ``connect`` too - leaves without a hop through the driver; anything else is
    queued for the pump. Only the pump closes sockets.
-   :meth:`ZmqControl.wait` touches no socket: it sleeps on the file descriptors
-   (``ZMQ_FD`` of each socket, the wake-up eventfd) the last pump gathered, so
-   another thread may send while the driver sleeps. ``ZMQ_FD`` is
-   edge-triggered: whoever leaves a socket with work pending (a read cut short,
-   a send that found it readable) wakes the driver, and a pump that changed the
-   set of descriptors wakes it so it sleeps on the new set.
+   The control does socket work only; it never sleeps or wakes anyone. It says
+   what an owner may sleep on (:attr:`ZmqControl.descriptors`: ``ZMQ_FD`` of each
+   live socket) and, after socket work, whether work waits that those will not
+   announce (:meth:`ZmqControl.pending`). ``ZMQ_FD`` is edge-triggered: any call
+   on a socket may eat the edge of work that arrived before it. So every socket
+   call marks its socket *touched*, and ``pending`` - the one place that re-checks
+   ``ZMQ_EVENTS`` - asks each touched socket whether it still has input (or queued
+   frames it can now send), and whether frames wait for the pump. The node's loop
+   (:mod:`kvpeer.node.loop`) calls it whenever it leaves the lock.
 2. Every queue is bounded, in frames and in bytes. A link's DEALER holds at most
    :data:`LINK_HWM` frames inside libzmq; past that, frames wait in our own
    queue. What a peer that stopped reading makes us hold - our queue plus the
@@ -39,10 +42,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-import select
 from collections import deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,15 +216,12 @@ class ZmqControl:
         max_queued_frames: int = 4096,
         max_link_bytes: int = 64 << 20,
         curve: CurveKeys | None = None,
-        wake: Callable[[], None] | None = None,
     ) -> None:
         self._heartbeat = (int(heartbeat_interval_s * 1000), int(heartbeat_timeout_s * 1000))
         self._max_frame = max_frame_bytes
         self._max_queued = max_queued_frames
         self._max_link_bytes = max_link_bytes
         self._curve = curve
-        self._external_wake = wake
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._ipv6 = ":" in host
@@ -268,9 +265,10 @@ class ZmqControl:
         self._closed = False
         self._dirty = False  # a link has queued frames, or must be opened or released
         self._router_fd: int = self._router.fileno()
-        self._wait_fds: tuple[int, ...] = ()
-        self._poller = select.poll()
-        self._refresh_wait_set()
+        self._descriptors: tuple[int, ...] = ()
+        # Sockets used since the last pending(): link id -> link, 0 -> the ROUTER.
+        self._touched: dict[int, ZmqLink | None] = {}
+        self._refresh_descriptors()
 
     # -- ControlTransport ------------------------------------------------------------
 
@@ -286,7 +284,7 @@ class ZmqControl:
         # Opened here, not by the next pump: a driver starved on a busy machine
         # delayed first contacts by up to ~70 ms. A failure leaves a dead link.
         self._open(link)
-        self._refresh_wait_set()  # wakes the driver to sleep on the new descriptors
+        self._refresh_descriptors()
         return link
 
     def flush(self) -> None:
@@ -300,10 +298,10 @@ class ZmqControl:
         """Pump: read the ROUTER, then every link (monitor, answers, queued frames)."""
         if self._closed:
             return []
-        self._drain_wake()
         frames: list[InboundFrame] = []
         router = self._router
-        for _ in range(10_000):  # bounded: the driver is woken if more wait
+        self._touched[0] = None
+        for _ in range(10_000):  # bounded: pending() says if more wait
             if not _events(router) & _POLLIN:
                 break
             try:
@@ -325,8 +323,6 @@ class ZmqControl:
             source = address if isinstance(address, str) else None
             self._received += 1
             frames.append(InboundFrame(peer_id, parts[1].bytes, source))
-        else:
-            self.wake()  # cut short: frames still wait, and ZMQ_FD will not say so
         # Pumped after the ROUTER was read: an arrived frame goes to dispatch first.
         self._pump()
         frames.extend(self._answers)
@@ -344,33 +340,44 @@ class ZmqControl:
         self._router.close(linger=0)
         self._shutdown_context()
 
-    # -- driver support ------------------------------------------------------------------
+    # -- the owner's loop (kvpeer.node.loop.Source) ------------------------------------
+
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        """``ZMQ_FD`` of the ROUTER and of each live link's sockets (the same tuple
+        until the set changes)."""
+        return self._descriptors
+
+    def pending(self) -> bool:
+        """Whether work waits that :attr:`descriptors` will not announce (owner's
+        lock held): frames queued for the pump, or a socket used since the last call
+        that still has input, or queued frames and room to send them. The only
+        place that re-checks ``ZMQ_EVENTS`` for the edge-triggered ``ZMQ_FD``
+        (rule 1); after False, new work makes a descriptor readable."""
+        if self._closed:
+            return False
+        touched = self._touched
+        if not touched:
+            return self._dirty
+        self._touched = {}
+        pending = self._dirty
+        for key, link in touched.items():
+            if key == 0:
+                pending |= bool(_events(self._router) & _POLLIN)
+                continue
+            assert link is not None
+            sock, monitor = link.socket, link.monitor
+            if sock is None or link.dead_reason is not None:
+                continue
+            events = _events(sock)
+            pending |= bool(events & _POLLIN or (link.queue and events & _POLLOUT))
+            if monitor is not None:
+                pending |= bool(_events(monitor) & _POLLIN)
+        return pending
 
     def mark_dirty(self) -> None:
-        """A link needs the pump (owner's lock held): wake the driver for it."""
+        """A link needs the pump (owner's lock held): :meth:`pending` says so."""
         self._dirty = True
-        self.wake()
-
-    def wake(self) -> None:
-        """Make the driver's :meth:`wait` return (callable from any thread)."""
-        if not self._closed:
-            with contextlib.suppress(OSError):
-                os.eventfd_write(self._wake_fd, 1)
-        if self._external_wake is not None:
-            self._external_wake()
-
-    def wait(self, timeout_s: float | None, also: Sequence[int] = ()) -> None:
-        """Block until a socket may have work, a wake-up, one of the descriptors
-        ``also`` is readable, or ``timeout_s``. Touches no socket (rule 1); several
-        threads may wait at once, but only one of them without ``also``."""
-        if self._closed:
-            return
-        poller = self._poller
-        if also:
-            poller = select.poll()  # a poll object refuses concurrent poll() calls
-            for fd in (*self._wait_fds, *also):
-                poller.register(fd, select.POLLIN)
-        poller.poll(None if timeout_s is None else max(0.0, timeout_s * 1000))
 
     def send_now(self, link: ZmqLink, frame: bytes) -> bool:
         """Send ``frame`` on ``link``'s open socket without blocking (owner's lock
@@ -387,8 +394,7 @@ class ZmqControl:
             return True  # consumed: the link is dead now
         self._sent += 1
         link.sent(frame)
-        if _events(sock) & _POLLIN:
-            self.wake()  # the send may have eaten ZMQ_FD's edge for an inbound frame
+        self._touched[id(link)] = link  # the send may have eaten an inbound edge
         return True
 
     def statistics(self) -> ZmqStatistics:
@@ -402,17 +408,12 @@ class ZmqControl:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _refresh_wait_set(self) -> None:
-        """Gather the descriptors :meth:`wait` sleeps on (pump, lock held)."""
+    def _refresh_descriptors(self) -> None:
+        """Gather :attr:`descriptors` (lock held); a new tuple only if they changed."""
         live = (link for link in self._links.values() if link.dead_reason is None)
-        fds = (self._wake_fd, self._router_fd, *(fd for link in live for fd in link.fds))
-        if fds == self._wait_fds:
-            return
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        self._poller, self._wait_fds = poller, fds
-        self.wake()  # a driver asleep on the old set must sleep on this one
+        fds = (self._router_fd, *(fd for link in live for fd in link.fds))
+        if fds != self._descriptors:
+            self._descriptors = fds
 
     def _configure(self, sock: zmq.Socket[bytes]) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -424,29 +425,27 @@ class ZmqControl:
             sock.setsockopt(zmq.IPV6, 1)
 
     def _pump(self) -> None:
-        """Pump every link; wake the driver if a socket was left with work its
-        ``ZMQ_FD`` will not signal again (rule 1)."""
+        """Pump every link (what it leaves undone, :meth:`pending` says)."""
         self._dirty = False
-        pending = False
         for link in list(self._links.values()):
-            pending |= self._pump_link(link)
-        self._refresh_wait_set()
-        if pending:
-            self.wake()
+            self._pump_link(link)
+        self._refresh_descriptors()
 
-    def _pump_link(self, link: ZmqLink) -> bool:
-        """Open, read, send or release one link; True if it still has work."""
+    def _pump_link(self, link: ZmqLink) -> None:
+        """Open, read, send or release one link."""
         if link.closed:
             self._send_last_words(link)
             self._release(link)
             del self._links[id(link)]
-            return False
+            self._touched.pop(id(link), None)
+            return
         if link.dead_reason is not None:
-            return False
+            return
         if link.socket is None:
             self._open(link)
             if link.socket is None:
-                return False
+                return
+        self._touched[id(link)] = link
         self._read_monitor(link)
         sock = link.socket
         self._read_answers(link, sock)
@@ -462,10 +461,6 @@ class ZmqControl:
             link.queued_bytes -= len(frame)
             link.sent(frame)
             self._sent += 1
-        if not link.alive or link.socket is None:
-            return False
-        events = _events(sock)
-        return bool(events & _POLLIN or (link.queue and events & _POLLOUT))
 
     def _open(self, link: ZmqLink) -> None:
         try:
@@ -522,8 +517,7 @@ class ZmqControl:
             self._router.send_multipart([peer_id.encode("utf-8"), frame], _NOBLOCK)
         except (zmq.ZMQError, UnicodeEncodeError):
             self._dropped += 1  # gone already, or its pipe is full: it was best effort
-        if _events(self._router) & _POLLIN:
-            self.wake()  # the send may have eaten ZMQ_FD's edge for an inbound frame
+        self._touched[0] = None  # the send may have eaten an inbound edge
 
     def _read_answers(self, link: ZmqLink, sock: zmq.Socket[bytes]) -> None:
         """Frames a peer sent back on our DEALER (a refusal): delivered as from it."""
@@ -576,12 +570,7 @@ class ZmqControl:
             link.monitor.close(linger=0)
             link.monitor = None
 
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(self._wake_fd)
-
     def _shutdown_context(self) -> None:
         if self._auth is not None:
             self._auth.stop()
         self._context.destroy(linger=0)
-        os.close(self._wake_fd)
