@@ -103,7 +103,12 @@ def test_a_peer_busy_prefilling_is_not_pulled_from() -> None:
     cost = policy.cost
     wait = cost.serve_wait_s("e1", busy(queued=4000))
     priors = CostPriors()
-    assert wait == pytest.approx(priors.overhead_s + 4000 * priors.prefill_s_per_token)
+    # One step under way: at most the step's token budget, however long the queue.
+    step = priors.overhead_s + priors.step_tokens * priors.prefill_s_per_token
+    assert wait == pytest.approx(step)
+    assert cost.serve_wait_s("e1", busy(queued=1000)) == pytest.approx(
+        priors.overhead_s + 1000 * priors.prefill_s_per_token
+    )
     assert wait > cost.serve_wait_s("e1", busy(queued=0)) > 0.0
     assert cost.serve_wait_s("e1", idle()) == 0.0
 

@@ -8,8 +8,9 @@ The model (all terms in seconds):
 - pull of ``k`` tokens from source ``s`` into ``e``: ``base_s + per_token_s * k``, plus,
   when ``s`` is running requests, its *serve wait* and a busy-source cost. A vLLM engine
   answers a peer's lookup between two of its steps, and the step running when the lookup
-  arrives prefills what is queued, so the serve wait is the source's own compute line at
-  its queued prompt tokens (a step that only decodes costs the line's base). The busy-source
+  arrives prefills what is queued, up to one step's token budget (``step_tokens``), so the
+  serve wait is the source's own compute line at that many tokens (a step that only
+  decodes costs the line's base). The busy-source
   cost is what remains (where engines share cores, serving a pull competes with the
   source's prefill): an EWMA of the excess of such pulls over the idle prediction plus the
   serve wait, from the ``source_busy_s`` prior. Plus ``cold_session_s`` for the first
@@ -50,6 +51,9 @@ class CostPriors:
     pull_s_per_token: float = 2e-5
     cold_session_s: float = 0.05
     source_busy_s: float = 0.02
+    # Prompt tokens one engine step prefills at most (vLLM's chunked-prefill budget,
+    # max_num_batched_tokens: 2,048 by default): a serve window comes after the step under way.
+    step_tokens: int = 2048
     tokens_ref: float = 1024.0  # where the prior line's second pseudo-point sits
     prior_weight: float = 4.0  # pseudo-observations behind each prior line
     half_life: float = 50.0  # observations after which one counts half
@@ -153,7 +157,7 @@ class CostModel:
         line = self._compute_line(source)
         if line.samples < self.priors.own_samples:
             line = self._pooled
-        return line.predict(max(0, source_load.queued_prompt_tokens))
+        return line.predict(min(max(0, source_load.queued_prompt_tokens), self.priors.step_tokens))
 
     def is_warm(self, engine: str, source: str) -> bool:
         return (engine, source) in self._warm
