@@ -90,7 +90,7 @@ class Cell:
     failed_fetches: int | None  # kvpeer's failed loads (computed locally instead)
     ttfts_s: list[float] = field(default_factory=list)  # for the CDF
     #: each measured request in send order: sent, TTFT, prompt and cached tokens, where
-    #: it ran and the peer named (to see which requests a percentile is made of)
+    #: it ran, the peer named and its kv_request_id (--trace: find its lines)
     per_request: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -177,6 +177,7 @@ def _brief(record: RequestRecord) -> dict[str, Any]:
         "engine": record.engine,
         "source": record.source,
         "error": record.error,
+        "request_id": record.request_id,
     }
 
 
