@@ -245,6 +245,7 @@ class PeerSession:
             self._fire_timers(now)
         loads, expired = self._consumer.take_results()
         stores, fetched = self._producer.take_results()
+        prefilled = tuple(kv_id for kv_id, done in fetched if done)
         loads.extend(self._late_loads)
         self._late_loads = []
         closed = None
@@ -254,7 +255,8 @@ class PeerSession:
         return PollResult(
             loads=tuple(loads),
             stores=tuple(stores),
-            fetched_ids=tuple(fetched),
+            fetched_ids=tuple(kv_id for kv_id, _ in fetched),
+            prefilled_ids=prefilled,
             expired_probe_ids=tuple(expired),
             closed=closed,
             lookup_seconds=tuple(self._consumer.take_lookup_seconds()),
@@ -317,6 +319,8 @@ class PeerSession:
         keys: Sequence[Key],
         slots: Sequence[int],
         now: float,
+        *,
+        prefill_done: bool = False,
     ) -> None:
         if self._closed is not None:
             self._late_loads.append(
@@ -324,7 +328,9 @@ class PeerSession:
             )
             return
         # Not guarded: a bad job is the engine's mistake (ProtocolError to the owner).
-        self._consumer.request_blocks(job_id, kv_request_id, keys, slots, now)
+        self._consumer.request_blocks(
+            job_id, kv_request_id, keys, slots, now, prefill_done=prefill_done
+        )
         self._settle_deferred_close()
 
     def finish_consumer(self, kv_request_id: str, now: float) -> None:
