@@ -22,6 +22,7 @@ from msgspec import Meta
 from kvpeer.protocol import limits as L
 
 __all__ = [
+    "PING_VERSION",
     "PROTOCOL_VERSION",
     "AbortAck",
     "AbortFetch",
@@ -35,13 +36,17 @@ __all__ = [
     "Lookup",
     "LookupResponse",
     "Message",
+    "Ping",
+    "Pong",
     "TransferDone",
     "TransportChoice",
     "TransportOffer",
     "UnknownMessage",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+#: The first version that answers :class:`Ping` (1.0 peers ignore it).
+PING_VERSION: tuple[int, int] = (1, 1)
 
 Key: TypeAlias = Annotated[bytes, Meta(min_length=L.MIN_KEY_BYTES, max_length=L.MAX_KEY_BYTES)]
 Keys: TypeAlias = Annotated[tuple[Key, ...], Meta(max_length=L.MAX_ITEMS)]
@@ -194,6 +199,16 @@ class AbortAck(_Base, tag="abort_ack", frozen=True):
     round_seq: WireInt
 
 
+class Ping(_Base, tag="ping", frozen=True):
+    """kvpeer only (peers of version >= :data:`PING_VERSION`): are you there?
+    Sent while a request of ours waits on a peer that has been quiet; answered
+    at once with :class:`Pong` by the node, not its engine, so a busy peer answers."""
+
+
+class Pong(_Base, tag="pong", frozen=True):
+    """kvpeer only: the answer to :class:`Ping`."""
+
+
 Message: TypeAlias = (
     Connect
     | ConnectAck
@@ -204,6 +219,8 @@ Message: TypeAlias = (
     | TransferDone
     | AbortFetch
     | AbortAck
+    | Ping
+    | Pong
 )
 
 
