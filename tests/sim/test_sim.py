@@ -277,7 +277,7 @@ class TestRequestBudgets:
         peer never heard from is given up) they fail it."""
         assert run_cli("--seeds", "1", "--first-seed", str(seed)).returncode == 0
         proc = subprocess.run(
-            [sys.executable, "-c", WITHOUT_THE_SILENCE_RULE % seed],
+            [sys.executable, "-c", script(WITHOUT_THE_SILENCE_RULE, seed)],
             capture_output=True,
             text=True,
             timeout=300,
@@ -287,17 +287,25 @@ class TestRequestBudgets:
         assert "on silent peer" in proc.stdout, proc.stdout
 
 
-WITHOUT_THE_SILENCE_RULE = """
+#: The session's silence rule before pings: only a peer never heard from is given up
+#: after peer_wait_s; one that spoke is left to the handshake deadline and heartbeat.
+OLD_SILENCE_RULE = """
 from kvpeer.session import peer
 def silence(self):
     if self._started_at is None or not self._consumer.waits_on_peer():
         return None
     if self._heard_at is None:
         return self._started_at + self._settings.peer_wait_s, None
-    return None  # a peer that spoke once is left to the handshake deadline and heartbeat
+    return None
 peer.PeerSession._silence = silence
-from kvpeer.sim import run_seed
-for violation in run_seed(%d).violations:
+"""
+
+
+def script(template: str, seed: int) -> str:
+    return template % {"seed": seed, "old_silence_rule": OLD_SILENCE_RULE}
+WITHOUT_THE_SILENCE_RULE = """
+%(old_silence_rule)sfrom kvpeer.sim import run_seed
+for violation in run_seed(%(seed)d).violations:
     print(violation)
 """
 
@@ -310,16 +318,8 @@ def refuse(self, peer_id, frame, reason, *, quiet=False):
     if not quiet:  # strays go unanswered again, as before the fix
         answer(self, peer_id, frame, reason)
 peertable.PeerTable._refuse = refuse
-from kvpeer.session import peer
-def silence(self):  # and pings do not rescue the stale side either (it waits, unanswered)
-    if self._started_at is None or not self._consumer.waits_on_peer():
-        return None
-    if self._heard_at is None:
-        return self._started_at + self._settings.peer_wait_s, None
-    return None
-peer.PeerSession._silence = silence
-from kvpeer.sim import run_seed
-for violation in run_seed(%d).violations:
+%(old_silence_rule)sfrom kvpeer.sim import run_seed
+for violation in run_seed(%(seed)d).violations:
     print(violation)
 """
 
@@ -339,7 +339,7 @@ class TestHalfOpenSessionRegression:
 
     def test_without_the_fix_the_seed_fails(self) -> None:
         proc = subprocess.run(
-            [sys.executable, "-c", WITHOUT_THE_STRAY_ANSWER % HALF_OPEN_SEED],
+            [sys.executable, "-c", script(WITHOUT_THE_STRAY_ANSWER, HALF_OPEN_SEED)],
             capture_output=True,
             text=True,
             timeout=300,
