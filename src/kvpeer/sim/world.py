@@ -247,7 +247,14 @@ class World:
         self.rng.shuffle(live)
         for node in live:
             if node.stalled_until > tick:
-                continue  # a busy engine: it neither steps nor is judged
+                if not node.frozen and node.live is not None:
+                    # A busy engine neither steps nor is judged, but its node's driver
+                    # thread runs on: frames, timers, pings (not the parent's calls).
+                    try:
+                        node.live.tier.poll()
+                    except Exception as exc:
+                        self._crashed(node, f"driver poll of tick {tick}", exc)
+                continue
             if node.stalled_until == tick:
                 node.resume()
             try:
