@@ -449,7 +449,7 @@ class TierConfig:
     unbound_store_timeout_s: float = 60.0
     tombstone_retention_s: float = 60.0
     handshake_timeout_s: float = 30.0
-    peer_wait_s: float = 2.0
+    peer_wait_s: float = 1.5
     peer_retry_max_s: float = 30.0
     abort_drain_timeout_s: float = 5.0
     heartbeat_interval_s: float = 2.0

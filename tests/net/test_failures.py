@@ -36,6 +36,7 @@ HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 HEARTBEAT_TIMEOUT_S = 1.0
 #: Scheduling slack on a loaded 2-core machine (driver ticks, process wake-ups).
 SLACK_S = 2.0
+PEER_WAIT_S = 1.5  # the default
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,33 @@ def test_lookups_toward_a_frozen_peer_answer_miss_after_the_heartbeat_timeout(
 
         assert (result.hits, result.loaded) == (0, False)
         assert elapsed <= HEARTBEAT_TIMEOUT_S + SLACK_S, f"lookups took {elapsed:.2f}s"
+    server.kill()
+
+
+def test_a_peer_frozen_in_session_is_given_up_after_peer_wait_s_not_the_heartbeat(
+    serve: StartNode,
+) -> None:
+    """Default heartbeats (10 s) on both sides: the consumer's pings go unanswered, so
+    its lookups answer MISS after peer_wait_s (1.5 s by default), and the peer is used
+    again once it runs (issue 11: a request's budget, not the heartbeat)."""
+    server = serve(plane="tcp", wait=False)
+    with LocalNode("tcp") as consumer:
+        server.wait_ready()
+        assert_pull_works(consumer, server.peer_id)  # a ready session
+        server.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            result = consumer.pull(server.peer_id, keys_of(range(16)), range(16, 32))
+            elapsed = time.monotonic() - started
+        finally:
+            server.signal(signal.SIGCONT)
+        assert (result.hits, result.loaded) == (0, False)
+        assert elapsed <= PEER_WAIT_S + SLACK_S, f"lookups took {elapsed:.2f}s"
+        assert consumer.statistics().sessions_ended.get("unreachable") == 1
+        assert wait_until(
+            lambda: consumer.pull(server.peer_id, keys_of(range(16)), range(16, 32)).loaded,
+            timeout_s=30.0,
+        )
     server.kill()
 
 

@@ -47,7 +47,7 @@ pytestmark = pytest.mark.slow  # network-namespace partitions
 
 HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 HEARTBEAT_TIMEOUT_S = 1.0
-PEER_WAIT_S = 2.0  # the default of peer_wait_s, which these tests keep
+PEER_WAIT_S = 1.5  # the default of peer_wait_s, which these tests keep
 PEER_RETRY_MAX_S = 2.0
 #: The consumer: short heartbeats and back-off; every session timeout stays at 30 s.
 CONSUMER = {**HEARTBEATS, "peer_retry_max_s": PEER_RETRY_MAX_S}

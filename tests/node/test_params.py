@@ -26,6 +26,21 @@ class TestWellFormed:
         assert routing.destination is None
         assert routing.problems == ()
 
+    @pytest.mark.parametrize(
+        ("role", "value", "done"),
+        [
+            ("remote_prefiller", True, True),
+            ("remote_prefiller", "true", False),  # only a JSON true says so
+            ("remote_prefiller", 1, False),
+            ("remote_kv_source", True, False),  # a PD hint: no prefill leg to finish
+        ],
+    )
+    def test_prefill_done_extension(self, role: str, value: object, done: bool) -> None:
+        routing = parse_transfer_params({role: {**SRC, "prefill_done": value}})
+        assert routing.source is not None
+        assert routing.source.prefill_done is done
+        assert routing.problems == ()
+
     def test_symmetric_consumer_probes(self) -> None:
         routing = parse_transfer_params({"remote_kv_source": SRC})
         assert routing.source == Source("req-1", "10.0.0.5:5710", probe=True)

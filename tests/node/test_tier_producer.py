@@ -174,7 +174,7 @@ def tombstone(cluster: Cluster, b: TierNode, kv_id: str = "kv1") -> tuple[int, i
     """Park a store for ``kv_id`` and let it expire; returns (store job, tombstones)."""
     producer = b.request(f"p-{kv_id}", decoder(kv_id))
     store = b.store(producer, KEYS)
-    cluster.advance(UNBOUND_S + 1)
+    cluster.advance(UNBOUND_S)  # the reap is due at the end: the next step does it
     cluster.step()
     return store, b.stats().tombstones
 
@@ -366,3 +366,58 @@ class TestBoundedState:
             assert (session.consumer.requests, session.producer.requests) == (0, 0)
             assert node.parent.pins == {}
             assert node.parent.open_requests == {}
+
+
+def prefilled(kv_id: str, peer: TierNode) -> dict[str, object]:
+    """A PD consumer leg sent after the producer's prefill leg answered (the router's)."""
+    return {"remote_prefiller": {**peer.source(kv_id), "prefill_done": True}}
+
+
+class TestPrefillDone:
+    """A fetch that says its prefill leg answered fails at once where no producer
+    request for the id ever ran (a restarted producer); others are unchanged."""
+
+    def test_a_restarted_producer_fails_the_pull_in_one_round_trip(
+        self, cluster: Cluster, a: TierNode, b: TierNode
+    ) -> None:
+        producer = b.request("p", decoder("kv1"))
+        b.store(producer, KEYS)
+        cluster.run()
+        fresh = cluster.restart(b)
+        req = a.request("c", prefilled("kv1", fresh))
+        job, _ = a.load(req, KEYS)
+        cluster.run()
+        assert a.outcome(job) is False  # the clock did not move
+        assert [d.success for d in fresh.sent_of(TransferDone, to=a)] == [False]
+        assert [f.prefill_done for f in a.sent_of(Fetch)] == [True]
+        assert fresh.stats().early_fetches == 0
+        assert fresh.tier.counters().late_fetches_rejected == 1
+        assert a.sent_of(AbortFetch) == []
+
+    def test_without_the_hint_the_fetch_still_waits_as_an_early_fetch(
+        self, cluster: Cluster, a: TierNode, b: TierNode
+    ) -> None:
+        fresh = cluster.restart(b)
+        req = a.request("c", prefiller("kv1", fresh))
+        job, _ = a.load(req, KEYS)
+        cluster.run()
+        assert a.outcome(job) is None  # a vLLM orchestrator's decoder-first fetch
+        assert fresh.stats().early_fetches == 1
+        assert [f.prefill_done for f in a.sent_of(Fetch)] == [False]
+
+    @pytest.mark.parametrize("stores_first", [True, False])
+    def test_a_producer_that_ran_the_prefill_serves_the_hinted_fetch(
+        self, cluster: Cluster, a: TierNode, b: TierNode, stores_first: bool
+    ) -> None:
+        producer = b.request("p", decoder("kv1"))
+        if stores_first:
+            b.store(producer, KEYS)
+        req = a.request("c", prefilled("kv1", b))
+        job, slots = a.load(req, KEYS)
+        cluster.run()
+        if not stores_first:  # the fetch came before the stores: it binds and waits
+            assert a.outcome(job) is None
+            b.store(producer, KEYS)
+            cluster.run()
+        assert a.outcome(job) is True
+        assert delivered(a, b, slots, KEYS)

@@ -32,6 +32,8 @@ from kvpeer.protocol import (
     Lookup,
     LookupResponse,
     Message,
+    Ping,
+    Pong,
     TransferDone,
     TransportChoice,
     UnknownMessage,
@@ -93,6 +95,7 @@ def fetches(draw: st.DrawFn) -> Fetch:
         keys=tuple(k for k, _ in pairs),
         block_indexes=tuple(i for _, i in pairs),
         round_seq=draw(wire_ints),
+        prefill_done=draw(st.booleans()),
     )
 
 
@@ -123,6 +126,8 @@ MESSAGE_STRATEGIES: dict[str, st.SearchStrategy[Message]] = {
     ),
     "abort_fetch": st.builds(AbortFetch, kv_request_id=names, round_seq=wire_ints),
     "abort_ack": st.builds(AbortAck, kv_request_id=names, round_seq=wire_ints),
+    "ping": st.builds(Ping),
+    "pong": st.builds(Pong),
 }
 
 

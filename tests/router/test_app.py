@@ -47,7 +47,8 @@ class TestPD:
                 assert pbody["stream"] is False
                 assert pbody["prompt"] == PROMPT
                 assert dbody["kv_transfer_params"] == {"remote_prefiller": {
-                    "kv_request_id": kv_id, "remote_host": "127.0.0.1", "remote_port": 5710}}
+                    "kv_request_id": kv_id, "remote_host": "127.0.0.1", "remote_port": 5710,
+                    "prefill_done": True}}
                 assert dbody["max_tokens"] == 3
                 assert dbody["temperature"] == 0.5
                 (outcome,) = f.policy.outcomes

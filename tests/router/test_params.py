@@ -34,7 +34,7 @@ def test_decode_and_shared_legs_name_only_the_given_peer() -> None:
     body: dict[str, Any] = {"prompt": [1, 2], "max_tokens": 9}
     target = {"kv_request_id": "id1", "remote_host": "10.0.0.5", "remote_port": 5712}
     assert params.decode_leg(body, "id1", PEER)["kv_transfer_params"] == {
-        "remote_prefiller": target}
+        "remote_prefiller": target | {"prefill_done": True}}
     assert params.shared_leg(body, "id1", PEER)["kv_transfer_params"] == {
         "remote_kv_source": target}
     assert params.decode_leg(body, "id1", None) == body

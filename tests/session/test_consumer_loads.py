@@ -20,13 +20,17 @@ from kvpeer.protocol import (
     Message,
     TransferDone,
 )
-from kvpeer.session import CloseKind
+from kvpeer.session import CloseKind, SessionSettings
 from kvpeer.testing import Node, SessionPair
 from kvpeer.testing.steps import fetch, inject, probe, sent, serve_lookups
 from kvpeer.types import Key
 
 ID = "req-1"
 M = TypeVar("M", bound=Message)
+
+#: A peer that never answers, but is not given up for silence (invariant 4 of
+#: ``kvpeer.session.peer``): these tests are about the load and abort timers.
+PATIENT = SessionSettings(peer_wait_s=1e6)
 
 
 def key(n: int) -> Key:
@@ -196,20 +200,20 @@ class TestLoadTimeout:
 
     def test_abort_at_the_deadline_not_before_and_only_once(self) -> None:
         """One abort_fetch for the round at the deadline; the job waits for the ack."""
-        pair = SessionPair()
+        pair = SessionPair(settings=PATIENT)
         timeout = pair.settings.load_timeout_s
         start = pair.clock.now
         job = fetch(pair, [key(0)], [3], ID)
         assert pair.a.session.next_deadline() == start + timeout
 
-        pair.clock.advance(timeout - 1)
+        pair.advance(timeout - 1)
         pair.poll()
         assert sent(pair.a, AbortFetch) == []
 
-        pair.clock.advance(1)
+        pair.advance(1)
         pair.poll()
         for _ in range(3):
-            pair.clock.advance(1)
+            pair.advance(1)
             pair.poll()
 
         assert sent(pair.a, AbortFetch) == [AbortFetch(kv_request_id=ID, round_seq=0)]
@@ -223,7 +227,7 @@ class TestLoadTimeout:
         job = fetch(pair, [key(0)], [3], ID)
         pair.pump()  # b parks the PD demand: no supply ever comes
 
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.pump()
 
         assert sent(pair.b, AbortAck) == [AbortAck(kv_request_id=ID, round_seq=0)]
@@ -233,23 +237,23 @@ class TestLoadTimeout:
 
     def test_missing_ack_fails_the_load_after_the_ack_timeout(self) -> None:
         """Without an ack the load fails abort_ack_timeout_s after the abort, not before."""
-        pair = SessionPair()
+        pair = SessionPair(settings=PATIENT)
         job = fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()  # abort_fetch sent; nothing is delivered from here on
 
-        pair.clock.advance(pair.settings.abort_ack_timeout_s - 1)
+        pair.advance(pair.settings.abort_ack_timeout_s - 1)
         pair.poll()
         assert job not in pair.a.loads
 
-        pair.clock.advance(1)
+        pair.advance(1)
         pair.poll()
         assert not pair.a.loads[job].success
         assert pair.a.loads[job].reason
         # The entry lingers one more ack timeout for a late ack, then nothing is due.
         linger_until = pair.clock.now + pair.settings.abort_ack_timeout_s
         assert pair.a.session.next_deadline() == linger_until
-        pair.clock.advance(pair.settings.abort_ack_timeout_s)
+        pair.advance(pair.settings.abort_ack_timeout_s)
         pair.poll()
         assert pair.a.session.next_deadline() is None
         assert pair.a.session.statistics().consumer.requests == 1  # until it finishes
@@ -258,11 +262,11 @@ class TestLoadTimeout:
 
     def test_reused_id_after_an_unacked_abort_keeps_counting_rounds(self) -> None:
         """A late abort_ack of round 0 cannot complete a newer load of the same id."""
-        pair = SessionPair()
+        pair = SessionPair(settings=PATIENT)
         old = fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()  # abort_fetch for round 0 goes out, never acknowledged
-        pair.clock.advance(pair.settings.abort_ack_timeout_s)
+        pair.advance(pair.settings.abort_ack_timeout_s)
         pair.poll()
         assert not pair.a.loads[old].success
 
@@ -275,12 +279,12 @@ class TestLoadTimeout:
 
     def test_late_answers_after_the_ack_timeout_are_ignored(self) -> None:
         """A late abort_ack and transfer_done change nothing and count as stale."""
-        pair = SessionPair()
+        pair = SessionPair(settings=PATIENT)
         job = fetch(pair, [key(0)], [3], ID)
         pair.pump()
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()
-        pair.clock.advance(pair.settings.abort_ack_timeout_s)
+        pair.advance(pair.settings.abort_ack_timeout_s)
         pair.poll()
         failed = pair.a.loads[job]
 
@@ -294,12 +298,12 @@ class TestLoadTimeout:
 
     def test_timeout_of_one_round_leaves_the_next_round_alone(self) -> None:
         """Round 0 times out and aborts; round 1, submitted later, completes."""
-        pair = SessionPair()
+        pair = SessionPair(settings=PATIENT)
         first = fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s / 2)
+        pair.advance(pair.settings.load_timeout_s / 2)
         second = fetch(pair, [key(1)], [4], ID)
 
-        pair.clock.advance(pair.settings.load_timeout_s / 2)
+        pair.advance(pair.settings.load_timeout_s / 2)
         pair.poll()
         assert sent(pair.a, AbortFetch) == [AbortFetch(kv_request_id=ID, round_seq=0)]
 
@@ -313,7 +317,7 @@ class TestLoadTimeout:
         """A transfer_done that crossed our abort ends the load; the ack is then stale."""
         pair = SessionPair()
         job = fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()
 
         inject(pair, pair.a, done(0))
@@ -347,15 +351,15 @@ class TestFinish:
 
     def test_finish_reports_loads_when_no_ack_comes(self) -> None:
         """Loads of a finished request are never dropped: the ack timeout fails them."""
-        pair = SessionPair()
+        pair = SessionPair(settings=PATIENT)
         jobs = [fetch(pair, [key(n)], [n], ID) for n in range(2)]
         pair.a.session.finish_consumer(ID, pair.clock.now)
 
-        pair.clock.advance(pair.settings.abort_ack_timeout_s - 1)
+        pair.advance(pair.settings.abort_ack_timeout_s - 1)
         pair.poll()
         assert pair.a.loads == {}
 
-        pair.clock.advance(1)
+        pair.advance(1)
         pair.poll()
         assert sorted(pair.a.loads) == jobs
         assert not any(r.success for r in pair.a.loads.values())
@@ -364,7 +368,7 @@ class TestFinish:
         """A load already aborted by its timeout gets no second abort_fetch."""
         pair = SessionPair()
         fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()
 
         pair.a.session.finish_consumer(ID, pair.clock.now)
@@ -497,12 +501,12 @@ class TestClose:
         """A load waiting for its abort_ack is failed by the close, exactly once."""
         pair = SessionPair()
         job = fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()
 
         pair.a.session.close()
         pair.poll()
-        pair.clock.advance(pair.settings.abort_ack_timeout_s)
+        pair.advance(pair.settings.abort_ack_timeout_s)
         pair.poll()
 
         closed = pair.a.closed
@@ -553,7 +557,7 @@ class TestWriteWindow:
         """The peer may still write until it acks: slots stay open, the job unreported."""
         pair = SessionPair()
         job = fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()
         assert pair.a.plane.open_slots_for("b") == {3}
         assert job not in pair.a.loads
@@ -568,9 +572,9 @@ class TestWriteWindow:
         """When the ack never comes, the slots close as the load fails."""
         pair = SessionPair()
         fetch(pair, [key(0)], [3], ID)
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()
-        pair.clock.advance(pair.settings.abort_ack_timeout_s)
+        pair.advance(pair.settings.abort_ack_timeout_s)
         pair.poll()
 
         assert pair.a.plane.open_slots_for("b") == set()

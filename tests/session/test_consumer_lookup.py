@@ -345,18 +345,18 @@ class TestLookupTimeout:
     @pytest.mark.parametrize("timeout", [5.0, 30.0])
     def test_unanswered_probes_become_miss_at_the_deadline(self, timeout: float) -> None:
         """Still RETRY just before the deadline, MISS at it; the id is reported."""
-        pair = SessionPair(settings=SessionSettings(lookup_timeout_s=timeout))
+        pair = SessionPair(settings=SessionSettings(lookup_timeout_s=timeout, peer_wait_s=1e6))
         start = pair.clock.now
         probe(pair, ID, key(0), key(1))
         pair.a.session.flush_lookups()
         assert pair.a.session.next_deadline() == start + timeout
 
-        pair.clock.advance(timeout - 1)
+        pair.advance(timeout - 1)
         pair.poll()
         assert probe(pair, ID, key(0), key(1)) == [None, None]
         assert pair.a.expired_probe_ids == []
 
-        pair.clock.advance(1)
+        pair.advance(1)
         pair.poll()
         assert probe(pair, ID, key(0), key(1)) == [False, False]
         assert pair.a.expired_probe_ids == [ID]
@@ -364,14 +364,14 @@ class TestLookupTimeout:
 
     def test_expiry_is_reported_once_and_never_turns_back_to_retry(self) -> None:
         """Later polls and probes keep answering MISS and report the id no more."""
-        pair = SessionPair()
+        pair = SessionPair(settings=SessionSettings(peer_wait_s=1e6))
         probe(pair, ID, key(0))
         pair.a.session.flush_lookups()
-        pair.clock.advance(pair.settings.lookup_timeout_s)
+        pair.advance(pair.settings.lookup_timeout_s)
         pair.poll()
 
         for _ in range(3):
-            pair.clock.advance(100)
+            pair.advance(100)
             pair.poll()
             assert probe(pair, ID, key(0)) == [False]
         pair.a.session.flush_lookups()
@@ -384,7 +384,7 @@ class TestLookupTimeout:
         pair = SessionPair()
         probe(pair, ID, key(0))
         pair.a.session.flush_lookups()
-        pair.clock.advance(pair.settings.lookup_timeout_s)
+        pair.advance(pair.settings.lookup_timeout_s)
         pair.poll()
 
         answer(pair, (key(0),), (True,))
@@ -398,7 +398,7 @@ class TestLookupTimeout:
         pair.a.session.flush_lookups()
         answer(pair, (key(0),), (True,))
 
-        pair.clock.advance(pair.settings.lookup_timeout_s)
+        pair.advance(pair.settings.lookup_timeout_s)
         pair.poll()
 
         assert probe(pair, ID, key(0), key(1)) == [True, False]
@@ -413,28 +413,28 @@ class TestLookupTimeout:
         serve_lookups(pair)
 
         assert pair.a.session.next_deadline() is None
-        pair.clock.advance(10 * pair.settings.lookup_timeout_s)
+        pair.advance(10 * pair.settings.lookup_timeout_s)
         pair.poll()
         assert probe(pair, ID, key(0)) == [True]
         assert pair.a.expired_probe_ids == []
 
     def test_each_id_has_its_own_deadline(self) -> None:
         """An id probed later is not expired with an earlier one."""
-        pair = SessionPair()
+        pair = SessionPair(settings=SessionSettings(peer_wait_s=1e6))
         timeout = pair.settings.lookup_timeout_s
         start = pair.clock.now
         probe(pair, "req-1", key(0))
-        pair.clock.advance(10)
+        pair.advance(10)
         probe(pair, "req-2", key(0))
         pair.a.session.flush_lookups()
 
-        pair.clock.advance(timeout - 10)
+        pair.advance(timeout - 10)
         pair.poll()
         assert pair.a.expired_probe_ids == ["req-1"]
         assert probe(pair, "req-2", key(0)) == [None]
         assert pair.a.session.next_deadline() == start + 10 + timeout
 
-        pair.clock.advance(10)
+        pair.advance(10)
         pair.poll()
         assert pair.a.expired_probe_ids == ["req-1", "req-2"]
         assert probe(pair, "req-2", key(0)) == [False]
@@ -444,7 +444,7 @@ class TestLookupTimeout:
         pair = SessionPair()
         probe(pair, ID, key(0))
         pair.a.session.flush_lookups()
-        pair.clock.advance(pair.settings.lookup_timeout_s)
+        pair.advance(pair.settings.lookup_timeout_s)
         pair.poll()
 
         job = fetch(pair, [key(0)], [3], ID)
@@ -484,7 +484,7 @@ class TestNoLeftoverState:
         pair.pump()  # b queues these lookups but never serves them
         pair.b.plane.complete_all()
         pair.pump()
-        pair.clock.advance(pair.settings.lookup_timeout_s)
+        pair.advance(pair.settings.lookup_timeout_s)
         pair.poll()
         assert sorted(pair.a.expired_probe_ids) == sorted(expiring)
 

@@ -401,7 +401,7 @@ class TestClose:
         pair.a.session.request_blocks(load, "slow", [b"k"], [1], pair.clock.now)
         pair.pump()
         pair.link.a_to_b.refuse = True
-        pair.clock.advance(pair.settings.load_timeout_s)
+        pair.advance(pair.settings.load_timeout_s)
         pair.poll()
         assert closed(pair.a).kind is CloseKind.UNREACHABLE
         assert not pair.a.loads[load].success
@@ -469,16 +469,17 @@ class TestWorkAndTimers:
 
     def test_next_deadline_is_the_earliest_timer(self) -> None:
         """Load and store timeouts: next_deadline() is the earliest, whatever the order."""
-        settings = SessionSettings(load_timeout_s=30.0, store_timeout_s=10.0)
+        # A silent peer is not given up here (peer_wait_s): the role timers are the subject.
+        settings = SessionSettings(load_timeout_s=30.0, store_timeout_s=10.0, peer_wait_s=1e6)
         pair = connected(settings=settings)
         t0 = pair.clock.now
         pair.a.session.request_blocks(pair.next_job_id(), "pd", [b"k"], [1], t0)
         assert pair.a.session.next_deadline() == t0 + 30.0
-        pair.clock.advance(5.0)
+        pair.advance(5.0)
         pair.a.parent.put(b"s")
         pair.a.session.add_supply("s", pair.a.parent.store_job([b"s"]), pair.clock.now)
         assert pair.a.session.next_deadline() == t0 + 15.0
-        pair.clock.advance(10.0)
+        pair.advance(10.0)
         pair.pump()  # the store timeout fires and unpins
         assert pair.a.parent.pinned_slots() == 0
         assert pair.a.session.next_deadline() == t0 + 30.0

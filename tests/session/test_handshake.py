@@ -48,7 +48,7 @@ def begin(pair: SessionPair, first: str) -> None:
     initiator.session.start(pair.clock.now)
     assert kinds(initiator) == [Connect]
     assert responder.sent() == []
-    pair.clock.advance(1.0)
+    pair.advance(1.0)
     responder.session.start(pair.clock.now)
     responder.session.receive(initiator.outbox.in_transit.popleft(), pair.clock.now)
 
@@ -62,7 +62,7 @@ def handshake(pair: SessionPair, first: str) -> None:
 
 
 def advance_to(pair: SessionPair, when: float) -> None:
-    pair.clock.advance(when - pair.clock.now)
+    pair.advance(when - pair.clock.now)
 
 
 def with_version(hello: Connect, version: tuple[int, int]) -> Connect:
@@ -398,24 +398,43 @@ class TestHandshakeDeadline:
         assert not pair.a.loads[load].success
         assert Fetch not in kinds(pair.a)
 
-    def test_a_peer_that_answered_gets_the_whole_handshake_time(self) -> None:
-        """A peer whose connect arrived is alive: a queued load then waits for the
-        handshake deadline (its registration may be slow), not ``peer_wait_s``."""
+    def test_a_greeted_peer_that_never_acks_is_given_up_after_peer_wait_s(self) -> None:
+        """A peer whose connect arrived but whose ack never comes (frozen or cut off
+        mid-handshake) costs a waiting load ``peer_wait_s`` from its last frame, not
+        the handshake deadline (issue 11: a request's budget, not a session timeout)."""
         pair = pair_with()
         started = pair.clock.now
         pair.a.session.start(started)
         pair.b.session.start(started)
         # Only b's connect reaches a; nothing a sends ever reaches b (no ack comes back).
+        pair.clock.advance(0.25)
         pair.a.session.receive(pair.link.b_to_a.in_transit.popleft(), pair.clock.now)
+        heard = pair.clock.now
         load = pair.next_job_id()
         pair.a.session.request_blocks(load, "r", [b"k"], [3], pair.clock.now)
-        advance_to(pair, started + pair.settings.peer_wait_s + 1.0)
+        assert pair.a.session.next_deadline() == heard + pair.settings.peer_wait_s
+        pair.clock.advance(pair.settings.peer_wait_s - 0.01)
         pair.poll()
         assert pair.a.closed is None
-        advance_to(pair, started + pair.settings.handshake_timeout_s)
+        pair.clock.advance(0.01)
         pair.poll()
-        assert closed(pair.a).kind is CloseKind.TIMEOUT
+        assert closed(pair.a).kind is CloseKind.UNREACHABLE
+        assert "peer_wait_s" in closed(pair.a).reason
         assert not pair.a.loads[load].success
+        assert pair.a.session.statistics().pings_sent == 0  # nothing is sent before the ack
+
+    def test_a_greeted_peer_nobody_waits_on_gets_the_whole_handshake_time(self) -> None:
+        """Slow registration is no fault while no request waits: only the handshake
+        deadline ends such a session."""
+        pair = pair_with()
+        started = pair.clock.now
+        pair.a.session.start(started)
+        pair.b.session.start(started)
+        pair.a.session.receive(pair.link.b_to_a.in_transit.popleft(), pair.clock.now)
+        advance_to(pair, started + pair.settings.peer_wait_s + 1.0)
+        pair.a.record(pair.a.session.poll(pair.clock.now))
+        assert pair.a.closed is None
+        assert pair.a.session.next_deadline() == started + pair.settings.handshake_timeout_s
 
     def test_refusing_link_leaves_the_peer_to_time_out(self) -> None:
         """b's link refuses frames: b is unreachable at once, a times out at its deadline."""
@@ -465,7 +484,7 @@ class TestHandshakeDeadline:
         assert pair.b.session.ready
         assert pair.a.session.next_deadline() is None
         assert pair.b.session.next_deadline() is None
-        pair.clock.advance(pair.settings.handshake_timeout_s)
+        pair.advance(pair.settings.handshake_timeout_s)
         pair.poll()
         assert pair.a.closed is None
         assert pair.b.closed is None

@@ -70,7 +70,7 @@ class TestServeWindow:
         pair.b.parent.put(K1)
         probe(pair, [K1])
         pair.poll()
-        pair.clock.advance(1.0)
+        pair.advance(1.0)
         pair.pump()
         parent = pair.b.parent
         assert (parent.requests_seen, parent.lookups, parent.open_jobs) == (0, 0, {})
@@ -187,7 +187,7 @@ class TestPendingKeys:
         assert len(parent.open_requests) == 1  # the serve request stays open while parked
 
         parent.pending.discard(K3)
-        pair.clock.advance(1.0)
+        pair.advance(1.0)
         pair.serve()
         assert len(parent.open_jobs) == 2
         second = next(j for j in parent.open_jobs.values() if j is not first_job)
@@ -219,12 +219,12 @@ class TestPendingKeys:
         pair.serve()
         timeout = pair.settings.lookup_pending_timeout_s
 
-        pair.clock.advance(timeout - 0.5)
+        pair.advance(timeout - 0.5)
         pair.poll()
         pair.serve()
         assert sent(pair.b, LookupResponse) == []
 
-        pair.clock.advance(0.5)
+        pair.advance(0.5)
         pair.serve()
         [response] = sent(pair.b, LookupResponse)
         assert (response.keys, response.hits) == ((K1, K2), (True, False))

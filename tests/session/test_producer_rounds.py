@@ -348,7 +348,7 @@ class TestRoundIsolation:
         probe(pair, [K1])
         load0 = fetch(pair, [K1], 10)
         probe(pair, [K2])
-        pair.clock.advance(1.0)
+        pair.advance(1.0)
         pair.pump()  # the consumer aborts round 0, the producer acks it
         assert acks(pair.b) == [(KV, 0)]
         assert not pair.a.loads[load0].success
@@ -396,7 +396,7 @@ class TestAbort:
         """A round with no write in flight is acked as soon as the abort arrives."""
         pair = SessionPair(settings=SessionSettings(load_timeout_s=1.0))
         load = fetch(pair, [K1])  # PD demand that no store meets
-        pair.clock.advance(1.0)
+        pair.advance(1.0)
         pair.poll()
         pair.deliver()
         assert acks(pair.b) == [(KV, 0)]
@@ -415,7 +415,7 @@ class TestAbort:
         load = fetch(pair, [K1])
         [tid] = pair.b.plane.pending
         pair.b.plane.pending[tid].busy = True
-        pair.clock.advance(1.0)
+        pair.advance(1.0)
         pair.pump()
         assert acks(pair.b) == []
         assert pair.b.session.statistics().producer.rounds_draining == 1
@@ -425,10 +425,10 @@ class TestAbort:
         elif ending == "fail":
             pair.b.plane.fail(tid)
         else:
-            pair.clock.advance(settings.abort_drain_timeout_s - 0.5)
+            pair.advance(settings.abort_drain_timeout_s - 0.5)
             pair.pump()
             assert acks(pair.b) == []
-            pair.clock.advance(0.5)
+            pair.advance(0.5)
         pair.pump()
         assert acks(pair.b) == [(KV, 0)]
         assert done(pair.b) == []
@@ -436,7 +436,7 @@ class TestAbort:
             assert tid in pair.b.plane.cancelled
         assert not pair.a.loads[load].success
         assert job.job_id in pair.b.stores
-        pair.clock.advance(settings.abort_drain_timeout_s)
+        pair.advance(settings.abort_drain_timeout_s)
         pair.pump()
         assert acks(pair.b) == [(KV, 0)]
         assert_settled(pair)
@@ -451,18 +451,18 @@ class TestAbort:
         pair.b.plane.pending[tid].busy = True
         abort = AbortFetch(kv_request_id=KV, round_seq=0)
         inject(pair, pair.b, abort)
-        pair.clock.advance(drain / 2)
+        pair.advance(drain / 2)
         inject(pair, pair.b, abort)
         pair.pump()
         assert acks(pair.b) == []
 
-        pair.clock.advance(drain / 2 - 0.5)
+        pair.advance(drain / 2 - 0.5)
         pair.pump()
         assert acks(pair.b) == []
-        pair.clock.advance(0.5)  # the first abort's deadline
+        pair.advance(0.5)  # the first abort's deadline
         pair.pump()
         assert acks(pair.b) == [(KV, 0)]
-        pair.clock.advance(drain)
+        pair.advance(drain)
         pair.pump()
         assert acks(pair.b) == [(KV, 0)]
         assert_settled(pair)
@@ -532,7 +532,7 @@ class TestTransferFailures:
     def test_write_running_past_the_transfer_timeout_fails_its_round(self) -> None:
         """A stalled write (the consumer stopped reading) does not pin blocks forever:
         past transfer_timeout_s the round fails, drains, and its pins are released."""
-        pair = SessionPair()
+        pair = SessionPair(settings=SessionSettings(peer_wait_s=1e6))  # a stalled consumer
         job = supply(pair, [K1])
         fetch(pair, [K1])
         [tid] = pair.b.plane.pending
@@ -563,15 +563,15 @@ class TestStoreTimeout:
         pair.b.parent.put(K1)
         probe(pair, [K1])
         [pin] = pair.b.parent.open_jobs.values()
-        pair.clock.advance(timeout - 0.5)
+        pair.advance(timeout - 0.5)
         pair.pump()
         assert pin.job_id not in pair.b.stores
-        pair.clock.advance(0.5)
+        pair.advance(0.5)
         pair.pump()
         assert not pair.b.stores[pin.job_id].success
         assert pair.b.parent.pinned_slots() == 0
         assert pair.b.session.statistics().producer.pinned_blocks == 0
-        pair.clock.advance(timeout)
+        pair.advance(timeout)
         pair.pump()
         pair.a.session.finish_consumer(KV, pair.clock.now)
         pair.pump()
@@ -582,13 +582,13 @@ class TestStoreTimeout:
         pair = SessionPair()
         timeout = pair.settings.store_timeout_s
         job = supply(pair, [K1, K2])
-        pair.clock.advance(timeout - 0.5)
+        pair.advance(timeout - 0.5)
         pair.pump()
         assert job.job_id not in pair.b.stores
-        pair.clock.advance(0.5)
+        pair.advance(0.5)
         pair.pump()
         assert not pair.b.stores[job.job_id].success
-        pair.clock.advance(timeout)
+        pair.advance(timeout)
         pair.pump()
         assert pair.b.session.statistics().producer.requests == 0
         assert_settled(pair)
@@ -600,7 +600,7 @@ class TestStoreTimeout:
         job = supply(pair, [K1, K2])
         load = fetch(pair, [K1])
         [tid] = pair.b.plane.pending
-        pair.clock.advance(5.0)
+        pair.advance(5.0)
         pair.pump()
         assert job.job_id not in pair.b.stores  # K1 is still being written
         assert pair.b.session.statistics().producer.pinned_blocks == 0
@@ -613,7 +613,7 @@ class TestStoreTimeout:
         assert not pair.b.stores[job.job_id].success  # K2 timed out
         assert done(pair.b) == [(0, late == "complete")]
         assert pair.a.loads[load].success is (late == "complete")
-        pair.clock.advance(5.0)
+        pair.advance(5.0)
         pair.pump()
         assert_settled(pair)
 
@@ -622,13 +622,13 @@ class TestStoreTimeout:
         pair = SessionPair(settings=SessionSettings(store_timeout_s=5.0))
         job = supply(pair, [K1])
         load = fetch(pair, [K1])
-        pair.clock.advance(5.0)
+        pair.advance(5.0)
         pair.pump()
         assert job.job_id not in pair.b.stores
         pair.b.plane.complete_all()
         pair.pump()
         assert pair.b.stores[job.job_id].success
         assert pair.a.loads[load].success
-        pair.clock.advance(5.0)
+        pair.advance(5.0)
         pair.pump()
         assert_settled(pair)

@@ -42,7 +42,9 @@ NUM_BLOCKS = 64
 FIRST_LOAD_SLOT = 16
 #: Bytes written into a slot before a load, so a load that wrote nothing shows.
 POISON = 0xEE
-_DEFAULTS = SessionSettings()
+#: Silence (``peer_wait_s``) is left out: this machine's jumps deliver nothing, so
+#: every waiting request would meet a silent peer; test_silence.py covers that rule.
+_DEFAULTS = SessionSettings(peer_wait_s=1e6)
 #: Longer than every session timeout together, so one jump fires them all.
 FAR = 2 * (
     _DEFAULTS.load_timeout_s
@@ -103,7 +105,7 @@ class CoupledSessions(RuleBasedStateMachine):
         # writes after we gave up on its load (abort unanswered, session closed) is
         # refused. One-sided planes (shm, nixl) cannot refuse such a late write; that
         # residual risk is documented (README, "one-sided data planes").
-        self.pair = SessionPair(num_blocks=NUM_BLOCKS, enforce_windows=True)
+        self.pair = SessionPair(num_blocks=NUM_BLOCKS, enforce_windows=True, settings=_DEFAULTS)
         self.ids: dict[tuple[str, bool], _Id] = {}
         self.all_ids: list[_Id] = []
         self.generation = 0
@@ -343,7 +345,7 @@ class CoupledSessions(RuleBasedStateMachine):
     )
     def advance(self, seconds: float, then_poll: bool) -> None:
         """Time passes (across timeouts for the larger steps); the driver may tick."""
-        self.pair.clock.advance(seconds)
+        self.pair.advance(seconds)
         if then_poll:
             self._poll()
 
@@ -428,7 +430,7 @@ class CoupledSessions(RuleBasedStateMachine):
             self.pair.deliver()
             self.pair.serve()
             self._poll()
-            self.pair.clock.advance(FAR)
+            self.pair.advance(FAR)
         self.pair.deliver()
         self.pair.serve()
         self._poll()

@@ -4,7 +4,8 @@ One producer/consumer pair on the tiny model runs every fault of ``kvpeer bench 
 once (the same driver, :func:`kvpeer.bench.faults_run.measure_tier`): the consumer's
 output must equal its local run of the same prompt, and each fallback (request latency
 less that local run) must be within the fault's bound: 0.25 s when the producer is gone
-or answers, ``peer_wait_s`` (2 s) when it does not answer at all.
+or answers, the 2 s request budget when it does not answer at all (``peer_wait_s`` is
+1.5 s of it).
 """
 
 from __future__ import annotations
@@ -38,14 +39,11 @@ def samples(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[
 
 
 # Findings of issue 11 item 3 (bounds are not loosened; these fail until fixed, or pass by
-# luck of timing, so they are not strict):
+# luck of timing, so they are not strict). No longer here: frozen-first-contact and
+# frozen-in-session (the request waits peer_wait_s, 1.5 s, then recomputes: 1.51 and
+# 1.57 s end to end on this model) and restarted (one round trip: 28 ms), each within
+# its bound in both runs after pings and prefill_done.
 KNOWN_OVER_BOUND = {
-    "frozen-in-session": "a peer frozen after its handshake is found only by the ZMQ "
-    "heartbeat: the request waits heartbeat_timeout_s (10 s), not peer_wait_s",
-    "restarted": "the restarted producer parks the fetch for an id it never had as a "
-    "decoder-first fetch; the consumer waits load_timeout_s (30 s)",
-    "frozen-first-contact": "peer_wait_s is exactly the 2 s budget: the request's total "
-    "wait is 2 s plus an engine step (measured 1.99-2.06 s)",
     "killed-during-lookup": "0.6-0.9 s in one run on the busy 2-core machine, 43-74 ms in "
     "another (session closed as unreachable: control link lost); cause not pinned down",
     "killed-mid-transfer": "as killed-during-lookup",

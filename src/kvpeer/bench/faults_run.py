@@ -122,10 +122,13 @@ class Pair:
         return kv_id
 
     def pull_body(self, prompt: list[int], kv_id: str) -> dict[str, Any]:
+        """The consumer leg of an id whose prefill leg already answered (every pull
+        here follows :meth:`prefill`), saying so like ``kvpeer router`` does."""
         source = {
             "kv_request_id": kv_id,
             "remote_host": HOST,
             "remote_port": self.fleet.engines["p"].spec.tier_port,
+            "prefill_done": True,
         }
         return self.body(prompt, kv_transfer_params={"remote_prefiller": source})
 

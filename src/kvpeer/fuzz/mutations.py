@@ -92,7 +92,7 @@ _WRONG: Final[dict[str, tuple[object, ...]]] = {
 }
 
 #: Message types the node does not know, and broken ``type`` values.
-UNKNOWN_TYPES: Final = ("from_the_future", "CONNECT", "connect ", "lookup\x00", "ping", "x" * 64)
+UNKNOWN_TYPES: Final = ("from_the_future", "CONNECT", "connect ", "lookup\x00", "beat", "x" * 64)
 _BAD_TYPES: Final[tuple[tuple[str, object], ...]] = (
     ("type:int", 3),
     ("type:bytes", b"connect"),

@@ -19,7 +19,10 @@ Invariants:
 3. A fetch for an id with no producer state yet (decoder first) is remembered
    as an *early fetch* until the consumer's load would have timed out
    (``early_fetch_ttl_s``), so the producer request or stores that follow
-   still bind to it.
+   still bind to it - unless the fetch says the id's prefill leg already
+   answered (``prefill_done``): then no producer request for it will ever come
+   to this process (it restarted since, or forgot the id), and the fetch is
+   rejected at once like a tombstoned one.
 4. A binding with no live producer request completes the supply at once:
    nothing more will come for that id.
 5. Nothing grows with the number of requests ever served: producer ids and
@@ -138,24 +141,33 @@ class Bindings:
 
     # -- fetches ------------------------------------------------------------------------
 
-    def fetched(self, kv_request_id: str, peer_id: str, now: float) -> list[JobResult]:
+    def fetched(
+        self, kv_request_id: str, peer_id: str, now: float, *, prefill_done: bool = False
+    ) -> list[JobResult]:
         """A fetch for the id arrived on ``peer_id``'s session: reject it if the id
-        is tombstoned, bind it if the id has producer state, remember it otherwise.
+        is tombstoned, bind it if the id has producer state, reject it if its
+        prefill is done elsewhere (invariant 3), remember it otherwise.
         Returns the parked jobs that could not be supplied."""
         if kv_request_id in self._tombstones:
-            self._counters.late_fetches_rejected += 1
-            log.info(
-                "late fetch for %s from %s rejected (stores were reaped)", kv_request_id, peer_id
-            )
-            self._suppliers.finish_supply(peer_id, kv_request_id, now)
+            self._reject_fetch(kv_request_id, peer_id, now, "stores were reaped")
             return []
         if kv_request_id in self._bindings:
             return []
         if kv_request_id in self._parked or kv_request_id in self._producers:
             return self._bind(kv_request_id, peer_id, now)
+        if prefill_done:
+            self._reject_fetch(
+                kv_request_id, peer_id, now, "its prefill answered, but not from this process"
+            )
+            return []
         self._early_fetches.pop(kv_request_id, None)  # re-inserted: age order
         self._early_fetches[kv_request_id] = (peer_id, now + self._early_ttl)
         return []
+
+    def _reject_fetch(self, kv_request_id: str, peer_id: str, now: float, why: str) -> None:
+        self._counters.late_fetches_rejected += 1
+        log.info("late fetch for %s from %s rejected (%s)", kv_request_id, peer_id, why)
+        self._suppliers.finish_supply(peer_id, kv_request_id, now)
 
     def peer_gone(self, peer_id: str) -> None:
         """``peer_id``'s session ended: forget its bindings and early fetches."""

@@ -35,6 +35,9 @@ class Source:
     kv_request_id: str
     peer_id: str
     probe: bool  # symmetric (lookup first) vs PD (every block is there)
+    #: kvpeer extension: the orchestrator saw the producer's prefill leg answer
+    #: before sending this request (a restarted producer then fails it at once).
+    prefill_done: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +141,8 @@ def _source(role: str, value: object, problems: list[str], *, probe: bool) -> So
         )
     if kv_request_id is None or host is None or port is None:
         return None
-    return Source(kv_request_id, format_peer_id(host, port), probe)
+    prefill_done = not probe and value.get("prefill_done") is True
+    return Source(kv_request_id, format_peer_id(host, port), probe, prefill_done)
 
 
 def _port(value: object) -> int | None:

@@ -232,7 +232,8 @@ class Tier:
             self._trace.load_submitted(source.kv_request_id, source.peer_id, job.job_id,
                                        len(job.keys), self._steps)  # fmt: skip
         try:
-            peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots, now)
+            peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots,
+                                        now, prefill_done=source.prefill_done)  # fmt: skip
         except ProtocolError as exc:
             log.error("load %s of request %s refused: %s", job.job_id, job.request.req_id, exc)
             self._results.append(JobResult(job.job_id, False))
@@ -527,7 +528,10 @@ class Tier:
             log.info("lookups of %s at %s timed out; computing locally", kv_request_id, peer_id)
             self._fail_id(kv_request_id)
         for kv_request_id in result.fetched_ids:
-            self._results.extend(self._bindings.fetched(kv_request_id, peer_id, self._clock()))
+            done = kv_request_id in result.prefilled_ids
+            self._results.extend(
+                self._bindings.fetched(kv_request_id, peer_id, self._clock(), prefill_done=done)
+            )
         closed = result.closed
         if closed is None:
             return

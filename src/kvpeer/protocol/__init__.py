@@ -2,6 +2,7 @@
 
 from kvpeer.protocol.codec import KNOWN_TYPES, Codec
 from kvpeer.protocol.messages import (
+    PING_VERSION,
     PROTOCOL_VERSION,
     AbortAck,
     AbortFetch,
@@ -15,6 +16,8 @@ from kvpeer.protocol.messages import (
     Lookup,
     LookupResponse,
     Message,
+    Ping,
+    Pong,
     TransferDone,
     TransportChoice,
     TransportOffer,
@@ -23,6 +26,7 @@ from kvpeer.protocol.messages import (
 
 __all__ = [
     "KNOWN_TYPES",
+    "PING_VERSION",
     "PROTOCOL_VERSION",
     "AbortAck",
     "AbortFetch",
@@ -37,6 +41,8 @@ __all__ = [
     "Lookup",
     "LookupResponse",
     "Message",
+    "Ping",
+    "Pong",
     "TransferDone",
     "TransportChoice",
     "TransportOffer",

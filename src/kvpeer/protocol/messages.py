@@ -3,7 +3,8 @@
 Every message is a frozen, tagged msgspec struct. On the wire it is one
 msgpack map whose ``"type"`` key carries the tag; the base fields are exactly
 those of vLLM 0.32's built-in p2p tier, and the optional extension fields
-(``kvpeer``, ``reason``, ``round_seq`` on ``lookup_resp``, ``blocks``) are
+(``kvpeer``, ``reason``, ``round_seq`` on ``lookup_resp``, ``blocks``,
+``prefill_done``) are
 omitted when unset, so a base-only message is the same map vLLM sends (key
 order aside, which msgpack maps do not carry as meaning).
 vLLM ignores keys it does not know, and so do we (forward compatibility).
@@ -21,6 +22,7 @@ from msgspec import Meta
 from kvpeer.protocol import limits as L
 
 __all__ = [
+    "PING_VERSION",
     "PROTOCOL_VERSION",
     "AbortAck",
     "AbortFetch",
@@ -34,13 +36,17 @@ __all__ = [
     "Lookup",
     "LookupResponse",
     "Message",
+    "Ping",
+    "Pong",
     "TransferDone",
     "TransportChoice",
     "TransportOffer",
     "UnknownMessage",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+#: The first version that answers :class:`Ping` (1.0 peers ignore it).
+PING_VERSION: tuple[int, int] = (1, 1)
 
 Key: TypeAlias = Annotated[bytes, Meta(min_length=L.MIN_KEY_BYTES, max_length=L.MAX_KEY_BYTES)]
 Keys: TypeAlias = Annotated[tuple[Key, ...], Meta(max_length=L.MAX_ITEMS)]
@@ -148,12 +154,17 @@ class Fetch(_Base, tag="fetch", frozen=True):
     """Consumer demands ``keys`` written into its slots ``block_indexes``.
 
     An empty fetch is the consumer's "request finished" signal for the id.
+    ``prefill_done`` (extension) says the orchestrator saw the producer's prefill
+    leg for the id answer before it sent ours: a producer with no record of the
+    id (it restarted, or reaped it) fails the round at once instead of waiting
+    for a producer request that will never come.
     """
 
     kv_request_id: Name
     keys: Keys
     block_indexes: Annotated[tuple[WireInt, ...], Meta(max_length=L.MAX_ITEMS)]
     round_seq: WireInt
+    prefill_done: bool = False
 
     def __post_init__(self) -> None:
         _same_length("fetch", "keys", len(self.keys), "block_indexes", len(self.block_indexes))
@@ -188,6 +199,16 @@ class AbortAck(_Base, tag="abort_ack", frozen=True):
     round_seq: WireInt
 
 
+class Ping(_Base, tag="ping", frozen=True):
+    """kvpeer only (peers of version >= :data:`PING_VERSION`): are you there?
+    Sent while a request of ours waits on a peer that has been quiet; answered
+    at once with :class:`Pong` by the node, not its engine, so a busy peer answers."""
+
+
+class Pong(_Base, tag="pong", frozen=True):
+    """kvpeer only: the answer to :class:`Ping`."""
+
+
 Message: TypeAlias = (
     Connect
     | ConnectAck
@@ -198,6 +219,8 @@ Message: TypeAlias = (
     | TransferDone
     | AbortFetch
     | AbortAck
+    | Ping
+    | Pong
 )
 
 

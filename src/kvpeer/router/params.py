@@ -75,10 +75,14 @@ def decode_leg(
     """The PD consumer leg: the client's request, pulling every block from ``prefill``.
 
     ``prefill`` is None when the prefill leg failed or was not planned (decode-only).
+    The leg is sent after the prefill leg answered, and says so (``prefill_done``, a
+    kvpeer extension vLLM's tier ignores): a producer that restarted since fails the
+    pull at once instead of waiting for a prefill that will never come to it.
     """
     leg = dict(body)
     if prefill is not None:
-        leg["kv_transfer_params"] = {"remote_prefiller": _target(kv_request_id, prefill)}
+        target = _target(kv_request_id, prefill) | {"prefill_done": True}
+        leg["kv_transfer_params"] = {"remote_prefiller": target}
     return leg
 
 

@@ -168,8 +168,11 @@ class ConsumerRole:
         keys: Sequence[Key],
         slots: Sequence[int],
         now: float,
+        *,
+        prefill_done: bool = False,
     ) -> None:
-        """Fetch ``keys`` into our ``slots`` as a new round; the job reports later."""
+        """Fetch ``keys`` into our ``slots`` as a new round; the job reports later.
+        ``prefill_done``: tell the producer its prefill leg already answered."""
         if len(keys) != len(slots):
             raise ProtocolError(f"load job {job_id}: {len(keys)} keys but {len(slots)} slots")
         if not keys:
@@ -212,6 +215,7 @@ class ConsumerRole:
                 keys=tuple(keys),
                 block_indexes=slot_tuple,
                 round_seq=round_seq,
+                prefill_done=prefill_done,
             )
         )
         self._fetches_sent += 1

@@ -24,7 +24,16 @@ Invariants:
    ``handshake_timeout_s`` of :meth:`start`. A request does not wait that long
    on a peer that never answered: once a load or probe waits and nothing at all
    came from the peer within ``peer_wait_s`` of :meth:`start`, the session ends
-   as ``UNREACHABLE`` (its queued frames are dropped unsent).
+   as ``UNREACHABLE`` (its queued frames are dropped unsent). Nor does it wait
+   on a peer that went quiet later (frozen, partitioned): while a load or probe
+   waits on a peer that answers pings (a kvpeer peer of version >=
+   ``PING_VERSION``), nothing having come from it for ``peer_wait_s / 4``
+   (counted from its last frame, or from when our requests began to wait if
+   that is later) sends one ``ping`` - the peer's node answers at once even
+   while its engine is busy - and nothing for ``peer_wait_s`` ends the session
+   as ``UNREACHABLE``, with a ``disconnect`` for when the peer resumes. A
+   quiet peer nobody waits on is never pinged; a peer that cannot answer pings
+   (vLLM's tier) is left to the transport's heartbeat once it has spoken.
 5. One exception boundary (:meth:`PeerSession._guard`) wraps every entry
    point that runs on what the peer sent (``receive``, ``poll``, ``serve`` and
    every consumer/producer call): nothing raised below it leaves the session.
@@ -55,6 +64,7 @@ from kvpeer.errors import (
     ProtocolError,
 )
 from kvpeer.protocol import (
+    PING_VERSION,
     PROTOCOL_VERSION,
     AbortAck,
     AbortFetch,
@@ -67,6 +77,8 @@ from kvpeer.protocol import (
     Lookup,
     LookupResponse,
     Message,
+    Ping,
+    Pong,
     TransferDone,
     TransportChoice,
     UnknownMessage,
@@ -99,6 +111,7 @@ class SessionStatistics:
     frames_sent: int
     unknown_messages: int
     queued_messages: int
+    pings_sent: int
     consumer: ConsumerStatistics
     producer: ProducerStatistics
 
@@ -144,6 +157,12 @@ class PeerSession:
         self._frames_out = 0
         self._unknown = 0
         self._guard_cm = _Guard(self)
+        # Invariant 4: when the peer was last heard and our requests began
+        # waiting; a ping of ours that nothing came after yet.
+        self._heard_at: float | None = None
+        self._wait_began = 0.0
+        self._ping_out = False
+        self._pings = 0
 
     # -- state -----------------------------------------------------------------
 
@@ -206,8 +225,9 @@ class PeerSession:
         ]
         if not (self._acked and self._registered) and self._started_at is not None:
             deadlines.append(self._started_at + self._settings.handshake_timeout_s)
-            if self._frames_in == 0 and self._consumer.waits_on_peer():
-                deadlines.append(self._started_at + self._settings.peer_wait_s)
+        silence = self._silence()
+        if silence is not None:
+            deadlines.extend(d for d in silence if d is not None)
         return min(deadlines, default=None)
 
     def statistics(self) -> SessionStatistics:
@@ -219,6 +239,7 @@ class PeerSession:
             frames_sent=self._frames_out,
             unknown_messages=self._unknown,
             queued_messages=len(self._queue),
+            pings_sent=self._pings,
             consumer=self._consumer.statistics(),
             producer=self._producer.statistics(),
         )
@@ -240,6 +261,8 @@ class PeerSession:
         if self._closed is not None:
             return
         self._frames_in += 1
+        self._heard_at = now
+        self._ping_out = False
         with self._guard():
             self._dispatch(self._codec.decode(frame), now)
 
@@ -249,6 +272,7 @@ class PeerSession:
             self._fire_timers(now)
         loads, expired = self._consumer.take_results()
         stores, fetched = self._producer.take_results()
+        prefilled = tuple(kv_id for kv_id, done in fetched if done)
         loads.extend(self._late_loads)
         self._late_loads = []
         closed = None
@@ -261,7 +285,8 @@ class PeerSession:
         return PollResult(
             loads=tuple(loads),
             stores=tuple(stores),
-            fetched_ids=tuple(fetched),
+            fetched_ids=tuple(kv_id for kv_id, _ in fetched),
+            prefilled_ids=prefilled,
             expired_probe_ids=tuple(expired),
             closed=closed,
             lookup_seconds=tuple(lookup_seconds),
@@ -269,11 +294,18 @@ class PeerSession:
 
     def _fire_timers(self, now: float) -> None:
         if self._closed is None:
-            if self._silent_too_long(now):
+            silence = self._silence()
+            if silence is not None and now >= silence[0]:
+                heard = self._heard_at is not None
                 self._end(
                     CloseKind.UNREACHABLE,
-                    f"the peer did not answer within peer_wait_s ({self._settings.peer_wait_s:g}s)",
-                    send_disconnect=False,
+                    (
+                        "nothing heard from the peer (pinged) for peer_wait_s "
+                        if heard
+                        else "the peer did not answer within peer_wait_s "
+                    )
+                    + f"({self._settings.peer_wait_s:g}s) while a request waited",
+                    send_disconnect=heard,
                 )
             elif (
                 not (self._acked and self._registered)
@@ -286,17 +318,27 @@ class PeerSession:
                     send_disconnect=True,
                 )
             else:
+                if silence is not None and silence[1] is not None and now >= silence[1]:
+                    self._ping_out = True
+                    self._pings += 1
+                    self._transmit_now(Ping())
                 self._consumer.tick(now)
                 self._producer.tick(now)
 
-    def _silent_too_long(self, now: float) -> bool:
-        """Invariant 4: a request waits, and nothing came from the peer in time."""
-        return (
-            self._frames_in == 0
-            and self._started_at is not None
-            and now >= self._started_at + self._settings.peer_wait_s
-            and self._consumer.waits_on_peer()
-        )
+    def _silence(self) -> tuple[float, float | None] | None:
+        """Invariant 4, while a request waits: when to give the peer up, and when
+        to ping it first (None: no ping due)."""
+        if self._started_at is None or not self._consumer.waits_on_peer():
+            return None
+        wait = self._settings.peer_wait_s
+        if self._heard_at is None:
+            return self._started_at + wait, None
+        hello = self._peer_hello
+        if hello is None or hello.kvpeer is None or tuple(hello.kvpeer.version) < PING_VERSION:
+            return None  # it cannot be asked: the transport's heartbeat decides
+        quiet_from = max(self._heard_at, self._wait_began)
+        ping_due = self._acked and not self._ping_out
+        return quiet_from + wait, quiet_from + wait / 4 if ping_due else None
 
     def close(self, reason: str = "closed locally", kind: CloseKind = CloseKind.LOCAL) -> None:
         """End the session; the failed jobs arrive with the next :meth:`poll`."""
@@ -308,6 +350,7 @@ class PeerSession:
         """None while the peer has not answered; a dead session answers MISS."""
         if self._closed is not None:
             return False
+        self._note_wait(now)
         with self._guard():
             return self._consumer.register_probe(kv_request_id, key, now)
         return False  # the session ended inside the guard
@@ -324,6 +367,8 @@ class PeerSession:
         keys: Sequence[Key],
         slots: Sequence[int],
         now: float,
+        *,
+        prefill_done: bool = False,
     ) -> None:
         if self._closed is not None:
             self._late_loads.append(
@@ -331,8 +376,17 @@ class PeerSession:
             )
             return
         # Not guarded: a bad job is the engine's mistake (ProtocolError to the owner).
-        self._consumer.request_blocks(job_id, kv_request_id, keys, slots, now)
+        self._note_wait(now)
+        self._consumer.request_blocks(
+            job_id, kv_request_id, keys, slots, now, prefill_done=prefill_done
+        )
         self._settle_deferred_close()
+
+    def _note_wait(self, now: float) -> None:
+        """A load or probe is about to wait: if none waited, the quiet clock starts now."""
+        if not self._consumer.waits_on_peer():
+            self._wait_began = now
+            self._ping_out = False
 
     def finish_consumer(self, kv_request_id: str, now: float) -> None:
         if self._closed is None:
@@ -414,6 +468,10 @@ class PeerSession:
                 self._producer.on_abort_fetch(message, now)
             case AbortAck():
                 self._consumer.on_abort_ack(message, now)
+            case Ping():
+                self._send(Pong())
+            case Pong():
+                pass  # being heard is all it is for (receive noted the time)
 
     def _on_connect(self, hello: Connect) -> None:
         previous = self._peer_hello

@@ -191,7 +191,7 @@ class ProducerRole:
         self._queued_lookup_keys = 0
         self._held = 0  # budget charges of queued lookups and rounds' demand
         self._results: list[StoreFinished] = []
-        self._fetched: list[str] = []
+        self._fetched: list[tuple[str, bool]] = []  # (id, the fetch's prefill_done)
         self._lookups_answered = 0
         self._blocks_written = 0
         self._rounds_ok = 0
@@ -270,7 +270,7 @@ class ProducerRole:
         round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
         round_.demanded = len(message.keys)
         if not round_.looked_up:
-            self._fetched.append(kv_request_id)  # PD demand: the owner binds parked stores
+            self._fetched.append((kv_request_id, message.prefill_done))  # PD: owner binds
         self._match(kv_request_id, request, round_, now)
         self._check_unmet(kv_request_id, request, round_, now)
         self._collect_writes(now)
@@ -423,7 +423,7 @@ class ProducerRole:
                 deadlines.append(lookups[0].received_at + self._settings.lookup_pending_timeout_s)
         return min(deadlines, default=None)
 
-    def take_results(self) -> tuple[list[StoreFinished], list[str]]:
+    def take_results(self) -> tuple[list[StoreFinished], list[tuple[str, bool]]]:
         results, fetched = self._results, self._fetched
         self._results, self._fetched = [], []
         return results, fetched

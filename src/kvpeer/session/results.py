@@ -81,7 +81,9 @@ class PollResult:
     """What happened since the last poll.
 
     ``fetched_ids``: ids a peer fetched in a round without lookup state (PD
-    demand: the owner binds the id's parked stores to this session). ``expired_probe_ids``:
+    demand: the owner binds the id's parked stores to this session);
+    ``prefilled_ids``: those of them whose fetch said the producer's prefill leg
+    already answered (``Fetch.prefill_done``). ``expired_probe_ids``:
     consumer ids whose probes went unanswered past the lookup timeout (their
     probes now answer MISS). ``closed`` is set once, on the poll after the
     session ended; its failed jobs are not repeated in ``loads``/``stores``.
@@ -90,6 +92,7 @@ class PollResult:
     loads: tuple[LoadFinished, ...] = ()
     stores: tuple[StoreFinished, ...] = ()
     fetched_ids: tuple[str, ...] = ()
+    prefilled_ids: tuple[str, ...] = ()
     expired_probe_ids: tuple[str, ...] = ()
     closed: SessionClosed | None = field(default=None)
     #: how long each answered consumer lookup waited (probe registered -> answer)

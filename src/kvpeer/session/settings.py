@@ -21,9 +21,12 @@ class SessionSettings:
     ``transfer_timeout_s``: producer, a write still running this long fails its
     round (by then the consumer's load timed out and its abort went unanswered).
     ``handshake_timeout_s``: connected but not acknowledged -> dead.
-    ``peer_wait_s``: how long a request waits on a peer that has not answered at
-    all (not even its ``connect``) before the session is given up as unreachable;
-    the session itself would wait ``handshake_timeout_s``.
+    ``peer_wait_s``: how long a request waits on a peer from which nothing at all
+    has come (not even its ``connect``; after the handshake, not even an answer to
+    our pings) before the session is given up as unreachable; the session itself
+    would wait ``handshake_timeout_s`` or the transport's heartbeat. 1.5 s: the
+    engine sees the failed load at its next step, so a request falls back within
+    the 2 s budget of issue 11 with half a second left for that step.
     ``max_queued_messages``: messages held until the peer's ack; more ends
     the session.
     ``max_peer_bytes``: what one peer may make us hold (queued lookups, parked
@@ -41,7 +44,7 @@ class SessionSettings:
     abort_drain_timeout_s: float = 5.0
     transfer_timeout_s: float = 40.0
     handshake_timeout_s: float = 30.0
-    peer_wait_s: float = 2.0
+    peer_wait_s: float = 1.5
     max_queued_messages: int = 4096
     max_peer_bytes: int = 64 << 20
 

@@ -1,9 +1,8 @@
 """``python -m kvpeer.sim --seeds N [--first-seed S] [--nodes K]``: run seeded worlds.
 
 Exit status 1 if any seed found a violation. The last stdout line is always
-``seeds=N violations=V jobs=J loads_ok=L loads_failed=F``; the two before it
-count the faults injected and the waits past ``peer_wait_s`` the node allows by
-design (:mod:`kvpeer.sim.budgets`). Each failing seed
+``seeds=N violations=V jobs=J loads_ok=L loads_failed=F``; the one before it
+counts the faults injected. Each failing seed
 prints a one-line command that reproduces it. The tier iterates some sets of
 strings, so a run is reproducible only under a fixed ``PYTHONHASHSEED``: when
 none is set, the CLI re-executes itself with ``PYTHONHASHSEED=0``. With
@@ -70,7 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("--seeds must be >= 0, --ticks and --jobs >= 1")
     violations = jobs = loads_ok = loads_failed = 0
     faults = {"deaths": 0, "partitions": 0, "freezes": 0, "restarts": 0}
-    gaps = {"greeted_waits": 0, "unconnected_waits": 0}
     started = time.monotonic()
     every = max(1, args.seeds // 10)
     for done, result in enumerate(_results(args), 1):
@@ -79,9 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs += result.jobs
         loads_ok += result.loads_ok
         loads_failed += result.loads_failed
-        for counts in (faults, gaps):
-            for name in counts:
-                counts[name] += getattr(result, name)
+        for name in faults:
+            faults[name] += getattr(result, name)
         if args.verbose:
             print(result.summary())
             for violation in result.violations:
@@ -100,10 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         sys.stdout.flush()
     print("faults: " + " ".join(f"{name}={count}" for name, count in faults.items()))
-    print(
-        "waits past peer_wait_s the node allows by design (kvpeer.sim.budgets): "
-        + " ".join(f"{name}={count}" for name, count in gaps.items())
-    )
     print(
         f"seeds={args.seeds} violations={violations} jobs={jobs} "
         f"loads_ok={loads_ok} loads_failed={loads_failed}"

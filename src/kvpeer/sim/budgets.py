@@ -7,28 +7,14 @@ from C (:class:`Reach`, updated once per tick after the faults):
   refused or reset): a request of C waiting on P ends within
   :attr:`Bounds.refused` (a tick or two);
 - **silent**: the path is cut in either direction, P is frozen, or P's host does
-  not exist: it ends within :attr:`Bounds.silent` - ``peer_wait_s`` before P
-  ever answered, the heartbeat after, plus the slack - and never waits out a
-  session timeout (``handshake_timeout_s``, ``load_timeout_s``,
-  ``lookup_timeout_s``, each longer than that bound).
-
-One exception, by the session's design (``kvpeer.session.peer`` invariant 4,
-pinned by ``test_a_peer_that_answered_gets_the_whole_handshake_time``): a peer
-whose ``connect`` reached us but which never acknowledged ours - the path was
-cut, or it froze, in the middle of the handshake - is treated as alive and
-slow (its registration of our region may take seconds), so a request waits
-for the handshake deadline. Such waits are allowed up to
-:attr:`Bounds.greeted` and counted (:attr:`Reach.greeted_waits`): issue 11
-asks for ``peer_wait_s`` there too, which the node does not give yet.
-
-A second known gap: a session that completed its handshake on the peer's
-frames alone - the peer's ``connect`` and an ack meant for an earlier session
-of ours with the same peer - while our own link to it never connected (the
-path was cut as we dialled). It is ready, so no handshake deadline applies,
-and a link that never connected has no heartbeat (ZMQ gives up on it only
-when TCP's connect times out, about two minutes): a request waits for its
-load or lookup timeout. Allowed up to those timeouts and counted
-(:attr:`Reach.unconnected_waits`).
+  not exist: it ends within :attr:`Bounds.silent` - ``peer_wait_s`` plus the
+  slack, counted from the last frame of P that reached C if that came later
+  (the node cannot know a peer froze while its frames still arrive),
+  whatever the session's state: before P ever answered, mid-handshake
+  (P greeted us and never acknowledged), on a ready session (P stops answering
+  pings) and on a session made ready by P's frames while our own link never
+  connected (our pings never arrive) - and never waits out a session timeout
+  or the transport's heartbeat.
 
 Budgets run from the later of the moment the peer became unreachable (of that
 kind) and the moment the request started waiting. What waits: an open load
@@ -70,8 +56,6 @@ class Reach:
         self._state: dict[tuple[str, str], tuple[float, str]] = {}  # unreachable: since, kind
         self._disturbed: dict[tuple[str, str], float] = {}  # last time not healthy
         self._flagged: set[object] = set()
-        self.greeted_waits = 0  # waits past the budget on a peer that greeted, never acked
-        self.unconnected_waits = 0  # ... on a ready session whose link never connected
 
     # -- the world's view --------------------------------------------------------------
 
@@ -135,34 +119,17 @@ class Reach:
             return None
         since, kind = state
         start = max(since, waiting_since)
+        if kind == SILENT:
+            start = max(start, self._net.last_arrival(peer, consumer) or _NEVER)
         budget = self.budget(kind)
         waited = self._ctx.clock.now - start
         if waited <= budget:
             return None
-        session = tier.session(peer)
-        greeted = (
-            session is not None
-            and session.alive
-            and not session.answered
-            and session.statistics().frames_received > 0
-        )
-        if greeted and waited <= self._ctx.bounds.greeted:
-            if ("greeted", what) not in self._flagged:
-                self._flagged.add(("greeted", what))
-                self.greeted_waits += 1
-            return None  # greeted us, never acked: the handshake deadline (see above)
-        ready = session is not None and session.alive and session.ready
-        unconnected = ready and not self._net.ever_connected(consumer, peer)
-        if unconnected and waited <= self._ctx.bounds.load:
-            if ("unconnected", what) not in self._flagged:
-                self._flagged.add(("unconnected", what))
-                self.unconnected_waits += 1
-            return None  # ready on the peer's frames, our link never connected
         t = self._ctx.bounds.timeouts
         return (
             f"waited {waited:.2f}s on {kind} peer {peer} (budget {budget:.2f}s: "
-            f"peer_wait_s={t.peer_wait:.2f}, heartbeat {t.heartbeat_timeout:.2f}"
-            f"+{t.heartbeat_interval:.2f}s; handshake_timeout_s={t.handshake:g})"
+            f"peer_wait_s={t.peer_wait:.2f}; heartbeat {t.heartbeat_timeout:.2f}s, "
+            f"handshake_timeout_s={t.handshake:g})"
         )
 
     def check_retry(

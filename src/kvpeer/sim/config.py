@@ -172,16 +172,9 @@ class Bounds:
     @property
     def silent(self) -> float:
         """Waiting on a peer that answers nothing (partitioned, frozen, no host): the
-        request budget ``peer_wait_s`` before the peer ever answered, the transport's
-        heartbeat after; never a session timeout."""
-        t = self.timeouts
-        return max(t.peer_wait, t.heartbeat_timeout + t.heartbeat_interval) + self.budget_slack
-
-    @property
-    def greeted(self) -> float:
-        """Waiting on a peer whose ``connect`` arrived but which never acknowledged
-        ours: at most the session's handshake deadline (budgets.py)."""
-        return self.timeouts.handshake + self.budget_slack
+        request budget ``peer_wait_s`` (from the peer's last frame, or from when the
+        request began to wait); never a session timeout or the transport's heartbeat."""
+        return self.timeouts.peer_wait + self.budget_slack
 
     @property
     def recovery(self) -> float:

@@ -80,6 +80,7 @@ class SimNetwork:
         self._nodes: dict[str, SimControl] = {}
         self._cuts: dict[tuple[str, str], float] = {}  # (from, to) -> cut since
         self._frozen: dict[str, float] = {}  # node id -> frozen since
+        self._arrivals: dict[tuple[str, str], float] = {}  # (from, to) -> last frame due
         self._seq = 0
         self.frames_sent = 0
         self.frames_dropped = 0
@@ -148,13 +149,11 @@ class SimNetwork:
                 if link.connected_at is not None and link.connected_at <= since:
                     link.die("peer closed the connection (heartbeat TTL) while we were frozen")
 
-    def ever_connected(self, sender: str, receiver: str) -> bool:
-        """Whether ``sender``'s newest live link to ``receiver`` ever connected."""
-        control = self._nodes.get(sender)
-        if control is None or control.closed:
-            return False
-        links = [x for x in control.links if x.peer_id == receiver and x.alive]
-        return bool(links) and links[-1].connected_at is not None
+    def last_arrival(self, sender: str, receiver: str) -> float | None:
+        """When the last frame from ``sender`` reached ``receiver``'s inbox (frames a
+        node sent before a fault can still arrive after it began: held by a cut,
+        or sent as the fault struck)."""
+        return self._arrivals.get((sender, receiver))
 
     def frozen_since(self, node_id: str) -> float | None:
         return self._frozen.get(node_id)
@@ -251,6 +250,7 @@ class SimNetwork:
             return
         due = max(now + self._delay(link.sender, link.peer_id), link.last_due)
         link.last_due = due  # a link never reorders
+        self._arrivals[(link.sender, link.peer_id)] = due
         self._seq += 1
         target.inbox.append((due, self._seq, InboundFrame(link.sender, frame)))
         self.frames_sent += 1
@@ -261,6 +261,7 @@ class SimNetwork:
         if target is None or target.closed or self.is_cut(sender, peer_id):
             return
         self._seq += 1
+        self._arrivals[(sender, peer_id)] = self._clock()
         target.inbox.append((self._clock(), self._seq, InboundFrame(sender, frame)))
 
     def _dial(self, control: SimControl, peer_id: str) -> SimLink:

@@ -86,9 +86,6 @@ class SeedResult:
     partitions: int = 0
     freezes: int = 0
     restarts: int = 0
-    #: waits past the request budget the node allows by design (kvpeer.sim.budgets)
-    greeted_waits: int = 0
-    unconnected_waits: int = 0
 
     @property
     def loads_ok(self) -> int:
@@ -99,8 +96,7 @@ class SeedResult:
             f"seed={self.seed} violations={len(self.violations)} jobs={self.jobs} "
             f"loads_ok={self.loads_ok} (pd={self.loads_ok_pd} sym={self.loads_ok_sym}) "
             f"loads_failed={self.loads_failed} requests={self.requests} deaths={self.deaths} "
-            f"partitions={self.partitions} freezes={self.freezes} restarts={self.restarts} "
-            f"greeted_waits={self.greeted_waits} unconnected_waits={self.unconnected_waits}"
+            f"partitions={self.partitions} freezes={self.freezes} restarts={self.restarts}"
         )
 
 
@@ -241,8 +237,6 @@ class World:
             partitions=self.partitions,
             freezes=self.freezes,
             restarts=self.restarts,
-            greeted_waits=self.reach.greeted_waits,
-            unconnected_waits=self.reach.unconnected_waits,
         )
 
     def step(self, tick: int, full_check: bool) -> None:
@@ -253,7 +247,14 @@ class World:
         self.rng.shuffle(live)
         for node in live:
             if node.stalled_until > tick:
-                continue  # a busy engine: it neither steps nor is judged
+                if not node.frozen and node.live is not None:
+                    # A busy engine neither steps nor is judged, but its node's driver
+                    # thread runs on: frames, timers, pings (not the parent's calls).
+                    try:
+                        node.live.tier.poll()
+                    except Exception as exc:
+                        self._crashed(node, f"driver poll of tick {tick}", exc)
+                continue
             if node.stalled_until == tick:
                 node.resume()
             try:

@@ -204,6 +204,27 @@ class SessionPair:
                 return
         raise AssertionError("pair did not settle")
 
+    def advance(self, seconds: float) -> None:
+        """Let ``seconds`` pass for two live nodes: at every session deadline
+        before the end, poll and deliver (so pings are answered, as a live
+        peer's node does without its engine), then move the clock to the end.
+        What is due at the end is left to the caller's next poll or pump."""
+        end = self.clock.now + seconds
+        for _ in range(10_000):
+            due = [
+                d
+                for d in (self.a.session.next_deadline(), self.b.session.next_deadline())
+                if d is not None and self.clock.now < d < end
+            ]
+            if not due:
+                break
+            self.clock.advance(min(due) - self.clock.now)
+            self.poll()
+            self.deliver()
+        else:
+            raise AssertionError("a session keeps a deadline in the past")
+        self.clock.advance(end - self.clock.now)
+
     def serve(self) -> None:
         """Open a serve window on both sides."""
         self.a.session.serve(self.a.parent, self.clock.now)
