@@ -93,6 +93,7 @@ class TierCounters:
     stores_reaped: int = 0
     retired_blocks_served: int = 0
     retired_unknown_messages: int = 0
+    retired_stale_frames: int = 0
     retired_timeouts: Counter[str] = field(default_factory=Counter)
     timeouts: Counter[str] = field(default_factory=Counter)  # tier-level kinds
     lookup_seconds: Histogram = field(default_factory=lambda: Histogram(LOOKUP_SECONDS_BUCKETS))

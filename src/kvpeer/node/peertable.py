@@ -11,7 +11,9 @@ tier then calls :meth:`PeerTable.ended` for a closed one.
 Invariants:
 
 1. Only a peer's ``connect`` opens a session; other frames from a peer with no
-   live session are stragglers of an ended one and are dropped (counted). Once
+   live session are stragglers of an ended one and are dropped (counted; inside
+   a live session, the session drops those that cannot belong to it: its
+   invariant 7). Once
    the session ended ``peer_wait_s`` ago or more (stragglers in flight have
    arrived by then), a peer still sending into it holds a session we forgot -
    its goodbye was lost, e.g. in a partition that healed between the two ends'

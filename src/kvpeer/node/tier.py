@@ -84,6 +84,8 @@ class TierStatistics:
     pinned_blocks: int
     results_pending: int
     peers_refused: int
+    #: since start: frames of ended sessions, dropped (from a peer without a live
+    #: session, or into a session they cannot belong to: session invariant 7)
     stray_frames: int
     blocks_loaded: int  # since start: blocks successful loads brought from peers
     #: since start: sessions ended, by :class:`CloseKind` value
@@ -359,8 +361,10 @@ class Tier:
 
     def statistics(self) -> TierStatistics:
         loads = transfers = pins = 0
+        stale = self._counters.retired_stale_frames
         for peer in self._peers:
             stats = peer.session.statistics()
+            stale += stats.stale_frames
             loads += stats.consumer.loads_in_flight
             transfers += stats.producer.transfers_in_flight
             pins += stats.producer.pinned_blocks
@@ -382,7 +386,7 @@ class Tier:
             pinned_blocks=pins,
             results_pending=len(self._results),
             peers_refused=table.peers_refused,
-            stray_frames=table.stray_frames,
+            stray_frames=table.stray_frames + stale,
             blocks_loaded=self._blocks_loaded,
             sessions_ended=dict(self._ended),
         )
@@ -434,6 +438,7 @@ class Tier:
         c = self._counters
         c.retired_blocks_served += stats.producer.blocks_written
         c.retired_unknown_messages += stats.unknown_messages
+        c.retired_stale_frames += stats.stale_frames
         c.retired_timeouts.update(stats.consumer.timeouts)
         c.retired_timeouts.update(stats.producer.timeouts)
 

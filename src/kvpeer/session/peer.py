@@ -15,7 +15,8 @@ Invariants:
    only then is it acknowledged: our ack promises that we can write into the
    peer's memory safely.
 3. Before the peer's ``connect`` only ``connect`` and ``disconnect`` are
-   accepted. A second ``connect`` is a protocol error, or a restart when it
+   accepted (anything else is a straggler: invariant 7). A second ``connect``
+   is a protocol error, or a restart when it
    carries a different ``boot_id``, or - until the peer acknowledged ours -
    the very same ``connect`` again, which is acknowledged again: a peer that
    started its side over before the handshake finished (vLLM opens a session
@@ -48,6 +49,18 @@ Invariants:
    once, as :attr:`PollResult.closed` of the next poll. Misuse by the owner
    (``receive`` before ``start``) still raises: that is not the peer's doing.
 6. Unknown message types are counted and ignored.
+7. Frames carry no session identity (vLLM's do not), so a frame the peer sent
+   in a session that has since ended can land in the next one - sent just
+   before a crash, or crossing the goodbye that ended it. Those that cannot
+   belong to this session are stragglers: dropped and counted
+   (:attr:`SessionStatistics.stale_frames`), never a protocol error, and not
+   heard from the peer (invariant 4's clocks ignore them). They are every frame
+   but ``connect``/``disconnect`` before the peer's ``connect`` (the peer's
+   session sends its ``connect`` first, and a link never reorders) and a
+   ``connect_ack`` after the one we got. Ending the session for them instead
+   sustained itself: the ending's goodbye crossed the next session's connect,
+   whose frames landed in a session that had just ended, and two nodes ended
+   each other's sessions for as long as both had requests.
 """
 
 from __future__ import annotations
@@ -110,6 +123,7 @@ class SessionStatistics:
     frames_received: int
     frames_sent: int
     unknown_messages: int
+    stale_frames: int  # invariant 7: dropped as stragglers of an ended session
     queued_messages: int
     pings_sent: int
     consumer: ConsumerStatistics
@@ -157,6 +171,7 @@ class PeerSession:
         self._frames_out = 0
         self._unknown = 0
         self._guard_cm = _Guard(self)
+        self._stragglers = 0
         # Invariant 4: when the peer was last heard and our requests began
         # waiting; a ping of ours that nothing came after yet.
         self._heard_at: float | None = None
@@ -238,6 +253,7 @@ class PeerSession:
             frames_received=self._frames_in,
             frames_sent=self._frames_out,
             unknown_messages=self._unknown,
+            stale_frames=self._stragglers,
             queued_messages=len(self._queue),
             pings_sent=self._pings,
             consumer=self._consumer.statistics(),
@@ -261,10 +277,14 @@ class PeerSession:
         if self._closed is not None:
             return
         self._frames_in += 1
-        self._heard_at = now
-        self._ping_out = False
         with self._guard():
-            self._dispatch(self._codec.decode(frame), now)
+            message = self._codec.decode(frame)
+            if self._is_straggler(message):
+                self._stragglers += 1  # invariant 7: not heard, not an error
+                return
+            self._heard_at = now
+            self._ping_out = False
+            self._dispatch(message, now)
 
     def poll(self, now: float) -> PollResult:
         """Fire due timers and return everything that finished since last poll."""
@@ -440,6 +460,14 @@ class PeerSession:
 
     # -- dispatch --------------------------------------------------------------
 
+    def _is_straggler(self, message: Message | UnknownMessage) -> bool:
+        """Invariant 7: a frame that cannot belong to this session."""
+        if isinstance(message, Connect | Disconnect | UnknownMessage):
+            return False
+        if self._peer_hello is None:
+            return True  # the peer's session sends its connect first
+        return isinstance(message, ConnectAck) and self._acked
+
     def _dispatch(self, message: Message | UnknownMessage, now: float) -> None:
         if isinstance(message, UnknownMessage):
             self._unknown += 1
@@ -531,8 +559,6 @@ class PeerSession:
         return None
 
     def _on_connect_ack(self, ack: ConnectAck) -> None:
-        if self._acked:
-            raise ProtocolError("duplicate connect_ack")
         self._acked = True
         choice: TransportChoice | None = ack.kvpeer.transport if ack.kvpeer is not None else None
         self._data.peer_acknowledged(self.peer_id, choice)
