@@ -67,9 +67,9 @@ def test_an_engine_leaves_nothing_after_sigterm_or_sigkill(
     try:
         term = ServeSpec("term", tiny_llama, max_model_len=512)
         fleet.start([term])
-        assert not dead_region.exists() and not dead_claim.exists(), (
-            "the engine's node did not sweep a region whose claim nobody holds"
-        )
+        swept = "the engine's node did not sweep a region whose claim nobody holds"
+        assert not dead_region.exists(), swept
+        assert not dead_claim.exists(), swept
         assert serve_one(term.url)
         engine = fleet.engines["term"]
         assert engine.tracked_files, "vLLM made no psm_/sem.mp- file? the probe is stale"

@@ -33,8 +33,14 @@ class ProcessInfo:
     pid: int
     name: str
     started: int
-    rss_bytes: int
+    rss_bytes: int  # VmRSS
+    shmem_bytes: int  # RssShmem: shared-memory pages (e.g. mapped /dev/shm regions)
     fds: int
+
+    @property
+    def private_bytes(self) -> int:
+        """Resident memory less shared-memory pages: where a leak shows."""
+        return self.rss_bytes - self.shmem_bytes
 
 
 def process_info(pid: int) -> ProcessInfo | None:
@@ -49,12 +55,12 @@ def process_info(pid: int) -> ProcessInfo | None:
     # Field 2 (comm) is in parentheses and may hold spaces: split after its end.
     name = stat[stat.index("(") + 1 : stat.rindex(")")]
     started = int(stat[stat.rindex(")") + 2 :].split()[19])
-    rss = 0
+    fields = {}
     for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) * 1024
-            break
-    return ProcessInfo(pid, name, started, rss, fds)
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssShmem"):
+            fields[key] = int(value.split()[0]) * 1024
+    return ProcessInfo(pid, name, started, fields.get("VmRSS", 0), fields.get("RssShmem", 0), fds)
 
 
 def group_pids(pgid: int) -> list[int]:
