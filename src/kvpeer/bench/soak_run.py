@@ -64,6 +64,9 @@ VOCAB = (3, 512)
 PROGRESS_S = 30.0
 REFERENCE_ATTEMPTS = 6
 HEALTHY_TIMEOUT_S = 60.0
+# The routers' /health timeout: two engines computing on two shared cores answer /health
+# in over a second at times, and the default (1 s) then routes around a healthy engine.
+HEALTH_TIMEOUT_S = 5.0
 PIN_HEADER = "X-Kvpeer-Engine"
 FAILED_PAUSE_S = 0.5  # after a failed request (an engine down fails at once): no hammering
 Progress = Callable[[str], None]
@@ -353,8 +356,6 @@ class Soak:
             f"{warm.total('failed')} failed); soak: {self.spec.minutes:g} min of traffic, "
             f"a fault every ~{self.spec.fault_every_s:g} s (seed {self.spec.seed})"
         )
-        if warm.total("mismatch") or warm.total("failed") or not served:
-            raise RuntimeError(f"warm-up without faults went wrong: {warm.counts}")
         self.t0 = time.monotonic()
         threads = self.traffic(1)
         try:
@@ -371,6 +372,10 @@ class Soak:
         for name in ENGINES:
             self.wait_healthy(name)
         self.report()
+        # The warm-up had no fault: its failures and mismatches count like the soak's.
+        for kind, by_class in warm.counts.items():
+            self.tally.counts[f"{kind} warm-up"] = by_class
+        self.tally.unexplained[:0] = [f"warm-up {u}" for u in warm.unexplained]
         return before, self.sample_processes()
 
 
@@ -398,11 +403,13 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
             (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
             listen_port=0,
             allow_pinning=True,
+            health_timeout_s=HEALTH_TIMEOUT_S,
         )
         pd = RouterConfig(
             Mode.PD,
             (EngineEntry(a.router_engine(Role.PREFILL)), EngineEntry(b.router_engine(Role.DECODE))),
             listen_port=0,
+            health_timeout_s=HEALTH_TIMEOUT_S,
         )
         with BackgroundRouter(shared) as via_shared, BackgroundRouter(pd) as via_pd:
             soak.urls = {"shared": via_shared.url, "pd": via_pd.url}
