@@ -135,7 +135,8 @@ def schedule(seed: int, every_s: float) -> Iterator[Fault]:
 @dataclass(frozen=True)
 class Outcome:
     """One request as the client saw it. ``named_peer``: the router named a peer to pull
-    from (PD: the prefill leg ran); ``cached``: prompt tokens the engine did not compute."""
+    from (PD: always, the decode engine is to pull the prompt; without a prefill leg it
+    computes it, a fallback); ``cached``: prompt tokens the engine did not compute."""
 
     kind: str  # "pd" | "shared"
     started_s: float  # since the soak's start

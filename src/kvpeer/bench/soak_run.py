@@ -145,7 +145,7 @@ class Soak:
             kind,
             started,
             matched=completion.tokens == want,
-            named_peer=named_header in completion.headers,
+            named_peer=kind == "pd" or named_header in completion.headers,
             cached=completion.cached_tokens,
         )
 
