@@ -189,6 +189,7 @@ class Soak:
 
     def inject(self, fault: Fault) -> None:
         engine = self.fleet.engines[fault.engine]
+        self.count_pulls()  # what this incarnation pulled, before it may be gone
         start = self.now()
         with self.lock:
             self.windows.append((start, float("inf")))
@@ -257,20 +258,21 @@ class Soak:
         return out
 
     def count_pulls(self) -> None:
-        """Blocks pulled, from each engine's ``vllm:kvpeer_pulled_blocks_total`` (a new
-        incarnation starts from zero; what a killed one pulled after its last scrape is
-        not seen)."""
+        """Blocks pulled, from each engine's ``vllm:kvpeer_pulled_blocks_total``, read
+        every progress report and before each fault (a new incarnation starts from zero;
+        what one pulled between its last scrape and a SIGKILL or SIGTERM is not seen)."""
         from kvpeer.integrations.vllm.serving import kvpeer_samples
 
-        for name, engine in self.fleet.engines.items():
+        for name, engine in list(self.fleet.engines.items()):
             try:
                 value = kvpeer_samples(engine.spec.url).get("pulled_blocks_total", 0.0)
             except Exception:
                 continue  # down or frozen: counted at the next scrape
-            pid, last = self.pulled.get(name, (engine.process.pid, 0.0))
-            same = pid == engine.process.pid and value >= last
-            self.pulled_total += value - last if same else value
-            self.pulled[name] = (engine.process.pid, value)
+            with self.lock:  # the reporter and the fault injector both count
+                pid, last = self.pulled.get(name, (engine.process.pid, 0.0))
+                same = pid == engine.process.pid and value >= last
+                self.pulled_total += value - last if same else value
+                self.pulled[name] = (engine.process.pid, value)
 
     def report(self) -> None:
         self.count_pulls()
