@@ -231,3 +231,15 @@ def test_mappings_of_blocks_gone_from_every_medium_are_retired_and_bounded() -> 
     assert dict(index.statistics(0.0).hash_mappings) == {"e0": 2}
     index.apply("e0", store(range(2, 3)))  # its parent's (block 1) mapping went first
     assert dict(index.statistics(0.0).counts)["orphans"] == 1
+
+
+def test_expired_speculative_entries_go_at_the_next_speculation() -> None:
+    """Not only past ``max_speculative``: a router sending thousands of requests a
+    minute would otherwise hold ``max_speculative`` entries per engine for ever."""
+    index = learned_index("e0")
+    index.speculate("e0", index.keys(PROMPT[:8]), MEDIUM_GPU, now=10.0, ttl=5.0)
+    index.speculate("e0", index.keys(PROMPT[8:16]), MEDIUM_GPU, now=12.0, ttl=5.0)
+    assert dict(index.statistics(12.0).speculative) == {"e0": 4}
+    index.speculate("e0", index.keys(PROMPT[:4]), MEDIUM_CPU, now=16.0, ttl=5.0)
+    stats = index.statistics(0.0)  # at time 0 every entry still kept counts as live
+    assert dict(stats.speculative) == {"e0": 3}  # the two of t=10 went, t=12's stay

@@ -204,6 +204,7 @@ class PrefixIndex:
         if prompt.block_size != self._block_size or not prompt.keys:
             return
         state = self._engines.setdefault(engine, _Engine())
+        _drop_expired(state.speculative, now)
         present: Mapping[bytes, int] = state.present.get(medium, {})
         expiry = now + ttl
         for key in prompt.keys:
@@ -307,6 +308,17 @@ class PrefixIndex:
 
     def _bump(self, name: str, by: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + by
+
+
+def _drop_expired(speculative: dict[tuple[str, bytes], float], now: float) -> None:
+    """Drop expired entries from the front: entries go in (or back in) as the newest, so
+    with one TTL the oldest expire first and this costs what it removes. Without it
+    expired entries stayed until ``max_speculative`` (20,000 per engine) was passed."""
+    while speculative:
+        oldest = next(iter(speculative))
+        if speculative[oldest] > now:
+            return
+        del speculative[oldest]
 
 
 def _chain(parent: bytes, tokens: array[int]) -> bytes:
