@@ -1,4 +1,5 @@
-"""The ``kvpeer`` command: ``serve``, ``router``, ``bench``, ``check-config``, ``demo``, ``fuzz``.
+"""The ``kvpeer`` command: ``serve``, ``router``, ``bench``, ``check-config``, ``demo``, ``soak``,
+``fuzz``.
 
 This module (with the vLLM adapter) is the only place that reads argv and
 environment variables.
@@ -309,6 +310,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from kvpeer.bench import soak_run
+
+    return soak_run.main(args)
+
+
 def _cmd_fuzz(args: argparse.Namespace) -> int:
     # The legitimate consumers' UCX writes its errors to stdout (an interface that
     # another test on the machine removed, say): that would corrupt the report.
@@ -461,6 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=_cmd_demo)
+    from kvpeer.bench.soak import add_arguments as add_soak_arguments
+
+    soak = commands.add_parser(
+        "soak",
+        help="two vllm serve engines under mixed traffic and injected faults: outputs, "
+        "leaks, leftover files",
+    )
+    add_soak_arguments(soak)
+    soak.set_defaults(func=_cmd_soak)
     fuzz = commands.add_parser(
         "fuzz", help="drive a real node with generated hostile frames and watch it"
     )

@@ -209,3 +209,37 @@ def test_recorded_vllm_stream_resolves_prompts_per_medium(media: tuple[str, ...]
     for medium in media:
         assert index.longest_prefix("e0", a2, medium, 0.0) == 0
         assert index.longest_prefix("e0", b, medium, 0.0) == 3 * block_size
+
+
+def test_mappings_of_blocks_gone_from_every_medium_are_retired_and_bounded() -> None:
+    """A router follows engines for days: the hash mappings of blocks no medium holds
+    any more must not pile up (kvpeer soak found ~184 bytes per evicted block)."""
+    index = PrefixIndex(BS, max_retired=2)
+    index.apply("e0", StreamSynced())
+    index.apply("e0", store(range(0, 2)))
+    index.apply("e0", store(range(0, 1), MEDIUM_CPU))
+    first, second = hashes(2)
+    index.apply("e0", BlocksRemoved(MEDIUM_GPU, (first, second)))
+    assert held(index, "e0") == 0
+    assert held(index, "e0", MEDIUM_CPU) == 4  # the first block is still in the CPU tier
+    assert dict(index.statistics(0.0).hash_mappings) == {"e0": 2}
+    index.apply("e0", store(range(2, 3)))  # its parent (block 1) is retired: it attaches
+    assert dict(index.statistics(0.0).counts).get("orphans", 0) == 0
+    index.apply("e0", BlocksRemoved(MEDIUM_CPU, (first,)))
+    index.apply("e0", BlocksRemoved(MEDIUM_GPU, (hashes(3)[2],)))
+    # three blocks left every medium; only the two most recent mappings stay
+    assert dict(index.statistics(0.0).hash_mappings) == {"e0": 2}
+    index.apply("e0", store(range(2, 3)))  # its parent's (block 1) mapping went first
+    assert dict(index.statistics(0.0).counts)["orphans"] == 1
+
+
+def test_expired_speculative_entries_go_at_the_next_speculation() -> None:
+    """Not only past ``max_speculative``: a router sending thousands of requests a
+    minute would otherwise hold ``max_speculative`` entries per engine for ever."""
+    index = learned_index("e0")
+    index.speculate("e0", index.keys(PROMPT[:8]), MEDIUM_GPU, now=10.0, ttl=5.0)
+    index.speculate("e0", index.keys(PROMPT[8:16]), MEDIUM_GPU, now=12.0, ttl=5.0)
+    assert dict(index.statistics(12.0).speculative) == {"e0": 4}
+    index.speculate("e0", index.keys(PROMPT[:4]), MEDIUM_CPU, now=16.0, ttl=5.0)
+    stats = index.statistics(0.0)  # at time 0 every entry still kept counts as live
+    assert dict(stats.speculative) == {"e0": 3}  # the two of t=10 went, t=12's stay

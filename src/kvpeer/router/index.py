@@ -15,7 +15,11 @@ Invariants:
    only until its stream is followed again (never stale affinity).
 2. Memory is bounded: at most ``max_blocks`` chain keys per engine and medium (oldest
    stored first out), ``2 * max_blocks`` hash mappings, ``max_speculative`` speculative
-   entries per engine.
+   entries per engine. A block removed from every medium keeps its hash mapping only
+   among the ``max_retired`` most recently removed (a child stored soon after its
+   parent's eviction still attaches): the mappings track what engines hold, not
+   everything they ever stored (``kvpeer soak`` saw a router grow by ~184 bytes per
+   block stored and removed, up to ~70 MiB per engine at the old cap).
 3. ``refcounted_media`` (the CPU tier) count announcements: vLLM's offloading events may
    announce a block once per chunk that contains it and remove it as often. The GPU
    prefix cache re-announces reused blocks without matching removals, so its media keep
@@ -62,12 +66,14 @@ class IndexStatistics:
     blocks: tuple[tuple[str, str, int], ...]  # (engine, medium, blocks held)
     speculative: tuple[tuple[str, int], ...]  # (engine, live speculative entries)
     counts: tuple[tuple[str, int], ...]  # named counters: orphans, evictions, ...
+    hash_mappings: tuple[tuple[str, int], ...] = ()  # (engine, live + retired mappings)
 
 
 @dataclass(slots=True)
 class _Engine:
     learned: bool = False
     hashes: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
+    retired: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
     present: dict[str, OrderedDict[bytes, int]] = field(default_factory=dict)
     speculative: dict[tuple[str, bytes], float] = field(default_factory=dict)
 
@@ -83,6 +89,7 @@ class PrefixIndex:
         refcounted_media: Iterable[str] = (MEDIUM_CPU,),
         max_blocks: int = 200_000,
         max_speculative: int = 20_000,
+        max_retired: int = 2_048,
     ) -> None:
         """``block_size`` as the engines run (``None``: adopt the first stored event's)."""
         if block_size is not None and block_size <= 0:
@@ -92,6 +99,7 @@ class PrefixIndex:
         self._refcounted = frozenset(refcounted_media)
         self._max_blocks = max_blocks
         self._max_speculative = max_speculative
+        self._max_retired = max_retired
         self._engines: dict[str, _Engine] = {}
         self._counts: dict[str, int] = {}
 
@@ -164,6 +172,10 @@ class PrefixIndex:
             blocks=blocks,
             speculative=speculative,
             counts=tuple(sorted(self._counts.items())),
+            hash_mappings=tuple(
+                (name, len(state.hashes) + len(state.retired))
+                for name, state in sorted(self._engines.items())
+            ),
         )
 
     # --- updates ----------------------------------------------------------------------
@@ -192,6 +204,7 @@ class PrefixIndex:
         if prompt.block_size != self._block_size or not prompt.keys:
             return
         state = self._engines.setdefault(engine, _Engine())
+        _drop_expired(state.speculative, now)
         present: Mapping[bytes, int] = state.present.get(medium, {})
         expiry = now + ttl
         for key in prompt.keys:
@@ -224,6 +237,8 @@ class PrefixIndex:
         else:
             known = state.hashes.get(event.parent_hash)
             if known is None:
+                known = state.retired.get(event.parent_hash)
+            if known is None:
                 self._bump("orphans")  # its parent was stored before we listened
                 return
             parent = known
@@ -237,6 +252,7 @@ class PrefixIndex:
                 self._bump("hash_remapped")
             state.hashes[block_hash] = parent
             state.hashes.move_to_end(block_hash)
+            state.retired.pop(block_hash, None)
             present[parent] = present.get(parent, 0) + 1 if refcounted else 1
             present.move_to_end(parent)
             state.speculative.pop((event.medium, parent), None)
@@ -260,14 +276,26 @@ class PrefixIndex:
                 continue
             if refcounted and count > 1:
                 present[key] = count - 1
-            else:
-                del present[key]
+                continue
+            del present[key]
+            if not any(key in held for held in state.present.values()):
+                self._retire(state, block_hash, key)
+
+    def _retire(self, state: _Engine, block_hash: BlockHash, key: bytes) -> None:
+        """``block_hash``'s block left every medium: keep its mapping among the
+        ``max_retired`` most recent only (invariant 2)."""
+        del state.hashes[block_hash]
+        state.retired[block_hash] = key
+        state.retired.move_to_end(block_hash)
+        while len(state.retired) > self._max_retired:
+            state.retired.popitem(last=False)
 
     def _forget(self, state: _Engine, *, restarted: bool) -> None:
         state.present.clear()
         state.speculative.clear()
         if restarted:
             state.hashes.clear()
+            state.retired.clear()
         state.learned = False
         self._bump("forgotten")
 
@@ -280,6 +308,17 @@ class PrefixIndex:
 
     def _bump(self, name: str, by: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + by
+
+
+def _drop_expired(speculative: dict[tuple[str, bytes], float], now: float) -> None:
+    """Drop expired entries from the front: entries go in (or back in) as the newest, so
+    with one TTL the oldest expire first and this costs what it removes. Without it
+    expired entries stayed until ``max_speculative`` (20,000 per engine) was passed."""
+    while speculative:
+        oldest = next(iter(speculative))
+        if speculative[oldest] > now:
+            return
+        del speculative[oldest]
 
 
 def _chain(parent: bytes, tokens: array[int]) -> bytes:

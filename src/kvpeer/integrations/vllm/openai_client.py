@@ -54,9 +54,14 @@ class OpenAIClient:
         self._client.close()
 
     def complete(
-        self, prompt: str | Sequence[int], max_tokens: int, headers: dict[str, str] | None = None
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> Completion:
-        """A greedy completion of ``prompt`` (text, or token ids)."""
+        """A greedy completion of ``prompt`` (text, or token ids); ``extra``: more vLLM
+        request fields (e.g. ``cache_salt``)."""
         body: Any = prompt if isinstance(prompt, str) else list(prompt)
         started = time.monotonic()
         raw = self._client.completions.with_raw_response.create(
@@ -67,7 +72,7 @@ class OpenAIClient:
             logprobs=1,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"return_token_ids": True, "ignore_eos": True},
+            extra_body={"return_token_ids": True, "ignore_eos": True, **(extra or {})},
             extra_headers=headers,
         )
         return _collect(raw, started, chat=False)

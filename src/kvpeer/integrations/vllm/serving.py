@@ -11,7 +11,11 @@ run directly instead (same server, same flags).
 :class:`ServeFleet` starts several engines at once, waits until each answers
 ``/health`` (failing at once, with the log tail, if one exits), and on close stops every
 process group and removes the ``/dev/shm/vllm_offload_<engine_id>*.mmap`` files of its
-engines — named files only.
+engines — named files only. A process group killed with SIGKILL also leaves what Python's
+``resource_tracker`` (killed with it) would have removed: vLLM's shared-memory message
+queues (``psm_*``) and a named semaphore (``sem.mp-*``). The fleet notes the ones that
+appeared while an engine started and removes those that no living process uses once the
+engine is stopped (:meth:`ServeFleet.restart`, :meth:`ServeFleet.close`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvpeer.integrations.vllm.launcher import engine_env, free_port, shm_files
+from kvpeer.integrations.vllm.procs import shm_in_use, shm_names
 from kvpeer.integrations.vllm.scenario import HOST, kvpeer_tier, vllm_p2p_tier
 from kvpeer.router.policy import EngineSpec, Role
 
@@ -45,6 +50,9 @@ POLL_S = 0.25
 LOG_TAIL_CHARS = 4000
 BLOCK_TOKENS = 32
 PREFIX = "vllm:kvpeer_"  # kvpeer's series on vLLM's /metrics
+# What Python's resource_tracker removes for vLLM at a clean exit (shared-memory message
+# queues, named semaphores): a SIGKILLed process group leaves them.
+TRACKED_SHM_PREFIXES = ("psm_", "sem.mp-")
 
 Progress = Callable[[str], None]
 
@@ -144,6 +152,8 @@ class ServeEngine:
     spec: ServeSpec
     process: subprocess.Popen[bytes]
     log_path: Path
+    shm_before: frozenset[str] = frozenset()  # /dev/shm when it was spawned
+    tracked_files: set[str] = field(default_factory=set)  # TRACKED_SHM_PREFIXES it made
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -178,6 +188,23 @@ class ServeEngine:
         self.signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=STOP_TIMEOUT_S)
+        self.wait_gone()
+
+    def wait_gone(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Wait until no process of the group is left (the kernel unmaps a killed
+        process's memory before it goes); False if some still runs after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.process.poll()  # reap the leader: a zombie still counts in its group
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
 
 
 class EngineFailed(RuntimeError):
@@ -191,6 +218,7 @@ class ServeFleet:
         self._log_dir = log_dir
         self._progress = progress or (lambda _message: None)
         self.engines: dict[str, ServeEngine] = {}
+        self.removed: list[Path] = []  # leftovers of stopped engines removed so far
 
     def __enter__(self) -> ServeFleet:
         return self
@@ -210,7 +238,11 @@ class ServeFleet:
         """Stop engine ``name`` (if it runs) and start it again on the same ports."""
         old = self.engines[name]
         old.stop()
-        self.engines[name] = self._spawn(old.spec, suffix=".restart")
+        removed = _remove_unused(old.tracked_files)
+        self.removed.extend(removed)
+        new = self._spawn(old.spec, suffix=".restart")
+        new.tracked_files |= old.tracked_files - {path.name for path in removed}
+        self.engines[name] = new
         self.wait_ready([name], timeout_s)
         return self.engines[name]
 
@@ -228,6 +260,10 @@ class ServeFleet:
                     )
                 if engine.healthy():
                     waiting.remove(name)
+                    engine.tracked_files |= {
+                        n for n in shm_names() - engine.shm_before
+                        if n.startswith(TRACKED_SHM_PREFIXES)
+                    }  # fmt: skip
                     self._progress(f"engine {name} ready in {time.monotonic() - started:.0f} s")
             now = time.monotonic()
             if waiting and now - started > timeout_s:
@@ -243,21 +279,25 @@ class ServeFleet:
                 time.sleep(POLL_S)
 
     def close(self) -> list[Path]:
-        """Stop every engine's process group; remove its named shm files; return them."""
-        removed: list[Path] = []
+        """Stop every engine's process group; remove its named shm files and the
+        tracked files no living process uses; return what was removed (restarts
+        included)."""
         for engine in self.engines.values():
+            engine.signal(signal.SIGCONT)  # a stopped server cannot act on SIGTERM
             engine.stop()
         for engine in self.engines.values():
             for path in shm_files(engine.spec.engine_id):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                    removed.append(path)
-        return removed
+                    self.removed.append(path)
+            self.removed.extend(_remove_unused(engine.tracked_files))
+        return list(self.removed)
 
     def _spawn(self, spec: ServeSpec, suffix: str = "") -> ServeEngine:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"{spec.name}{suffix}.log"
         self._progress(f"starting engine {spec.name} ({spec.tier} tier) on {spec.url}")
+        before = frozenset(shm_names())
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 spec.command(),
@@ -268,7 +308,21 @@ class ServeFleet:
                 env={**engine_env(multiprocessing=True), "PYTHONUNBUFFERED": "1", **spec.env},
                 start_new_session=True,  # one group: the server and what vLLM spawns
             )
-        return ServeEngine(spec, process, log_path)
+        return ServeEngine(spec, process, log_path, shm_before=before)
+
+
+def _remove_unused(names: set[str], directory: str = "/dev/shm") -> list[Path]:
+    """Remove those of ``names`` that still exist and no living process maps or holds."""
+    present = names & shm_names(directory)
+    if not present:
+        return []
+    removed: list[Path] = []
+    for name in sorted(present - shm_in_use(directory)):
+        path = Path(directory) / name
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def kvpeer_samples(url: str) -> dict[str, float]:

@@ -14,6 +14,7 @@ kvpeer values and come back as vLLM values.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -134,6 +135,25 @@ def _region(primary_kv_view: memoryview, engine_id: str) -> PrimaryRegion:
     return PrimaryRegion(flat, num_blocks, block_len, shm_path)
 
 
+def _drop_region_name(path: str | None, claim: Claim) -> None:
+    """Remove the name of vLLM's region file once nobody needs it, then our claim.
+
+    vLLM's workers create and map ``/dev/shm/vllm_offload_<engine_id>.mmap`` before
+    the scheduler joins it and builds its tiers, so by now every process of this engine
+    has mapped the file and our shm plane holds a descriptor of it: the name serves
+    nobody. vLLM unlinks it only in the creator's cleanup, which a ``vllm serve`` never
+    reaches (its API server SIGKILLs the EngineCore at once on SIGTERM), so the file
+    would stay after every exit, clean or not. Unlinked here, the memory goes with the
+    last mapping, whichever way the engine exits (as vLLM's own region does when it is
+    given a barrier). The claim covered the start-up; the sweep of a later node removes
+    file and claim if we died before this.
+    """
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    claim.release()
+
+
 class _Parent:
     """vLLM's ParentManager seen as kvpeer's Parent, for one serve window."""
 
@@ -232,14 +252,18 @@ class KVPeerTier(SecondaryTierManager):
         self._config = TierConfig.from_dict(config)
         engine_id = str(offloading_spec.config.engine_id)
         self._region = _region(primary_kv_view, engine_id)
-        # vLLM's region file outlives an engine that is killed: our claim lets the
-        # next node started on this machine remove it (kvpeer.host.claims).
-        self._claim = Claim(self._region.shm_path) if self._region.shm_path else None
+        # vLLM's region file outlives its engine (see _drop_region_name): while we
+        # start, our claim lets the next node on this machine remove it if we die.
+        claim = Claim(self._region.shm_path) if self._region.shm_path else None
         trace = _trace_from_env()
-        self._node: DrivenTier = open_node(
-            self._config, self._region, hash_seed=_hash_seed, wake_host=_EngineWaker(),
-            trace=trace,
-        )  # fmt: skip
+        try:
+            self._node: DrivenTier = open_node(
+                self._config, self._region, hash_seed=_hash_seed, wake_host=_EngineWaker(),
+                trace=trace,
+            )  # fmt: skip
+        finally:
+            if claim is not None:
+                _drop_region_name(self._region.shm_path, claim)
         self._serve_contexts: dict[str, ReqContext] = {}
         self._stats = StatsSource(self._node)
         _LIVE.add(self)
@@ -330,10 +354,6 @@ class KVPeerTier(SecondaryTierManager):
     def shutdown(self) -> None:
         _LIVE.discard(self)
         self._node.shutdown()
-        if self._claim is not None:
-            # Unlocked, not removed: vLLM's CPU region file stays until this engine's
-            # process is gone, then the next node's sweep removes it with the claim.
-            self._claim.release(remove_claim=False)
         # Our flat view exports vLLM's mapping; until it is released vLLM cannot
         # unmap its primary region ("cannot close exported pointers exist").
         try:

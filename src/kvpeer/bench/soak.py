@@ -1,0 +1,377 @@
+"""``kvpeer soak``: two real engines under mixed traffic and injected faults, then a verdict.
+
+This module is the pure part: the arguments, the seeded fault schedule, what one request's
+outcome is, the tallies, the resource comparison and the verdict, the summary. The
+engines, routers, traffic and faults are driven by :mod:`kvpeer.bench.soak_run`.
+
+**Faults.** After warm-up, every ``--fault-every`` seconds on average (drawn uniformly
+from 2/3 to 4/3 of it, seeded by ``--seed``; the gap runs from the end of the previous
+fault) one of: ``kill-restart`` (SIGKILL of the engine's process group, then the engine
+started again on the same ports), ``restart`` (SIGTERM, a clean exit, then started again
+on the same ports), ``freeze`` (SIGSTOP of the group for 2-5 s, then SIGCONT). Kills and
+restarts hit engine ``b`` only; freezes either engine. So engine ``a`` (:data:`WITNESS`)
+lives from warm-up to the end, and its processes can be compared with themselves for
+leaks; ``b`` is a new set of processes after every restart, and a new process cannot be
+compared with the one it replaced.
+
+**Resources.** Resident memory and open descriptors of every process alive both after
+warm-up and at the end (same pid, same start time): the driver (its two routers run on
+threads in it) and every process of an engine not restarted since warm-up. Each must be
+within :data:`RESOURCE_TOLERANCE` (5 %) of its warm-up value. The memory judged is RSS
+less shared-memory pages (``RssShmem``): an engine maps its own 256 MiB CPU region and,
+over shm, its peer's, whose pages count in its RSS as they are touched and are returned
+when the peer's region is unmapped (a restarted peer brings a new one); that share is
+bounded by the regions' sizes and shown beside. Warm-up is every path once, then
+:data:`WARMUP_TRAFFIC_S` of the soak's own traffic with no fault (the driver's clients,
+pools and the routers' state reach their working size); both samples are taken with the
+traffic paused (no request in flight) and no fault in progress.
+
+**Verdict.** Exit 1 if any output differs from its prompt's reference, a process grew
+past the tolerance, a file is left in ``/dev/shm``, a request failed whose life does not
+overlap a fault's window (from the injection until the engine answers ``/health`` again,
+plus :data:`FAULT_GRACE_S`), or no request succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "FAULT_KINDS",
+    "RESOURCE_TOLERANCE",
+    "WITNESS",
+    "Fault",
+    "Outcome",
+    "ProcessRow",
+    "SoakSpec",
+    "Tally",
+    "add_arguments",
+    "classify",
+    "compare_processes",
+    "in_fault_window",
+    "render",
+    "schedule",
+    "verdict",
+]
+
+FAULT_KINDS = ("kill-restart", "restart", "freeze")
+ENGINES = ("a", "b")
+WITNESS = "a"  # never killed nor restarted: its processes are compared for leaks
+RESOURCE_TOLERANCE = 0.05
+WARMUP_TRAFFIC_S = 30.0
+FAULT_GRACE_S = 5.0  # after an engine is healthy again, the routers' health checks catch up
+FREEZE_S = (2.0, 5.0)
+DEFAULT_FAULT_EVERY_S = 15.0
+BLOCK_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SoakSpec:
+    """What one soak runs; validated here."""
+
+    minutes: float
+    fault_every_s: float = DEFAULT_FAULT_EVERY_S
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.minutes > 0:
+            raise ValueError(f"--minutes must be positive, got {self.minutes}")
+        if not self.fault_every_s >= 1.0:
+            raise ValueError(f"--fault-every must be at least 1 second, got {self.fault_every_s}")
+
+    @property
+    def seconds(self) -> float:
+        return self.minutes * 60.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SoakSpec:
+        return cls(minutes=args.minutes, fault_every_s=args.fault_every, seed=args.seed)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--minutes", type=float, required=True, help="how long traffic and faults run"
+    )
+    parser.add_argument(
+        "--fault-every",
+        type=float,
+        default=DEFAULT_FAULT_EVERY_S,
+        help=f"mean seconds between faults (default {DEFAULT_FAULT_EVERY_S:g}: 10-20 s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds the faults and the traffic")
+    parser.add_argument(
+        "--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)"
+    )
+    parser.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``gap_s`` after the previous one was over, ``kind`` on ``engine``."""
+
+    gap_s: float
+    kind: str
+    engine: str
+    freeze_s: float = 0.0
+
+
+def schedule(seed: int, every_s: float) -> Iterator[Fault]:
+    """The endless seeded fault sequence (the run takes as many as fit)."""
+    rng = random.Random(seed)
+    while True:
+        gap = rng.uniform(every_s * 2 / 3, every_s * 4 / 3)
+        kind = rng.choice(FAULT_KINDS)
+        if kind == "freeze":
+            yield Fault(gap, kind, rng.choice(ENGINES), round(rng.uniform(*FREEZE_S), 2))
+        else:
+            yield Fault(gap, kind, "b")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request as the client saw it. ``named_peer``: the router named a peer to pull
+    from (PD: always, the decode engine is to pull the prompt; without a prefill leg it
+    computes it, a fallback); ``cached``: prompt tokens the engine did not compute."""
+
+    kind: str  # "pd" | "shared"
+    started_s: float  # since the soak's start
+    error: str = ""
+    ended_s: float | None = None  # None: at once
+    matched: bool = False
+    named_peer: bool = False
+    cached: int = 0
+
+
+def classify(outcome: Outcome) -> str:
+    """``failed`` (no answer), ``mismatch`` (an answer unlike the reference), ``fallback``
+    (right, but a named peer gave nothing: the prompt was computed), else ``ok``."""
+    if outcome.error:
+        return "failed"
+    if not outcome.matched:
+        return "mismatch"
+    if outcome.named_peer and outcome.cached < BLOCK_TOKENS:
+        return "fallback"
+    return "ok"
+
+
+@dataclass
+class Tally:
+    """Counts per request kind and class; failures outside fault windows by message."""
+
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    from_cache: int = 0  # ok requests whose prompt was (mostly) not computed
+    unexplained: list[str] = field(default_factory=list)  # failures outside fault windows
+
+    def add(self, outcome: Outcome, windows: Sequence[tuple[float, float]]) -> str:
+        label = classify(outcome)
+        by_class = self.counts.setdefault(outcome.kind, {})
+        by_class[label] = by_class.get(label, 0) + 1
+        if label == "ok" and outcome.cached >= BLOCK_TOKENS:
+            self.from_cache += 1
+        ended = outcome.started_s if outcome.ended_s is None else outcome.ended_s
+        outside = label == "failed" and not in_fault_window(outcome.started_s, windows, ended)
+        if outside and len(self.unexplained) < 20:  # keep the driver's memory flat
+            self.unexplained.append(
+                f"{outcome.kind} at {outcome.started_s:.1f} s: {outcome.error[:200]}"
+            )
+        return label
+
+    def total(self, label: str) -> int:
+        return sum(by_class.get(label, 0) for by_class in self.counts.values())
+
+
+def in_fault_window(
+    at_s: float, windows: Sequence[tuple[float, float]], until_s: float | None = None
+) -> bool:
+    """Whether ``[at_s, until_s]`` (a request's life) meets a fault window; an open
+    window ends at infinity."""
+    last = at_s if until_s is None else until_s
+    return any(start <= last and at_s <= end for start, end in windows)
+
+
+@dataclass(frozen=True)
+class ProcessRow:
+    """One process sampled after warm-up and at the end."""
+
+    label: str  # "driver", "a:VLLM::EngineCor", ...
+    pid: int
+    rss_before: int  # resident memory less shared-memory pages
+    rss_after: int | None  # None: gone or replaced (a restarted engine)
+    fds_before: int
+    fds_after: int | None
+    judged: bool
+    shmem_before: int = 0  # shared-memory pages (not judged)
+    shmem_after: int | None = None
+
+    @property
+    def rss_growth(self) -> float | None:
+        if self.rss_after is None or not self.rss_before:
+            return None
+        return self.rss_after / self.rss_before - 1.0
+
+    @property
+    def fds_growth(self) -> float | None:
+        if self.fds_after is None or not self.fds_before:
+            return None
+        return self.fds_after / self.fds_before - 1.0
+
+    def problems(self) -> list[str]:
+        if not self.judged:
+            return []
+        if self.rss_after is None or self.fds_after is None:
+            return [f"{self.label} (pid {self.pid}) is gone"]
+        out = []
+        if self.rss_after > self.rss_before * (1 + RESOURCE_TOLERANCE):
+            out.append(
+                f"{self.label} (pid {self.pid}) private RSS {_mib(self.rss_before)} -> "
+                f"{_mib(self.rss_after)} (> {RESOURCE_TOLERANCE:.0%})"
+            )
+        if self.fds_after > self.fds_before * (1 + RESOURCE_TOLERANCE):
+            out.append(
+                f"{self.label} (pid {self.pid}) fds {self.fds_before} -> "
+                f"{self.fds_after} (> {RESOURCE_TOLERANCE:.0%})"
+            )
+        return out
+
+
+Sample = tuple[str, int, int, int, int, int]  # label, pid, started, private rss, shmem, fds
+
+
+def compare_processes(
+    before: Sequence[Sample], after: Sequence[Sample], restarted: set[str]
+) -> list[ProcessRow]:
+    """Pair each warm-up sample with the same process at the end (pid and start time).
+    Processes of engines in ``restarted`` are shown but not judged (they were replaced)."""
+    now = {(pid, started): (rss, shm, fds) for _label, pid, started, rss, shm, fds in after}
+    rows = []
+    for label, pid, started, rss, shm, fds in before:
+        engine = label.split(":", 1)[0]
+        later = now.get((pid, started))
+        rows.append(
+            ProcessRow(
+                label,
+                pid,
+                rss,
+                later[0] if later else None,
+                fds,
+                later[2] if later else None,
+                judged=engine not in restarted,
+                shmem_before=shm,
+                shmem_after=later[1] if later else None,
+            )
+        )
+    return rows
+
+
+def verdict(
+    tally: Tally, rows: Sequence[ProcessRow], leftovers: Sequence[str], faults: int
+) -> list[str]:
+    """Every reason the soak failed (empty: it passed)."""
+    problems: list[str] = []
+    mismatches = tally.total("mismatch")
+    if mismatches:
+        problems.append(f"{mismatches} output(s) differ from their reference")
+    if not tally.total("ok") + tally.total("fallback"):
+        problems.append("no request succeeded")
+    for row in rows:
+        problems.extend(row.problems())
+    if leftovers:
+        problems.append(f"left in /dev/shm: {', '.join(leftovers)}")
+    problems.extend(f"failed outside a fault window: {u}" for u in tally.unexplained)
+    if faults == 0:
+        problems.append("no fault was injected (run longer or lower --fault-every)")
+    return problems
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def summary(
+    *,
+    spec: SoakSpec,
+    tally: Tally,
+    rows: Sequence[ProcessRow],
+    faults: Sequence[dict[str, Any]],
+    pulled_blocks: float,
+    leftovers: Sequence[str],
+    removed_by_fleet: Sequence[str],
+    seconds: float,
+    logs: Sequence[str],
+) -> dict[str, Any]:
+    """The ``--json`` object (the table renders it)."""
+    problems = verdict(tally, rows, leftovers, len(faults))
+    by_kind: dict[str, int] = {}
+    for fault in faults:
+        by_kind[fault["kind"]] = by_kind.get(fault["kind"], 0) + 1
+    return {
+        "ok": not problems,
+        "minutes": spec.minutes,
+        "seed": spec.seed,
+        "fault_every_s": spec.fault_every_s,
+        "seconds": round(seconds, 1),
+        "requests": tally.counts,
+        "requests_from_cache_or_peer": tally.from_cache,
+        "mismatches": tally.total("mismatch"),
+        "faults": by_kind,
+        "fault_log": list(faults),
+        "pulled_blocks": pulled_blocks,
+        "processes": [
+            {**asdict(row), "rss_growth": row.rss_growth, "fds_growth": row.fds_growth}
+            for row in rows
+        ],
+        "leftovers": list(leftovers),
+        "removed_by_fleet": list(removed_by_fleet),
+        "problems": problems,
+        "logs": list(logs),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """The summary as text: requests, faults, processes, files, verdict."""
+    lines = [f"{'requests':<10} {'ok':>6} {'fallback':>9} {'failed':>7} {'mismatch':>9}"]
+    for kind, by_class in sorted(result["requests"].items()):
+        lines.append(
+            f"{kind:<10} {by_class.get('ok', 0):>6} {by_class.get('fallback', 0):>9} "
+            f"{by_class.get('failed', 0):>7} {by_class.get('mismatch', 0):>9}"
+        )
+    faults = ", ".join(f"{n} {kind}" for kind, n in sorted(result["faults"].items())) or "none"
+    lines += [
+        f"served from cache or a peer: {result['requests_from_cache_or_peer']}; "
+        f"blocks pulled (engines' /metrics): {result['pulled_blocks']:.0f}",
+        f"faults: {faults}",
+        "",
+        f"{'process':<22} {'pid':>7} {'private RSS':>12} {'end':>10} {'':>7} "
+        f"{'fds':>4} {'end':>4} {'':>7} {'shm RSS':>10} {'end':>10}  judged",
+    ]
+    for row in result["processes"]:
+        after = "-" if row["rss_after"] is None else _mib(row["rss_after"])
+        fds_after = "-" if row["fds_after"] is None else str(row["fds_after"])
+        rss_g = "-" if row["rss_growth"] is None else f"{row['rss_growth']:+.1%}"
+        fds_g = "-" if row["fds_growth"] is None else f"{row['fds_growth']:+.1%}"
+        shm_after = "-" if row["shmem_after"] is None else _mib(row["shmem_after"])
+        lines.append(
+            f"{row['label']:<22} {row['pid']:>7} {_mib(row['rss_before']):>12} {after:>10} "
+            f"{rss_g:>7} {row['fds_before']:>4} {fds_after:>4} {fds_g:>7} "
+            f"{_mib(row['shmem_before']):>10} {shm_after:>10}  "
+            f"{'yes' if row['judged'] else 'no (restarted)'}"
+        )
+    lines += [
+        "",
+        f"left in /dev/shm after the fleet closed: {len(result['leftovers'])}; removed by "
+        f"the fleet (vLLM's files of killed groups): {len(result['removed_by_fleet'])}",
+    ]
+    lines += [f"problem: {p}" for p in result["problems"]]
+    verdict_word = "ok" if result["ok"] else "FAILED"
+    lines.append(
+        f"kvpeer soak {verdict_word}: {result['minutes']:g} min, seed {result['seed']}, "
+        f"{sum(result['faults'].values())} faults, {result['seconds']:.0f} s in all"
+    )
+    if result["logs"]:
+        lines.append("engine logs: " + " ".join(result["logs"]))
+    return "\n".join(lines)

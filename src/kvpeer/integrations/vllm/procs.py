@@ -1,0 +1,106 @@
+"""What processes hold, read from ``/proc``: resident memory, open descriptors, the
+members of a process group, and which ``/dev/shm`` files any living process uses.
+
+``kvpeer soak`` samples its long-lived processes with it, and :class:`ServeFleet`
+(``serving.py``) uses :func:`shm_in_use` before it removes a file a dead engine left:
+a file some living process maps or holds open is never a leftover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "ProcessInfo",
+    "group_pids",
+    "process_info",
+    "shm_in_use",
+    "shm_names",
+]
+
+PROC = Path("/proc")
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process at one moment. ``started`` (clock ticks after boot) tells a process
+    from a later one that reused its pid."""
+
+    pid: int
+    name: str
+    started: int
+    rss_bytes: int  # VmRSS
+    shmem_bytes: int  # RssShmem: shared-memory pages (e.g. mapped /dev/shm regions)
+    fds: int
+
+    @property
+    def private_bytes(self) -> int:
+        """Resident memory less shared-memory pages: where a leak shows."""
+        return self.rss_bytes - self.shmem_bytes
+
+
+def process_info(pid: int) -> ProcessInfo | None:
+    """``pid``'s name, start time, VmRSS and open descriptors; None if it is gone."""
+    base = PROC / str(pid)
+    try:
+        stat = (base / "stat").read_text()
+        status = (base / "status").read_text()
+        fds = len(os.listdir(base / "fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # Field 2 (comm) is in parentheses and may hold spaces: split after its end.
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    started = int(stat[stat.rindex(")") + 2 :].split()[19])
+    fields = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssShmem"):
+            fields[key] = int(value.split()[0]) * 1024
+    return ProcessInfo(pid, name, started, fields.get("VmRSS", 0), fields.get("RssShmem", 0), fds)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every living process of process group ``pgid``, lowest pid first."""
+    found: list[int] = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError, OSError):
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def shm_names(directory: str = SHM_DIR) -> set[str]:
+    try:
+        return set(os.listdir(directory))
+    except OSError:
+        return set()
+
+
+def shm_in_use(directory: str = SHM_DIR) -> set[str]:
+    """Names under ``directory`` that a living process maps or holds open (processes
+    we may not read are skipped: as root, that is none)."""
+    prefix = directory.rstrip("/") + "/"
+    used: set[str] = set()
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for line in (entry / "maps").read_text().splitlines():
+                at = line.find(prefix)
+                if at >= 0:
+                    used.add(line[at + len(prefix) :].removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError):
+            fd_dir = entry / "fd"
+            for fd in os.listdir(fd_dir):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd_dir / fd)
+                    if target.startswith(prefix):
+                        used.add(target[len(prefix) :].removesuffix(" (deleted)"))
+    return used

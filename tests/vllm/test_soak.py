@@ -1,0 +1,33 @@
+"""``kvpeer soak`` for real, short: two ``vllm serve`` engines behind the routers, traffic,
+a freeze of each engine and a SIGKILL + restart of ``b`` (seed 5, a fault every ~6 s),
+then the verdict: every output equals its reference, the processes alive throughout
+stayed within 5 %, nothing is left in /dev/shm. About 4 minutes here (an engine restart
+under load takes 1-2 of them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvpeer.bench.soak import SoakSpec, render
+from kvpeer.bench.soak_run import run
+
+pytestmark = pytest.mark.slow  # real vllm serve engines
+
+
+def test_a_short_soak_passes_every_check(serve_llama: Path, tmp_path: Path) -> None:
+    result = run(SoakSpec(minutes=1.0, fault_every_s=6.0, seed=5), serve_llama, tmp_path, print)
+    text = render(result)
+    assert result["ok"], text
+    assert result["faults"].get("freeze", 0) >= 1, text
+    assert result["faults"].get("kill-restart", 0) == 1, text
+    assert result["mismatches"] == 0
+    assert result["leftovers"] == []
+    judged = [row for row in result["processes"] if row["judged"]]
+    assert {row["label"].split(":")[0] for row in judged} == {"driver", "a"}
+    served = sum(n for kind in result["requests"].values() for c, n in kind.items()
+                 if c in ("ok", "fallback"))  # fmt: skip
+    assert served > 0
