@@ -73,18 +73,24 @@ def inject(node: TierNode, sender: TierNode, frame: bytes, now: float) -> None:
     inbox.append((now, -1, InboundFrame(sender.peer_id, frame)))
 
 
+def probing_pair() -> tuple[Cluster, TierNode, TierNode, list[Prober]]:
+    """Nodes ``a`` and ``b``, each holding one key the other keeps probing, 2 s in."""
+    cluster = latency_cluster()
+    a, b = cluster.add("a", 1), cluster.add("b", 2)
+    a.parent.put(key(1))
+    b.parent.put(key(2))
+    probers = [Prober(a, b, 2), Prober(b, a, 1)]
+    run(cluster, probers, 2.0)
+    return cluster, a, b, probers
+
+
 class TestStaleFramesOfAnEndedSession:
     def test_a_restarted_peers_last_answer_does_not_start_a_loop(self) -> None:
         """The finding, as a cluster: the old incarnation of ``a`` answered ``b``'s lookup
         and died at once; ``b`` opened a new session toward the new ``a`` and the old
         answer landed in it. Both keep probing each other: after a few round trips the
         sessions stay up and every probe is answered HIT."""
-        cluster = latency_cluster()
-        a, b = cluster.add("a", 1), cluster.add("b", 2)
-        a.parent.put(key(1))
-        b.parent.put(key(2))
-        probers = [Prober(a, b, 2), Prober(b, a, 1)]
-        run(cluster, probers, 2.0)
+        cluster, a, b, probers = probing_pair()
         assert probers[0].hits > 0, "setup: the pair works"
         assert probers[1].hits > 0, "setup: the pair works"
         (last_answer, *_) = reversed(a.sent_of(LookupResponse, to=b))
@@ -114,12 +120,7 @@ class TestStaleFramesOfAnEndedSession:
         makes ``a`` end it with a goodbye). ``a``'s next probe opens a new session at
         once, and ``b``'s frames of the old session land in it; ``b``'s next session's
         connect crosses ``a``'s. One ending, then the pair stays up."""
-        cluster = latency_cluster()
-        a, b = cluster.add("a", 1), cluster.add("b", 2)
-        a.parent.put(key(1))
-        b.parent.put(key(2))
-        probers = [Prober(a, b, 2), Prober(b, a, 1)]
-        run(cluster, probers, 2.0)
+        cluster, a, b, probers = probing_pair()
         assert (ended(a), ended(b)) == (0, 0), "setup: the pair works"
         inject(a, b, b"\xc1 not msgpack", cluster.clock.now)
         run(cluster, probers, 2.0)

@@ -276,15 +276,8 @@ class TestRequestBudgets:
         the checker is strict: both seeds are clean, and with the old rule (only a
         peer never heard from is given up) they fail it."""
         assert run_cli("--seeds", "1", "--first-seed", str(seed)).returncode == 0
-        proc = subprocess.run(
-            [sys.executable, "-c", script(WITHOUT_THE_SILENCE_RULE, seed)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-            env={**os.environ, "PYTHONHASHSEED": "0"},
-        )
-        assert "on silent peer" in proc.stdout, proc.stdout
+        out = run_variant(WITHOUT_THE_SILENCE_RULE, seed)
+        assert "on silent peer" in out, out
 
 
 #: The session's silence rule before pings: only a peer never heard from is given up
@@ -303,6 +296,21 @@ peer.PeerSession._silence = silence
 
 def script(template: str, seed: int) -> str:
     return template % {"seed": seed, "old_silence_rule": OLD_SILENCE_RULE}
+
+
+def run_variant(template: str, seed: int) -> str:
+    """Run one seed in a fresh interpreter with the code changed by ``template`` (a
+    negative control: the fix undone); its stdout."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script(template, seed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    return proc.stdout
+
 WITHOUT_THE_SILENCE_RULE = """
 %(old_silence_rule)sfrom kvpeer.sim import run_seed
 for violation in run_seed(%(seed)d).violations:
@@ -338,12 +346,5 @@ class TestHalfOpenSessionRegression:
         assert proc.returncode == 0, proc.stdout
 
     def test_without_the_fix_the_seed_fails(self) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-c", script(WITHOUT_THE_STRAY_ANSWER, HALF_OPEN_SEED)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-            env={**os.environ, "PYTHONHASHSEED": "0"},
-        )
-        assert "reunion: n1:5710 is not served by n0:5710" in proc.stdout, proc.stdout
+        out = run_variant(WITHOUT_THE_STRAY_ANSWER, HALF_OPEN_SEED)
+        assert "reunion: n1:5710 is not served by n0:5710" in out, out
