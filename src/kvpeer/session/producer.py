@@ -36,10 +36,8 @@ Invariants (per ``kv_request_id``):
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvpeer.errors import BudgetExceeded, DataPlaneError, ProtocolError
 from kvpeer.protocol import (
@@ -52,115 +50,28 @@ from kvpeer.protocol import (
     TransferDone,
 )
 from kvpeer.session.ports import DataPlane, Parent
+from kvpeer.session.producer_state import (
+    ANSWER_SHARE,
+    KEY_ENTRY_BYTES,
+    LOOKUP_BYTES,
+    MAX_QUEUED_LOOKUP_KEYS,
+    REQUEST_BYTES,
+    ROUND_BYTES,
+    InboundLookup,
+    PinnedJob,
+    ProducerRequest,
+    ProducerStatistics,
+    Round,
+    Supply,
+    SupplyState,
+    Transfer,
+)
 from kvpeer.session.results import StoreFinished
 from kvpeer.session.settings import SessionSettings
 from kvpeer.session.worklist import WorkMap, WorkSet
 from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
 
-__all__ = ["ProducerRole", "ProducerStatistics"]
-
-#: Unresolved inbound lookup keys one peer may keep queued at once.
-MAX_QUEUED_LOOKUP_KEYS = 1 << 20
-#: What we charge a peer's budget for state it makes us keep (invariant 8): a rough
-#: upper bound of CPython's cost per entry (object, dict slots, key references).
-REQUEST_BYTES = 1024
-ROUND_BYTES = 256
-LOOKUP_BYTES = 256
-KEY_ENTRY_BYTES = 160
-#: One lookup's keys may take at most ``max_peer_bytes // ANSWER_SHARE`` bytes: the
-#: answer echoes them, and libzmq may hold LINK_HWM + 1 = 17 answers for a peer that
-#: stopped reading before the control transport sees it (about one budget in all).
-ANSWER_SHARE = 16
-
-
-class _State(enum.Enum):
-    AVAILABLE = 1
-    IN_FLIGHT = 2
-    SETTLED = 3
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    job_id: int
-    kv_request_id: str
-    bound_at: float
-    open: int
-    supplies: list[_Supply] = field(default_factory=list)
-    failed: bool = False
-    reason: str = ""
-    reported: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class _Supply:
-    key: Key
-    slot: int
-    job: _Job
-    home: dict[Key, _Supply] | None = None  # the container holding it while available
-    state: _State = _State.AVAILABLE
-
-
-@dataclass(slots=True, eq=False)
-class _Round:
-    seq: int
-    supply: dict[Key, _Supply] = field(default_factory=dict)
-    looked_up: bool = False  # lookup state exists: demand must have been pinned
-    demand: dict[Key, int] | None = None  # unmatched demand; None until the fetch
-    demanded: int = 0
-    delivered: int = 0
-    inflight: set[int] = field(default_factory=set)
-    reply: Message | None = None  # owed once in-flight writes drained
-    drain_deadline: float = 0.0
-    charge: int = 0  # bytes of the peer's budget its demand holds (invariant 8)
-
-
-@dataclass(slots=True, eq=False)
-class _InboundLookup:
-    round_seq: int
-    keys: tuple[Key, ...]
-    received_at: float
-    serve: ServeRequest | None = None
-    answers: dict[Key, bool] = field(default_factory=dict)
-    pending: dict[Key, None] = field(default_factory=dict)  # ordered set
-    charge: int = 0  # bytes of the peer's budget it holds (invariant 8)
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    rounds: dict[int, _Round] = field(default_factory=dict)
-    pool: dict[Key, _Supply] = field(default_factory=dict)
-    lookups: list[_InboundLookup] = field(default_factory=list)
-    closed_through: int = -1  # lookups of rounds <= this were closed by a fetch
-    supply_complete: bool = False
-
-    def is_idle(self) -> bool:
-        return not (self.rounds or self.pool or self.lookups)
-
-
-@dataclass(slots=True, eq=False)
-class _Transfer:
-    kv_request_id: str
-    round_seq: int
-    supplies: list[_Supply]
-    started_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class ProducerStatistics:
-    requests: int
-    rounds: int
-    transfers_in_flight: int
-    rounds_draining: int
-    pinned_blocks: int
-    store_jobs_open: int
-    lookups_queued: int
-    lookups_answered: int
-    blocks_written: int
-    rounds_succeeded: int
-    rounds_failed: int
-    #: since start, by kind: ``lookup_pending``, ``store``, ``transfer``, ``abort_drain``
-    timeouts: dict[str, int] = field(default_factory=dict)
-
+__all__ = ["MAX_QUEUED_LOOKUP_KEYS", "ProducerRole", "ProducerStatistics"]
 
 class ProducerRole:
     """Serves a peer's lookups and fetches out of our pinned primary slots."""
@@ -178,12 +89,12 @@ class ProducerRole:
         self._settings = settings
         self._lookup_seq = 0
         self._consumer_blocks: int | None = None
-        self._requests: dict[str, _Request] = {}
-        self._transfers: WorkMap[int, _Transfer] = WorkMap()  # start order
-        self._jobs_by_age: WorkMap[int, _Job] = WorkMap()  # insertion order == age order
+        self._requests: dict[str, ProducerRequest] = {}
+        self._transfers: WorkMap[int, Transfer] = WorkMap()  # start order
+        self._jobs_by_age: WorkMap[int, PinnedJob] = WorkMap()  # insertion order == age order
         # Every job not reported yet, wherever its supplies are: what close() must fail,
         # even if an exception left a supply between two homes.
-        self._unreported: WorkMap[int, _Job] = WorkMap()
+        self._unreported: WorkMap[int, PinnedJob] = WorkMap()
         self._jobs_open = 0
         self._serve_pending: WorkSet[str] = WorkSet()
         self._draining: WorkSet[tuple[str, int]] = WorkSet()
@@ -214,7 +125,7 @@ class ProducerRole:
             )
         charge = _keys_cost(message.keys) + LOOKUP_BYTES
         self._charge(charge, message.kv_request_id, "a lookup")
-        request = self._requests.setdefault(message.kv_request_id, _Request())
+        request = self._requests.setdefault(message.kv_request_id, ProducerRequest())
         if message.round_seq <= request.closed_through:
             self._prune(message.kv_request_id)
             return  # the consumer already closed that round
@@ -225,7 +136,7 @@ class ProducerRole:
             )
         self._held += charge
         request.lookups.append(
-            _InboundLookup(
+            InboundLookup(
                 message.round_seq,
                 message.keys,
                 now,
@@ -247,7 +158,7 @@ class ProducerRole:
                     )
         if len(set(message.keys)) != len(message.keys):
             raise ProtocolError(f"fetch {kv_request_id!r}: duplicate keys")
-        request = self._requests.setdefault(kv_request_id, _Request())
+        request = self._requests.setdefault(kv_request_id, ProducerRequest())
         round_ = request.rounds.get(message.round_seq)
         if round_ is not None and (round_.demand is not None or round_.reply is not None):
             raise ProtocolError(f"second fetch for {kv_request_id!r} round {message.round_seq}")
@@ -264,7 +175,7 @@ class ProducerRole:
         charge = _keys_cost(message.keys) + ROUND_BYTES
         self._charge(charge, kv_request_id, "a fetch")
         if round_ is None:
-            round_ = request.rounds[message.round_seq] = _Round(message.round_seq)
+            round_ = request.rounds[message.round_seq] = Round(message.round_seq)
         round_.charge += charge
         self._held += charge
         round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
@@ -316,19 +227,19 @@ class ProducerRole:
         self, kv_request_id: str, job: StoreJob, now: float, round_seq: int | None = None
     ) -> None:
         """Pinned blocks to serve: pool supply, or one round's lookup supply."""
-        request = self._requests.setdefault(kv_request_id, _Request())
-        tracked = _Job(job.job_id, kv_request_id, now, len(job.keys))
+        request = self._requests.setdefault(kv_request_id, ProducerRequest())
+        tracked = PinnedJob(job.job_id, kv_request_id, now, len(job.keys))
         self._jobs_by_age[job.job_id] = tracked
         self._unreported[job.job_id] = tracked
         self._jobs_open += 1
         if round_seq is None:
             home = request.pool
         else:
-            round_ = request.rounds.setdefault(round_seq, _Round(round_seq))
+            round_ = request.rounds.setdefault(round_seq, Round(round_seq))
             round_.looked_up = True
             home = round_.supply
         for key, slot in zip(job.keys, job.slots, strict=True):
-            supply = _Supply(key, slot, tracked)
+            supply = Supply(key, slot, tracked)
             tracked.supplies.append(supply)
             if key in home:
                 self._settle(supply, True, "")  # pinned twice: keep the first
@@ -374,7 +285,7 @@ class ProducerRole:
             del self._jobs_by_age[job_id]
             self._timeouts["store"] += 1
             for supply in job.supplies:
-                if supply.state is _State.AVAILABLE:
+                if supply.state is SupplyState.AVAILABLE:
                     self._settle(supply, False, f"not fetched within {deadline:g}s")
             self._prune(job.kv_request_id)
 
@@ -434,7 +345,7 @@ class ProducerRole:
             self._data.cancel(list(self._transfers), wait=False)
         for job in list(self._unreported.values()):
             for supply in job.supplies:
-                if supply.state is not _State.SETTLED:
+                if supply.state is not SupplyState.SETTLED:
                     self._settle(supply, False, reason)
         serves = self._unreleased
         for request in self._requests.values():
@@ -501,8 +412,8 @@ class ProducerRole:
     def _resolve(
         self,
         kv_request_id: str,
-        request: _Request,
-        lookup: _InboundLookup,
+        request: ProducerRequest,
+        lookup: InboundLookup,
         parent: Parent,
         now: float,
     ) -> bool:
@@ -515,7 +426,7 @@ class ProducerRole:
                 self._peer_id,
             )
             parent.on_new_request(lookup.serve)
-        round_ = request.rounds.setdefault(lookup.round_seq, _Round(lookup.round_seq))
+        round_ = request.rounds.setdefault(lookup.round_seq, Round(lookup.round_seq))
         round_.looked_up = True
         expired = now >= lookup.received_at + self._settings.lookup_pending_timeout_s
         hits: list[Key] = []
@@ -559,10 +470,10 @@ class ProducerRole:
         parent.on_request_finished(lookup.serve)
         return True
 
-    def _close_lookups(self, kv_request_id: str, request: _Request, through: int) -> None:
+    def _close_lookups(self, kv_request_id: str, request: ProducerRequest, through: int) -> None:
         """The consumer closed rounds <= ``through``: their lookups get no answer."""
         request.closed_through = max(request.closed_through, through)
-        keep: list[_InboundLookup] = []
+        keep: list[InboundLookup] = []
         for lookup in request.lookups:
             if lookup.round_seq <= through:
                 self._queued_lookup_keys -= len(lookup.keys)
@@ -577,11 +488,13 @@ class ProducerRole:
 
     # -- matching and transfers ------------------------------------------------
 
-    def _match(self, kv_request_id: str, request: _Request, round_: _Round, now: float) -> None:
+    def _match(
+        self, kv_request_id: str, request: ProducerRequest, round_: Round, now: float
+    ) -> None:
         demand = round_.demand
         if not demand or round_.reply is not None:
             return
-        pairs: list[tuple[_Supply, int]] = []
+        pairs: list[tuple[Supply, int]] = []
         for key, index in list(demand.items()):
             supply = round_.supply.pop(key, None) or request.pool.pop(key, None)
             if supply is not None:
@@ -590,7 +503,7 @@ class ProducerRole:
         if not pairs:
             return
         for supply, _ in pairs:
-            supply.state = _State.IN_FLIGHT
+            supply.state = SupplyState.IN_FLIGHT
             supply.home = None
         supplies = [s for s, _ in pairs]
         try:
@@ -602,11 +515,11 @@ class ProducerRole:
                 self._settle(supply, False, f"write failed to start: {exc}")
             self._fail_round(kv_request_id, round_, now, f"write failed to start: {exc}")
             return
-        self._transfers[transfer_id] = _Transfer(kv_request_id, round_.seq, supplies, now)
+        self._transfers[transfer_id] = Transfer(kv_request_id, round_.seq, supplies, now)
         round_.inflight.add(transfer_id)
 
     def _check_unmet(
-        self, kv_request_id: str, request: _Request, round_: _Round, now: float
+        self, kv_request_id: str, request: ProducerRequest, round_: Round, now: float
     ) -> None:
         if not round_.demand or round_.reply is not None:
             return
@@ -634,7 +547,7 @@ class ProducerRole:
             self._succeed_round(transfer.kv_request_id, round_)
 
     def _forget_transfer(
-        self, round_: _Round, transfer_id: int, success: bool, reason: str
+        self, round_: Round, transfer_id: int, success: bool, reason: str
     ) -> None:
         transfer = self._transfers.pop(transfer_id)
         assert transfer is not None
@@ -645,7 +558,7 @@ class ProducerRole:
             round_.delivered += len(transfer.supplies)
             self._blocks_written += len(transfer.supplies)
 
-    def _succeed_round(self, kv_request_id: str, round_: _Round) -> None:
+    def _succeed_round(self, kv_request_id: str, round_: Round) -> None:
         self._release_supply(round_.supply, True, "")
         self._send(
             TransferDone(
@@ -661,7 +574,7 @@ class ProducerRole:
     def _fail_round(
         self,
         kv_request_id: str,
-        round_: _Round,
+        round_: Round,
         now: float,
         reason: str,
         reply: Message | None = None,
@@ -687,14 +600,14 @@ class ProducerRole:
         else:
             self._finish_drain(kv_request_id, round_)
 
-    def _finish_drain(self, kv_request_id: str, round_: _Round) -> None:
+    def _finish_drain(self, kv_request_id: str, round_: Round) -> None:
         self._draining.discard((kv_request_id, round_.seq))
         assert round_.reply is not None
         self._send(round_.reply)
         self._rounds_failed += 1
         self._drop_round(kv_request_id, round_)
 
-    def _drop_round(self, kv_request_id: str, round_: _Round) -> None:
+    def _drop_round(self, kv_request_id: str, round_: Round) -> None:
         request = self._requests[kv_request_id]
         del request.rounds[round_.seq]
         self._held -= round_.charge
@@ -702,17 +615,17 @@ class ProducerRole:
 
     # -- jobs ------------------------------------------------------------------
 
-    def _release_supply(self, supplies: dict[Key, _Supply], success: bool, reason: str) -> None:
+    def _release_supply(self, supplies: dict[Key, Supply], success: bool, reason: str) -> None:
         for supply in list(supplies.values()):
             self._settle(supply, success, reason)
 
-    def _settle(self, supply: _Supply, success: bool, reason: str) -> None:
-        if supply.state is _State.SETTLED:
+    def _settle(self, supply: Supply, success: bool, reason: str) -> None:
+        if supply.state is SupplyState.SETTLED:
             return
         if supply.home is not None:
             supply.home.pop(supply.key, None)
             supply.home = None
-        supply.state = _State.SETTLED
+        supply.state = SupplyState.SETTLED
         job = supply.job
         job.open -= 1
         if not success and not job.failed:
@@ -721,7 +634,7 @@ class ProducerRole:
         if job.open == 0:
             self._report(job)
 
-    def _report(self, job: _Job) -> None:
+    def _report(self, job: PinnedJob) -> None:
         if job.reported:
             return
         job.reported = True
