@@ -88,27 +88,10 @@ from dataclasses import dataclass, field
 from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.protocol import Connect, TransportOffer, limits
 from kvpeer.session.ports import TransferEvent
+from kvpeer.transport.data import tcpwire as wire
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
 from kvpeer.transport.data.tcpgate import HelloGate, Verdict
-from kvpeer.transport.data.tcpwire import ACK as _ACK
-from kvpeer.transport.data.tcpwire import HEADER as _HEADER
-from kvpeer.transport.data.tcpwire import HELLO as _HELLO
-from kvpeer.transport.data.tcpwire import MAGIC as _MAGIC
-from kvpeer.transport.data.tcpwire import REFUSED as _REFUSED
-from kvpeer.transport.data.tcpwire import SLOT as _SLOT
-from kvpeer.transport.data.tcpwire import VERSION as _VERSION
-from kvpeer.transport.data.tcpwire import WRITTEN as _WRITTEN
-from kvpeer.transport.data.tcpwire import Closed as _Closed
-from kvpeer.transport.data.tcpwire import check_slots as _check_slots
-from kvpeer.transport.data.tcpwire import keepalive as _keepalive
-from kvpeer.transport.data.tcpwire import listen as _listen
-from kvpeer.transport.data.tcpwire import offered_host as _offered_host
-from kvpeer.transport.data.tcpwire import offered_port as _offered_port
-from kvpeer.transport.data.tcpwire import peer_host as _peer_host
-from kvpeer.transport.data.tcpwire import recv_exact as _recv_exact
-from kvpeer.transport.data.tcpwire import runs as _runs
-from kvpeer.transport.data.tcpwire import tune as _tune
-from kvpeer.transport.data.tcpwire import valid_token as _valid_token
+from kvpeer.transport.data.tcprecv import Inbound, Received, receive_transfers, stop_receiving
 
 __all__ = ["INLINE_BYTES", "SOCKET_BUFFER_BYTES", "TcpBackend", "TcpStatistics"]
 
@@ -175,17 +158,6 @@ class _Writer:
     inline: bool = False  # write_blocks is sending on sock (the writer thread waits)
 
 
-@dataclass(slots=True, eq=False)
-class _Inbound:
-    """A connection a peer writes into us with (consumer side)."""
-
-    sock: socket.socket
-    token: str
-    peer_id: str
-    recv_lock: threading.Lock = field(default_factory=threading.Lock)
-    closed: bool = False
-
-
 @dataclass(slots=True)
 class _Counters:
     bytes_sent: int = 0
@@ -228,13 +200,13 @@ class TcpBackend:
         self._sends: dict[int, _Send] = {}
         self._events: dict[str, list[TransferEvent]] = {}
         self._tokens: dict[str, tuple[str, WriteWindow]] = {}  # token -> (peer, window)
-        self._bound: dict[str, _Inbound] = {}  # token -> its one live connection
-        self._inbound: set[_Inbound] = set()
+        self._bound: dict[str, Inbound] = {}  # token -> its one live connection
+        self._inbound: set[Inbound] = set()
         self._threads: set[threading.Thread] = set()
         self._counters = _Counters()
         self._closed = False
         try:
-            listener = _listen(host, port, socket_buffer)
+            listener = wire.listen(host, port, socket_buffer)
         except OSError as exc:
             raise LocalFault(f"tcp: cannot listen on {host!r} port {port}: {exc}") from exc
         self._host = advertise_host or host
@@ -263,15 +235,15 @@ class TcpBackend:
         return b""
 
     def usable_with(self, offer: TransportOffer | None, hello: Connect) -> bool:
-        return _offered_port(offer) is not None and _offered_host(offer) is not None
+        return wire.offered_port(offer) is not None and wire.offered_host(offer) is not None
 
     def add_peer(
         self, peer_id: str, hello: Connect, offer: TransportOffer | None
     ) -> TransportOffer:
-        port, offered = _offered_port(offer), _offered_host(offer)
+        port, offered = wire.offered_port(offer), wire.offered_host(offer)
         if port is None or offered is None:
             raise DataPlaneError(f"tcp: {peer_id!r} offered no usable address: {offer!r:.200}")
-        host = offered if self._trust_offered_hosts else _peer_host(peer_id)
+        host = offered if self._trust_offered_hosts else wire.peer_host(peer_id)
         if host is None:
             raise DataPlaneError(f"tcp: peer id {peer_id!r:.200} names no host to dial")
         token = secrets.token_hex(16)
@@ -284,7 +256,7 @@ class TcpBackend:
 
     def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
         token = params.get("token") if isinstance(params, Mapping) else None
-        if not isinstance(token, str) or not _valid_token(token):
+        if not isinstance(token, str) or not wire.valid_token(token):
             raise DataPlaneError(f"tcp: {peer_id!r} sent no valid token: {params!r:.200}")
         with self._lock:
             if self._closed:
@@ -299,7 +271,7 @@ class TcpBackend:
             replaced = [c for c in self._inbound if c.token in stale]
         self._gate.wake()  # a connection may be waiting for this token
         for conn in replaced:
-            _stop_receiving(conn)
+            stop_receiving(conn)
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
@@ -308,7 +280,7 @@ class TcpBackend:
             self._drop_writer(peer_id, "peer removed")
             inbound = [c for c in self._inbound if c.peer_id == peer_id]
         for conn in inbound:
-            _stop_receiving(conn)
+            stop_receiving(conn)
 
     def detach_peer(self, peer_id: str) -> Callable[[], None] | None:
         """All of :meth:`remove_peer`, now: waiting for the peer's receiving threads is
@@ -336,20 +308,20 @@ class TcpBackend:
             writer = self._writers.get(peer_id)
             if writer is None:
                 raise DataPlaneError(f"tcp: peer {peer_id!r} is not registered")
-            _check_slots(local_slots, self._region.num_blocks, "local")
-            _check_slots(remote_slots, writer.num_blocks, f"remote ({peer_id!r})")
+            wire.check_slots(local_slots, self._region.num_blocks, "local")
+            wire.check_slots(remote_slots, writer.num_blocks, f"remote ({peer_id!r})")
             if writer.dead:  # reconnect: the peer still knows our token
                 writer = _Writer(peer_id, writer.host, writer.port, writer.token, writer.num_blocks)
                 self._open_writer(writer)
             transfer_id = next(self._ids)
-            header = _HEADER.pack(transfer_id, len(remote_slots)) + struct.pack(
+            header = wire.HEADER.pack(transfer_id, len(remote_slots)) + struct.pack(
                 f"!{len(remote_slots)}Q", *remote_slots
             )
             send = _Send(
                 transfer_id,
                 peer_id,
                 header,
-                _runs(local_slots),
+                wire.runs(local_slots),
                 len(local_slots) * self._region.block_len,
             )
             self._sends[transfer_id] = send
@@ -466,7 +438,7 @@ class TcpBackend:
             self._lock.notify_all()
         self._gate.close()
         for conn in inbound:
-            _stop_receiving(conn)
+            stop_receiving(conn)
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
         while True:
             with self._lock:
@@ -494,7 +466,7 @@ class TcpBackend:
     def _write_loop(self, writer: _Writer) -> None:
         try:
             sock = self._connect(writer)
-        except (OSError, _Closed) as exc:
+        except (OSError, wire.Closed) as exc:
             with self._lock:
                 self._kill_writer(writer, f"cannot connect to {writer.host}:{writer.port}: {exc}")
             self._notify()
@@ -533,18 +505,18 @@ class TcpBackend:
             sock.close()
 
     def _ack_loop(self, writer: _Writer, sock: socket.socket) -> None:
-        ack = bytearray(_ACK.size)
+        ack = bytearray(wire.ACK.size)
         reason = "connection closed by the peer"
         try:
             while True:
-                _recv_exact(sock, memoryview(ack))
-                transfer_id, status = _ACK.unpack(ack)
+                wire.recv_exact(sock, memoryview(ack))
+                transfer_id, status = wire.ACK.unpack(ack)
                 with self._lock:
                     send = writer.inflight.pop(transfer_id, None)
                     if send is None:
                         reason = f"peer acknowledged unknown transfer {transfer_id}"
                         break
-                    if status != _WRITTEN:
+                    if status != wire.WRITTEN:
                         writer.inflight[transfer_id] = send
                         reason = f"peer refused transfer {transfer_id} (a slot not open for us)"
                         break
@@ -556,8 +528,8 @@ class TcpBackend:
                         TransferEvent(transfer_id, True)
                     )
                 self._notify()
-        except (OSError, _Closed) as exc:
-            if not isinstance(exc, _Closed):
+        except (OSError, wire.Closed) as exc:
+            if not isinstance(exc, wire.Closed):
                 reason = f"connection to {writer.peer_id!r} failed: {exc}"
         with self._lock:
             self._kill_writer(writer, reason)
@@ -603,14 +575,14 @@ class TcpBackend:
         for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
             try:
-                _tune(sock, self._buffer)
+                wire.tune(sock, self._buffer)
                 sock.setblocking(False)
                 poller = select.poll()  # not select(): it fails past descriptor 1023
                 poller.register(sock, select.POLLOUT)
                 code = sock.connect_ex(address)
                 while code in (errno.EINPROGRESS, errno.EALREADY):
                     if writer.dead or self._closed:
-                        raise _Closed("writer removed while connecting")
+                        raise wire.Closed("writer removed while connecting")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"connect timed out after {self._connect_timeout_s} s")
                     if poller.poll(_CONNECT_POLL_MS):
@@ -619,12 +591,12 @@ class TcpBackend:
                     raise OSError(code, errno.errorcode.get(code, str(code)))
                 sock.setblocking(True)
                 token = writer.token.encode("ascii")
-                sock.sendall(_HELLO.pack(_MAGIC, _VERSION, len(token)) + token)
+                sock.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, len(token)) + token)
                 return sock
             except OSError as exc:
                 sock.close()
                 error = exc
-            except _Closed:
+            except wire.Closed:
                 sock.close()
                 raise
         raise error
@@ -642,10 +614,10 @@ class TcpBackend:
             peer_id, window = entry
             try:
                 sock.setblocking(True)
-                _keepalive(sock)
+                wire.keepalive(sock)
             except OSError:
                 return Verdict.REFUSE
-            conn = _Inbound(sock, token, peer_id)
+            conn = Inbound(sock, token, peer_id)
             try:
                 self._start(lambda: self._receive_loop(conn, window), "kvpeer-tcp-r")
             except LocalFault as exc:
@@ -656,11 +628,11 @@ class TcpBackend:
         log.debug("tcp: inbound connection from %s bound to %r", source, peer_id)
         return Verdict.BOUND
 
-    def _receive_loop(self, conn: _Inbound, window: WriteWindow) -> None:
+    def _receive_loop(self, conn: Inbound, window: WriteWindow) -> None:
         sock = conn.sock
         try:
             self._receive_transfers(conn, window)
-        except (OSError, _Closed) as exc:
+        except (OSError, wire.Closed) as exc:
             if not conn.closed:
                 log.debug("tcp: inbound connection from %r ended: %s", conn.peer_id, exc)
         finally:
@@ -674,39 +646,14 @@ class TcpBackend:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
-    def _receive_transfers(self, conn: _Inbound, window: WriteWindow) -> None:
-        sock = conn.sock
-        header = bytearray(_HEADER.size)
-        num_blocks, block_len = self._region.num_blocks, self._region.block_len
-        while True:
-            _recv_exact(sock, memoryview(header))
-            transfer_id, count = _HEADER.unpack(header)
-            if count > _MAX_SLOTS:
-                self._refuse(conn, transfer_id, f"{count} blocks in one transfer")
-                return
-            raw = bytearray(count * _SLOT.size)
-            _recv_exact(sock, memoryview(raw))
-            slots = struct.unpack(f"!{count}Q", raw)
-            bad = next((s for s in slots if s >= num_blocks or not window.allows(s)), None)
-            if bad is not None:
-                self._refuse(conn, transfer_id, f"slot {bad} is not open for its writes")
-                return
-            for first, run in _runs(slots):
-                target = self._view[first * block_len : (first + run) * block_len]
-                with conn.recv_lock:
-                    if conn.closed:
-                        raise _Closed("receiving stopped")
-                    _recv_exact(sock, target)
-            with self._lock:
-                self._counters.bytes_received += count * block_len
-            sock.sendall(_ACK.pack(transfer_id, _WRITTEN))
+    def _receive_transfers(self, conn: Inbound, window: WriteWindow) -> None:
+        receive_transfers(conn, window, self._view, self._region, self._count)
 
-    def _refuse(self, conn: _Inbound, transfer_id: int, why: str) -> None:
-        log.warning("tcp: refused transfer %d from %r: %s", transfer_id, conn.peer_id, why)
+    def _count(self, transfer: Received) -> None:
         with self._lock:
-            self._counters.refused += 1
-        with contextlib.suppress(OSError):
-            conn.sock.sendall(_ACK.pack(transfer_id, _REFUSED))
+            if transfer.refused:
+                self._counters.refused += 1
+            self._counters.bytes_received += transfer.nbytes
 
     # -- threads -------------------------------------------------------------------------
 
@@ -737,12 +684,3 @@ class TcpBackend:
 
     def revoke(self, peer_id: str) -> None:
         """Nothing to do."""
-
-
-def _stop_receiving(conn: _Inbound) -> None:
-    """Wake ``conn``'s thread and wait until it no longer writes into our region."""
-    conn.closed = True
-    with contextlib.suppress(OSError):
-        conn.sock.shutdown(socket.SHUT_RDWR)
-    with conn.recv_lock:
-        pass
