@@ -92,9 +92,11 @@ def test_every_message_type_and_scenario_is_sent(sample: list[Case]) -> None:
 
 def test_every_message_type_is_sent_valid_and_mutated(sample: list[Case]) -> None:
     labels = labels_of(sample)
-    for kind in SCHEMAS:
+    for kind, fields in SCHEMAS.items():
         assert any(label.startswith(f"{kind}/valid") for label in labels), kind
-        for mutation in ("missing:", "wrong-type:", "extra-key", "duplicate-key:", "type:"):
+        # ping/pong have no fields: nothing to leave out, retype or repeat.
+        per_field = ("missing:", "wrong-type:", "duplicate-key:") if fields else ()
+        for mutation in (*per_field, "extra-key", "type:"):
             assert any(label.startswith(f"{kind}/{mutation}") for label in labels), (
                 kind,
                 mutation,

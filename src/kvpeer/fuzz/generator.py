@@ -46,6 +46,8 @@ MESSAGE_TYPES: Final = (
     "transfer_done",
     "abort_fetch",
     "abort_ack",
+    "ping",
+    "pong",
     "unknown",
 )
 
@@ -270,13 +272,16 @@ class FrameGenerator:
                 }
             case "fetch":
                 keys = self._some_keys()
-                return {
+                fetch: Payload = {
                     "type": kind,
                     "kv_request_id": self._request_id(seq),
                     "keys": keys,
                     "block_indexes": rng.sample(range(self.target.our_blocks), len(keys)),
                     "round_seq": seq.round_seq,
                 }
+                if rng.random() < 0.25:
+                    fetch["prefill_done"] = True  # kvpeer 1.1 (PD: the leg answered)
+                return fetch
             case "transfer_done":
                 return {
                     "type": kind,
@@ -292,6 +297,8 @@ class FrameGenerator:
                     "kv_request_id": self._request_id(seq),
                     "round_seq": seq.round_seq,
                 }
+            case "ping" | "pong":
+                return {"type": kind}  # kvpeer 1.1: no fields
         raise ValueError(f"no payload for {kind!r}")
 
     def _request_id(self, seq: _Sequence) -> str:

@@ -64,6 +64,7 @@ SCHEMAS: Final[dict[str, dict[str, Field]]] = {
         "keys": Field.KEYS,
         "block_indexes": Field.UINTS,
         "round_seq": Field.UINT,
+        "prefill_done": Field.BOOL,
     },
     "transfer_done": {
         "kv_request_id": Field.NAME,
@@ -74,6 +75,8 @@ SCHEMAS: Final[dict[str, dict[str, Field]]] = {
     },
     "abort_fetch": {"kv_request_id": Field.NAME, "round_seq": Field.UINT},
     "abort_ack": {"kv_request_id": Field.NAME, "round_seq": Field.UINT},
+    "ping": {},
+    "pong": {},
 }
 
 _STRINGS = (Field.NAME, Field.REASON, Field.FINGERPRINT)
