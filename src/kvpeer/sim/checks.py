@@ -12,7 +12,8 @@ During the run (:meth:`Checker.running`):
    Writes into slots not opened for the writer (the fake plane's record) count.
 4. The tier's own counts agree with what it was told: open requests, consumer
    and producer ids; parked batches, tombstones, early fetches and consumer
-   session entries never exceed what their timeouts allow to be alive.
+   session entries never exceed what their timeouts allow to be alive (consumer
+   entries per session: each peer's session keeps its own entry per id).
 
 After the quiet phase (:meth:`Checker.quiet`): no job, request, pin, WRITING
 slot, parked batch, tombstone, early fetch, session entry or pending write is
@@ -21,11 +22,14 @@ left anywhere, and every READY slot holds its key's bytes.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
 from kvpeer.host import SlotState
 from kvpeer.sim.config import SimContext
 from kvpeer.sim.node import LOAD, STORE, Incarnation, OpenJob, SimNode
 
-__all__ = ["Checker"]
+__all__ = ["Checker", "unexplained_consumer_entries"]
 
 
 def _describe(job_id: int, job: OpenJob) -> str:
@@ -35,6 +39,27 @@ def _describe(job_id: int, job: OpenJob) -> str:
     if job.peer_id is not None:
         what += f" from {job.peer_id}"
     return what + ")"
+
+
+def unexplained_consumer_entries(
+    entries: Mapping[str, int], explained: Iterable[tuple[str, str]]
+) -> list[str]:
+    """Our sessions holding more consumer entries than their timeouts allow.
+
+    ``entries``: peer id -> consumer entries of our session toward it;
+    ``explained``: the (peer id, kv id) pairs pulled by an open request or by one
+    finished within an abort and its owed ack. Each session keeps its own entry
+    per id (consumer invariant 8), so an id reused toward another peer while an
+    ack toward the first is still owed has an entry in both sessions: the rule
+    counts per session, never ids across sessions.
+    """
+    allowed = Counter(peer_id for peer_id, _ in set(explained))
+    return [
+        f"{count} consumer session entries toward {peer_id} but only {allowed[peer_id]} "
+        "ids pulled from it are open or finished within the abort_ack timeouts"
+        for peer_id, count in sorted(entries.items())
+        if count > allowed[peer_id]
+    ]
 
 
 class Checker:
@@ -198,23 +223,21 @@ class Checker:
             "from this node within a load's lifetime",
         )
         finished = probe.finished_sources
-        for kv_request_id in [k for k, t in finished.items() if now - t > bounds.consumer_entry]:
-            del finished[kv_request_id]
-        entries = 0
+        for pulled in [k for k, t in finished.items() if now - t > bounds.consumer_entry]:
+            del finished[pulled]
+        entries: dict[str, int] = {}
         supplies = 0
         for peer_id in peers:
             session = live.tier.session(peer_id)
             if session is not None:
                 session_stats = session.statistics()
-                entries += session_stats.consumer.requests
+                entries[peer_id] = session_stats.consumer.requests
                 supplies += session_stats.producer.pinned_blocks
-        allowed = len(sources | finished.keys())
-        expect(
-            "consumer_entries",
-            entries <= allowed,
-            f"{entries} consumer session entries but only {allowed} ids are open or "
-            "finished within the abort_ack timeouts",
-        )
+        pulling = {
+            (r.source.peer_id, r.source.kv_request_id) for r in probe.routing.values() if r.source
+        }
+        for problem in unexplained_consumer_entries(entries, pulling | finished.keys()):
+            expect("consumer_entries", False, problem)
         pins = sum(len(job.slots) for job in probe.open_jobs.values() if job.kind != LOAD)
         expect(
             "supply",

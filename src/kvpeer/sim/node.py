@@ -147,7 +147,9 @@ class TierProbe:
         self.open_jobs: dict[int, OpenJob] = {}
         self.routing: dict[str, Routing] = {}  # requests the tier knows as open
         self.failed_destinations: dict[str, float] = {}  # kv id -> last failed store
-        self.finished_sources: dict[str, float] = {}  # kv id -> consumer finished at
+        # (source peer, kv id) -> when a request here pulling that id from that peer
+        # last finished: our session toward each peer keeps its own entry per id
+        self.finished_sources: dict[tuple[str, str], float] = {}
         self.key_loaded: dict[Key, float] = {}  # key -> when a load of it last reported
         # req id -> key -> since when the tier answers RETRY for it (symmetric probes)
         self.retry_since: dict[str, dict[Key, float]] = {}
@@ -307,7 +309,8 @@ class TierProbe:
         self._started.pop(request.req_id, None)
         routing = self.routing.pop(request.req_id, None)
         if routing is not None and routing.source is not None:
-            self.finished_sources[routing.source.kv_request_id] = self.ctx.clock.now
+            source = routing.source
+            self.finished_sources[source.peer_id, source.kv_request_id] = self.ctx.clock.now
         self.tier.on_request_finished(request)
 
     def has_pending_work(self) -> bool:
@@ -410,8 +413,9 @@ class SimNode:
         for job in live.probe.open_jobs.values():
             job.submitted += paused
             job.deadline += paused
+        for pulled in live.probe.finished_sources:
+            live.probe.finished_sources[pulled] += paused
         for table in (
-            live.probe.finished_sources,
             live.probe.failed_destinations,
             self.ctx.loads_toward.get(self.peer_id, {}),
         ):
