@@ -26,11 +26,11 @@ exponentially weighted least squares (:class:`Line`): each observation counts a 
 less every time a newer one arrives, and the priors act as pseudo-observations that
 keep the fit sane before data arrives and fade as it does. The cold-session penalty is
 an EWMA of the excess of first pulls over the warm prediction. The priors make a pull
-win only when it saves clearly more than a round trip, a session set-up and the
-consumer engine's extra scheduler steps (in vLLM a pulled request waits a step for the
-lookup's answer, one for the promotion into the CPU tier and one for the load into the
-KV cache: on a busy engine each is a forward pass of the others, so pulling two blocks
-to save 64 tokens of prefill was measured slower than computing them).
+win only when it saves clearly more than a round trip and a session set-up. (A pulled
+request also costs the consumer engine extra scheduler steps - one for the lookup's
+answer, one for the promotion into the CPU tier, one for the load into the KV cache -
+which the learned pull line absorbs; a prior that counted them up front, 50 ms, kept
+real engines from pulling a 448-token prefix before anything was learned.)
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class CostPriors:
     overhead_s: float = 0.02  # per request on an idle engine: HTTP, scheduling, one step
     prefill_s_per_token: float = 2e-4
     in_flight_s: float = 0.005  # each running request's decode share of our prefill steps
-    pull_base_s: float = 0.05  # round trip, fetch set-up, and the consumer engine's extra steps
+    pull_base_s: float = 0.01  # lookup round trip + fetch set-up on a warm session
     pull_s_per_token: float = 2e-5
     cold_session_s: float = 0.05
     source_busy_s: float = 0.02
