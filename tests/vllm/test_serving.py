@@ -13,6 +13,7 @@ import random
 import signal
 import time
 import urllib.request
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,9 @@ def test_shared_streamed_pull_is_the_routers_choice_and_the_counters_add_up(
     prompt = fresh()
     computed = client.complete(prompt, OUT, {PIN: "a"})
     wait_indexed(shared, "a", prompt)
-    served_before, pulled_before = kvpeer_metrics(a), kvpeer_metrics(b)
+    # A series an engine has not counted yet is absent from its /metrics: zero.
+    served_before = defaultdict(float, kvpeer_metrics(a))
+    pulled_before = defaultdict(float, kvpeer_metrics(b))
 
     pulled = client.complete(token_text(prompt), OUT, {PIN: "b"})  # text: router tokenizes
 
