@@ -26,6 +26,7 @@ class SlowTeardown:
     """A backend that writes nothing and whose removals wait for :attr:`release`."""
 
     name = "slow"
+    registers_slowly = False
 
     def __init__(self) -> None:
         self.log: list[str] = []

@@ -128,7 +128,7 @@ def open_node(
             local_id=control.local_id,
             shm_same_process=shm_same_process,
         )
-        data = DataPlaneSet(region, backends)
+        data = DataPlaneSet(region, backends, notify=completions)
     except (ConfigError, DataPlaneError):
         control.close()
         raise

@@ -51,6 +51,14 @@ Invariants:
    completes its handshake clears it. At most ``4 * max_peers`` are remembered.
 8. A ``connect`` with a new boot id ends the old session (``RESTARTED``) and
    the same frame opens a fresh one at once.
+9. A peer's ``connect`` that a session will register with the data plane, when the
+   registration may be slow (a NIXL metadata load, an shm region request), is
+   registered off the node's lock (:meth:`NodeDataPlane.prepare_peer`): the frame,
+   and every later frame of that peer (at most :data:`MAX_HELD_FRAMES`, the rest
+   dropped as strays), is held, in order, and routed again by the first poll after
+   the registration is ready; after ``handshake_timeout_s`` they are dropped (the
+   peer's handshake times out and it tries again). Frames of other peers flow
+   meanwhile, and engine calls do not wait for the registration.
 
 Every method runs under the node's lock (it is called by the tier only).
 """
@@ -82,6 +90,8 @@ log = logging.getLogger("kvpeer.tier")  # the tier's log: operators grep one nam
 DEFAULT_HASH_SEED = "vllm-none-hash"
 #: The first back-off after a peer could not be reached (invariant 7).
 FIRST_RETRY_S = 1.0
+#: Frames of one peer held while its registration runs off the lock (invariant 9).
+MAX_HELD_FRAMES = 64
 
 
 @dataclass(slots=True)
@@ -180,6 +190,8 @@ class PeerTable:
         self._backoff: dict[str, tuple[float, float]] = {}
         # peer -> when its last session ended, oldest first (invariant 1)
         self._sessions_ended_at: dict[str, float] = {}
+        # peer -> (since when, its frames in order) while it registers (invariant 9)
+        self._held: dict[str, tuple[float, list[InboundFrame]]] = {}
 
     # -- the table ------------------------------------------------------------------
 
@@ -198,10 +210,10 @@ class PeerTable:
         return list(self._peers.items())
 
     def next_deadline(self) -> float | None:
-        return min(
-            (d for p in self._peers.values() if (d := p.session.next_deadline()) is not None),
-            default=None,
-        )
+        sessions = (d for p in self._peers.values() if (d := p.session.next_deadline()) is not None)
+        timeout = self._config.handshake_timeout_s
+        held = (since + timeout for since, _ in self._held.values())
+        return min((*sessions, *held), default=None)
 
     # -- opening ----------------------------------------------------------------------
 
@@ -288,6 +300,13 @@ class PeerTable:
         if peer_id == self._control.local_id:
             self._stray += 1  # someone using our own identity: never a session with us
             return
+        held = self._held.get(peer_id)
+        if held is not None:  # invariant 9: after its connect, in order
+            if len(held[1]) < MAX_HELD_FRAMES:
+                held[1].append(inbound)
+            else:
+                self._stray += 1
+            return
         source = _canonical_ip(inbound.source)
         if source is not None and not self._config.allowed_peers.allows_source(source):
             self._refused += 1
@@ -331,6 +350,8 @@ class PeerTable:
             if peer is None:
                 self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
                 return
+        if self._held_for_registration(peer_id, peer, inbound, now):
+            return
         peer.last_used = peer.last_heard = now
         if self._trace.enabled:
             self._trace.received(peer_id, frame)
@@ -344,8 +365,45 @@ class PeerTable:
             if closed is not None and closed.kind is CloseKind.RESTARTED:
                 log.info("peer %s restarted; opening a fresh session", peer_id)
                 fresh = self.open(peer_id, now, source)
-                if fresh is not None:
+                if fresh is not None and not self._held_for_registration(
+                    peer_id, fresh, inbound, now
+                ):
                     fresh.session.receive(frame, now)
+
+    def _held_for_registration(
+        self, peer_id: str, peer: Peer, inbound: InboundFrame, now: float
+    ) -> bool:
+        """Invariant 9: hold ``inbound`` if it is a connect that ``peer``'s session
+        will register and the data plane registers it off the lock."""
+        if peer.session.peer_hello is not None:
+            return False  # registered already (or refused): nothing to prepare
+        try:
+            hello = self._codec.decode(inbound.frame)
+        except ProtocolError:
+            return False
+        if not isinstance(hello, Connect) or self._data.prepare_peer(peer_id, hello):
+            return False
+        self._held[peer_id] = (now, [inbound])
+        return True
+
+    def _release_held(self, now: float) -> None:
+        """Route the frames of peers whose registration is ready (invariant 9)."""
+        for peer_id, (since, frames) in list(self._held.items()):
+            preparing = self._data.preparing(peer_id)
+            if preparing and now < since + self._config.handshake_timeout_s:
+                continue
+            del self._held[peer_id]
+            if preparing:
+                self._stray += len(frames)
+                log.warning(
+                    "registering %s took over %.1f s (handshake_timeout_s): dropped its %d "
+                    "frames; it will connect again", peer_id,
+                    self._config.handshake_timeout_s, len(frames),
+                )  # fmt: skip
+                continue
+            for inbound in frames:
+                self.route(inbound, now)
+            self._data.settle_peer(peer_id)
 
     def _inbound_problem(self, peer_id: str, source: str | None) -> str | None:
         """Why an inbound peer may not open a session (invariants 4 and 5), or None."""
@@ -400,6 +458,8 @@ class PeerTable:
 
     def poll(self, now: float) -> None:
         """Poll every session (a broken link ends its session) and reap the results."""
+        if self._held:
+            self._release_held(now)
         for peer_id, peer in list(self._peers.items()):
             if not peer.link.alive and peer.session.alive:
                 peer.session.close("control link lost", CloseKind.UNREACHABLE)

@@ -209,6 +209,15 @@ class FakeDataPlane:
     def revoke(self, peer_id: str) -> None:
         self.granted.discard(peer_id)
 
+    def prepare_peer(self, peer_id: str, hello: Connect) -> bool:
+        return True  # registering in memory is instant: never off the lock
+
+    def preparing(self, peer_id: str) -> bool:
+        return False
+
+    def settle_peer(self, peer_id: str) -> None:
+        pass  # nothing is ever prepared
+
     def close(self) -> None:
         self._peers.clear()
         self.pending.clear()

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvpeer.protocol import TransportOffer
+from kvpeer.protocol import Connect, TransportOffer
 from kvpeer.session.ports import DataPlane
 
 __all__ = ["ControlLink", "ControlTransport", "InboundFrame", "LocalRegion", "NodeDataPlane"]
@@ -102,6 +102,21 @@ class NodeDataPlane(DataPlane, Protocol):
 
     def revoke(self, peer_id: str) -> None:
         """The session with ``peer_id`` ended: undo :meth:`grant`."""
+        ...
+
+    def prepare_peer(self, peer_id: str, hello: Connect) -> bool:
+        """Before a session registers ``hello``: True if it may now; False if the
+        registration runs off the node's lock - route the peer's frames again once
+        :meth:`preparing` is False, then call :meth:`settle_peer`."""
+        ...
+
+    def preparing(self, peer_id: str) -> bool:
+        """Whether a registration :meth:`prepare_peer` started still runs."""
+        ...
+
+    def settle_peer(self, peer_id: str) -> None:
+        """After the frames held for a preparation were routed: forget what was
+        prepared and not registered by a session."""
         ...
 
     def close(self) -> None: ...

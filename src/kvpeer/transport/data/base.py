@@ -107,7 +107,15 @@ class WriteWindow:
 
 
 class Backend(Protocol):
-    """One data plane."""
+    """One data plane.
+
+    ``registers_slowly``: ``add_peer`` may wait on something outside this process
+    (a NIXL metadata load, a peer's descriptor server); the plane set then calls it
+    off the node's lock (:mod:`kvpeer.transport.data.planes`). ``add_peer`` must be
+    safe beside the node's other calls into the backend either way.
+    """
+
+    registers_slowly: bool
 
     @property
     def name(self) -> str: ...

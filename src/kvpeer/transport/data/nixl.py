@@ -236,6 +236,8 @@ class NixlStatistics:
 class NixlBackend:
     """Implements :class:`~kvpeer.transport.data.base.Backend` over NIXL (UCX)."""
 
+    registers_slowly = True  # loading a peer's agent metadata: 2-500 ms, once 18 s
+
     def __init__(
         self,
         region: PrimaryRegion,

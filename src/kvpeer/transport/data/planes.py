@@ -18,6 +18,28 @@ its shm file, releasing its NIXL descriptors and agent) runs on the set's
 :class:`Reaper` thread, in order. ``register_peer`` waits for what is left of the
 same peer's removal before adding it again (a restart right after a close), and
 ``close`` for all of it.
+
+Registering a peer can be slow too: loading a peer's NIXL agent metadata took 2-500
+ms (once 18 s), and ``shm`` asks the peer's descriptor server for its region (up to
+:data:`~kvpeer.transport.data.shm.REQUEST_TIMEOUT_S`). So a node whose loop can be
+asked for a poll (``notify``) registers off its lock, in three calls:
+
+1. :meth:`DataPlaneSet.prepare_peer` (node lock held), when a peer's ``connect``
+   arrives for a session that has not registered it: if a backend that registers
+   slowly (``Backend.registers_slowly``) may be chosen, the peer's stale state is
+   forgotten and the whole choice (``usable_with``, ``add_peer`` in preference
+   order) is queued on the reaper thread, behind that removal; it returns False
+   and the caller holds the peer's frames. Otherwise it returns True.
+2. When the choice is made (or failed) the reaper thread asks for a poll;
+   :meth:`DataPlaneSet.preparing` turns False and the caller routes the held
+   frames: the session's ``register_peer`` takes the prepared outcome (the backend
+   and its parameters, or the error) at once, under the lock.
+3. :meth:`DataPlaneSet.settle_peer` after those frames: an outcome nobody took
+   (the session refused the peer before registering it) is forgotten, so no
+   backend keeps a registration without a session.
+
+A backend's own locks make ``add_peer`` safe beside the calls made under the node's
+lock (each backend's invariants say so).
 """
 
 from __future__ import annotations
@@ -27,6 +49,7 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvpeer.errors import DataPlaneError, HandshakeRejected, LocalFault
 from kvpeer.protocol import Connect, TransportChoice
@@ -62,6 +85,11 @@ class Reaper:
                 self._thread.start()
             self._cond.notify_all()
 
+    def busy(self, peer_id: str) -> bool:
+        """Whether work submitted for ``peer_id`` is still queued or running."""
+        with self._cond:
+            return bool(self._pending[peer_id])
+
     def wait_for(self, peer_id: str) -> None:
         """Return once no work submitted for ``peer_id`` is left."""
         with self._cond:
@@ -96,10 +124,25 @@ class Reaper:
                     self._cond.notify_all()
 
 
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """A registration made for ``hello``: the backend and its choice, or the error."""
+
+    hello: Connect
+    backend: Backend | None = None
+    choice: TransportChoice | None = None
+    error: Exception | None = None
+
+
 class DataPlaneSet:
     """Implements :class:`~kvpeer.transport.base.NodeDataPlane` over backends."""
 
-    def __init__(self, region: PrimaryRegion, backends: Sequence[Backend]) -> None:
+    def __init__(
+        self,
+        region: PrimaryRegion,
+        backends: Sequence[Backend],
+        notify: Callable[[], None] | None = None,
+    ) -> None:
         if not backends:
             raise DataPlaneError("a node needs at least one data plane")
         names = [b.name for b in backends]
@@ -115,6 +158,11 @@ class DataPlaneSet:
         self._local: dict[tuple[int, int], int] = {}
         self._reaper = Reaper()
         self._closed = False
+        # Off-lock registration (module docstring): who asks for a poll when one is
+        # prepared, and prepared outcomes not taken yet (written by the reaper thread).
+        self._notify = notify
+        self._outcomes: dict[str, _Outcome] = {}
+        self._outcomes_lock = threading.Lock()
 
     @property
     def backends(self) -> list[str]:
@@ -144,37 +192,49 @@ class DataPlaneSet:
             raise HandshakeRejected(
                 f"block_len {hello.block_len} differs from ours ({self.region.block_len})"
             )
-        self._forget(peer_id)
+        self._reaper.wait_for(peer_id)  # a preparation still running, too
+        with self._outcomes_lock:
+            prepared = self._outcomes.pop(peer_id, None)
+        if prepared is not None and prepared.hello == hello:
+            return self._take(peer_id, prepared)
+        self._forget(peer_id)  # also what was prepared for another hello
         self._reaper.wait_for(peer_id)  # a backend may key its state by peer id
-        extension = hello.kvpeer
-        if extension is None:
-            nixl = self._by_name.get("nixl")
-            if nixl is None:
-                raise DataPlaneError(
-                    "peer speaks only NIXL (a vLLM peer) but the nixl data plane is not enabled"
-                )
-            nixl.add_peer(peer_id, hello, None)
-            self._writers[peer_id] = nixl
-            return None
-        offers = extension.transports
-        failures: list[DataPlaneError] = []
-        for backend in self._backends:
-            offer = offers.get(backend.name)
-            if offer is None or not backend.usable_with(offer, hello):
-                continue
-            try:
-                params = backend.add_peer(peer_id, hello, offer)
-            except DataPlaneError as exc:
-                log.info("data plane %s unusable with %s: %s", backend.name, peer_id, exc)
-                failures.append(exc)
-                continue
-            self._writers[peer_id] = backend
-            return TransportChoice(name=backend.name, params=params)
-        reasons = "".join(f"; {exc}" for exc in failures)
-        message = f"no common data plane: ours {self.backends}, the peer offers {sorted(offers)}"
-        if failures and all(isinstance(exc, LocalFault) for exc in failures):
-            raise LocalFault(message + reasons)
-        raise DataPlaneError(message + reasons)
+        return self._take(peer_id, self._choose(peer_id, hello))
+
+    def prepare_peer(self, peer_id: str, hello: Connect) -> bool:
+        """Node lock held, before ``register_peer`` for ``hello`` (module docstring):
+        True when it may run now; False when it was queued off the lock (route the
+        peer's frames once :meth:`preparing` is False, then :meth:`settle_peer`)."""
+        if self._notify is None or self._closed or hello.block_len != self.region.block_len:
+            return True
+        with self._outcomes_lock:
+            prepared = self._outcomes.get(peer_id)
+        if prepared is not None and prepared.hello == hello:
+            return True
+        if not any(b.registers_slowly for b in self._candidates(hello)):
+            return True
+        self._settle(peer_id)
+        self._forget(peer_id)
+        notify = self._notify
+
+        def choose() -> None:
+            outcome = self._choose(peer_id, hello)
+            with self._outcomes_lock:
+                self._outcomes[peer_id] = outcome
+            notify()
+
+        self._reaper.submit(peer_id, choose)
+        return False
+
+    def preparing(self, peer_id: str) -> bool:
+        """Whether a registration queued by :meth:`prepare_peer` is still running."""
+        return self._reaper.busy(peer_id)
+
+    def settle_peer(self, peer_id: str) -> None:
+        """Node lock held, after the frames held for a preparation were routed: a
+        prepared registration no session took is forgotten."""
+        if not self._reaper.busy(peer_id):
+            self._settle(peer_id)
 
     def peer_acknowledged(self, peer_id: str, choice: TransportChoice | None) -> None:
         name = "nixl" if choice is None else choice.name
@@ -264,6 +324,62 @@ class DataPlaneSet:
         self._local.clear()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _candidates(self, hello: Connect) -> list[Backend]:
+        """The backends that may write into the peer, in our order of preference."""
+        extension = hello.kvpeer
+        if extension is None:
+            nixl = self._by_name.get("nixl")
+            return [] if nixl is None else [nixl]
+        return [b for b in self._backends if b.name in extension.transports]
+
+    def _choose(self, peer_id: str, hello: Connect) -> _Outcome:
+        """Register the peer with the first backend that takes it (any thread: only
+        backend calls, each under the backend's own locks)."""
+        extension = hello.kvpeer
+        if extension is None:
+            nixl = self._by_name.get("nixl")
+            if nixl is None:
+                return _Outcome(hello, error=DataPlaneError(
+                    "peer speaks only NIXL (a vLLM peer) but the nixl data plane is not enabled"
+                ))  # fmt: skip
+            try:
+                nixl.add_peer(peer_id, hello, None)
+            except (DataPlaneError, HandshakeRejected) as exc:
+                return _Outcome(hello, error=exc)
+            return _Outcome(hello, backend=nixl)
+        offers = extension.transports
+        failures: list[DataPlaneError] = []
+        for backend in self._backends:
+            offer = offers.get(backend.name)
+            if offer is None or not backend.usable_with(offer, hello):
+                continue
+            try:
+                params = backend.add_peer(peer_id, hello, offer)
+            except DataPlaneError as exc:
+                log.info("data plane %s unusable with %s: %s", backend.name, peer_id, exc)
+                failures.append(exc)
+                continue
+            return _Outcome(hello, backend, TransportChoice(name=backend.name, params=params))
+        reasons = "".join(f"; {exc}" for exc in failures)
+        message = f"no common data plane: ours {self.backends}, the peer offers {sorted(offers)}"
+        if failures and all(isinstance(exc, LocalFault) for exc in failures):
+            return _Outcome(hello, error=LocalFault(message + reasons))
+        return _Outcome(hello, error=DataPlaneError(message + reasons))
+
+    def _take(self, peer_id: str, outcome: _Outcome) -> TransportChoice | None:
+        """Node lock held: make a registration the peer's (or raise its error)."""
+        if outcome.error is not None:
+            raise outcome.error
+        assert outcome.backend is not None
+        self._writers[peer_id] = outcome.backend
+        return outcome.choice
+
+    def _settle(self, peer_id: str) -> None:
+        with self._outcomes_lock:
+            left = self._outcomes.pop(peer_id, None)
+        if left is not None and left.backend is not None:
+            self._forget(peer_id)
 
     def _forget(self, peer_id: str) -> None:
         for backend in self._backends:

@@ -178,6 +178,8 @@ def _check_slots(slots: Sequence[int], limit: int, whose: str) -> None:
 class ShmBackend:
     """Implements :class:`~kvpeer.transport.data.base.Backend` over shared files."""
 
+    registers_slowly = True  # a request to the peer's descriptor server
+
     def __init__(
         self,
         region: PrimaryRegion,

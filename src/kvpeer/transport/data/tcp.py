@@ -170,6 +170,8 @@ class _Counters:
 class TcpBackend:
     """Implements :class:`~kvpeer.transport.data.base.Backend` over TCP streams."""
 
+    registers_slowly = False  # add_peer only hands a writer to its thread
+
     def __init__(
         self,
         region: PrimaryRegion,
