@@ -2,12 +2,17 @@
 
 Runs a ``kvpeer serve`` producer (a child process) and an in-process consumer over
 one data plane, pulls one block ``--pulls`` times and prints the median load time.
-Run it under py-spy to see both processes' threads (issue 10's rtt goal)::
+It also prints the CPU seconds both processes spent per pull (``/proc``): with
+those above the round trip itself, the time is Python work, not waiting (issue 10's
+rtt goal). For which Python work, run it under py-spy::
 
     pip install py-spy==0.4.1   # not a dependency of kvpeer
-    py-spy record --subprocesses --threads --idle --format raw --rate 2000 \\
+    py-spy record --subprocesses --threads --format raw --rate 2000 \\
         -o /tmp/rtt.raw -- .venv/bin/python scripts/profile_rtt.py --plane shm
     .venv/bin/python scripts/profile_summary.py /tmp/rtt.raw
+
+(py-spy counts a thread blocked in ``poll``/``accept`` as running now and then, so
+read its shares beside the CPU numbers.)
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def main() -> None:
             before = (_cpu_s(os.getpid()), _cpu_s(child))
             for _ in range(args.pulls):
                 result = puller.pull(keys, slots)
-                assert result.loaded and result.hits == 1, result
+                assert result.loaded, result
+                assert result.hits == 1, result
                 loads.append(result.load_s)
             ours, theirs = _cpu_s(os.getpid()) - before[0], _cpu_s(child) - before[1]
             per = 1e6 / args.pulls
