@@ -175,7 +175,7 @@ def test_busy_producer_keeps_a_busy_while_b_serves_prefixes_a_holds() -> None:
     assert all(r.pin == "a" and len(r.prompt) == QUICK_SHAPE.background_tokens
                for r in background)  # fmt: skip
     for request in measured:
-        assert request.pin == "b"
+        assert (request.pin, request.source) == ("b", "a")  # b pulls from busy a
         assert request.prompt[: QUICK_SHAPE.prompt_tokens] in held
 
 

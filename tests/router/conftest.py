@@ -54,13 +54,16 @@ class RecordingPolicy:
     sent: list[Plan] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
     restarts: list[str] = field(default_factory=list)
+    pulls_pinned: list[str | None] = field(default_factory=list)  # each plan's pull_from
 
     def __post_init__(self) -> None:
         self._inner = LoadOnlyPolicy(self.engines, self.mode)
         self.outcome_seen = asyncio.Event()
 
     def plan(self, request_id: str, prompt: Sequence[int], loads: Mapping[str, EngineLoad],
-             now: float, *, serve_on: str | None = None) -> Plan:
+             now: float, *, serve_on: str | None = None,
+             pull_from: str | None = None) -> Plan:
+        self.pulls_pinned.append(pull_from)
         if self.raises:
             raise RuntimeError("policy bug")
         plan = self.choose(loads) if self.choose else self._inner.plan(

@@ -50,6 +50,27 @@ class TestPinning:
 
         run(scenario())
 
+    def test_a_pinned_source_reaches_the_policy_and_an_unknown_one_is_a_400(self) -> None:
+        async def scenario() -> None:
+            async with fleet(settings={"allow_pinning": True}) as f:
+                url = f.url + "/v1/completions"
+                async with f.client.post(url, json=BODY,
+                                         headers={"X-Kvpeer-Source": "b"}) as resp:
+                    assert resp.status == 200
+                async with f.client.post(url, json=BODY,
+                                         headers={"X-Kvpeer-Source": "zz"}) as resp:
+                    assert resp.status == 400
+                    assert "X-Kvpeer-Source: no engine named 'zz'" in (
+                        await resp.json())["error"]["message"]
+                assert f.policy.pulls_pinned == ["b"]
+            async with fleet() as f:  # without allow_pinning: ignored
+                async with f.client.post(f.url + "/v1/completions", json=BODY,
+                                         headers={"X-Kvpeer-Source": "zz"}) as resp:
+                    assert resp.status == 200
+                assert f.policy.pulls_pinned == [None]
+
+        run(scenario())
+
 
 class TestRouteHeaders:
     def test_shared_names_the_source_and_pd_the_prefill_leg(self) -> None:

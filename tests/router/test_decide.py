@@ -16,6 +16,7 @@ from kvpeer.router.decide import (
     REASON_PD_CACHED,
     REASON_PD_NO_PREFILL,
     REASON_PULL,
+    REASON_PULL_PINNED,
     REASON_PULL_SLOWER,
     DecideConfig,
     RouterPolicy,
@@ -111,6 +112,26 @@ def test_a_peer_busy_prefilling_is_not_pulled_from() -> None:
     )
     assert wait > cost.serve_wait_s("e1", busy(queued=0)) > 0.0
     assert cost.serve_wait_s("e1", idle()) == 0.0
+
+
+def test_a_pinned_source_is_pulled_from_even_when_computing_is_predicted_faster() -> None:
+    """``pull_from`` (the client's ``X-Kvpeer-Source``, with allow_pinning) compares
+    tiers, not decisions: the busy source above is pulled from all the same."""
+    policy, index = shared("e0", "e1", "e2")
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    hold(index, "e2", 512, MEDIUM_CPU, salt=2)
+    loads = {"e0": idle(), "e1": busy(queued=4000), "e2": idle()}
+    plan = policy.plan("r1", PROMPT, loads, 0.0, serve_on="e0")
+    assert (plan.source, plan.reason) == ("e2", REASON_PULL)  # the idle one, not busy e1
+    plan = policy.plan("r2", PROMPT, loads, 0.0, serve_on="e0", pull_from="e2")
+    assert (plan.engine, plan.source, plan.reason) == ("e0", "e2", REASON_PULL_PINNED)
+    assert plan.predicted_pulled_tokens == 512
+    plan = policy.plan("r3", PROMPT, loads, 0.0, serve_on="e0", pull_from="e1")
+    assert (plan.engine, plan.source, plan.reason) == ("e0", "e1", REASON_PULL_PINNED)
+    assert plan.predicted_cached_tokens == USABLE
+    # A pinned source holding no more than the server is not pulled from.
+    plan = policy.plan("r4", PROMPT, loads, 0.0, serve_on="e1", pull_from="e2")
+    assert (plan.engine, plan.source) == ("e1", None)
 
 
 def test_pull_predicted_slower_is_not_planned() -> None:

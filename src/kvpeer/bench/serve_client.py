@@ -29,6 +29,7 @@ __all__ = ["MODEL_NAME", "PIN_HEADER", "run_phase", "send"]
 
 MODEL_NAME = "kvpeer-demo"  # ServeSpec's --served-model-name
 PIN_HEADER = "X-Kvpeer-Engine"
+SOURCE_HEADER = "X-Kvpeer-Source"
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -48,6 +49,8 @@ async def send(
         "ignore_eos": True,
     }
     headers = {PIN_HEADER: request.pin} if request.pin else {}
+    if request.source:
+        headers[SOURCE_HEADER] = request.source
     started = time.monotonic()
     ttft: float | None = None
     output = 0

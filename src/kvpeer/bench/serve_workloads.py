@@ -52,6 +52,7 @@ class BenchRequest:
     max_tokens: int
     router: RouterKind = "shared"
     pin: str | None = None  # serving engine; None: the router places it
+    source: str | None = None  # pinned source to pull from (X-Kvpeer-Source)
     after: int | None = None  # main-phase index that must finish first
     think_s: float = 0.0  # wait after ``after`` finished
     measured: bool = True  # background load is sent but not counted
@@ -177,8 +178,9 @@ def _pd(shape: Shape, rng: random.Random) -> Workload:
 def _busy_producer(shape: Shape, rng: random.Random) -> Workload:
     """The setup computes one prefix per measured request on ``a``. Then ``a`` gets a
     long fresh prefill with every arrival (unmeasured), and the measured request (its
-    prefix plus a short suffix) is served by ``b``, which may pull the prefix from the
-    busy ``a``."""
+    prefix plus a short suffix) is served by ``b``, which pulls the prefix from the
+    busy ``a`` (the source is pinned: the workload compares what a pull from a busy
+    producer costs in each tier, not whether the router would choose one)."""
     prefixes = [_tokens(rng, shape.prompt_tokens) for _ in range(shape.requests)]
     setup = tuple(BenchRequest(0.0, prefix, 1, pin="a") for prefix in prefixes)
     main: list[BenchRequest] = []
@@ -188,7 +190,11 @@ def _busy_producer(shape: Shape, rng: random.Random) -> Workload:
         )
         main.append(
             BenchRequest(
-                at, prefix + _tokens(rng, shape.suffix_tokens), shape.output_tokens, pin="b"
+                at,
+                prefix + _tokens(rng, shape.suffix_tokens),
+                shape.output_tokens,
+                pin="b",
+                source="a",
             )
         )
     return Workload("busy-producer", setup, tuple(main))

@@ -55,6 +55,7 @@ trace_log = logging.getLogger("kvpeer.trace")
 
 FORWARDED_HEADERS = ("Authorization",)
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
+SOURCE_HEADER = "X-Kvpeer-Source"  # likewise; answers carry it too (the peer named)
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -103,6 +104,7 @@ class _Request:
     started: float
     headers: dict[str, str]
     serve_on: str | None = None  # a pinned serving engine (allow_pinning)
+    pull_from: str | None = None  # a pinned source (allow_pinning, shared mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +259,9 @@ class Router:
         now = time.monotonic()
         serve_on = ctx.serve_on if ctx.serve_on in servers else None
         try:
-            plan = self.policy.plan(ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on)
+            plan = self.policy.plan(
+                ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on, pull_from=ctx.pull_from
+            )
         except Exception:
             log.exception("policy.plan failed for %s: routing by load", ctx.request_id)
             self._policy_error("raised")
@@ -358,11 +362,14 @@ class Router:
                 # info, not warning: a client must not be able to flood the log
                 log.info("client request carried %s: removed (the router owns them)",
                          ", ".join(removed))
-            serve_on = request.headers.get(PIN_HEADER) if self.config.allow_pinning else None
-            if serve_on is not None and not self.config.has(serve_on):
-                outcome = "bad_request"
-                return _error(400, f"{PIN_HEADER}: no engine named {serve_on!r}",
-                              "invalid_request_error")
+            pinning = self.config.allow_pinning
+            serve_on = request.headers.get(PIN_HEADER) if pinning else None
+            pull_from = request.headers.get(SOURCE_HEADER) if pinning else None
+            for header, name in ((PIN_HEADER, serve_on), (SOURCE_HEADER, pull_from)):
+                if name is not None and not self.config.has(name):
+                    outcome = "bad_request"
+                    return _error(400, f"{header}: no engine named {name!r:.80}",
+                                  "invalid_request_error")
             tokens = params.prompt_token_ids(body, chat=chat)
             if tokens is None:
                 tokens = await self._tokenize(request, body, chat=chat)
@@ -377,6 +384,7 @@ class Router:
                 headers={k: request.headers[k] for k in FORWARDED_HEADERS
                          if k in request.headers},
                 serve_on=serve_on,
+                pull_from=pull_from,
             )
             response, outcome = await self._route(request, ctx)
             return response
@@ -652,7 +660,7 @@ def _route_headers(ctx: _Request, plan: Plan, prefill_s: float | None) -> dict[s
                "X-Kvpeer-Predicted-Cached-Tokens": str(plan.predicted_cached_tokens)}
     source = plan.prefill_engine if prefill_s is not None else plan.source
     if source is not None:
-        headers["X-Kvpeer-Source"] = source
+        headers[SOURCE_HEADER] = source
     if prefill_s is not None:
         headers["X-Kvpeer-Prefill-Seconds"] = f"{prefill_s:.6f}"
     return headers

@@ -44,12 +44,13 @@ REASON_LOAD: Final = "load"  # nobody holds any of the prompt: least predicted w
 REASON_CACHE: Final = "cache"  # the chosen engine's own cache made it the fastest
 REASON_PULL: Final = "pull"  # the chosen engine pulls a longer prefix from a peer
 REASON_PULL_SLOWER: Final = "compute: pull slower"  # a peer had more; computing wins
+REASON_PULL_PINNED: Final = "pull: pinned source"  # the client pinned the source
 REASON_PD: Final = "pd"
 REASON_PD_CACHED: Final = "pd: decode-only, cached"
 REASON_PD_NO_PREFILL: Final = "pd: decode-only, no prefill engine"
 REASON_NO_ENGINE: Final = "no healthy engine"  # Plan.engine is "": answer 503
 REASONS: Final = (
-    REASON_LOAD, REASON_CACHE, REASON_PULL, REASON_PULL_SLOWER, REASON_PD,
+    REASON_LOAD, REASON_CACHE, REASON_PULL, REASON_PULL_SLOWER, REASON_PULL_PINNED, REASON_PD,
     REASON_PD_CACHED, REASON_PD_NO_PREFILL, REASON_NO_ENGINE,
 )
 
@@ -185,6 +186,7 @@ class RouterPolicy:
         now: float,
         *,
         serve_on: str | None = None,
+        pull_from: str | None = None,
     ) -> Plan:
         healthy = {
             name: load for name, load in loads.items() if name in self._specs and load.healthy
@@ -196,7 +198,8 @@ class RouterPolicy:
         if self._mode is Mode.PD:
             plan, pending = self._plan_pd(prompt, keys, usable, healthy, servers, now)
         else:
-            plan, pending = self._plan_shared(prompt, keys, usable, healthy, servers, now)
+            pinned = pull_from if pull_from in healthy else None
+            plan, pending = self._plan_shared(prompt, keys, usable, healthy, servers, now, pinned)
         self._stats.planned(plan)
         if plan.engine:
             self._pending[request_id] = pending
@@ -265,6 +268,7 @@ class RouterPolicy:
         healthy: Mapping[str, EngineLoad],
         servers: Sequence[str],
         now: float,
+        pull_from: str | None = None,
     ) -> tuple[Plan, _Pending]:
         if not servers:
             return _no_engine(len(prompt), healthy)
@@ -273,7 +277,7 @@ class RouterPolicy:
         options: dict[str, _Option] = {}
         for name in servers:
             load = healthy[name]
-            option = self._best_option(name, len(prompt), held, healthy)
+            option = self._best_option(name, len(prompt), held, healthy, pull_from)
             options[name] = option
             rank = (option.ttft_s, load.in_flight, name)
             if best is None or rank < best:
@@ -282,7 +286,7 @@ class RouterPolicy:
         engine = best[2]
         option = options[engine]
         if option.source is not None:
-            reason = REASON_PULL
+            reason = REASON_PULL if option.source != pull_from else REASON_PULL_PINNED
         elif option.pull_rejected:
             reason = REASON_PULL_SLOWER
         elif option.cached > 0:
@@ -302,8 +306,10 @@ class RouterPolicy:
         prompt_tokens: int,
         held: Mapping[str, tuple[int, int]],
         healthy: Mapping[str, EngineLoad],
+        pull_from: str | None = None,
     ) -> _Option:
-        """Compute locally, or pull from the best source (rule 2)."""
+        """Compute locally, or pull from the best source (rule 2); from ``pull_from``
+        whenever it holds more, if the client pinned it."""
         load = healthy[engine]
         local = held[engine][0]
         best = _Option(self.cost.compute_s(engine, prompt_tokens - local, load), local)
@@ -311,11 +317,13 @@ class RouterPolicy:
         for source, (_, source_cpu) in held.items():
             if source == engine or source_cpu <= local:
                 continue
+            if pull_from is not None and source != pull_from:
+                continue
             pulled = source_cpu - local
             ttft = self.cost.compute_s(engine, prompt_tokens - source_cpu, load) + (
                 self.cost.pull_s(engine, source, pulled, healthy[source])
             )
-            if ttft + self._config.pull_margin_s < best.ttft_s:
+            if source == pull_from or ttft + self._config.pull_margin_s < best.ttft_s:
                 best = _Option(ttft, source_cpu, source, pulled)
             else:
                 rejected = True

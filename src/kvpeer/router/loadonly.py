@@ -71,6 +71,7 @@ class LoadOnlyPolicy:
         now: float,
         *,
         serve_on: str | None = None,
+        pull_from: str | None = None,  # load only: never pulls
     ) -> Plan:
         self._plans += 1
         self._turn += 1

@@ -97,11 +97,15 @@ class Policy(Protocol):
         now: float,
         *,
         serve_on: str | None = None,
+        pull_from: str | None = None,
     ) -> Plan:
         """Choose; only engines with ``loads[name].healthy`` may appear in the plan.
 
         ``serve_on`` (a healthy engine that may serve) pins the serving engine; the
-        policy still chooses the source or prefill engine for it."""
+        policy still chooses the source or prefill engine for it. ``pull_from`` (a
+        healthy engine, shared mode) pins the source: the serving engine pulls from
+        it whenever it holds more of the prompt, whatever pulling is predicted to
+        cost (benchmarks that compare tiers, not routing decisions)."""
         ...
 
     def on_sent(self, request_id: str, plan: Plan, prompt: Sequence[int], now: float) -> None:
