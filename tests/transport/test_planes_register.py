@@ -18,17 +18,18 @@ from kvpeer.errors import DataPlaneError
 from kvpeer.node.pull import PullResult
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportOffer
 from kvpeer.session.ports import TransferEvent
-from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
 from kvpeer.transport.data.shm import ShmBackend
 from tests.net.common import DEADLINE_S, keys_of
 from tests.net.localnode import LocalNode
 from tests.net.servingnode import ServingNode
+from tests.transport.quietbackend import QuietBackend
 
 TIMEOUT_S = 10.0
 
 
-class GatedRegistration:
+class GatedRegistration(QuietBackend):
     """A backend whose ``add_peer`` waits for :attr:`gate` (or raises :attr:`fail`)."""
 
     name = "gated"
@@ -42,15 +43,6 @@ class GatedRegistration:
         self.detached: list[str] = []
         self.peers: set[str] = set()
 
-    def offer(self) -> TransportOffer:
-        return {}
-
-    def agent_metadata(self) -> bytes:
-        return b""
-
-    def usable_with(self, offer: TransportOffer | None, hello: Connect) -> bool:
-        return True
-
     def add_peer(
         self, peer_id: str, hello: Connect, offer: TransportOffer | None
     ) -> TransportOffer:
@@ -61,9 +53,6 @@ class GatedRegistration:
             raise DataPlaneError(self.fail)
         self.peers.add(peer_id)
         return {"n": len(self.added)}
-
-    def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
-        pass
 
     def remove_peer(self, peer_id: str) -> None:
         self.detach_peer(peer_id)
@@ -82,16 +71,7 @@ class GatedRegistration:
     def poll(self, peer_id: str) -> list[TransferEvent]:
         return []
 
-    def cancel(self, transfer_ids: Sequence[int], *, wait: bool) -> list[int]:
-        return []
-
     def close(self) -> None:
-        pass
-
-    def grant(self, peer_id: str) -> None:
-        pass
-
-    def revoke(self, peer_id: str) -> None:
         pass
 
 

@@ -16,13 +16,14 @@ import pytest
 from kvpeer.errors import DataPlaneError
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportOffer
 from kvpeer.session.ports import TransferEvent
-from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
+from tests.transport.quietbackend import QuietBackend
 
 TIMEOUT_S = 10.0
 
 
-class SlowTeardown:
+class SlowTeardown(QuietBackend):
     """A backend that writes nothing and whose removals wait for :attr:`release`."""
 
     name = "slow"
@@ -41,24 +42,12 @@ class SlowTeardown:
         with self._lock:
             self.log.append(entry)
 
-    def offer(self) -> TransportOffer:
-        return {}
-
-    def agent_metadata(self) -> bytes:
-        return b""
-
-    def usable_with(self, offer: TransportOffer | None, hello: Connect) -> bool:
-        return True
-
     def add_peer(
         self, peer_id: str, hello: Connect, offer: TransportOffer | None
     ) -> TransportOffer:
         self._note(f"add {peer_id}")
         self._peers.add(peer_id)
         return {}
-
-    def accept_writer(self, peer_id: str, params: TransportOffer, window: WriteWindow) -> None:
-        pass
 
     def remove_peer(self, peer_id: str) -> None:
         work = self.detach_peer(peer_id)
@@ -90,17 +79,8 @@ class SlowTeardown:
     def poll(self, peer_id: str) -> list[TransferEvent]:
         return self._events.pop(peer_id, [])
 
-    def cancel(self, transfer_ids: Sequence[int], *, wait: bool) -> list[int]:
-        return []
-
     def close(self) -> None:
         self._note("close")
-
-    def grant(self, peer_id: str) -> None:
-        pass
-
-    def revoke(self, peer_id: str) -> None:
-        pass
 
 
 def hello(name: str) -> Connect:
