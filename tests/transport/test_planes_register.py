@@ -94,15 +94,22 @@ class Planes:
         self.backend = GatedRegistration()
         self.backend.registers_slowly = slow
         self.notified = threading.Event()
+        self.preparing_when_notified: list[bool] = []
         region = PrimaryRegion(memoryview(bytearray(8 * 64)), 8, 64)
-        self.set = DataPlaneSet(
-            region, [self.backend], notify=self.notified.set if notify else None
-        )
+        self.set = DataPlaneSet(region, [self.backend], notify=self.notify if notify else None)
+
+    def notify(self) -> None:
+        """The loop's ``request_poll``: the poll it runs must find the peer ready."""
+        self.preparing_when_notified.append(self.set.preparing("p"))
+        self.notified.set()
 
     def ready(self, peer_id: str) -> None:
         """Open the gate and wait for the poll the preparation asks for."""
         self.backend.gate.set()
         assert self.notified.wait(TIMEOUT_S)
+        # A poll that still saw the preparation running would hold the frames until
+        # some other wake-up (a vLLM peer's handshake then timed out).
+        assert self.preparing_when_notified == [False]
         assert not self.set.preparing(peer_id)
 
 

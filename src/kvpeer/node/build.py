@@ -23,8 +23,9 @@ log = logging.getLogger("kvpeer.node")
 
 
 class _Completions:
-    """Where every data plane asks for a poll: the node loop's ``request_poll`` once
-    the driven tier exists (before it, nothing polls and no transfer runs)."""
+    """A callable whose target is set once the driven tier exists: where every data
+    plane asks for a poll (the loop's ``request_poll``) or where the plane set wakes
+    the loop (``wake``); before it, nothing polls and no transfer runs."""
 
     def __init__(self) -> None:
         self.target: Callable[[], None] = _nothing
@@ -120,6 +121,7 @@ def open_node(
         curve=curve,
     )
     completions = _Completions()
+    prepared = _Completions()  # a registration made off the lock: wake the loop
     try:
         backends = _backends(
             config,
@@ -128,7 +130,7 @@ def open_node(
             local_id=control.local_id,
             shm_same_process=shm_same_process,
         )
-        data = DataPlaneSet(region, backends, notify=completions)
+        data = DataPlaneSet(region, backends, notify=prepared)
     except (ConfigError, DataPlaneError):
         control.close()
         raise
@@ -144,4 +146,5 @@ def open_node(
     )
     driven = DrivenTier(tier, control, clock=clock, wake_host=wake_host)
     completions.target = driven.loop.request_poll
+    prepared.target = driven.loop.wake  # never a poll on the reaper thread (it may wait for it)
     return driven

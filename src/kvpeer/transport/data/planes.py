@@ -30,7 +30,8 @@ asked for a poll (``notify``) registers off its lock, in three calls:
    forgotten and the whole choice (``usable_with``, ``add_peer`` in preference
    order) is queued on the reaper thread, behind that removal; it returns False
    and the caller holds the peer's frames. Otherwise it returns True.
-2. When the choice is made (or failed) the reaper thread asks for a poll;
+2. When the choice is made (or failed) the reaper thread wakes the node's loop
+   (``notify`` only wakes: a poll on the reaper thread could wait for the reaper);
    :meth:`DataPlaneSet.preparing` turns False and the caller routes the held
    frames: the session's ``register_peer`` takes the prepared outcome (the backend
    and its parameters, or the error) at once, under the lock.
@@ -84,11 +85,6 @@ class Reaper:
                 self._thread = threading.Thread(target=self._run, name="kvpeer-reaper", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-
-    def busy(self, peer_id: str) -> bool:
-        """Whether work submitted for ``peer_id`` is still queued or running."""
-        with self._cond:
-            return bool(self._pending[peer_id])
 
     def wait_for(self, peer_id: str) -> None:
         """Return once no work submitted for ``peer_id`` is left."""
@@ -162,6 +158,7 @@ class DataPlaneSet:
         # prepared, and prepared outcomes not taken yet (written by the reaper thread).
         self._notify = notify
         self._outcomes: dict[str, _Outcome] = {}
+        self._preparing: set[str] = set()  # queued, outcome not stored yet
         self._outcomes_lock = threading.Lock()
 
     @property
@@ -192,11 +189,13 @@ class DataPlaneSet:
             raise HandshakeRejected(
                 f"block_len {hello.block_len} differs from ours ({self.region.block_len})"
             )
-        self._reaper.wait_for(peer_id)  # a preparation still running, too
-        with self._outcomes_lock:
-            prepared = self._outcomes.pop(peer_id, None)
-        if prepared is not None and prepared.hello == hello:
-            return self._take(peer_id, prepared)
+        for wait in (False, True):  # a prepared one; else after a preparation running
+            if wait:
+                self._reaper.wait_for(peer_id)
+            with self._outcomes_lock:
+                prepared = self._outcomes.pop(peer_id, None)
+            if prepared is not None and prepared.hello == hello:
+                return self._take(peer_id, prepared)
         self._forget(peer_id)  # also what was prepared for another hello
         self._reaper.wait_for(peer_id)  # a backend may key its state by peer id
         return self._take(peer_id, self._choose(peer_id, hello))
@@ -218,22 +217,31 @@ class DataPlaneSet:
         notify = self._notify
 
         def choose() -> None:
-            outcome = self._choose(peer_id, hello)
-            with self._outcomes_lock:
-                self._outcomes[peer_id] = outcome
-            notify()
+            outcome: _Outcome | None = None
+            try:
+                outcome = self._choose(peer_id, hello)
+            finally:  # stored before the poll it asks for looks (no outcome: redone)
+                with self._outcomes_lock:
+                    if outcome is not None:
+                        self._outcomes[peer_id] = outcome
+                    self._preparing.discard(peer_id)
+                notify()
 
+        with self._outcomes_lock:
+            self._preparing.add(peer_id)
         self._reaper.submit(peer_id, choose)
         return False
 
     def preparing(self, peer_id: str) -> bool:
-        """Whether a registration queued by :meth:`prepare_peer` is still running."""
-        return self._reaper.busy(peer_id)
+        """Whether a registration queued by :meth:`prepare_peer` is still running
+        (False from the moment its outcome is stored, before it asks for a poll)."""
+        with self._outcomes_lock:
+            return peer_id in self._preparing
 
     def settle_peer(self, peer_id: str) -> None:
         """Node lock held, after the frames held for a preparation were routed: a
         prepared registration no session took is forgotten."""
-        if not self._reaper.busy(peer_id):
+        if not self.preparing(peer_id):
             self._settle(peer_id)
 
     def peer_acknowledged(self, peer_id: str, choice: TransportChoice | None) -> None:
