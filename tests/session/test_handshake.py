@@ -506,7 +506,8 @@ class TestHandshakeDeadline:
 
 
 class TestRepeatedHandshake:
-    """A second connect: restart, protocol error, or (before our ack) the same grant again."""
+    """A second connect: restart, the peer's next session, protocol error, or (before our
+    ack) the same grant again."""
 
     @staticmethod
     def busy_pair() -> tuple[SessionPair, int, int]:
@@ -536,10 +537,43 @@ class TestRepeatedHandshake:
         assert result.failed_request_ids == ("pd",)
         assert pair.a.parent.pinned_slots() == 0
 
-    def test_same_boot_id_is_a_duplicate_connect(self) -> None:
-        """The same boot id again is a protocol error, with a disconnect and failed jobs."""
+    def test_same_boot_id_after_its_ack_is_the_peers_next_session(self) -> None:
+        """The same boot id after the peer acknowledged us: its session that took our
+        connect ended (its goodbye was lost) and this is its next one. RENEWED, no
+        goodbye (it would end the peer's new session), every job fails, and every id
+        the session held consumer state for is reported failed, resolved probes too."""
         pair, load, store = self.busy_pair()
+        pair.b.parent.put(b"probed")
+        assert pair.a.session.register_probe("sym", b"probed", pair.clock.now) is None
+        pair.a.session.flush_lookups()
+        pair.pump()
+        pair.serve()
+        pair.pump()
+        assert pair.a.session.register_probe("sym", b"probed", pair.clock.now) is True
+        before = len(pair.a.sent())
         again = make_hello("b", pair.b.region, boot_id=BOOT_B)
+        pair.a.session.receive(CODEC.encode(again), pair.clock.now)
+        pair.poll()
+        result = closed(pair.a)
+        assert result.kind is CloseKind.RENEWED
+        assert len(pair.a.sent()) == before, "no goodbye, no ack: the owner opens a fresh one"
+        assert not pair.a.loads[load].success
+        assert not pair.a.stores[store].success
+        assert sorted(result.failed_request_ids) == ["pd", "sym"]
+        assert pair.a.parent.pinned_slots() == 0
+        assert pair.a.plane.registered_peers() == []
+
+    def test_a_connect_without_boot_id_after_the_handshake_is_a_duplicate(self) -> None:
+        """vLLM's connect carries no boot id: a second one after the handshake stays a
+        protocol error (PROTOCOL.md 3.4), with a disconnect and failed jobs."""
+        pair = SessionPair(
+            hello_a=lambda r: make_hello("a", r, kvpeer=False),
+            hello_b=lambda r: make_hello("b", r, kvpeer=False),
+        )
+        load = pair.next_job_id()
+        pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
+        pair.pump()
+        again = make_hello("b", pair.b.region, kvpeer=False)
         pair.a.session.receive(CODEC.encode(again), pair.clock.now)
         pair.poll()
         result = closed(pair.a)
@@ -548,7 +582,6 @@ class TestRepeatedHandshake:
         (goodbye,) = sent(pair.a, Disconnect)
         assert "duplicate connect" in goodbye.reason
         assert not pair.a.loads[load].success
-        assert not pair.a.stores[store].success
         pair.pump()
         assert closed(pair.b).kind is CloseKind.DISCONNECTED
 

@@ -50,7 +50,10 @@ Invariants:
    ``peer_retry_max_s`` with each failed attempt; the first session that
    completes its handshake clears it. At most ``4 * max_peers`` are remembered.
 8. A ``connect`` with a new boot id ends the old session (``RESTARTED``) and
-   the same frame opens a fresh one at once.
+   the same frame opens a fresh one at once; so does a kvpeer peer's
+   ``connect`` with the same boot id after it acknowledged ours (``RENEWED``:
+   the peer's next session, its goodbye for the last one lost; session
+   invariant 3).
 9. A peer's ``connect`` that a session will register with the data plane, when the
    registration may be slow (a NIXL metadata load, an shm region request), is
    registered off the node's lock (:meth:`NodeDataPlane.prepare_peer`): the frame,
@@ -362,8 +365,8 @@ class PeerTable:
             closed = result.closed
             if closed is not None and closed.kind is CloseKind.REJECTED:
                 self._remember_refusal(peer_id, frame, closed.reason, now)
-            if closed is not None and closed.kind is CloseKind.RESTARTED:
-                log.info("peer %s restarted; opening a fresh session", peer_id)
+            if closed is not None and closed.kind in (CloseKind.RESTARTED, CloseKind.RENEWED):
+                log.info("peer %s %s; opening a fresh session", peer_id, closed.kind.value)
                 fresh = self.open(peer_id, now, source)
                 if fresh is not None and not self._held_for_registration(
                     peer_id, fresh, inbound, now

@@ -22,7 +22,11 @@ Invariants:
    neither aborts its sibling's loads nor drops its waiting probes.
 4. A dead session is reaped within one poll: its loads and stores fail, its
    waiting probes answer MISS, its serve requests are released at the next
-   serve window.
+   serve window, and every live request pulling from that peer computes
+   locally - except after ``RENEWED`` (the peer, same process, began its next
+   session: ``kvpeer.session.peer`` invariant 3), where only the ids the
+   session held state for do; a request that had not yet used the session
+   goes on in the fresh one.
 5. After :meth:`Tier.shutdown` nothing is held: every job still pending was
    failed, and the results stay readable through ``get_finished_jobs``.
 
@@ -572,9 +576,12 @@ class Tier:
             self._fail_id(kv_request_id)
         # Every live request pulling from this peer computes locally from now on,
         # even if it had nothing in flight: its peer's answers died with the session.
-        for routing in self._requests.values():
-            if routing.source is not None and routing.source.peer_id == peer_id:
-                self._fail_id(routing.source.kv_request_id)
+        # Not when the peer began its next session (RENEWED, invariant 4): its
+        # process and parked stores live on, and the session failed every id it held.
+        if closed.kind is not CloseKind.RENEWED:
+            for routing in self._requests.values():
+                if routing.source is not None and routing.source.peer_id == peer_id:
+                    self._fail_id(routing.source.kv_request_id)
         self._unreleased.extend(closed.unreleased_serves)
         self._bindings.peer_gone(peer_id)
         self._peers.ended(peer_id, peer, closed)

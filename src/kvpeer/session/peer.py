@@ -21,6 +21,19 @@ Invariants:
    the very same ``connect`` again, which is acknowledged again: a peer that
    started its side over before the handshake finished (vLLM opens a session
    for every connection it accepts) asks once more for what we already granted.
+   Once the peer acknowledged our ``connect``, a ``connect`` carrying the same
+   ``boot_id`` is the peer's next session: a kvpeer peer sends its ``connect``
+   once per session, so the session that took ours has ended on its side and
+   its goodbye was lost (a partition that healed before our link noticed,
+   seed 1614). This session ends as ``RENEWED`` without a goodbye (it would
+   end the peer's new session too) and the owner opens a fresh one with that
+   frame; only the ids this session held consumer state for fail (the peer's
+   process, and its parked PD stores, live on). A connect without a
+   ``boot_id`` (vLLM's) keeps the old rule: a protocol error. Even a stale
+   ``connect`` (one of the peer's older sessions, arriving late on another
+   link) only costs one session each side: our fresh session's ``connect``
+   renews the peer's current one the same way, and the peer's next ``connect``
+   reaches our fresh session before its ack, so it is granted again.
 4. The handshake (both connects, both acks) must finish within
    ``handshake_timeout_s`` of :meth:`start`. A request does not wait that long
    on a peer that never answered: once a load or probe waits and nothing at all
@@ -511,6 +524,13 @@ class PeerSession:
                     CloseKind.RESTARTED, "peer restarted (new boot id)", send_disconnect=False
                 )
                 return
+            if new is not None and self._acked:
+                self._end(
+                    CloseKind.RENEWED,
+                    "peer began a new session (same boot id; its side of this one ended)",
+                    send_disconnect=False,
+                )
+                return  # invariant 3: the peer's next session, not a duplicate
             if hello == previous and not self._acked and self._ack is not None:
                 self._transmit_now(self._ack)  # invariant 3: the same grant again
                 return
@@ -611,7 +631,10 @@ class PeerSession:
             self._transmit(self._codec.encode(Disconnect(reason=reason[: limits.MAX_NAME_CHARS])))
         self._deferred_close = None
         self._queue = []
+        known = self._consumer.request_ids() if kind is CloseKind.RENEWED else ()
         loads, failed_ids = self._consumer.close(reason)
+        failing = set(failed_ids)
+        failed_ids.extend(kv_id for kv_id in known if kv_id not in failing)
         stores, serves = self._producer.close(reason)
         if self._registered:
             self._ack = None
