@@ -364,15 +364,15 @@ def test_malformed_frame_ends_only_that_session(
         attacker.close()
 
 
-def test_a_connect_with_the_same_boot_id_after_the_handshake_renews_the_session(
+def test_a_later_session_of_the_same_peer_renews_its_session(
     victim: tuple[ServingNode, LocalNode],
     zmq_context: ZmqContext,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """kvpeer.session.peer invariant 3: a kvpeer peer's connect after it acknowledged
-    ours is its next session. The node ends the old one (``renewed``, no goodbye) and
-    answers in a fresh one; a peer sending it again and again costs only its own
-    sessions."""
+    """kvpeer.session.peer invariant 3: a kvpeer peer's connect with a higher session
+    number after it acknowledged ours is its next session. The node ends the old one
+    (``renewed``, no goodbye) and answers in a fresh one; a peer doing it again and
+    again costs only its own sessions."""
     node, legit = victim
     caplog.set_level(logging.WARNING, logger="kvpeer.tier")
     peer = RawPeer(zmq_context, node.peer_id)
@@ -382,12 +382,13 @@ def test_a_connect_with_the_same_boot_id_after_the_handshake_renews_the_session(
     # kvpeer node's ROUTER would not read it until the old one is gone).
     peer.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
     try:
-        _handshake(peer)
+        peer.send(peer.hello(session=1))
+        assert peer.wait_for(ConnectAck) is not None, "setup: the node did not accept us"
         peer.send(peer.ack())
-        for _ in range(3):
+        for number in (2, 3, 4):
             peer.drain()
             peer.received.clear()
-            peer.send(peer.hello())
+            peer.send(peer.hello(session=number))
             assert peer.wait_for(ConnectAck) is not None, "no fresh session answered"
             peer.send(peer.ack())
         peer.send(Lookup(kv_request_id="renewed", keys=tuple(keys_of(range(4))), round_seq=0))

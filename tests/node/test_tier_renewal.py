@@ -19,11 +19,20 @@ and a request that had not yet used the old session is served by the fresh one.
 
 from __future__ import annotations
 
-from kvpeer.protocol import Codec, Connect, Disconnect
+from kvpeer.protocol import Codec, Connect, ConnectAck, Disconnect
 from kvpeer.session import CloseKind
-from kvpeer.testing.cluster import Cluster, TierNode, decoder, keys, prefiller
+from kvpeer.testing.cluster import Cluster, TierNode, decoder, key, keys, prefiller
 from kvpeer.transport.base import InboundFrame
 from kvpeer.types import LookupResult
+from tests.node.test_tier_stragglers import (
+    LATENCY_S,
+    TICK_S,
+    Prober,
+    ended,
+    inject,
+    probing_pair,
+    run,
+)
 
 HIT = LookupResult.HIT
 CODEC = Codec()
@@ -80,7 +89,13 @@ def test_a_peers_next_session_renews_our_half_open_one() -> None:
     cluster.run()
     connects = b.sent_of(Connect, to=a)
     assert len(connects) == 2, "b's next session greets a"
-    assert connects[0] == connects[1], "the same hello (same boot id)"
+    first, second = (c.kvpeer for c in connects)
+    assert first is not None
+    assert second is not None
+    assert first.boot_id == second.boot_id, "the same process"
+    assert first.session is not None
+    assert second.session is not None
+    assert second.session > first.session, "its next session"
     assert not old.alive
     assert a.stats().sessions_ended == {"renewed": 1}
     assert a.sent_of(Disconnect, to=b) == [], "a renewal says no goodbye"
@@ -140,3 +155,41 @@ def test_a_vllm_style_connect_after_the_handshake_is_still_a_protocol_error() ->
     a.control.inner.inbox.append((cluster.clock.now, -1, inbound))
     a.step()
     assert a.stats().sessions_ended == {"protocol_error": 1}
+
+
+def test_crossing_fresh_sessions_settle_instead_of_renewing_each_other() -> None:
+    """Seed 2758: ``a`` restarted while ``b``'s answer to its old incarnation's connect -
+    ``b``'s connect and its ack of that old connect - was in flight, and it landed in the
+    new ``a``. The new ``a`` opens a session from ``b``'s connect; ``b`` takes the new
+    ``a``'s connect for a restart and opens a fresh session from it; each one's next
+    connect meets a session of the other that nobody acknowledged yet. Taking the old
+    ack as the ack of the new ``a``'s connect, and renewing on the next connect, made
+    the two renew each other's sessions every round trip for ever. Now the old ack is a
+    straggler (it echoes another session number) and the unacknowledged session adopts
+    the next connect: a few endings, then the pair stays up and serves both ways."""
+    cluster, a, b, probers = probing_pair()
+    session_of_b = b.session(a)
+    assert session_of_b.ready, "setup: the pair works"
+    b.session(a).close("forgotten", CloseKind.LOCAL)  # b will greet a again
+    b.step()
+    lose_goodbyes(a, b)
+    a.session(b).close("forgotten", CloseKind.LOCAL)
+    a.step()
+    lose_goodbyes(b, a)
+    # a's next probe opens a session toward b: its connect goes out...
+    run(cluster, probers, TICK_S)
+    # ...and b's answer (its connect, its ack of that connect) is in flight when a restarts.
+    run(cluster, probers, LATENCY_S + 2 * TICK_S)
+    assert [type(m) for m in b.sent(to=a)[-2:]] == [Connect, ConnectAck], "setup: b answered"
+    hello, ack = b.sent_of(Connect, to=a)[-1], b.sent_of(ConnectAck, to=a)[-1]
+    a = cluster.restart(a)
+    a.parent.put(key(1))
+    inject(a, b, CODEC.encode(hello), cluster.clock.now)
+    inject(a, b, CODEC.encode(ack), cluster.clock.now)
+    probers = [Prober(a, b, 2), Prober(b, a, 1)]
+    run(cluster, probers, 3.0)  # a few round trips
+    settled = (ended(a), ended(b), probers[0].hits, probers[1].hits)
+    run(cluster, probers, 10.0)
+    assert (ended(a), ended(b)) == settled[:2], "sessions still end each other"
+    assert probers[0].hits > settled[2] + 10
+    assert probers[1].hits > settled[3] + 10
