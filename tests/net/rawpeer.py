@@ -73,8 +73,10 @@ class RawPeer:
         num_blocks: int = 64,
         hash_seed: str = HASH_SEED,
         data_port: int | None = None,
+        session: int | None = None,
     ) -> Connect:
-        """A well-formed ``connect`` offering the tcp plane at ``data_port``."""
+        """A well-formed ``connect`` offering the tcp plane at ``data_port`` (``session``:
+        its session number, as kvpeer nodes number theirs)."""
         return Connect(
             peer_id=self.peer_id,
             agent_metadata=b"",
@@ -87,6 +89,7 @@ class RawPeer:
                 version=PROTOCOL_VERSION,
                 boot_id=self.boot_id,
                 transports={"tcp": {"host": "127.0.0.1", "port": data_port or free_port()}},
+                session=session,
             ),
         )
 

@@ -305,7 +305,7 @@ MALFORMED: dict[str, tuple[bool, bytes]] = {
         True,
         _raw(type="fetch", kv_request_id="x", keys=[KEY], block_indexes=[True], round_seq=0),
     ),
-    "duplicate connect": (True, b"<connect>"),
+    "duplicate connect (no boot id)": (True, b"<connect>"),
 }
 
 
@@ -339,7 +339,8 @@ def test_malformed_frame_ends_only_that_session(
             assert node.has_session(attacker.peer_id)
         if frame == b"<connect>":  # after the handshake completed (before it, re-acked)
             attacker.send(attacker.ack())
-            attacker.send(attacker.hello())
+            # vLLM's kind (no boot id); a kvpeer connect here is the peer's next session
+            attacker.send(msgspec.structs.replace(attacker.hello(), kvpeer=None))
         else:
             attacker.send_raw(frame)
 
@@ -361,6 +362,47 @@ def test_malformed_frame_ends_only_that_session(
         assert not node.node.crashed
     finally:
         attacker.close()
+
+
+def test_a_later_session_of_the_same_peer_renews_its_session(
+    victim: tuple[ServingNode, LocalNode],
+    zmq_context: ZmqContext,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kvpeer.session.peer invariant 3: a kvpeer peer's connect with a higher session
+    number after it acknowledged ours is its next session. The node ends the old one
+    (``renewed``, no goodbye) and answers in a fresh one; a peer doing it again and
+    again costs only its own sessions."""
+    node, legit = victim
+    caplog.set_level(logging.WARNING, logger="kvpeer.tier")
+    peer = RawPeer(zmq_context, node.peer_id)
+    assert peer.router is not None
+    # Each fresh session of the node dials us on a new connection under the same
+    # identity while its last one may still be open: let the new one take over (a
+    # kvpeer node's ROUTER would not read it until the old one is gone).
+    peer.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    try:
+        peer.send(peer.hello(session=1))
+        assert peer.wait_for(ConnectAck) is not None, "setup: the node did not accept us"
+        peer.send(peer.ack())
+        for number in (2, 3, 4):
+            peer.drain()
+            peer.received.clear()
+            peer.send(peer.hello(session=number))
+            assert peer.wait_for(ConnectAck) is not None, "no fresh session answered"
+            peer.send(peer.ack())
+        peer.send(Lookup(kv_request_id="renewed", keys=tuple(keys_of(range(4))), round_seq=0))
+        answer = peer.wait_for(LookupResponse)
+        assert answer is not None
+        assert answer.hits == (True,) * 4
+        renewals = [r for r in caplog.records if "ended (renewed)" in r.getMessage()]
+        assert len(renewals) == 3
+        assert not any("ended (protocol_error)" in r.getMessage() for r in caplog.records)
+        assert node.has_session(peer.peer_id)
+        assert_pull_works(legit, node.peer_id, range(16, 48))
+        assert not node.node.crashed
+    finally:
+        peer.close()
 
 
 @pytest.mark.parametrize("parts", ["three frames", "identity not UTF-8"])

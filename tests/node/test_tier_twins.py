@@ -19,8 +19,6 @@ finishes (kvpeer.node.tier invariant 3).
 
 from __future__ import annotations
 
-import pytest
-
 from kvpeer.protocol import AbortFetch, Fetch
 from kvpeer.testing.cluster import Cluster, decoder, keys, prefiller
 from kvpeer.types import LookupResult
@@ -35,13 +33,6 @@ def ghost(kv_id: str) -> dict[str, object]:
     return {"remote_kv_source": {"kv_request_id": kv_id, "remote_host": "b", "remote_port": 2}}
 
 
-#: Open bug: the tier ends an id's consumer state at the first twin's finish. The fix
-#: (72e00a8) was reverted: it changed simulated worlds and exposed seed 1614, a session
-#: ended by a stale duplicate connect (README, Simulation).
-TWINS_STILL_SHARE_STATE = pytest.mark.xfail(strict=True, reason="twins share consumer state")
-
-
-@TWINS_STILL_SHARE_STATE
 def test_a_probe_on_a_session_silent_past_peer_wait_s_is_not_answered_retry() -> None:
     cluster = Cluster()
     a = cluster.add("a", 1, {"peer_wait_s": PEER_WAIT_S})
@@ -58,7 +49,6 @@ def test_a_probe_on_a_session_silent_past_peer_wait_s_is_not_answered_retry() ->
     assert a.lookup(first, *KEYS) == [MISS] * 3
 
 
-@TWINS_STILL_SHARE_STATE
 def test_a_twins_finish_does_not_abort_its_siblings_load() -> None:
     cluster = Cluster()
     a = cluster.add("a", 1)

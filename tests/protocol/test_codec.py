@@ -600,6 +600,27 @@ class TestKvpeerExtension:
         assert isinstance(decoded, Connect)
         assert decoded.kvpeer == ConnectExtension(version=(1, 0), boot_id=BOOT_ID)
 
+    def test_session_numbers_are_optional_and_round_trip(self) -> None:
+        """``session`` in connect and connect_ack (session.peer invariant 3): absent from
+        vLLM and older kvpeer peers (None), an exact non-negative wire int when sent."""
+        old_ack = decode({"type": "connect_ack", "peer_id": "p", "kvpeer": {"version": [1, 1]}})
+        assert isinstance(old_ack, ConnectAck)
+        assert old_ack.kvpeer == AckExtension(version=(1, 1))
+        assert old_ack.kvpeer.session is None
+        extension = EXTENDED_CONNECT.kvpeer
+        assert extension is not None
+        numbered = msgspec.structs.replace(
+            EXTENDED_CONNECT, kvpeer=msgspec.structs.replace(extension, session=INT_LIMIT - 1)
+        )
+        assert CODEC.decode(CODEC.encode(numbered)) == numbered
+        ack = ConnectAck(peer_id="p", kvpeer=AckExtension(version=(1, 1), session=7))
+        assert CODEC.decode(CODEC.encode(ack)) == ack
+        for bad in (-1, INT_LIMIT, True, "7"):
+            hello = {"version": [1, 1], "boot_id": BOOT_ID, "session": bad}
+            rejects({**VLLM_CONNECT, "kvpeer": hello}, "$.kvpeer.session")
+            acked = {"version": [1, 1], "session": bad}
+            rejects({"type": "connect_ack", "peer_id": "p", "kvpeer": acked}, "$.kvpeer.session")
+
     @pytest.mark.parametrize("size", [0, 15, 17, 32])
     def test_wrong_size_boot_id_rejected(self, size: int) -> None:
         """The boot id is exactly 16 bytes."""

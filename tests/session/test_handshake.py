@@ -16,6 +16,7 @@ import pytest
 
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
+    AckExtension,
     Codec,
     Connect,
     ConnectAck,
@@ -506,14 +507,15 @@ class TestHandshakeDeadline:
 
 
 class TestRepeatedHandshake:
-    """A second connect: restart, protocol error, or (before our ack) the same grant again."""
+    """A second connect: restart, the peer's next session, protocol error, or (before our
+    ack) the same grant again."""
 
     @staticmethod
     def busy_pair() -> tuple[SessionPair, int, int]:
-        """A ready pair where a holds a load in flight and a pinned store."""
+        """A ready pair where a holds a load in flight and a pinned store (session 1 each)."""
         pair = SessionPair(
-            hello_a=lambda r: make_hello("a", r, boot_id=BOOT_A),
-            hello_b=lambda r: make_hello("b", r, boot_id=BOOT_B),
+            hello_a=lambda r: make_hello("a", r, boot_id=BOOT_A, session=1),
+            hello_b=lambda r: make_hello("b", r, boot_id=BOOT_B, session=1),
         )
         load = pair.next_job_id()
         pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
@@ -536,10 +538,55 @@ class TestRepeatedHandshake:
         assert result.failed_request_ids == ("pd",)
         assert pair.a.parent.pinned_slots() == 0
 
-    def test_same_boot_id_is_a_duplicate_connect(self) -> None:
-        """The same boot id again is a protocol error, with a disconnect and failed jobs."""
+    def test_a_later_session_after_its_ack_renews_this_one(self) -> None:
+        """The same boot id and a higher session number after the peer acknowledged us:
+        its session that took our connect ended (its goodbye was lost) and this is its
+        next one. RENEWED, no goodbye (it would end the peer's new session), every job
+        fails, and every id the session held consumer state for is reported failed,
+        resolved probes too."""
         pair, load, store = self.busy_pair()
-        again = make_hello("b", pair.b.region, boot_id=BOOT_B)
+        pair.b.parent.put(b"probed")
+        assert pair.a.session.register_probe("sym", b"probed", pair.clock.now) is None
+        pair.a.session.flush_lookups()
+        pair.pump()
+        pair.serve()
+        pair.pump()
+        assert pair.a.session.register_probe("sym", b"probed", pair.clock.now) is True
+        before = len(pair.a.sent())
+        again = make_hello("b", pair.b.region, boot_id=BOOT_B, session=2)
+        pair.a.session.receive(CODEC.encode(again), pair.clock.now)
+        pair.poll()
+        result = closed(pair.a)
+        assert result.kind is CloseKind.RENEWED
+        assert len(pair.a.sent()) == before, "no goodbye, no ack: the owner opens a fresh one"
+        assert not pair.a.loads[load].success
+        assert not pair.a.stores[store].success
+        assert sorted(result.failed_request_ids) == ["pd", "sym"]
+        assert pair.a.parent.pinned_slots() == 0
+        assert pair.a.plane.registered_peers() == []
+
+    def test_an_older_sessions_connect_is_a_straggler(self) -> None:
+        """A lower session number: an ended session's connect, late on another link."""
+        pair, load, _ = self.busy_pair()
+        again = make_hello("b", pair.b.region, boot_id=BOOT_B, session=0)
+        pair.a.session.receive(CODEC.encode(again), pair.clock.now)
+        pair.poll()
+        assert pair.a.closed is None
+        assert pair.a.session.statistics().stale_frames == 1
+        assert load not in pair.a.loads  # still in flight, not failed
+
+    @pytest.mark.parametrize("numbered", [True, False], ids=["numbered", "unnumbered"])
+    def test_the_same_session_number_again_is_a_duplicate(self, numbered: bool) -> None:
+        """The same connect after the handshake (numbered or from an older kvpeer peer
+        that numbers nothing): a protocol error, with a disconnect and failed jobs."""
+        pair = SessionPair(
+            hello_a=lambda r: make_hello("a", r, boot_id=BOOT_A, session=1 if numbered else None),
+            hello_b=lambda r: make_hello("b", r, boot_id=BOOT_B, session=1 if numbered else None),
+        )
+        load = pair.next_job_id()
+        pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
+        pair.pump()
+        again = make_hello("b", pair.b.region, boot_id=BOOT_B, session=1 if numbered else None)
         pair.a.session.receive(CODEC.encode(again), pair.clock.now)
         pair.poll()
         result = closed(pair.a)
@@ -548,7 +595,70 @@ class TestRepeatedHandshake:
         (goodbye,) = sent(pair.a, Disconnect)
         assert "duplicate connect" in goodbye.reason
         assert not pair.a.loads[load].success
-        assert not pair.a.stores[store].success
+
+    def test_a_later_session_before_its_ack_is_adopted(self) -> None:
+        """Nobody acknowledged our connect yet and the peer's next session greets us:
+        its connect is taken in (checked, registered, acknowledged with its number) and
+        the handshake completes with its ack; what we queued goes out after it."""
+        pair = pair_with()
+        a = pair.a
+        a.session.start(pair.clock.now)
+        first = make_hello("b", pair.b.region, boot_id=BOOT_B, session=5)
+        a.session.receive(CODEC.encode(first), pair.clock.now)
+        load = pair.next_job_id()
+        a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
+        assert sent(a, Fetch) == [], "setup: queued until acknowledged"
+        later = make_hello("b", pair.b.region, boot_id=BOOT_B, session=6)
+        a.session.receive(CODEC.encode(later), pair.clock.now)
+        acks = sent(a, ConnectAck)
+        assert [ack.kvpeer.session for ack in acks if ack.kvpeer is not None] == [5, 6]
+        assert a.session.peer_hello == later
+        assert a.plane.registered_peers() == ["b"]
+        a.session.receive(CODEC.encode(ConnectAck(peer_id="b")), pair.clock.now)
+        pair.poll()
+        assert a.closed is None
+        assert a.session.ready
+        assert len(sent(a, Fetch)) == 1
+
+    def test_an_ack_for_another_session_number_is_a_straggler(self) -> None:
+        """An ack echoing another number than our connect's acknowledges one of our ended
+        sessions (or another incarnation's): dropped, the handshake waits for ours."""
+        pair = SessionPair(
+            start=False,
+            hello_a=lambda r: make_hello("a", r, boot_id=BOOT_A, session=7),
+            hello_b=lambda r: make_hello("b", r, boot_id=BOOT_B, session=1),
+        )
+        a = pair.a
+        a.session.start(pair.clock.now)
+        hello = make_hello("b", pair.b.region, boot_id=BOOT_B, session=1)
+        a.session.receive(CODEC.encode(hello), pair.clock.now)
+        stale = ConnectAck(peer_id="b", kvpeer=AckExtension(version=PROTOCOL_VERSION, session=6))
+        a.session.receive(CODEC.encode(stale), pair.clock.now)
+        assert not a.session.ready
+        assert a.session.statistics().stale_frames == 1
+        mine = ConnectAck(peer_id="b", kvpeer=AckExtension(version=PROTOCOL_VERSION, session=7))
+        a.session.receive(CODEC.encode(mine), pair.clock.now)
+        assert a.session.ready
+
+    def test_a_connect_without_boot_id_after_the_handshake_is_a_duplicate(self) -> None:
+        """vLLM's connect carries no boot id: a second one after the handshake stays a
+        protocol error (PROTOCOL.md 3.4), with a disconnect and failed jobs."""
+        pair = SessionPair(
+            hello_a=lambda r: make_hello("a", r, kvpeer=False),
+            hello_b=lambda r: make_hello("b", r, kvpeer=False),
+        )
+        load = pair.next_job_id()
+        pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
+        pair.pump()
+        again = make_hello("b", pair.b.region, kvpeer=False)
+        pair.a.session.receive(CODEC.encode(again), pair.clock.now)
+        pair.poll()
+        result = closed(pair.a)
+        assert result.kind is CloseKind.PROTOCOL_ERROR
+        assert "duplicate connect" in result.reason
+        (goodbye,) = sent(pair.a, Disconnect)
+        assert "duplicate connect" in goodbye.reason
+        assert not pair.a.loads[load].success
         pair.pump()
         assert closed(pair.b).kind is CloseKind.DISCONNECTED
 

@@ -26,7 +26,8 @@ Invariants:
    keep the session, wait out each load it sends us and take our next
    ``connect`` for a duplicate.
 3. A peer's ``connect`` identical to one we refused within ``handshake_timeout_s``
-   is refused on the peer's own connection without opening a session: a vLLM peer
+   (but for its session number) is refused on the peer's own connection without
+   opening a session: a vLLM peer
    answers our goodbye with a new session and the same ``connect``, and opening
    a session for it (our ``connect``, then our goodbye) would loop. At most
    ``max_peers`` refusals are remembered; they expire.
@@ -50,7 +51,11 @@ Invariants:
    ``peer_retry_max_s`` with each failed attempt; the first session that
    completes its handshake clears it. At most ``4 * max_peers`` are remembered.
 8. A ``connect`` with a new boot id ends the old session (``RESTARTED``) and
-   the same frame opens a fresh one at once.
+   the same frame opens a fresh one at once; so does a kvpeer peer's
+   ``connect`` numbering a later session after it acknowledged ours
+   (``RENEWED``: the peer's next session, its goodbye for the last one lost;
+   session invariant 3). Our connects number our sessions in increasing order,
+   from a start drawn from our boot id.
 9. A peer's ``connect`` that a session will register with the data plane, when the
    registration may be slow (a NIXL metadata load, an shm region request), is
    registered off the node's lock (:meth:`NodeDataPlane.prepare_peer`): the frame,
@@ -67,11 +72,14 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import itertools
 import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+
+import msgspec
 
 from kvpeer.config import TierConfig
 from kvpeer.errors import PeerLost, ProtocolError
@@ -180,6 +188,9 @@ class PeerTable:
         self._hash_seed_source = config.hash_seed or hash_seed or DEFAULT_HASH_SEED
         self._hash_seed: str | None = None
         self._boot_id = boot_id or os.urandom(16)
+        # Our connects' ``session``: increasing, from a start drawn from the boot id so
+        # that an ack meant for another incarnation of ours does not match (56 bits).
+        self._session_numbers = itertools.count(int.from_bytes(self._boot_id[:7], "big"))
         self._codec = Codec()
         self._peers: dict[str, Peer] = {}
         self._refused = 0
@@ -288,6 +299,7 @@ class PeerTable:
                     for name, offer in region.offers.items()
                     if name in self._config.data_transports
                 },
+                session=next(self._session_numbers),
             ),
         )
 
@@ -337,7 +349,7 @@ class PeerTable:
                     self._refuse(peer_id, frame, "no session with you (it ended)", quiet=True)
                 return
             refused = self._refused_hellos.get(peer_id)
-            if refused is not None and refused[0] == _digest(frame) and now < refused[1]:
+            if refused is not None and refused[0] == self._hello_digest(frame) and now < refused[1]:
                 self._refused += 1
                 self._refuse(peer_id, frame, f"{refused[2]} (this connect was refused before)")
                 return
@@ -362,8 +374,8 @@ class PeerTable:
             closed = result.closed
             if closed is not None and closed.kind is CloseKind.REJECTED:
                 self._remember_refusal(peer_id, frame, closed.reason, now)
-            if closed is not None and closed.kind is CloseKind.RESTARTED:
-                log.info("peer %s restarted; opening a fresh session", peer_id)
+            if closed is not None and closed.kind in (CloseKind.RESTARTED, CloseKind.RENEWED):
+                log.info("peer %s %s; opening a fresh session", peer_id, closed.kind.value)
                 fresh = self.open(peer_id, now, source)
                 if fresh is not None and not self._held_for_registration(
                     peer_id, fresh, inbound, now
@@ -433,9 +445,21 @@ class PeerTable:
             return
         self._refused_hellos.pop(peer_id, None)
         expiry = now + self._config.handshake_timeout_s
-        self._refused_hellos[peer_id] = (_digest(frame), expiry, reason)
+        self._refused_hellos[peer_id] = (self._hello_digest(frame), expiry, reason)
         while len(self._refused_hellos) > self._config.max_peers:
             del self._refused_hellos[next(iter(self._refused_hellos))]
+
+    def _hello_digest(self, frame: bytes) -> bytes:
+        """Invariant 3: what makes two connects the same - all but the session number,
+        which a kvpeer peer's every new session raises."""
+        try:
+            hello = self._codec.decode(frame)
+        except ProtocolError:
+            return _digest(frame)
+        if isinstance(hello, Connect) and hello.kvpeer is not None:
+            unnumbered = msgspec.structs.replace(hello.kvpeer, session=None)
+            frame = self._codec.encode(msgspec.structs.replace(hello, kvpeer=unnumbered))
+        return _digest(frame)
 
     def _opens_session(self, frame: bytes) -> bool:
         try:

@@ -16,9 +16,17 @@ Invariants:
    (``_failed`` holds only ids of live consumer requests).
 3. No collection grows with the number of requests ever served: per-request
    entries leave at ``on_request_finished``, everything else expires.
+   An id's consumer state in a session (probes, loads, the peer's lookup
+   state) is finished when the last open request pulling that id from that
+   peer finishes: a twin (parallel sampling: same id, same peer) finishing
+   neither aborts its sibling's loads nor drops its waiting probes.
 4. A dead session is reaped within one poll: its loads and stores fail, its
    waiting probes answer MISS, its serve requests are released at the next
-   serve window.
+   serve window, and every live request pulling from that peer computes
+   locally - except after ``RENEWED`` (the peer, same process, began its next
+   session: ``kvpeer.session.peer`` invariant 3), where only the ids the
+   session held state for do; a request that had not yet used the session
+   goes on in the fresh one.
 5. After :meth:`Tier.shutdown` nothing is held: every job still pending was
    failed, and the results stay readable through ``get_finished_jobs``.
 
@@ -138,6 +146,7 @@ class Tier:
         )
         self._requests: dict[str, Routing] = {}
         self._consumer_refs: dict[str, int] = {}
+        self._pulling: dict[tuple[str, str], int] = {}  # (peer, id) -> open requests
         self._failed: set[str] = set()
         self._results: list[JobResult] = []
         self._unreleased: list[ServeRequest] = []
@@ -178,6 +187,8 @@ class Tier:
             self._consumer_refs[source.kv_request_id] = (
                 self._consumer_refs.get(source.kv_request_id, 0) + 1
             )
+            pulled = (source.peer_id, source.kv_request_id)
+            self._pulling[pulled] = self._pulling.get(pulled, 0) + 1
             if backed_off:
                 self._fail_id(source.kv_request_id)  # MISS at once (peertable invariant 7)
         destination = routing.destination
@@ -315,9 +326,15 @@ class Tier:
             kv_request_id = source.kv_request_id
             if self._trace.enabled:
                 self._trace.forget(kv_request_id, source.peer_id, self._steps)
-            peer = self._peers.get(source.peer_id)
-            if peer is not None:
-                peer.session.finish_consumer(kv_request_id, now)
+            pulled = (source.peer_id, kv_request_id)
+            users = self._pulling.get(pulled, 1) - 1
+            if users > 0:
+                self._pulling[pulled] = users  # a twin still pulls it (invariant 3)
+            else:
+                self._pulling.pop(pulled, None)
+                peer = self._peers.get(source.peer_id)
+                if peer is not None:
+                    peer.session.finish_consumer(kv_request_id, now)
             refs = self._consumer_refs.get(kv_request_id, 1) - 1
             if refs > 0:
                 self._consumer_refs[kv_request_id] = refs
@@ -559,9 +576,12 @@ class Tier:
             self._fail_id(kv_request_id)
         # Every live request pulling from this peer computes locally from now on,
         # even if it had nothing in flight: its peer's answers died with the session.
-        for routing in self._requests.values():
-            if routing.source is not None and routing.source.peer_id == peer_id:
-                self._fail_id(routing.source.kv_request_id)
+        # Not when the peer began its next session (RENEWED, invariant 4): its
+        # process and parked stores live on, and the session failed every id it held.
+        if closed.kind is not CloseKind.RENEWED:
+            for routing in self._requests.values():
+                if routing.source is not None and routing.source.peer_id == peer_id:
+                    self._fail_id(routing.source.kv_request_id)
         self._unreleased.extend(closed.unreleased_serves)
         self._bindings.peer_gone(peer_id)
         self._peers.ended(peer_id, peer, closed)

@@ -87,6 +87,9 @@ class ConnectExtension(msgspec.Struct, frozen=True, omit_defaults=True):
     transports: Annotated[
         dict[TransportName, TransportOffer], Meta(max_length=L.MAX_TRANSPORTS)
     ] = {}
+    #: This session's number, increasing with every session the process opens
+    #: (``kvpeer.session.peer`` invariant 3); absent from older kvpeer peers.
+    session: WireInt | None = None
 
 
 class TransportChoice(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -101,6 +104,8 @@ class AckExtension(msgspec.Struct, frozen=True, omit_defaults=True):
 
     version: tuple[VersionPart, VersionPart]
     transport: TransportChoice | None = None
+    #: The number of the ``connect`` this acknowledges (its ``session``), if it had one.
+    session: WireInt | None = None
 
 
 class Connect(_Base, tag="connect", frozen=True):

@@ -379,6 +379,10 @@ class ConsumerRole:
 
     # -- introspection ---------------------------------------------------------
 
+    def request_ids(self) -> list[str]:
+        """Every id this role holds state for (probes, loads, rounds, owed acks)."""
+        return list(self._requests)
+
     def has_loads(self) -> bool:
         return bool(self._with_loads)
 

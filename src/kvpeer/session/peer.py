@@ -21,6 +21,22 @@ Invariants:
    the very same ``connect`` again, which is acknowledged again: a peer that
    started its side over before the handshake finished (vLLM opens a session
    for every connection it accepts) asks once more for what we already granted.
+   kvpeer peers number their sessions (``connect.kvpeer.session``, increasing
+   per process; ``connect_ack`` echoes the number it acknowledges). Between
+   two such peers, same ``boot_id``: an ack for another number than our
+   connect's, or a connect with a lower number than the one we hold, belongs
+   to an ended session (a straggler, invariant 7). A higher number is the
+   peer's next session: the one that took ours ended and its goodbye was lost
+   (a partition healed before our link noticed: seed 1614). If the peer had
+   acknowledged us, or our producer role holds anything, this session ends as
+   ``RENEWED`` without a goodbye (it would end the peer's new session too) and
+   the owner opens a fresh one with that frame; only the ids this session held
+   consumer state for fail (the peer's process and its parked PD stores live
+   on). Otherwise the new connect is *adopted*: checked, registered and
+   acknowledged as if first, and what we queued goes to it: when both sides
+   open a fresh session from the other's connect, renewing there (every ack
+   accepted) made two nodes renew each other's sessions for ever (seed 2758).
+   Connects without a number (vLLM's, older kvpeer's) keep the rules above.
 4. The handshake (both connects, both acks) must finish within
    ``handshake_timeout_s`` of :meth:`start`. A request does not wait that long
    on a peer that never answered: once a load or probe waits and nothing at all
@@ -98,6 +114,7 @@ from kvpeer.protocol import (
     limits,
 )
 from kvpeer.session.consumer import ConsumerRole, ConsumerStatistics
+from kvpeer.session.greeting import later_session, session_number
 from kvpeer.session.ports import DataPlane, Parent
 from kvpeer.session.producer import ProducerRole, ProducerStatistics
 from kvpeer.session.results import (
@@ -462,11 +479,20 @@ class PeerSession:
 
     def _is_straggler(self, message: Message | UnknownMessage) -> bool:
         """Invariant 7: a frame that cannot belong to this session."""
-        if isinstance(message, Connect | Disconnect | UnknownMessage):
+        if isinstance(message, Connect):
+            previous = self._peer_hello  # an older session's, late (invariant 3)
+            return previous is not None and later_session(previous, message)
+        if isinstance(message, Disconnect | UnknownMessage):
             return False
         if self._peer_hello is None:
             return True  # the peer's session sends its connect first
-        return isinstance(message, ConnectAck) and self._acked
+        if not isinstance(message, ConnectAck):
+            return False
+        if self._acked:
+            return True
+        ours = session_number(self._hello)
+        acked = message.kvpeer.session if message.kvpeer is not None else None
+        return ours is not None and acked is not None and acked != ours  # invariant 3
 
     def _dispatch(self, message: Message | UnknownMessage, now: float) -> None:
         if isinstance(message, UnknownMessage):
@@ -511,6 +537,19 @@ class PeerSession:
                     CloseKind.RESTARTED, "peer restarted (new boot id)", send_disconnect=False
                 )
                 return
+            if later_session(hello, previous):  # invariant 3: the peer's next session
+                if self._acked or not self._producer.is_empty():
+                    self._end(
+                        CloseKind.RENEWED,
+                        "peer began a new session (same boot id; its side of this one ended)",
+                        send_disconnect=False,
+                    )
+                    return
+                self._data.unregister_peer(self.peer_id)  # adopted: checked afresh
+                self._ack = None
+                self._peer_hello = None
+                self._on_connect(hello)
+                return
             if hello == previous and not self._acked and self._ack is not None:
                 self._transmit_now(self._ack)  # invariant 3: the same grant again
                 return
@@ -527,7 +566,7 @@ class PeerSession:
             raise HandshakeRejected(f"data plane refused the peer: {exc}") from exc
         self._producer.set_consumer_region(hello.num_blocks)
         extension = (
-            AckExtension(version=PROTOCOL_VERSION, transport=choice)
+            AckExtension(version=PROTOCOL_VERSION, transport=choice, session=hello.kvpeer.session)
             if hello.kvpeer is not None
             else None
         )
@@ -611,7 +650,10 @@ class PeerSession:
             self._transmit(self._codec.encode(Disconnect(reason=reason[: limits.MAX_NAME_CHARS])))
         self._deferred_close = None
         self._queue = []
+        known = self._consumer.request_ids() if kind is CloseKind.RENEWED else ()
         loads, failed_ids = self._consumer.close(reason)
+        failing = set(failed_ids)
+        failed_ids.extend(kv_id for kv_id in known if kv_id not in failing)
         stores, serves = self._producer.close(reason)
         if self._registered:
             self._ack = None

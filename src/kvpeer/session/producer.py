@@ -385,6 +385,17 @@ class ProducerRole:
     def has_transfers(self) -> bool:
         return bool(self._transfers or self._draining)
 
+    def is_empty(self) -> bool:
+        """Nothing held for the peer: no request, transfer, job or owed serve."""
+        return not (
+            self._requests
+            or self._transfers
+            or self._draining
+            or self._unreported
+            or self._serve_pending
+            or self._unreleased
+        )
+
     def statistics(self) -> ProducerStatistics:
         pinned = 0
         rounds = 0

@@ -49,6 +49,7 @@ class CloseKind(enum.Enum):
     REJECTED = "rejected"  # handshake check failed (either side)
     TIMEOUT = "timeout"  # handshake deadline passed
     RESTARTED = "restarted"  # the peer came back with a new boot id
+    RENEWED = "renewed"  # the peer began its next session (same boot id; peer.py invariant 3)
     UNREACHABLE = "unreachable"  # the control link could not carry our frames
     PEER_FAULT = "peer_fault"  # the peer's data-plane parameters or writes were unusable
     LOCAL_FAULT = "local_fault"  # our own data plane failed (not the peer's doing)
@@ -62,7 +63,8 @@ class SessionClosed:
 
     ``loads``/``stores`` are failed results for every job the session held;
     ``failed_request_ids`` are consumer ids whose lookups can no longer
-    resolve (in-flight loads or unresolved probes): answer MISS for them;
+    resolve (in-flight loads or unresolved probes; for ``RENEWED``, every id
+    the session held consumer state for): answer MISS for them;
     ``unreleased_serves`` still owe ``parent.on_request_finished``.
     """
 

@@ -40,10 +40,14 @@ def make_hello(
     fingerprint: str = "",
     boot_id: bytes | None = None,
     kvpeer: bool = True,
+    session: int | None = None,
 ) -> Connect:
-    """A ``connect`` describing ``region``, as a node would send it."""
+    """A ``connect`` describing ``region``, as a node would send it (``session``: its
+    session number, as a kvpeer node of this version sends it)."""
     extension = (
-        ConnectExtension(version=PROTOCOL_VERSION, boot_id=boot_id or os.urandom(16))
+        ConnectExtension(
+            version=PROTOCOL_VERSION, boot_id=boot_id or os.urandom(16), session=session
+        )
         if kvpeer
         else None
     )
