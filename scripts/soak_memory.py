@@ -7,11 +7,14 @@ in front of two fake engines on a thread of this process. Each fake answers stre
 completions with ``token_ids`` (a function of the prompt, so references match), keeps an
 LRU "GPU" prefix cache of ``--gpu-blocks`` and a CPU tier of ``--cpu-blocks`` 32-token
 blocks (the soak's engines: 1 GiB / 768 KiB = 1,365 and 256 MiB / 768 KiB = 341), and
-publishes vLLM-shaped KV events (stores, removals on eviction) over ZMQ PUB, so the
-routers' subscribers, feeds and prefix index run for real. ``cache_salt`` requests (the
+publishes vLLM-shaped KV events (stores, removals on eviction) over ZMQ PUB with vLLM's
+replay ROUTER (the last 10,000 batches), so the routers' subscribers, feeds and prefix
+index run for real. The fakes' replay buffers live in this process too: their size is
+printed, subtract it. ``cache_salt`` requests (the
 soak's references) are published with ``extra_keys`` as vLLM does. Faults: engine ``b``
 "restarts" (stops listening, comes back on the same port with a new event sequence and
-new hashes) and engines "freeze" (answer nothing for a while).
+new hashes) and engines "freeze" (answer nothing for ``--freeze-s``; over the routers'
+5 s health timeout a frozen engine is taken for restarted, and its history replayed).
 
 Memory: RSS less shared pages from /proc, ``tracemalloc`` snapshots (top growth by
 traceback) and ``gc`` object counts by type, at each checkpoint of ``--checkpoints``
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import ctypes
 import gc
 import hashlib
@@ -46,6 +50,7 @@ from kvpeer.bench.soak_run import MODEL_NAME, Soak
 from kvpeer.integrations.vllm.procs import process_info
 from kvpeer.router.background import BackgroundRouter
 from kvpeer.router.config import EngineEntry, RouterConfig
+from kvpeer.router.feed import REPLAY_END_SEQ
 from kvpeer.router.policy import EngineSpec, Mode, Role
 from kvpeer.router.server_socket import bind
 
@@ -65,11 +70,15 @@ class EventEngine:
         self.incarnation = 0
         self._runner: web.AppRunner | None = None
         self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self.replay_port = 0
+        self.replays = 0
         self._new_state()
 
     def _new_state(self) -> None:
         self.incarnation += 1
         self.seq = 0
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=10_000)
         self.gpu: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.cpu: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
@@ -88,6 +97,27 @@ class EventEngine:
             self._pub.bind(f"tcp://127.0.0.1:{self.events_port}")
         else:
             self.events_port = self._pub.bind_to_random_port("tcp://127.0.0.1")
+        # vLLM's replay ROUTER: every buffered batch from the asked seq on, then an end.
+        self._replay = ctx.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        if self.replay_port:
+            self._replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        else:
+            self.replay_port = self._replay.bind_to_random_port("tcp://127.0.0.1")
+        self._replay_task = asyncio.ensure_future(self._serve_replay(self._replay))
+
+    async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
+        with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+            while True:
+                ident, _empty, start = await sock.recv_multipart()
+                first = int.from_bytes(start, "big")
+                self.replays += 1
+                for seq, payload in list(self.buffer):
+                    if seq >= first:
+                        await sock.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"),
+                                                   payload])
+                await sock.send_multipart([ident, b"", b"", REPLAY_END_SEQ.to_bytes(8, "big"),
+                                           b""])
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -96,6 +126,10 @@ class EventEngine:
         if self._pub is not None:
             self._pub.close(0)
             self._pub = None
+        if self._replay is not None:
+            self._replay_task.cancel()
+            self._replay.close(0)
+            self._replay = None
 
     async def restart(self, ctx: zmq.asyncio.Context, down_s: float) -> None:
         await self.stop()
@@ -185,6 +219,7 @@ class EventEngine:
         assert self._pub is not None
         payload = msgspec.msgpack.encode([time.time(), events, None])
         await self._pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        self.buffer.append((self.seq, payload))
         self.seq += 1
 
 
@@ -214,7 +249,8 @@ class FakeFleet:
 def engine_spec(engine: EventEngine, role: Role = Role.BOTH) -> EngineSpec:
     return EngineSpec(name=engine.name, url=f"http://127.0.0.1:{engine.port}",
                       peer_host="127.0.0.1", peer_port=engine.port + 1, role=role,
-                      kv_events=f"tcp://127.0.0.1:{engine.events_port}")
+                      kv_events=f"tcp://127.0.0.1:{engine.events_port}",
+                      kv_events_replay=f"tcp://127.0.0.1:{engine.replay_port}")
 
 
 def private_mib() -> float:
@@ -257,7 +293,10 @@ def pymalloc_arenas() -> tuple[int, int]:
     for line in text.splitlines():
         key, _, value = line.partition("=")
         fields[key.strip().lstrip("# ")] = value.strip().replace(",", "")
-    return int(fields["arenas allocated current"]), int(fields["arenas highwater mark"])
+    # Another thread may log to stderr meanwhile: a garbled report reads as -1.
+    current = fields.get("arenas allocated current", "-1")
+    peak = fields.get("arenas highwater mark", "-1")
+    return (int(current), int(peak)) if (current + peak).lstrip("-").isdigit() else (-1, -1)
 
 
 def type_counts() -> collections.Counter[str]:
@@ -276,6 +315,9 @@ def main() -> None:
     parser.add_argument("--gpu-blocks", type=int, default=1365)
     parser.add_argument("--cpu-blocks", type=int, default=341)
     parser.add_argument("--fault-every", type=int, default=400, help="requests between faults")
+    parser.add_argument("--down-s", type=float, default=2.5, help="how long b is down")
+    parser.add_argument("--freeze-s", type=float, default=2.0,
+                        help="how long a freeze lasts (over 5 s: the routers see a restart)")
     parser.add_argument("--no-tracemalloc", action="store_true")
     parser.add_argument("--frames", type=int, default=1)
     parser.add_argument("--trim", action="store_true", help="malloc_trim(0) at checkpoints")
@@ -323,9 +365,10 @@ def main() -> None:
                     faults += 1
                     next_fault += args.fault_every
                     if faults % 2:
-                        on_loop(b.restart(ctx, 2.5))
+                        asyncio.run_coroutine_threadsafe(b.restart(ctx, args.down_s), loop)
                     else:
-                        engines["ab"[faults // 2 % 2]].frozen_until = time.monotonic() + 2.0
+                        frozen = engines["ab"[faults // 2 % 2]]
+                        frozen.frozen_until = time.monotonic() + args.freeze_s
                 time.sleep(0.05)
             soak.pause(threads)
             gc.collect()
@@ -350,7 +393,9 @@ def main() -> None:
                 print("   index", st.blocks, st.speculative, st.hash_mappings, flush=True)
             pending = [via_shared.call(lambda: via_shared.router.policy.stats()["pending_plans"]),
                        via_pd.call(lambda: via_pd.router.policy.stats()["pending_plans"])]
-            print("   pending plans (shared, pd):", pending, flush=True)
+            fake_mib = sum(len(p) for e in engines.values() for _, p in e.buffer) / 2**20
+            print("   pending plans (shared, pd):", pending, "replays served (a, b):",
+                  a.replays, b.replays, f"fakes' replay buffers {fake_mib:.1f} MiB", flush=True)
             if baseline is None:
                 baseline = (snap, counts)
             else:
