@@ -14,6 +14,7 @@ import pytest
 from kvpeer.bench.soak import (
     FAULT_KINDS,
     RESOURCE_TOLERANCE,
+    WARMUP_FAULT,
     WITNESS,
     Outcome,
     SoakSpec,
@@ -26,6 +27,7 @@ from kvpeer.bench.soak import (
     summary,
     verdict,
 )
+from kvpeer.bench.soak_run import release_free_heap
 from kvpeer.cli import build_parser
 from kvpeer.integrations.vllm.procs import group_pids, process_info, shm_in_use
 from kvpeer.integrations.vllm.serving import _remove_unused
@@ -190,3 +192,41 @@ def test_proc_readers_see_this_process_and_its_open_shm_file() -> None:
     assert name not in shm_in_use()
     assert _remove_unused({name, "kvpeer-test-soak-never-made"}) == [path]
     assert not path.exists()
+
+
+def test_the_warm_up_fault_is_shown_apart_from_the_soaks() -> None:
+    assert WARMUP_FAULT.kind == "kill-restart"
+    assert WARMUP_FAULT.engine != WITNESS  # the witness lives from start to end
+    result = summary(
+        spec=SoakSpec(minutes=1),
+        tally=Tally(),
+        rows=[],
+        faults=[],
+        pulled_blocks=0,
+        leftovers=[],
+        removed_by_fleet=[],
+        seconds=1.0,
+        logs=[],
+        warmup_faults=[{"kind": "kill-restart", "engine": "b", "seconds": 61.2}],
+    )
+    assert result["faults"] == {}
+    assert "no fault was injected (run longer or lower --fault-every)" in result["problems"]
+    assert result["warmup_fault_log"] == [{"kind": "kill-restart", "engine": "b", "seconds": 61.2}]
+    assert "faults: none (and in warm-up, before the first sample: kill-restart of b (61 s))" in (
+        render(result)
+    )
+
+
+def test_release_free_heap_returns_freed_pages_of_a_fragmented_heap() -> None:
+    """64 KiB chunks come from the heap (under glibc's mmap threshold); keeping every
+    tenth pins the heap's top, so free() alone returns almost nothing to the system."""
+    chunks = [bytes(64 * 1024) for _ in range(2000)]  # 125 MiB
+    kept = chunks[::10]
+    del chunks
+    before = process_info(os.getpid())
+    assert release_free_heap()
+    after = process_info(os.getpid())
+    assert before is not None
+    assert after is not None
+    assert before.private_bytes - after.private_bytes > 50 * MIB
+    assert len(kept) == 200

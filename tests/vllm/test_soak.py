@@ -1,8 +1,8 @@
 """``kvpeer soak`` for real, short: two ``vllm serve`` engines behind the routers, traffic,
 a freeze of each engine and a SIGKILL + restart of ``b`` (seed 5, a fault every ~6 s),
 then the verdict: every output equals its reference, the processes alive throughout
-stayed within 5 %, nothing is left in /dev/shm. About 4 minutes here (an engine restart
-under load takes 1-2 of them)."""
+stayed within 5 %, nothing is left in /dev/shm. About 5-6 minutes here (an engine restart
+under load takes 1-2 of them; the warm-up restarts ``b`` once too)."""
 
 from __future__ import annotations
 

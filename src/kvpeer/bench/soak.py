@@ -22,9 +22,14 @@ less shared-memory pages (``RssShmem``): an engine maps its own 256 MiB CPU regi
 over shm, its peer's, whose pages count in its RSS as they are touched and are returned
 when the peer's region is unmapped (a restarted peer brings a new one); that share is
 bounded by the regions' sizes and shown beside. Warm-up is every path once, then
-:data:`WARMUP_TRAFFIC_S` of the soak's own traffic with no fault (the driver's clients,
-pools and the routers' state reach their working size); both samples are taken with the
-traffic paused (no request in flight) and no fault in progress.
+:data:`WARMUP_TRAFFIC_S` of the soak's own traffic, :data:`WARMUP_FAULT` (a SIGKILL and
+restart of ``b``: the failure paths, first taken at the first fault, allocate what they
+keep once, and the routers relearn a new engine), and :data:`WARMUP_TRAFFIC_S` more; that
+fault is logged apart and is not one of the soak's. Both samples are taken with the
+traffic paused (no request in flight), no fault in progress, and the driver's garbage
+collected and its C heap's free pages returned (``malloc_trim``): what is judged is what
+the driver holds, not how fragmented its heap became (a fragmented heap plateaus; live
+memory is not released by a trim, so a leak still shows).
 
 **Verdict.** Exit 1 if any output differs from its prompt's reference, a process grew
 past the tolerance, a file is left in ``/dev/shm``, a request failed whose life does not
@@ -43,6 +48,7 @@ from typing import Any
 __all__ = [
     "FAULT_KINDS",
     "RESOURCE_TOLERANCE",
+    "WARMUP_FAULT",
     "WITNESS",
     "Fault",
     "Outcome",
@@ -130,6 +136,9 @@ def schedule(seed: int, every_s: float) -> Iterator[Fault]:
             yield Fault(gap, kind, rng.choice(ENGINES), round(rng.uniform(*FREEZE_S), 2))
         else:
             yield Fault(gap, kind, "b")
+
+
+WARMUP_FAULT = Fault(0.0, "kill-restart", "b")
 
 
 @dataclass(frozen=True)
@@ -303,6 +312,7 @@ def summary(
     removed_by_fleet: Sequence[str],
     seconds: float,
     logs: Sequence[str],
+    warmup_faults: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The ``--json`` object (the table renders it)."""
     problems = verdict(tally, rows, leftovers, len(faults))
@@ -320,6 +330,7 @@ def summary(
         "mismatches": tally.total("mismatch"),
         "faults": by_kind,
         "fault_log": list(faults),
+        "warmup_fault_log": list(warmup_faults),
         "pulled_blocks": pulled_blocks,
         "processes": [
             {**asdict(row), "rss_growth": row.rss_growth, "fds_growth": row.fds_growth}
@@ -341,10 +352,15 @@ def render(result: dict[str, Any]) -> str:
             f"{by_class.get('failed', 0):>7} {by_class.get('mismatch', 0):>9}"
         )
     faults = ", ".join(f"{n} {kind}" for kind, n in sorted(result["faults"].items())) or "none"
+    warmup = ", ".join(
+        f"{f['kind']} of {f['engine']} ({f['seconds']:.0f} s)"
+        for f in result.get("warmup_fault_log", [])
+    )
     lines += [
         f"served from cache or a peer: {result['requests_from_cache_or_peer']}; "
         f"blocks pulled (engines' /metrics): {result['pulled_blocks']:.0f}",
-        f"faults: {faults}",
+        f"faults: {faults}" + (f" (and in warm-up, before the first sample: {warmup})"
+                               if warmup else ""),
         "",
         f"{'process':<22} {'pid':>7} {'private RSS':>12} {'end':>10} {'':>7} "
         f"{'fds':>4} {'end':>4} {'':>7} {'shm RSS':>10} {'end':>10}  judged",

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import json
 import os
 import random
@@ -38,6 +40,7 @@ from typing import Any
 from kvpeer.bench.soak import (
     ENGINES,
     FAULT_GRACE_S,
+    WARMUP_FAULT,
     WARMUP_TRAFFIC_S,
     Fault,
     Outcome,
@@ -89,6 +92,7 @@ class Soak:
         self.pulled: dict[str, tuple[int, float]] = {}  # engine -> (incarnation pid, last)
         self.pulled_total = 0.0
         self.urls: dict[str, str] = {}
+        self.warmup_faults: list[dict[str, Any]] = []
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -343,15 +347,25 @@ class Soak:
     def run(self) -> tuple[list[Sample], list[Sample]]:
         self.progress("warm-up: every path once, no fault")
         self.warm_up()
-        self.progress(f"warm-up: {WARMUP_TRAFFIC_S:.0f} s of the soak's traffic, no fault")
+        self.progress(
+            f"warm-up: {WARMUP_TRAFFIC_S:.0f} s of the soak's traffic, a {WARMUP_FAULT.kind} "
+            f"of {WARMUP_FAULT.engine}, {WARMUP_TRAFFIC_S:.0f} s more"
+        )
         threads = self.traffic(0)
         time.sleep(WARMUP_TRAFFIC_S)  # the phase's length: traffic runs meanwhile
+        self.inject(WARMUP_FAULT)  # failure paths once; the routers relearn the new engine
+        time.sleep(WARMUP_TRAFFIC_S)
         self.pause(threads)
         for name in ENGINES:
             self.wait_healthy(name)
         self.count_pulls()
+        release_free_heap()
         before = self.sample_processes()
         warm, self.tally = self.tally, Tally()
+        # The warm-up's fault is not the soak's: its window, its log and its restart (the
+        # engine sampled now is the restarted one) start over.
+        self.warmup_faults, self.faults = self.faults, []
+        self.windows, self.restarted = [], set()
         served = warm.total("ok") + warm.total("fallback")
         self.progress(
             f"warm-up served {served} requests ({warm.total('mismatch')} mismatched, "
@@ -374,11 +388,25 @@ class Soak:
         for name in ENGINES:
             self.wait_healthy(name)
         self.report()
-        # The warm-up had no fault: its failures and mismatches count like the soak's.
+        release_free_heap()
+        # The warm-up's failures outside its fault and its mismatches count like the soak's.
         for kind, by_class in warm.counts.items():
             self.tally.counts[f"{kind} warm-up"] = by_class
         self.tally.unexplained[:0] = [f"warm-up {u}" for u in warm.unexplained]
         return before, self.sample_processes()
+
+
+def release_free_heap() -> bool:
+    """Collect garbage, then give the C heap's free pages back (glibc ``malloc_trim``), so
+    that the driver's RSS is what it holds, not how fragmented its heap is; False where
+    there is no glibc. Live memory stays: a leak still shows."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def fresh(rng: random.Random, n: int) -> list[int]:
@@ -430,6 +458,7 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
         tally=soak.tally,
         rows=rows,
         faults=soak.faults,
+        warmup_faults=soak.warmup_faults,
         pulled_blocks=soak.pulled_total,
         leftovers=sorted(set(leftovers)),
         removed_by_fleet=[p.name for p in fleet.removed if p.name not in ours],

@@ -29,7 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -123,10 +123,36 @@ class _Replay:
     nbytes: int = 0
 
 
+class _Applied(list[FeedItem]):
+    """A list that hands each item to ``sink`` at once and keeps none of them."""
+
+    def __init__(self, sink: Callable[[FeedItem], None]) -> None:
+        super().__init__()
+        self._sink = sink
+
+    def append(self, item: FeedItem) -> None:
+        self._sink(item)
+
+    def extend(self, items: Iterable[FeedItem]) -> None:
+        for item in items:
+            self._sink(item)
+
+
 class EventFeed:
     """Sequencing of one engine's KV event stream (see the module docstring)."""
 
-    def __init__(self, *, can_replay: bool, limits: FeedLimits | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        can_replay: bool,
+        limits: FeedLimits | None = None,
+        sink: Callable[[FeedItem], None] | None = None,
+    ) -> None:
+        """``sink``: items go to it as they are produced, in order, instead of into the
+        returned :class:`FeedOutput` (whose ``items`` is then empty). A replay of a long
+        history then costs one batch's events at a time, not all of them at once (a
+        10,000-batch replay made the router's memory jump by tens of MiB)."""
+        self._sink = sink
         self._can_replay = can_replay
         self._limits = limits or FeedLimits()
         self._next: int | None = None  # next seq expected; None: no position yet
@@ -152,7 +178,7 @@ class EventFeed:
         if frame is None:
             return FeedOutput()
         seq, payload = frame
-        items: list[FeedItem] = []
+        items = self._items()
         replay_from = self._live(seq, payload, now, items)
         return FeedOutput(tuple(items), replay_from)
 
@@ -169,7 +195,7 @@ class EventFeed:
             and not parts[1]
             and bytes(parts[2]) == REPLAY_END_SEQ.to_bytes(8, "big")
         ):
-            items: list[FeedItem] = []
+            items = self._items()
             self._finish_replay(complete=True, items=items)
             return FeedOutput(tuple(items))
         frame = self._parse(parts[1:] if len(parts) == 4 and not parts[0] else parts, True)
@@ -179,7 +205,7 @@ class EventFeed:
             replay, frame
         ):
             self._drop("replay_over_limit")
-            items = []
+            items = self._items()
             self._finish_replay(complete=False, items=items)
             return FeedOutput(tuple(items))
         replay.frames.append(frame)
@@ -189,7 +215,7 @@ class EventFeed:
         """Expire a replay that did not finish in time (applies what arrived)."""
         if self._replay is None or now < self._replay.deadline:
             return FeedOutput()
-        items: list[FeedItem] = []
+        items = self._items()
         self._finish_replay(complete=False, items=items)
         return FeedOutput(tuple(items))
 
@@ -198,7 +224,7 @@ class EventFeed:
 
     def reset(self, *, restarted: bool) -> FeedOutput:
         """The edge learned out of band that the engine restarted (or wants a resync)."""
-        items: list[FeedItem] = []
+        items = self._items()
         self._replay = None
         self._reset("restart" if restarted else "gap", restarted, items)
         self._next = None
@@ -337,6 +363,9 @@ class EventFeed:
         items.append(StreamReset(reason, restarted))
 
     # --- frames -----------------------------------------------------------------------
+
+    def _items(self) -> list[FeedItem]:
+        return [] if self._sink is None else _Applied(self._sink)
 
     def _parse(self, parts: Sequence[bytes], replay: bool) -> tuple[int, bytes] | None:
         if len(parts) != 3:

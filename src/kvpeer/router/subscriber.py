@@ -54,7 +54,13 @@ class EventSubscriber:
         self._index = index
         self._context = context
         self._clock = clock
-        self._feed = EventFeed(can_replay=replay_endpoint is not None, limits=limits)
+        # Items reach the index as the feed produces them: a replayed history is applied
+        # batch by batch, never held decoded in full.
+        self._feed = EventFeed(
+            can_replay=replay_endpoint is not None,
+            limits=limits,
+            sink=lambda item: index.apply(engine, item),
+        )
 
     @property
     def engine(self) -> str:
