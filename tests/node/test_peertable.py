@@ -17,7 +17,7 @@ import pytest
 from kvpeer.config import TierConfig
 from kvpeer.errors import PeerLost
 from kvpeer.node.counters import TierCounters
-from kvpeer.node.peertable import FIRST_RETRY_S, Peer, PeerTable
+from kvpeer.node.peertable import FIRST_RETRY_S, MAX_HELD_FRAMES, Peer, PeerTable
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
     AckExtension,
@@ -26,6 +26,7 @@ from kvpeer.protocol import (
     ConnectAck,
     Disconnect,
     Message,
+    Ping,
     UnknownMessage,
 )
 from kvpeer.session import CloseKind, PollResult
@@ -91,14 +92,41 @@ class FakeControl:
         pass
 
 
+class SlowPlane(FakeDataPlane):
+    """Registers each peer off the lock (invariant 9) until the test says it is done."""
+
+    def __init__(self, fabric: Fabric, node_id: str, region: Region) -> None:
+        super().__init__(fabric, node_id, region)
+        self.running: set[str] = set()
+        self.ready: set[str] = set()
+        self.settled: list[str] = []
+
+    def prepare_peer(self, peer_id: str, hello: Connect) -> bool:
+        if peer_id in self.ready:
+            return True
+        self.running.add(peer_id)
+        return False
+
+    def preparing(self, peer_id: str) -> bool:
+        return peer_id in self.running
+
+    def settle_peer(self, peer_id: str) -> None:
+        self.settled.append(peer_id)
+
+    def finish(self, peer_id: str) -> None:
+        self.running.discard(peer_id)
+        self.ready.add(peer_id)
+
+
 class Table:
     """A peer table and everything it did."""
 
-    def __init__(self, config: Mapping[str, object] | None = None) -> None:
+    def __init__(self, config: Mapping[str, object] | None = None, *, slow: bool = False) -> None:
         self.now = 0.0
         self.config = TierConfig.from_dict({"host": "10.0.0.1", "port": 5710, **(config or {})})
         self.fabric = Fabric()
-        self.plane = FakeDataPlane(self.fabric, LOCAL, Region(BLOCKS, BLOCK_LEN))
+        kind = SlowPlane if slow else FakeDataPlane
+        self.plane = kind(self.fabric, LOCAL, Region(BLOCKS, BLOCK_LEN))
         self.control = FakeControl()
         self.counters = TierCounters()
         self.needed: set[str] = set()
@@ -450,3 +478,54 @@ class TestSuppliers:
         t.ready(pid(1))
         assert t.table.serves(pid(1))
         assert [peer_id for peer_id, _ in t.table.items()] == [pid(1)]
+
+
+class TestRegistrationOffTheLock:
+    """Invariant 9: a peer registering off the lock has its frames held, in order."""
+
+    def test_held_frames_are_routed_in_order_once_ready_and_others_flow(self) -> None:
+        t = Table(slow=True)
+        plane = t.plane
+        assert isinstance(plane, SlowPlane)
+        t.connect_from(pid(1))
+        t.ack_from(pid(1))  # held behind its connect
+        peer = t.table.get(pid(1))
+        assert peer is not None
+        assert peer.session.peer_hello is None  # not delivered yet
+        (link,) = t.control.links_to(pid(1))
+        assert [type(m) for m in link.sent] == [Connect]  # no ack before it registers
+        plane.finish(pid(2))  # another peer, ready at once: not held
+        t.connect_from(pid(2))
+        assert [type(m) for m in t.control.links_to(pid(2))[0].sent] == [Connect, ConnectAck]
+        t.table.poll(t.now)
+        assert not peer.session.ready  # still registering: still held
+        plane.finish(pid(1))
+        t.table.poll(t.now)
+        assert peer.session.ready  # the connect, then the ack, in order
+        assert [type(m) for m in link.sent] == [Connect, ConnectAck]
+        assert plane.settled == [pid(1)]
+        assert t.table.statistics().stray_frames == 0
+
+    def test_held_frames_are_bounded_in_count_and_bytes(self) -> None:
+        t = Table({"max_peer_bytes": 1 << 20}, slow=True)
+        t.connect_from(pid(1))
+        ping = Codec().encode(Ping())
+        for _ in range(MAX_HELD_FRAMES + 10):
+            t.frame(pid(1), ping)
+        assert t.table.statistics().stray_frames == 11  # the connect took one place
+        t2 = Table({"max_peer_bytes": 1 << 20}, slow=True)
+        t2.connect_from(pid(1))
+        t2.frame(pid(1), b"x" * (1 << 20))  # over the peer's byte budget with the connect
+        t2.frame(pid(1), ping)  # still room
+        assert t2.table.statistics().stray_frames == 1
+
+    def test_held_frames_are_dropped_after_the_handshake_timeout(self) -> None:
+        t = Table(slow=True)
+        t.connect_from(pid(1))
+        t.ack_from(pid(1))
+        assert t.table.next_deadline() is not None
+        t.now += t.config.handshake_timeout_s
+        t.table.poll(t.now)
+        assert t.table.statistics().stray_frames == 2
+        peer = t.table.get(pid(1))
+        assert peer is None or peer.session.peer_hello is None  # never delivered

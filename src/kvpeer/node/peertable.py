@@ -59,11 +59,12 @@ Invariants:
 9. A peer's ``connect`` that a session will register with the data plane, when the
    registration may be slow (a NIXL metadata load, an shm region request), is
    registered off the node's lock (:meth:`NodeDataPlane.prepare_peer`): the frame,
-   and every later frame of that peer (at most :data:`MAX_HELD_FRAMES`, the rest
-   dropped as strays), is held, in order, and routed again by the first poll after
-   the registration is ready; after ``handshake_timeout_s`` they are dropped (the
-   peer's handshake times out and it tries again). Frames of other peers flow
-   meanwhile, and engine calls do not wait for the registration.
+   and every later frame of that peer (at most :data:`MAX_HELD_FRAMES` frames and
+   ``max_peer_bytes`` bytes; the rest dropped as strays), is held, in order, and
+   routed again by the first poll after the registration is ready; after
+   ``handshake_timeout_s`` they are dropped (the peer's handshake times out and it
+   tries again). Frames of other peers flow meanwhile, and engine calls do not wait
+   for the registration.
 
 Every method runs under the node's lock (it is called by the tier only).
 """
@@ -314,8 +315,10 @@ class PeerTable:
             return
         held = self._held.get(peer_id)
         if held is not None:  # invariant 9: after its connect, in order
-            if len(held[1]) < MAX_HELD_FRAMES:
-                held[1].append(inbound)
+            frames = held[1]
+            size = sum(len(f.frame) for f in frames) + len(inbound.frame)
+            if len(frames) < MAX_HELD_FRAMES and size <= self._config.max_peer_bytes:
+                frames.append(inbound)
             else:
                 self._stray += 1
             return
