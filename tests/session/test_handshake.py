@@ -583,18 +583,8 @@ class TestRepeatedHandshake:
             hello_a=lambda r: make_hello("a", r, boot_id=BOOT_A, session=1 if numbered else None),
             hello_b=lambda r: make_hello("b", r, boot_id=BOOT_B, session=1 if numbered else None),
         )
-        load = pair.next_job_id()
-        pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
-        pair.pump()
         again = make_hello("b", pair.b.region, boot_id=BOOT_B, session=1 if numbered else None)
-        pair.a.session.receive(CODEC.encode(again), pair.clock.now)
-        pair.poll()
-        result = closed(pair.a)
-        assert result.kind is CloseKind.PROTOCOL_ERROR
-        assert "duplicate connect" in result.reason
-        (goodbye,) = sent(pair.a, Disconnect)
-        assert "duplicate connect" in goodbye.reason
-        assert not pair.a.loads[load].success
+        _a_duplicate_connect_ends_the_session(pair, again)
 
     def test_a_later_session_before_its_ack_is_adopted(self) -> None:
         """Nobody acknowledged our connect yet and the peer's next session greets us:
@@ -647,18 +637,7 @@ class TestRepeatedHandshake:
             hello_a=lambda r: make_hello("a", r, kvpeer=False),
             hello_b=lambda r: make_hello("b", r, kvpeer=False),
         )
-        load = pair.next_job_id()
-        pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
-        pair.pump()
-        again = make_hello("b", pair.b.region, kvpeer=False)
-        pair.a.session.receive(CODEC.encode(again), pair.clock.now)
-        pair.poll()
-        result = closed(pair.a)
-        assert result.kind is CloseKind.PROTOCOL_ERROR
-        assert "duplicate connect" in result.reason
-        (goodbye,) = sent(pair.a, Disconnect)
-        assert "duplicate connect" in goodbye.reason
-        assert not pair.a.loads[load].success
+        _a_duplicate_connect_ends_the_session(pair, make_hello("b", pair.b.region, kvpeer=False))
         pair.pump()
         assert closed(pair.b).kind is CloseKind.DISCONNECTED
 
@@ -708,3 +687,19 @@ class TestRepeatedHandshake:
         assert len(pair.a.sent()) == before
         assert pair.a.session.statistics().stale_frames == 1
         assert load not in pair.a.loads  # still in flight, not failed
+
+
+def _a_duplicate_connect_ends_the_session(pair: SessionPair, again: Connect) -> None:
+    """With a PD load in flight, ``again`` reaches a's session: a protocol error that
+    says goodbye and fails the load."""
+    load = pair.next_job_id()
+    pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
+    pair.pump()
+    pair.a.session.receive(CODEC.encode(again), pair.clock.now)
+    pair.poll()
+    result = closed(pair.a)
+    assert result.kind is CloseKind.PROTOCOL_ERROR
+    assert "duplicate connect" in result.reason
+    (goodbye,) = sent(pair.a, Disconnect)
+    assert "duplicate connect" in goodbye.reason
+    assert not pair.a.loads[load].success
