@@ -189,13 +189,12 @@ class DataPlaneSet:
             raise HandshakeRejected(
                 f"block_len {hello.block_len} differs from ours ({self.region.block_len})"
             )
-        for wait in (False, True):  # a prepared one; else after a preparation running
-            if wait:
-                self._reaper.wait_for(peer_id)
-            with self._outcomes_lock:
-                prepared = self._outcomes.pop(peer_id, None)
-            if prepared is not None and prepared.hello == hello:
-                return self._take(peer_id, prepared)
+        prepared = self._prepared(peer_id, hello)
+        if prepared is None:  # a preparation may still be running: its end, then again
+            self._reaper.wait_for(peer_id)
+            prepared = self._prepared(peer_id, hello)
+        if prepared is not None:
+            return self._take(peer_id, prepared)
         self._forget(peer_id)  # also what was prepared for another hello
         self._reaper.wait_for(peer_id)  # a backend may key its state by peer id
         return self._take(peer_id, self._choose(peer_id, hello))
@@ -212,7 +211,8 @@ class DataPlaneSet:
             return True
         if not any(b.registers_slowly for b in self._candidates(hello)):
             return True
-        self._settle(peer_id)
+        with self._outcomes_lock:
+            self._outcomes.pop(peer_id, None)  # for another hello: forgotten next
         self._forget(peer_id)
         notify = self._notify
 
@@ -374,6 +374,12 @@ class DataPlaneSet:
         if failures and all(isinstance(exc, LocalFault) for exc in failures):
             return _Outcome(hello, error=LocalFault(message + reasons))
         return _Outcome(hello, error=DataPlaneError(message + reasons))
+
+    def _prepared(self, peer_id: str, hello: Connect) -> _Outcome | None:
+        """The outcome prepared for ``hello``, taken (one for another hello is dropped)."""
+        with self._outcomes_lock:
+            prepared = self._outcomes.pop(peer_id, None)
+        return prepared if prepared is not None and prepared.hello == hello else None
 
     def _take(self, peer_id: str, outcome: _Outcome) -> TransportChoice | None:
         """Node lock held: make a registration the peer's (or raise its error)."""
