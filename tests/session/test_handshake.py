@@ -588,8 +588,10 @@ class TestRepeatedHandshake:
 
     def test_a_later_session_before_its_ack_is_adopted(self) -> None:
         """Nobody acknowledged our connect yet and the peer's next session greets us:
-        its connect is taken in (checked, registered, acknowledged with its number) and
-        the handshake completes with its ack; what we queued goes out after it."""
+        our connect goes again (the peer's ended session took the first one; its new
+        one would wait for it: seed 25008), then its connect is taken in (checked,
+        registered, acknowledged with its number) and the handshake completes with its
+        ack; what we queued goes out after it."""
         pair = pair_with()
         a = pair.a
         a.session.start(pair.clock.now)
@@ -602,6 +604,9 @@ class TestRepeatedHandshake:
         a.session.receive(CODEC.encode(later), pair.clock.now)
         acks = sent(a, ConnectAck)
         assert [ack.kvpeer.session for ack in acks if ack.kvpeer is not None] == [5, 6]
+        greeting = [m for m in a.sent() if isinstance(m, (Connect, ConnectAck))]
+        assert [type(m) for m in greeting] == [Connect, ConnectAck, Connect, ConnectAck]
+        assert greeting[2] == greeting[0], "the same connect: the same session number"
         assert a.session.peer_hello == later
         assert a.plane.registered_peers() == ["b"]
         a.session.receive(CODEC.encode(ConnectAck(peer_id="b")), pair.clock.now)
@@ -609,6 +614,27 @@ class TestRepeatedHandshake:
         assert a.closed is None
         assert a.session.ready
         assert len(sent(a, Fetch)) == 1
+
+    def test_the_peers_next_session_completes_with_the_adopter(self) -> None:
+        """Seed 25008 between two real sessions: our connect and our ack of the peer's
+        session 5 went to that session, which then ended (both lost to it); the peer's
+        session 6 greets us. Adopting it sends our connect again, so session 6 gets one
+        and both sides are ready at once, not after session 6 waited out its deadline."""
+        pair = pair_with(
+            hello_a=lambda r: make_hello("a", r, boot_id=BOOT_A, session=1),
+            hello_b=lambda r: make_hello("b", r, boot_id=BOOT_B, session=6),
+        )
+        a = pair.a
+        a.session.start(pair.clock.now)
+        old = make_hello("b", pair.b.region, boot_id=BOOT_B, session=5)
+        a.session.receive(CODEC.encode(old), pair.clock.now)
+        pair.link.a_to_b.in_transit.clear()  # read by the peer's ended session 5
+        pair.b.session.start(pair.clock.now)
+        pair.pump()
+        assert a.closed is None
+        assert pair.b.closed is None
+        assert a.session.ready
+        assert pair.b.session.ready
 
     def test_an_ack_for_another_session_number_is_a_straggler(self) -> None:
         """An ack echoing another number than our connect's acknowledges one of our ended

@@ -32,7 +32,9 @@ Invariants:
    ``RENEWED`` without a goodbye (it would end the peer's new session too) and
    the owner opens a fresh one with that frame; only the ids this session held
    consumer state for fail (the peer's process and its parked PD stores live
-   on). Otherwise the new connect is *adopted*: checked, registered and
+   on). Otherwise the new connect is *adopted*: our ``connect`` is sent again
+   (it went to the peer's ended session; the new one would wait for it, then
+   time out: seed 25008), then the peer's is checked, registered and
    acknowledged as if first, and what we queued goes to it: when both sides
    open a fresh session from the other's connect, renewing there (every ack
    accepted) made two nodes renew each other's sessions for ever (seed 2758).
@@ -114,7 +116,7 @@ from kvpeer.protocol import (
     limits,
 )
 from kvpeer.session.consumer import ConsumerRole, ConsumerStatistics
-from kvpeer.session.greeting import later_session, session_number
+from kvpeer.session.greeting import incompatibility, later_session, session_number
 from kvpeer.session.ports import DataPlane, Parent
 from kvpeer.session.producer import ProducerRole, ProducerStatistics
 from kvpeer.session.results import (
@@ -548,6 +550,7 @@ class PeerSession:
                 self._data.unregister_peer(self.peer_id)  # adopted: checked afresh
                 self._ack = None
                 self._peer_hello = None
+                self._transmit_now(self._hello)  # its session never got ours (seed 25008)
                 self._on_connect(hello)
                 return
             if hello == previous and not self._acked and self._ack is not None:
@@ -555,7 +558,9 @@ class PeerSession:
                 return
             raise ProtocolError("duplicate connect")
         self._peer_hello = hello
-        reason = self._incompatibility(hello)
+        reason = incompatibility(hello, self._hello) or (
+            self._admit(self.peer_id, hello) if self._admit is not None else None
+        )
         if reason is not None:
             raise HandshakeRejected(reason)
         try:
@@ -572,30 +577,6 @@ class PeerSession:
         )
         self._ack = ConnectAck(peer_id=self._hello.peer_id, kvpeer=extension)
         self._transmit_now(self._ack)
-
-    def _incompatibility(self, hello: Connect) -> str | None:
-        ours = self._hello
-        if hello.block_len != ours.block_len:
-            return f"block_len mismatch: peer {hello.block_len}, ours {ours.block_len}"
-        if (
-            hello.config_fingerprint
-            and ours.config_fingerprint
-            and hello.config_fingerprint != ours.config_fingerprint
-        ):  # an empty or missing fingerprint on either side skips the check
-            return (
-                f"config fingerprint mismatch: peer {hello.config_fingerprint!r}, "
-                f"ours {ours.config_fingerprint!r}"
-            )
-        if hello.hash_seed != ours.hash_seed:
-            return (
-                f"hash seed mismatch: peer {hello.hash_seed!r}, ours {ours.hash_seed!r} "
-                "(set the same PYTHONHASHSEED on every peer)"
-            )
-        if hello.kvpeer is not None and hello.kvpeer.version[0] != PROTOCOL_VERSION[0]:
-            return f"protocol major version {hello.kvpeer.version[0]}, ours {PROTOCOL_VERSION[0]}"
-        if self._admit is not None:
-            return self._admit(self.peer_id, hello)
-        return None
 
     def _on_connect_ack(self, ack: ConnectAck) -> None:
         self._acked = True

@@ -153,7 +153,8 @@ class World:
         # Fault profile of this seed.
         self.max_delay = rng.choice((0.0, 0.02, 0.1, 0.3))
         answer = Bounds(Timeouts(), self.max_delay, MAX_TICK).answer
-        drawn = Timeouts.drawn(rng, answer)  # drawn even when given: the seed stays the same
+        # drawn even when given: the seed stays the same
+        drawn = Timeouts.drawn(rng, answer, MAX_TICK)
         self.timeouts = (timeouts or drawn).overridden(**(tier_overrides or {}))
         self._pair_delay = {
             (f"n{a}:5710", f"n{b}:5710"): rng.uniform(0.0, self.max_delay)
