@@ -30,6 +30,7 @@ from kvpeer.protocol import (
     UnknownMessage,
 )
 from kvpeer.session import CloseKind, PollResult
+from kvpeer.session.greeting import session_number
 from kvpeer.testing import Fabric, FakeDataPlane, Region, make_hello
 from kvpeer.transport.base import InboundFrame
 
@@ -100,11 +101,13 @@ class SlowPlane(FakeDataPlane):
         self.running: set[str] = set()
         self.ready: set[str] = set()
         self.settled: list[str] = []
+        self.prepared: list[tuple[str, int | None]] = []  # (peer, its session number)
 
     def prepare_peer(self, peer_id: str, hello: Connect) -> bool:
         if peer_id in self.ready:
             return True
         self.running.add(peer_id)
+        self.prepared.append((peer_id, session_number(hello)))
         return False
 
     def preparing(self, peer_id: str) -> bool:
@@ -116,6 +119,10 @@ class SlowPlane(FakeDataPlane):
     def finish(self, peer_id: str) -> None:
         self.running.discard(peer_id)
         self.ready.add(peer_id)
+
+    def forget(self, peer_id: str) -> None:
+        """The next connect of ``peer_id`` registers off the lock again."""
+        self.ready.discard(peer_id)
 
 
 class Table:
@@ -147,12 +154,20 @@ class Table:
             self.closed.append((peer_id, result.closed.kind))
             self.table.ended(peer_id, peer, result.closed)
 
-    def hello(self, peer_id: str, *, boot: int = 1, block_len: int = BLOCK_LEN) -> bytes:
+    def hello(
+        self,
+        peer_id: str,
+        *,
+        boot: int = 1,
+        block_len: int = BLOCK_LEN,
+        session: int | None = None,
+    ) -> bytes:
         """The ``connect`` peer ``peer_id`` sends (its region exists in the fabric)."""
         if peer_id not in self.fabric.planes:
             FakeDataPlane(self.fabric, peer_id, Region(BLOCKS, BLOCK_LEN))
         claimed = Region(BLOCKS, block_len)
-        return Codec().encode(make_hello(peer_id, claimed, boot_id=bytes([boot]) * 16))
+        hello = make_hello(peer_id, claimed, boot_id=bytes([boot]) * 16, session=session)
+        return Codec().encode(hello)
 
     def frame(self, peer_id: str, frame: bytes, source: str | None = "") -> None:
         """``frame`` arrives from ``peer_id`` (by default from the address it names)."""
@@ -505,6 +520,54 @@ class TestRegistrationOffTheLock:
         assert [type(m) for m in link.sent] == [Connect, ConnectAck]
         assert plane.settled == [pid(1)]
         assert t.table.statistics().stray_frames == 0
+
+    def test_the_peers_next_session_adopted_before_our_ack_registers_off_the_lock(
+        self,
+    ) -> None:
+        """Session invariant 3's adoption registers the peer afresh: its connect is held
+        like a first one while the plane prepares it, then adopted (our connect again,
+        then the ack of the new number)."""
+        t = Table(slow=True)
+        plane = t.plane
+        assert isinstance(plane, SlowPlane)
+        t.connect_from(pid(1), session=5)
+        plane.finish(pid(1))
+        t.table.poll(t.now)
+        peer = t.table.get(pid(1))
+        assert peer is not None
+        (link,) = t.control.links_to(pid(1))
+        assert [type(m) for m in link.sent] == [Connect, ConnectAck]  # the peer never acks
+        plane.forget(pid(1))
+        t.connect_from(pid(1), session=6)  # the peer's next session
+        assert plane.prepared == [(pid(1), 5), (pid(1), 6)]
+        hello = peer.session.peer_hello
+        assert hello is not None
+        assert session_number(hello) == 5, "held while it registers"
+        plane.finish(pid(1))
+        t.table.poll(t.now)
+        hello = peer.session.peer_hello
+        assert hello is not None
+        assert session_number(hello) == 6
+        assert [type(m) for m in link.sent] == [Connect, ConnectAck, Connect, ConnectAck]
+        assert t.table.statistics().stray_frames == 0
+
+    def test_a_connect_after_our_ack_is_never_held(self) -> None:
+        """Once the peer acknowledged us, a later connect renews the session (a fresh
+        one registers it, held then) and any other is refused: no preparation for it."""
+        t = Table(slow=True)
+        plane = t.plane
+        assert isinstance(plane, SlowPlane)
+        t.connect_from(pid(1), session=5)
+        plane.finish(pid(1))
+        t.table.poll(t.now)
+        t.ack_from(pid(1))
+        peer = t.table.get(pid(1))
+        assert peer is not None
+        assert peer.session.ready
+        plane.forget(pid(1))
+        t.connect_from(pid(1), session=5)  # the same again: a duplicate, refused
+        assert plane.prepared == [(pid(1), 5)]
+        assert (pid(1), CloseKind.PROTOCOL_ERROR) in t.closed
 
     def test_held_frames_are_bounded_in_count_and_bytes(self) -> None:
         t = Table({"max_peer_bytes": 1 << 20}, slow=True)

@@ -172,6 +172,28 @@ def test_a_registration_prepared_for_another_hello_is_redone(planes: Planes) -> 
     assert [thread for _, thread in planes.backend.added][1] == threading.current_thread().name
 
 
+def test_an_adopted_next_session_replaces_the_registration_off_the_lock(
+    planes: Planes,
+) -> None:
+    """A session adopting the peer's next connect registers it again (session
+    invariant 3): prepared off the lock like a first one, the old registration goes
+    first, and ``register_peer`` takes the new outcome in its place."""
+    first, later = hello("p", num_blocks=8), hello("p", num_blocks=4)
+    planes.backend.gate.set()
+    assert planes.set.prepare_peer("p", first) is False
+    assert planes.notified.wait(TIMEOUT_S)
+    assert planes.set.register_peer("p", first) is not None
+    planes.notified.clear()
+    assert planes.set.prepare_peer("p", later) is False
+    assert planes.notified.wait(TIMEOUT_S)
+    choice = planes.set.register_peer("p", later)
+    assert choice is not None
+    assert choice.params == {"n": 2}
+    assert planes.backend.detached == ["p"]  # the first registration, before the second
+    assert [thread for _, thread in planes.backend.added] == ["kvpeer-reaper"] * 2
+    assert planes.set.chosen("p") == "gated"
+
+
 @pytest.mark.parametrize("why", ["no loop to notify", "a quick backend"])
 def test_registration_stays_on_the_callers_thread_when_nothing_is_gained(why: str) -> None:
     made = Planes(notify=why != "no loop to notify", slow=why != "a quick backend")

@@ -56,7 +56,8 @@ Invariants:
    (``RENEWED``: the peer's next session, its goodbye for the last one lost;
    session invariant 3). Our connects number our sessions in increasing order,
    from a start drawn from our boot id.
-9. A peer's ``connect`` that a session will register with the data plane, when the
+9. A peer's ``connect`` that a session will register with the data plane (its
+   first, or its next session's that an unacknowledged session adopts), when the
    registration may be slow (a NIXL metadata load, an shm region request), is
    registered off the node's lock (:meth:`NodeDataPlane.prepare_peer`): the frame,
    and every later frame of that peer (at most :data:`MAX_HELD_FRAMES` frames and
@@ -389,14 +390,20 @@ class PeerTable:
         self, peer_id: str, peer: Peer, inbound: InboundFrame, now: float
     ) -> bool:
         """Invariant 9: hold ``inbound`` if it is a connect that ``peer``'s session
-        will register and the data plane registers it off the lock."""
-        if peer.session.peer_hello is not None:
-            return False  # registered already (or refused): nothing to prepare
+        will register (a first one, or the peer's next session it adopts) and the
+        data plane registers it off the lock."""
+        session = peer.session
+        if session.peer_hello is not None and session.answered:
+            return False  # registered, acknowledged: a connect now renews or is refused
         try:
             hello = self._codec.decode(inbound.frame)
         except ProtocolError:
             return False
-        if not isinstance(hello, Connect) or self._data.prepare_peer(peer_id, hello):
+        if not isinstance(hello, Connect):
+            return False
+        if session.peer_hello is not None and not session.adopts(hello):
+            return False
+        if self._data.prepare_peer(peer_id, hello):
             return False
         self._held[peer_id] = (now, [inbound])
         return True

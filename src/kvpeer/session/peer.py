@@ -224,6 +224,18 @@ class PeerSession:
         """The peer's ``connect``, once received."""
         return self._peer_hello
 
+    def adopts(self, hello: Connect) -> bool:
+        """Invariant 3: ``hello`` opens the peer's next session and this one (not
+        acknowledged, serving nothing) would take it in as a first ``connect``."""
+        previous = self._peer_hello
+        return (
+            previous is not None
+            and self._closed is None
+            and not self._acked
+            and self._producer.is_empty()
+            and later_session(hello, previous)
+        )
+
     @property
     def peer_boot_id(self) -> bytes | None:
         hello = self._peer_hello
@@ -540,14 +552,15 @@ class PeerSession:
                 )
                 return
             if later_session(hello, previous):  # invariant 3: the peer's next session
-                if self._acked or not self._producer.is_empty():
+                if not self.adopts(hello):
                     self._end(
                         CloseKind.RENEWED,
                         "peer began a new session (same boot id; its side of this one ended)",
                         send_disconnect=False,
                     )
                     return
-                self._data.unregister_peer(self.peer_id)  # adopted: checked afresh
+                # Adopted: checked and registered afresh (the registration replaces
+                # the last; the windows our queued fetches opened stay open).
                 self._ack = None
                 self._peer_hello = None
                 self._transmit_now(self._hello)  # its session never got ours (seed 25008)

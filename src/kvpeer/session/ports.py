@@ -33,7 +33,9 @@ class DataPlane(Protocol):
     1. ``register_peer`` happens before any write to that peer and raises
        :class:`~kvpeer.errors.DataPlaneError` (or HandshakeRejected) if the
        peer's region cannot be used; it returns the plane it chose for writing
-       to that peer, or None for the vLLM-compatible default (NIXL).
+       to that peer, or None for the vLLM-compatible default (NIXL). Called again
+       for the same peer (a session adopting the peer's next ``connect``), it
+       replaces the registration.
     2. ``write_blocks`` never blocks; it returns a transfer id unique for the
        plane's lifetime or raises DataPlaneError if the transfer cannot start.
     3. ``poll(peer_id)`` returns each finished transfer of that peer exactly
