@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -27,7 +30,8 @@ from kvpeer.router.feed import (
     StreamReset,
 )
 from kvpeer.router.health import EngineHealth
-from kvpeer.router.index import MEDIUM_GPU
+from kvpeer.router.index import MEDIUM_GPU, PrefixIndex
+from kvpeer.router.subscriber import EventSubscriber
 from tests.router.conftest import run
 
 BS = 4
@@ -412,3 +416,58 @@ def test_router_an_engine_without_an_event_feed_is_restarted_as_before() -> None
         assert held(router) == 3 * BS  # a is untouched
 
     run(router_scenario(body))
+
+
+# --- vLLM's own publisher ------------------------------------------------------------------
+
+
+def test_vllms_publisher_replays_the_anchor_byte_for_byte_and_its_successor_does_not(
+    tmp_path: Path,
+) -> None:
+    """The proof rests on vLLM's ``ZmqEventPublisher`` replaying the bytes it published:
+    checked against the real class (in this process, on ipc sockets), not a fake."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+
+    def publish(publisher: Any, n: int, ts: float) -> None:
+        events = [kv.BlockStored(block_hashes=[block(n)],
+                                 parent_block_hash=block(n - 1) if n else None,
+                                 token_ids=tokens(n), block_size=BS, lora_id=None,
+                                 medium="GPU", lora_name=None)]
+        publisher.publish(kv.KVEventBatch(ts=ts, events=events))
+
+    async def scenario() -> None:
+        index = PrefixIndex(block_size=BS)
+        subscriber = EventSubscriber("e0", pub_ep, index, replay_endpoint=replay_ep)
+        first = kv.ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep)
+        second = None
+        for n in range(3):
+            publish(first, n, ts=100.0 + n)
+        stop = asyncio.Event()
+        task = asyncio.create_task(subscriber.run(stop))
+        keys = index.keys([t for n in range(3) for t in tokens(n)])
+        try:
+            # On subscribing it asks for the history: the three batches, replayed.
+            await until(lambda: index.longest_prefix("e0", keys, MEDIUM_GPU, 0.0) == 3 * BS,
+                        "the replayed history")
+            anchor = subscriber.anchor()
+            assert anchor is not None
+            assert anchor.seq == 2
+            assert await asyncio.wait_for(subscriber.verify(anchor), 10) is Continuity.SAME
+            assert subscriber.statistics().resets == 0
+            await until(lambda: not subscriber.statistics().replaying, "the replay's end")
+
+            first.shutdown()  # the engine process ends; another one binds the same endpoints
+            second = kv.ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep)
+            for n in range(5):
+                publish(second, n, ts=200.0 + n)  # the same blocks, another process
+            verdict = await asyncio.wait_for(subscriber.verify(anchor), 10)
+            assert verdict is not Continuity.SAME
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            for publisher in (first, second):
+                if publisher is not None:
+                    publisher.shutdown()
+
+    run(scenario())
