@@ -199,7 +199,7 @@ class EventFeed:
         self._fresh = True  # nothing applied since the last reset: holes cannot mislead
         self._synced = False
         self._replay: _Replay | None = None
-        self._last: tuple[int, bytes] | None = None  # seq and digest of the last batch
+        self._last: tuple[int, bytes] | None = None  # seq and bytes of the last batch
         self._epoch = 0  # bumped by every restart reset
         self._verdict: Continuity | None = None  # a verify() answer to hand out
         self._counts: dict[str, int] = {}
