@@ -46,6 +46,7 @@ from kvpeer.router.metrics import LiveCollector, RouterMetrics
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
 from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
+from kvpeer.router.witness import FeedWitness
 
 __all__ = ["PIN_HEADER", "Router", "RouterStatistics"]
 
@@ -153,6 +154,8 @@ class Router:
             self._on_restart,
             interval_s=config.health_interval_s,
             timeout_s=config.health_timeout_s,
+            witness=FeedWitness(self.subscribers),  # down -> up: a flap only if proven
+            on_flap=lambda name: self._metrics.flaps.inc(),
         )
         self._loads = {entry.name: _Load() for entry in config.engines}
         self._timeout = aiohttp.ClientTimeout(

@@ -22,7 +22,17 @@ Invariants:
    if frames before the first one seen were missed).
 4. :class:`StreamSynced` is emitted once the feed follows the stream from a known point:
    from then on the engine counts as learned, until the next reset.
-5. Nothing here raises on what the network sent; bad frames are counted by reason.
+5. Whether a publisher is still the process the feed followed is *proven*, never
+   guessed (:meth:`EventFeed.verify`): the feed remembers the ``seq`` and a digest of
+   the last batch it applied (an :class:`Anchor`) and asks the replay endpoint for every
+   batch from that ``seq`` on. vLLM replays the bytes it published (each batch carries
+   its wall-clock ``ts``), so the same process answers with that very batch first:
+   :attr:`Continuity.SAME`, and the rest of the answer is the gap, applied as any
+   replay. Other bytes at that ``seq``, nothing from it on, ``seq`` going back, or a
+   restart the feed saw since the anchor: :attr:`Continuity.NEW` (reset as in 3). No
+   replay endpoint, no anchor, a replay already under way, a buffer that no longer
+   reaches back to the anchor, a timeout: :attr:`Continuity.UNKNOWN`.
+6. Nothing here raises on what the network sent; bad frames are counted by reason.
    Time is an argument; :meth:`EventFeed.next_deadline` says when to call
    :meth:`EventFeed.poll`.
 """
@@ -31,6 +41,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
+from hashlib import blake2b
 from typing import Final
 
 from kvpeer.router.events import (
@@ -42,6 +54,8 @@ from kvpeer.router.events import (
 
 __all__ = [
     "REPLAY_END_SEQ",
+    "Anchor",
+    "Continuity",
     "EventFeed",
     "FeedLimits",
     "FeedOutput",
@@ -75,12 +89,32 @@ class StreamSynced:
 FeedItem = KVEvent | StreamReset | StreamSynced
 
 
+class Continuity(StrEnum):
+    """What :meth:`EventFeed.verify` found out about the publisher (invariant 5)."""
+
+    SAME = "same"  # it replayed the anchor batch byte for byte: the same process
+    NEW = "new"  # another process (or the feed saw one since the anchor)
+    UNKNOWN = "unknown"  # nothing proves either
+
+
+@dataclass(frozen=True, slots=True)
+class Anchor:
+    """The last batch the feed applied: its ``seq``, a digest of its bytes, and the
+    feed's process epoch at the time (bumped by every restart reset)."""
+
+    seq: int
+    digest: bytes
+    epoch: int
+
+
 @dataclass(frozen=True, slots=True)
 class FeedOutput:
-    """What one call produced: items to apply in order, and maybe a replay to request."""
+    """What one call produced: items to apply in order, maybe a replay to request, and
+    maybe the answer to a pending :meth:`EventFeed.verify`."""
 
     items: tuple[FeedItem, ...] = ()
     replay_from: int | None = None  # send encode_replay_request(replay_from) now
+    continuity: Continuity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +139,7 @@ class FeedStatistics:
     replays_requested: int
     replays_completed: int
     replays_incomplete: int
+    verified: tuple[tuple[str, int], ...]  # verify() answers, by Continuity value
     dropped: tuple[tuple[str, int], ...]  # frames/batches dropped, by reason
     skipped: tuple[tuple[str, int], ...]  # events left out by the decoder, by reason
 
@@ -114,10 +149,15 @@ def encode_replay_request(start_seq: int) -> list[bytes]:
     return [b"", start_seq.to_bytes(8, "big")]
 
 
+def _digest(payload: bytes) -> bytes:
+    return blake2b(payload, digest_size=16).digest()
+
+
 @dataclass(slots=True)
 class _Replay:
     start: int
     deadline: float
+    probe: Anchor | None = None  # a verify() waiting for the anchor batch
     frames: list[tuple[int, bytes]] = field(default_factory=list)
     live: list[tuple[int, bytes]] = field(default_factory=list)
     nbytes: int = 0
@@ -159,6 +199,9 @@ class EventFeed:
         self._fresh = True  # nothing applied since the last reset: holes cannot mislead
         self._synced = False
         self._replay: _Replay | None = None
+        self._last: tuple[int, bytes] | None = None  # seq and bytes of the last batch
+        self._epoch = 0  # bumped by every restart reset
+        self._verdict: Continuity | None = None  # a verify() answer to hand out
         self._counts: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
@@ -171,6 +214,31 @@ class EventFeed:
             return FeedOutput()
         return FeedOutput(replay_from=self._begin_replay(0, now))
 
+    def anchor(self) -> Anchor | None:
+        """The last batch applied (None: none since the last restart), to :meth:`verify`
+        the publisher against later (invariant 5)."""
+        if self._last is None:
+            return None
+        seq, payload = self._last
+        return Anchor(seq, _digest(payload), self._epoch)
+
+    def verify(self, anchor: Anchor | None, now: float) -> FeedOutput:
+        """Is the publisher still the process that published ``anchor``? (invariant 5)
+
+        The answer is this output's ``continuity``, or a later output's: then this one
+        asks for a replay from the anchor's ``seq``, whose first frame decides.
+        """
+        if anchor is not None and anchor.epoch != self._epoch:
+            self._verdict = Continuity.NEW  # the feed saw a new process since
+            return self._output([])
+        if anchor is None or not self._can_replay or self._replay is not None:
+            self._verdict = Continuity.UNKNOWN
+            return self._output([])
+        start = self._begin_replay(anchor.seq, now)
+        assert self._replay is not None
+        self._replay.probe = anchor
+        return FeedOutput(replay_from=start)
+
     def on_live(self, parts: Sequence[bytes], now: float) -> FeedOutput:
         """One PUB message ``[topic, seq, payload]``."""
         self._bump("frames")
@@ -180,7 +248,7 @@ class EventFeed:
         seq, payload = frame
         items = self._items()
         replay_from = self._live(seq, payload, now, items)
-        return FeedOutput(tuple(items), replay_from)
+        return self._output(items, replay_from)
 
     def on_replay(self, parts: Sequence[bytes], now: float) -> FeedOutput:
         """One DEALER message from the replay endpoint (a batch, or the end marker)."""
@@ -196,20 +264,27 @@ class EventFeed:
             and bytes(parts[2]) == REPLAY_END_SEQ.to_bytes(8, "big")
         ):
             items = self._items()
-            self._finish_replay(complete=True, items=items)
-            return FeedOutput(tuple(items))
+            if replay.probe is not None:  # nothing from the anchor on: not that process
+                self._new_process(items)
+            else:
+                self._finish_replay(complete=True, items=items)
+            return self._output(items)
         frame = self._parse(parts[1:] if len(parts) == 4 and not parts[0] else parts, True)
         if frame is None:
             return FeedOutput()
+        if replay.probe is not None:
+            items = self._items()
+            if self._probe(replay, replay.probe, frame, items):
+                return self._output(items)
         if len(replay.frames) >= self._limits.max_replay_frames or not self._hold(
             replay, frame
         ):
             self._drop("replay_over_limit")
             items = self._items()
             self._finish_replay(complete=False, items=items)
-            return FeedOutput(tuple(items))
+            return self._output(items)
         replay.frames.append(frame)
-        return FeedOutput()
+        return self._output([])
 
     def poll(self, now: float) -> FeedOutput:
         """Expire a replay that did not finish in time (applies what arrived)."""
@@ -217,7 +292,7 @@ class EventFeed:
             return FeedOutput()
         items = self._items()
         self._finish_replay(complete=False, items=items)
-        return FeedOutput(tuple(items))
+        return self._output(items)
 
     def next_deadline(self) -> float | None:
         return None if self._replay is None else self._replay.deadline
@@ -225,10 +300,12 @@ class EventFeed:
     def reset(self, *, restarted: bool) -> FeedOutput:
         """The edge learned out of band that the engine restarted (or wants a resync)."""
         items = self._items()
+        if self._replay is not None and self._replay.probe is not None:
+            self._verdict = Continuity.UNKNOWN
         self._replay = None
         self._reset("restart" if restarted else "gap", restarted, items)
         self._next = None
-        return FeedOutput(tuple(items))
+        return self._output(items)
 
     def statistics(self) -> FeedStatistics:
         c = self._counts.get
@@ -245,6 +322,11 @@ class EventFeed:
             replays_requested=c("replays_requested", 0),
             replays_completed=c("replays_completed", 0),
             replays_incomplete=c("replays_incomplete", 0),
+            verified=tuple(
+                (v.value, c(f"verified_{v.value}", 0))
+                for v in Continuity
+                if c(f"verified_{v.value}", 0)
+            ),
             dropped=tuple(sorted(self._dropped.items())),
             skipped=tuple(sorted(self._skipped.items())),
         )
@@ -256,6 +338,8 @@ class EventFeed:
         if replay is not None:
             floor = replay.live[-1][0] + 1 if replay.live else replay.start
             if seq < floor:  # seq went back while we waited: a new process (invariant 3)
+                if replay.probe is not None:
+                    self._verdict = Continuity.NEW
                 self._replay = None
                 return self._restart_then(seq, payload, now, items)
             if len(replay.live) >= self._limits.max_buffered_frames or not self._hold(
@@ -285,10 +369,35 @@ class EventFeed:
     def _restart_then(
         self, seq: int, payload: bytes, now: float, items: list[FeedItem]
     ) -> int | None:
+        self._new_process(items)
+        return self._live(seq, payload, now, items)
+
+    def _new_process(self, items: list[FeedItem]) -> None:
+        """The publisher is another process (invariant 3); a pending verify() says so."""
+        if self._replay is not None and self._replay.probe is not None:
+            self._verdict = Continuity.NEW
+        self._replay = None
         self._bump("restarts")
         self._reset("restart", True, items)
         self._next = None
-        return self._live(seq, payload, now, items)
+
+    def _probe(
+        self, replay: _Replay, anchor: Anchor, frame: tuple[int, bytes], items: list[FeedItem]
+    ) -> bool:
+        """The first frame of a verify() replay decides; True if it ended the replay."""
+        replay.probe = None
+        seq, payload = frame
+        if seq == anchor.seq and _digest(payload) == anchor.digest:
+            self._verdict = Continuity.SAME  # the rest of the replay is the gap
+            return False
+        if seq == anchor.seq:  # other bytes at the same seq: another process
+            self._verdict = Continuity.NEW
+            self._new_process(items)
+            return True
+        # The buffer no longer reaches back to the anchor (or the publisher sent what it
+        # was not asked for): nothing proven; the rest is an ordinary gap replay.
+        self._verdict = Continuity.UNKNOWN
+        return False
 
     def _begin_replay(self, start: int, now: float) -> int:
         self._bump("replays_requested")
@@ -313,6 +422,8 @@ class EventFeed:
         replay = self._replay
         assert replay is not None
         self._replay = None
+        if replay.probe is not None:  # timed out or over a limit before its first frame
+            self._verdict = Continuity.UNKNOWN
         self._bump("replays_completed" if complete else "replays_incomplete")
         for seq, payload in [*sorted(replay.frames, key=lambda f: f[0]), *replay.live]:
             if self._next is None:
@@ -335,6 +446,7 @@ class EventFeed:
 
     def _apply(self, seq: int, payload: bytes, items: list[FeedItem]) -> None:
         self._next = seq + 1
+        self._last = (seq, payload)  # the anchor of a later verify()
         decoded = decode_batch(payload)
         if isinstance(decoded, BatchRejected):
             self._drop(decoded.reason)
@@ -360,7 +472,17 @@ class EventFeed:
         self._bump("resets")
         self._fresh = True
         self._synced = False
+        if restarted:
+            self._epoch += 1
+            self._last = None
         items.append(StreamReset(reason, restarted))
+
+    def _output(self, items: list[FeedItem], replay_from: int | None = None) -> FeedOutput:
+        """The call's output, with the verify() answer it produced, if any."""
+        verdict, self._verdict = self._verdict, None
+        if verdict is not None:
+            self._bump(f"verified_{verdict.value}")
+        return FeedOutput(tuple(items), replay_from, verdict)
 
     # --- frames -----------------------------------------------------------------------
 

@@ -7,9 +7,16 @@ Rules:
 2. A failed check, or a request that could not connect to it, marks it down at once; only
    a later successful check brings it back. Engines that share one URL (DP ranks behind
    one API server) share one check and one state.
-3. Up -> down -> up is a restart as far as the router can tell: the decision core is told
-   (``on_restart``) so it forgets what that engine held and no request is sent to pull
-   from a cache that is gone. An engine never seen up is not "restarted".
+3. Up -> down -> up is a restart unless the engine *proves* it is the process that went
+   down (:meth:`ProcessWitness.same_process`, asked once per engine when its check
+   passes again, bounded by the timeout; the edge's witness is the KV-event feed, which
+   has the publisher replay the last batch it saw before the engine went down). A
+   restart tells the decision core (``on_restart``) so it forgets what that engine held
+   and no request is sent to pull from a cache that is gone; a proven flap keeps it
+   (``on_flap``). The engine stays down until the verdict, so nothing is routed on an
+   index that may be void. Anything short of proof -- no witness, no event feed, no
+   replay endpoint, a timeout, an error -- is a restart. An engine never seen up is not
+   "restarted".
 4. Checks run concurrently, each bounded by the timeout, so one hung engine cannot delay
    the verdict on the others.
 """
@@ -20,12 +27,13 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
 from kvpeer.router.config import EngineEntry
 
-__all__ = ["EngineHealth", "HealthStatistics"]
+__all__ = ["EngineHealth", "HealthStatistics", "ProcessWitness"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,18 @@ class HealthStatistics:
     checks: int
     check_failures: int
     marked_down: int  # by requests that could not reach an engine
-    restarts: int
+    restarts: int  # returns (per URL) where some engine was not proven the same process
+    flaps: int  # returns (per URL) where every engine was proven the same process
+
+
+class ProcessWitness(Protocol):
+    """What can prove that an engine that answers again is the process that went down."""
+
+    def went_down(self, name: str) -> None:
+        """``name`` just went down: remember where its process stood."""
+
+    async def same_process(self, name: str) -> bool:
+        """True only if ``name`` is proven the process that went down."""
 
 
 @dataclass(slots=True)
@@ -57,9 +76,14 @@ class EngineHealth:
         *,
         interval_s: float,
         timeout_s: float,
+        witness: ProcessWitness | None = None,
+        on_flap: Callable[[str], None] | None = None,
     ) -> None:
         self._entries = tuple(engines)
         self._on_restart = on_restart
+        self._witness = witness
+        self._on_flap = on_flap
+        self._timeout_s = timeout_s
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._urls: dict[str, list[str]] = {}
@@ -72,6 +96,7 @@ class EngineHealth:
         self._failures = 0
         self._marked_down = 0
         self._restarts = 0
+        self._flaps = 0
 
     def healthy(self, name: str) -> bool:
         return self._states[self._url_of[name]].up
@@ -87,21 +112,36 @@ class EngineHealth:
             log.warning("engine %s marked down: %s", name, reason)
             self._set(self._url_of[name], up=False, reason=reason)
 
-    def _set(self, url: str, *, up: bool, reason: str) -> None:
+    def _set(self, url: str, *, up: bool, reason: str,
+             same: frozenset[str] = frozenset()) -> None:
+        """``same``: the engines at ``url`` proven the process that went down (rule 3)."""
         state = self._states[url]
         was_up = state.up
         state.up, state.reason = up, reason
+        names = self._urls[url]
         if up and not was_up:
             if state.seen_up:
-                self._restarts += 1
-                for name in self._urls[url]:
-                    log.warning("engine %s is back: treating it as restarted", name)
-                    self._on_restart(name)
+                if same.issuperset(names):
+                    self._flaps += 1
+                else:
+                    self._restarts += 1
+                for name in names:
+                    if name in same:
+                        log.warning("engine %s is back, proven the same process: a flap, "
+                                    "what it holds is kept", name)
+                        if self._on_flap is not None:
+                            self._on_flap(name)
+                    else:
+                        log.warning("engine %s is back: treating it as restarted", name)
+                        self._on_restart(name)
             else:
-                log.info("engine(s) %s up", ",".join(self._urls[url]))
+                log.info("engine(s) %s up", ",".join(names))
             state.seen_up = True
         elif was_up and not up:
-            log.warning("engine(s) %s down: %s", ",".join(self._urls[url]), reason)
+            log.warning("engine(s) %s down: %s", ",".join(names), reason)
+            if self._witness is not None:
+                for name in names:
+                    self._witness.went_down(name)
         if up != was_up:
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
@@ -122,7 +162,29 @@ class EngineHealth:
             ok, reason = False, f"/health failed: {type(exc).__name__}"
         if not ok:
             self._failures += 1
-        self._set(url, up=ok, reason=reason)
+        state = self._states[url]
+        same = await self._proven_same(url) if ok and not state.up and state.seen_up else None
+        self._set(url, up=ok, reason=reason, same=same or frozenset())
+
+    async def _proven_same(self, url: str) -> frozenset[str]:
+        """The engines at ``url`` the witness proves unchanged, within the timeout."""
+        if self._witness is None:
+            return frozenset()
+        names = self._urls[url]
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                verdicts = await asyncio.gather(
+                    *(self._witness.same_process(name) for name in names)
+                )
+        except TimeoutError:
+            log.warning("engine(s) %s: no proof of the same process within %.1f s",
+                        ",".join(names), self._timeout_s)
+            return frozenset()
+        except Exception:
+            log.exception("engine(s) %s: proving the same process failed", ",".join(names))
+            return frozenset()
+        return frozenset(name for name, same in zip(names, verdicts, strict=True)
+                         if same is True)
 
     async def check_once(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self._check(session, url) for url in self._states))
@@ -137,5 +199,6 @@ class EngineHealth:
         up = tuple(e.name for e in self._entries if self.healthy(e.name))
         down = tuple(e.name for e in self._entries if not self.healthy(e.name))
         return HealthStatistics(
-            up, down, self._checks, self._failures, self._marked_down, self._restarts
+            up, down, self._checks, self._failures, self._marked_down, self._restarts,
+            self._flaps,
         )

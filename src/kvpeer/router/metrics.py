@@ -60,7 +60,10 @@ class RouterMetrics:
         self.tokenize_failures = counter("tokenize_failures",
                                          "Prompts routed by load because /tokenize failed")
         self.policy_errors = counter("policy_errors", "Plans replaced by load-only", ["kind"])
-        self.restarts = counter("engine_restarts", "Engines seen down then up again")
+        self.restarts = counter("engine_restarts",
+                                "Engines seen down then up again, taken for restarted")
+        self.flaps = counter("engine_flaps", "Engines seen down then up again, proven the "
+                             "same process by their KV-event feed (index kept)")
         self.predicted_cached = counter(
             "predicted_cached_tokens", "Cached prompt tokens the plan predicted "
             "(requests whose engine reported cached_tokens)")

@@ -2,7 +2,8 @@
 event publisher (ZMQ SUB) and replay endpoint (ZMQ DEALER), on the edge's asyncio loop.
 
 All sequencing decisions are the feed's; this class only moves frames between sockets
-and the feed, and feed items into the index. It runs on the same event loop as the
+and the feed, feed items into the index, and the feed's answer to a :meth:`verify` to
+whoever awaits it. It runs on the same event loop as the
 policy, so the index needs no lock. Sockets are bounded (``MAXMSGSIZE``), never linger,
 and a message that does not fit is dropped by ZMQ before it reaches Python.
 """
@@ -19,6 +20,8 @@ import zmq.asyncio
 
 from kvpeer.router.events import MAX_PAYLOAD_BYTES
 from kvpeer.router.feed import (
+    Anchor,
+    Continuity,
     EventFeed,
     FeedLimits,
     FeedOutput,
@@ -61,6 +64,9 @@ class EventSubscriber:
             limits=limits,
             sink=lambda item: index.apply(engine, item),
         )
+        self._dealer: zmq.asyncio.Socket | None = None  # while run() runs
+        self._wake = asyncio.Event()  # run() re-reads the feed's deadline
+        self._verdict: asyncio.Future[Continuity] | None = None
 
     @property
     def engine(self) -> str:
@@ -72,6 +78,29 @@ class EventSubscriber:
     def resync(self, *, restarted: bool = True) -> None:
         """The edge saw the engine restart: forget it and relearn from its stream."""
         self._apply(self._feed.reset(restarted=restarted))
+
+    def anchor(self) -> Anchor | None:
+        """Where the feed stands now, to :meth:`verify` the engine against later."""
+        return self._feed.anchor()
+
+    async def verify(self, anchor: Anchor | None) -> Continuity:
+        """Whether the publisher is still the process that published ``anchor`` (the
+        feed's invariant 5). Not bounded here: the caller bounds it (the feed's replay
+        deadline answers UNKNOWN at the latest)."""
+        if self._dealer is None or self._verdict is not None:
+            return Continuity.UNKNOWN  # not running, or another verify is pending
+        out = self._feed.verify(anchor, self._clock())
+        if out.continuity is not None:
+            self._apply(out)
+            return out.continuity
+        verdict: asyncio.Future[Continuity] = asyncio.get_running_loop().create_future()
+        self._verdict = verdict
+        try:
+            await self._handle(out, self._dealer)
+            self._wake.set()  # the feed has a replay deadline now
+            return await verdict
+        finally:
+            self._verdict = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Subscribe and follow the stream until ``stop`` is set; closes its sockets."""
@@ -93,19 +122,27 @@ class EventSubscriber:
                 assert self._replay_endpoint is not None
                 dealer.connect(self._replay_endpoint)
                 poller.register(dealer, zmq.POLLIN)
+            self._dealer = dealer
             await self._handle(self._feed.start(self._clock()), dealer)
             while not stop.is_set():
                 deadline = self._feed.next_deadline()
                 timeout = -1 if deadline is None else max(0, int((deadline - self._clock()) * 1e3))
+                self._wake.clear()
                 polling = asyncio.ensure_future(poller.poll(timeout))
+                wake = asyncio.ensure_future(self._wake.wait())
                 done, _ = await asyncio.wait(
-                    {polling, stop_wait}, return_when=asyncio.FIRST_COMPLETED
+                    {polling, stop_wait, wake}, return_when=asyncio.FIRST_COMPLETED
                 )
+                if not wake.done():
+                    wake.cancel()
                 if polling not in done:
                     polling.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await polling
-                    break
+                    if stop_wait in done:
+                        break
+                    await self._handle(self._feed.poll(self._clock()), dealer)
+                    continue
                 ready = dict(polling.result())
                 if sub in ready:
                     await self._drain(sub, dealer, replay=False)
@@ -113,6 +150,9 @@ class EventSubscriber:
                     await self._drain(dealer, dealer, replay=True)
                 await self._handle(self._feed.poll(self._clock()), dealer)
         finally:
+            self._dealer = None
+            if self._verdict is not None and not self._verdict.done():
+                self._verdict.set_result(Continuity.UNKNOWN)
             stop_wait.cancel()
             sub.close(linger=0)
             if dealer is not None:
@@ -140,3 +180,6 @@ class EventSubscriber:
     def _apply(self, out: FeedOutput) -> None:
         for item in out.items:
             self._index.apply(self._engine, item)
+        verdict = self._verdict
+        if out.continuity is not None and verdict is not None and not verdict.done():
+            verdict.set_result(out.continuity)
