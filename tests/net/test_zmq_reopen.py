@@ -262,3 +262,32 @@ def test_an_oversized_answer_closes_the_link_instead_of_being_read(parked: bool)
     finally:
         a.close()
         context.destroy(linger=0)
+
+
+def test_a_parked_link_closes_when_its_time_is_up() -> None:
+    now = [100.0]
+    a = ZmqControl("127.0.0.1", 0, park_s=5.0, clock=lambda: now[0])
+    b = ZmqControl("127.0.0.1", 0)
+    try:
+        got: dict[int, list[InboundFrame]] = {}
+        link = a.connect(b.local_id)
+        link.transmit(b"one")
+        assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
+        assert a.next_deadline() is None
+        link.close()
+        a.receive()
+        assert a.statistics().links_parked == 1
+        assert a.next_deadline() == 105.0
+
+        now[0] = 104.9
+        a.receive()
+        assert a.statistics().links_parked == 1
+        now[0] = 105.0
+        a.receive()
+
+        assert a.statistics().links_parked == 0
+        assert a.next_deadline() is None
+        assert a.descriptors == (a.descriptors[0],)  # the ROUTER's alone
+    finally:
+        a.close()
+        b.close()

@@ -42,10 +42,11 @@ carries ours. Socket rules:
    *parked* (its last words still go out on it) and the next link to that peer
    takes the connection over, frames in order after the old link's. Nothing is
    read from a parked connection (what the peer sends on it is dropped and
-   counted); it is closed when it is lost, when a newer link to the peer is
-   parked, when more than ``max_parked_links`` are parked (oldest first), and with
-   the control. Between sessions our identity stays held at the peer by our own
-   connection, so nobody else can claim it there either.
+   counted); it is closed when it is lost, ``park_s`` after it was parked (the
+   owner's timer: :meth:`ZmqControl.next_deadline`), when a newer link to the
+   peer is parked, when more than ``max_parked_links`` are (oldest first), and
+   with the control. Between sessions our identity stays held at the peer by our
+   own connection, so nobody else can claim it there either.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +83,10 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _LAST_WORDS_LINGER_MS = 200
-#: Closed links whose connection is kept for the peer's next link (rule 6).
+#: Closed links whose connection is kept for the peer's next link, and for how
+#: long (rule 6).
 MAX_PARKED_LINKS = 256
+PARK_S = 10.0
 #: Frames libzmq may hold for one peer (its send high-water mark); the rest wait
 #: in our byte-counted queue (rule 2).
 LINK_HWM = 16
@@ -177,6 +182,7 @@ class ZmqLink:
         self.dead_reason: str | None = None
         self.closed = False
         self.parked = False  # closed, its connection kept for the peer's next link (rule 6)
+        self.parked_until = 0.0
 
     @property
     def peer_id(self) -> str:
@@ -232,13 +238,15 @@ class ZmqControl:
         max_link_bytes: int = 64 << 20,
         curve: CurveKeys | None = None,
         max_parked_links: int = MAX_PARKED_LINKS,
+        park_s: float = PARK_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._heartbeat = (int(heartbeat_interval_s * 1000), int(heartbeat_timeout_s * 1000))
         self._max_frame = max_frame_bytes
         self._max_queued = max_queued_frames
         self._max_link_bytes = max_link_bytes
         self._curve = curve
-        self._max_parked = max_parked_links
+        self._max_parked, self._park_s, self._clock = max_parked_links, park_s, clock
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._ipv6 = ":" in host
@@ -396,6 +404,10 @@ class ZmqControl:
                 pending |= bool(_events(monitor) & _POLLIN)
         return pending
 
+    def next_deadline(self) -> float | None:
+        """When the oldest parked link is due to close (:meth:`receive` does it)."""
+        return next(iter(self._parked.values())).parked_until if self._parked else None
+
     def mark_dirty(self) -> None:
         """A link needs the pump (owner's lock held): :meth:`pending` says so."""
         self._dirty = True
@@ -449,6 +461,10 @@ class ZmqControl:
     def _pump(self) -> None:
         """Pump every link (what it leaves undone, :meth:`pending` says)."""
         self._dirty = False
+        if self._parked:
+            now = self._clock()
+            while self._parked and next(iter(self._parked.values())).parked_until <= now:
+                self._drop(next(iter(self._parked.values())))  # parked in this order
         for link in list(self._links.values()):
             self._pump_link(link)
         self._refresh_descriptors()
@@ -502,7 +518,7 @@ class ZmqControl:
             self._drop(previous)
         while len(self._parked) >= self._max_parked:
             self._drop(next(iter(self._parked.values())))  # the oldest
-        link.parked = True
+        link.parked, link.parked_until = True, self._clock() + self._park_s
         self._parked[link.peer_id] = link
         return True
 
@@ -547,6 +563,7 @@ class ZmqControl:
         link.socket, link.monitor, link.fds = sock, old.monitor, old.fds
         old.socket, old.monitor, old.fds = None, None, ()
         link.connected_once = old.connected_once
+        self._touched[id(link)] = link  # reading it as parked may have eaten an edge
         link.recent = old.recent  # libzmq may still hold those frames (rule 2)
         link.queue, link.queued_bytes = old.queue, old.queued_bytes  # in order, first
         if link.queue:
