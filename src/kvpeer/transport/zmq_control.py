@@ -513,6 +513,8 @@ class ZmqControl:
         """Keep closed ``link``'s connection for the peer's next link, if it is up."""
         if link.socket is None or link.dead_reason is not None or self._max_parked <= 0:
             return False
+        if self._monitor_loss(link) is not None:
+            return False  # one still connecting is kept: its frames go first when it is up
         previous = self._parked.pop(link.peer_id, None)
         if previous is not None:
             self._drop(previous)
