@@ -38,7 +38,7 @@ carries ours. Socket rules:
 6. A peer's ROUTER never reads a second connection under our identity while it
    still holds the first (``ROUTER_HANDOVER`` off, here and in vLLM), and it lets
    go of the first only some commands after that connection closed. So a link
-   that closes with its connection up does not close the connection: the link is
+   that closes with its connection up (or coming up) keeps it: the link is
    *parked* (its last words still go out on it) and the next link to that peer
    takes the connection over, frames in order after the old link's. Nothing is
    read from a parked connection (what the peer sends on it is dropped and
@@ -514,7 +514,7 @@ class ZmqControl:
         if link.socket is None or link.dead_reason is not None or self._max_parked <= 0:
             return False
         if self._monitor_loss(link) is not None:
-            return False  # one still connecting is kept: its frames go first when it is up
+            return False  # lost (one still connecting is parked: its frames go first)
         previous = self._parked.pop(link.peer_id, None)
         if previous is not None:
             self._drop(previous)
