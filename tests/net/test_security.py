@@ -376,11 +376,10 @@ def test_a_later_session_of_the_same_peer_renews_its_session(
     node, legit = victim
     caplog.set_level(logging.WARNING, logger="kvpeer.tier")
     peer = RawPeer(zmq_context, node.peer_id)
-    assert peer.router is not None
-    # Each fresh session of the node dials us on a new connection under the same
-    # identity while its last one may still be open: let the new one take over (a
-    # kvpeer node's ROUTER would not read it until the old one is gone).
-    peer.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # Our ROUTER keeps ROUTER_HANDOVER off, as kvpeer's and vLLM's do: each fresh
+    # session of the node must reach us on the connection it already has open
+    # (zmq_control rule 6), not on a second one under the same identity, which a
+    # ROUTER like ours never reads while it holds the first.
     try:
         peer.send(peer.hello(session=1))
         assert peer.wait_for(ConnectAck) is not None, "setup: the node did not accept us"

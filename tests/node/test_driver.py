@@ -110,6 +110,9 @@ class WaitableControl:
     def refuse(self, peer_id: str, frame: bytes) -> None:
         self.inner.refuse(peer_id, frame)
 
+    def next_deadline(self) -> float | None:
+        return self.inner.next_deadline()
+
     def close(self) -> None:
         self.inner.close()
         os.close(self._ready)

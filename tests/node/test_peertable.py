@@ -89,6 +89,9 @@ class FakeControl:
     def refuse(self, peer_id: str, frame: bytes) -> None:
         self.refused.append((peer_id, Codec().decode(frame)))
 
+    def next_deadline(self) -> float | None:
+        return None
+
     def close(self) -> None:
         pass
 

@@ -282,7 +282,11 @@ class Tier:
 
     def next_deadline(self) -> float | None:
         """When :meth:`poll` is next due for a timer (frames wake it anyway)."""
-        deadlines = [self._peers.next_deadline(), self._bindings.next_deadline()]
+        deadlines = [
+            self._peers.next_deadline(),
+            self._bindings.next_deadline(),
+            self._control.next_deadline(),
+        ]
         return min((d for d in deadlines if d is not None), default=None)
 
     def serve_external_requests(self, parent: Parent) -> None:

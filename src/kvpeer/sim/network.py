@@ -361,6 +361,10 @@ class SimControl:
     def flush(self) -> None:
         """Frames are handed to the network at transmit time: nothing to do."""
 
+    def next_deadline(self) -> float | None:
+        """No timers of its own."""
+        return None
+
     def refuse(self, peer_id: str, frame: bytes) -> None:
         self._network._refuse(self._local_id, peer_id, frame)
 

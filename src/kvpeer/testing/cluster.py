@@ -119,6 +119,9 @@ class RecordingControl:
         self.log.append((peer_id, Codec().decode(frame)))
         self.inner.refuse(peer_id, frame)
 
+    def next_deadline(self) -> float | None:
+        return self.inner.next_deadline()
+
     def close(self) -> None:
         self.inner.close()
 

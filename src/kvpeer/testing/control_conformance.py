@@ -231,6 +231,27 @@ def check_last_words_still_go_out(make: ControlNetFactory) -> None:
         inbox.until(lambda: [f.frame for f in inbox.of(b)] == [b"goodbye"], "goodbye delivered")
 
 
+def check_a_link_reopened_at_once_is_read_after_the_last_words(
+    make: ControlNetFactory,
+) -> None:
+    """A session that ends and is opened again at once (a renewal): the peer reads
+    the new link, after what the closed one sent last."""
+    with make() as net:
+        a, b, link, inbox = _linked(net, b"0: hello")
+        expected = [b"0: hello"]
+        for n in range(1, 6):
+            assert link.transmit(b"%d: goodbye" % (n - 1))
+            link.close()
+            link = a.connect(b.local_id)
+            assert link.transmit(b"%d: hello" % n)
+            expected += [b"%d: goodbye" % (n - 1), b"%d: hello" % n]
+        inbox.until(
+            lambda: len(inbox.of(b)) >= len(expected), "every reopened link's frames read"
+        )
+        assert [f.frame for f in inbox.of(b)] == expected
+        assert link.alive
+
+
 def check_a_closed_peer_is_a_dead_link(make: ControlNetFactory) -> None:
     with make() as net:
         _a, b, link, inbox = _linked(net, b"hello")
@@ -271,6 +292,7 @@ CHECKS: list[Callable[[ControlNetFactory], None]] = [
     check_a_link_to_an_absent_peer_never_raises,
     check_a_closed_link_sends_nothing_more,
     check_last_words_still_go_out,
+    check_a_link_reopened_at_once_is_read_after_the_last_words,
     check_a_closed_peer_is_a_dead_link,
     check_a_closed_endpoint_is_inert,
 ]

@@ -140,6 +140,10 @@ class MemoryControl:
     def flush(self) -> None:
         """Frames are handed to the network at transmit time: nothing to do."""
 
+    def next_deadline(self) -> float | None:
+        """No timers of its own."""
+        return None
+
     def refuse(self, peer_id: str, frame: bytes) -> None:
         """Deliver ``frame`` straight back to ``peer_id`` (its own connection)."""
         if self.closed:

@@ -78,6 +78,11 @@ class ControlTransport(Protocol):
         dialling it (a refused identity must not make us connect anywhere)."""
         ...
 
+    def next_deadline(self) -> float | None:
+        """When :meth:`receive` is next due for a timer of the transport's own (in
+        the owner's clock), or None."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -35,6 +35,18 @@ carries ours. Socket rules:
    identity is dropped and counted.
 5. With CURVE, the ROUTER only accepts clients whose public key is in the
    allowed directory, and every DEALER authenticates the server's key.
+6. A peer's ROUTER never reads a second connection under our identity while it
+   still holds the first (``ROUTER_HANDOVER`` off, here and in vLLM), and it lets
+   go of the first only some commands after that connection closed. So a link
+   that closes with its connection up (or coming up) keeps it: the link is
+   *parked* (its last words still go out on it) and the next link to that peer
+   takes the connection over, frames in order after the old link's. Nothing is
+   read from a parked connection (what the peer sends on it is dropped and
+   counted); it is closed when it is lost, ``park_s`` after it was parked (the
+   owner's timer: :meth:`ZmqControl.next_deadline`), when a newer link to the
+   peer is parked, when more than ``max_parked_links`` are (oldest first), and
+   with the control. Between sessions our identity stays held at the peer by our
+   own connection, so nobody else can claim it there either.
 """
 
 from __future__ import annotations
@@ -42,7 +54,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +83,10 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _LAST_WORDS_LINGER_MS = 200
+#: Closed links whose connection is kept for the peer's next link, and for how
+#: long (rule 6).
+MAX_PARKED_LINKS = 256
+PARK_S = 10.0
 #: Frames libzmq may hold for one peer (its send high-water mark); the rest wait
 #: in our byte-counted queue (rule 2).
 LINK_HWM = 16
@@ -118,6 +136,7 @@ class ZmqStatistics:
     frames_sent: int
     frames_dropped: int
     links_lost: int
+    links_parked: int
 
 
 def _endpoint(peer_id: str) -> str:
@@ -162,6 +181,8 @@ class ZmqLink:
         self.connected_once = False
         self.dead_reason: str | None = None
         self.closed = False
+        self.parked = False  # closed, its connection kept for the peer's next link (rule 6)
+        self.parked_until = 0.0
 
     @property
     def peer_id(self) -> str:
@@ -216,12 +237,16 @@ class ZmqControl:
         max_queued_frames: int = 4096,
         max_link_bytes: int = 64 << 20,
         curve: CurveKeys | None = None,
+        max_parked_links: int = MAX_PARKED_LINKS,
+        park_s: float = PARK_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._heartbeat = (int(heartbeat_interval_s * 1000), int(heartbeat_timeout_s * 1000))
         self._max_frame = max_frame_bytes
         self._max_queued = max_queued_frames
         self._max_link_bytes = max_link_bytes
         self._curve = curve
+        self._max_parked, self._park_s, self._clock = max_parked_links, park_s, clock
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._ipv6 = ":" in host
@@ -230,10 +255,11 @@ class ZmqControl:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
         # A second connection claiming an identity that is connected already is not
-        # let in (ZMQ leaves it unread) until the first one is gone: no process can
-        # take a live peer's identity over. A restarted peer's old connection closes
-        # with its process, so its new one is let in (after a host crash: once the
-        # old connection's heartbeats expire).
+        # let in (ZMQ leaves it unread for good) while the first one is held: no
+        # process can take a live peer's identity over. A restarted peer's old
+        # connection closes with its process, so its new one is let in (after a host
+        # crash: once the old connection's heartbeats expire). A live peer's next
+        # session reuses its connection (rule 6).
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
         # A connection that never completes the ZMQ handshake is closed after this.
         self._router.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)
@@ -256,6 +282,7 @@ class ZmqControl:
         self._local_id = f"{bracketed}:{port}"
         self.port = port
         self._links: dict[int, ZmqLink] = {}
+        self._parked: dict[str, ZmqLink] = {}  # peer id -> its parked link (rule 6)
         self._answers: list[InboundFrame] = []  # frames peers sent back on our DEALERs
         self._monitor_seq = itertools.count()
         self._received = 0
@@ -283,7 +310,8 @@ class ZmqControl:
         self._links[id(link)] = link
         # Opened here, not by the next pump: a driver starved on a busy machine
         # delayed first contacts by up to ~70 ms. A failure leaves a dead link.
-        self._open(link)
+        if not self._adopt(link):
+            self._open(link)
         self._refresh_descriptors()
         return link
 
@@ -337,6 +365,7 @@ class ZmqControl:
             link.closed = True
             self._release(link)
         self._links.clear()
+        self._parked.clear()
         self._router.close(linger=0)
         self._shutdown_context()
 
@@ -375,6 +404,10 @@ class ZmqControl:
                 pending |= bool(_events(monitor) & _POLLIN)
         return pending
 
+    def next_deadline(self) -> float | None:
+        """When the oldest parked link is due to close (:meth:`receive` does it)."""
+        return next(iter(self._parked.values())).parked_until if self._parked else None
+
     def mark_dirty(self) -> None:
         """A link needs the pump (owner's lock held): :meth:`pending` says so."""
         self._dirty = True
@@ -399,11 +432,12 @@ class ZmqControl:
 
     def statistics(self) -> ZmqStatistics:
         return ZmqStatistics(
-            links=len(self._links),
+            links=len(self._links) - len(self._parked),
             frames_received=self._received,
             frames_sent=self._sent,
             frames_dropped=self._dropped,
             links_lost=self._lost,
+            links_parked=len(self._parked),
         )
 
     # -- internals -----------------------------------------------------------------------
@@ -427,17 +461,23 @@ class ZmqControl:
     def _pump(self) -> None:
         """Pump every link (what it leaves undone, :meth:`pending` says)."""
         self._dirty = False
+        if self._parked:
+            now = self._clock()
+            while self._parked and next(iter(self._parked.values())).parked_until <= now:
+                self._drop(next(iter(self._parked.values())))  # parked in this order
         for link in list(self._links.values()):
             self._pump_link(link)
         self._refresh_descriptors()
 
     def _pump_link(self, link: ZmqLink) -> None:
-        """Open, read, send or release one link."""
+        """Open, read, send, park or release one link."""
         if link.closed:
-            self._send_last_words(link)
-            self._release(link)
-            del self._links[id(link)]
-            self._touched.pop(id(link), None)
+            if not link.parked:
+                self._send_last_words(link)
+                if not self._park(link):
+                    self._drop(link)
+                    return
+            self._tend_parked(link)
             return
         if link.dead_reason is not None:
             return
@@ -446,10 +486,15 @@ class ZmqControl:
             if link.socket is None:
                 return
         self._touched[id(link)] = link
-        self._read_monitor(link)
+        lost = self._monitor_loss(link)
+        if lost is not None:
+            self._lose(link, lost)
         sock = link.socket
         self._read_answers(link, sock)
-        while link.queue and link.alive:
+        self._send_queued(link, sock)
+
+    def _send_queued(self, link: ZmqLink, sock: zmq.Socket[bytes]) -> None:
+        while link.queue and link.dead_reason is None:
             try:
                 sock.send(link.queue[0], _NOBLOCK, copy=len(link.queue[0]) < 65536)
             except zmq.Again:
@@ -462,6 +507,80 @@ class ZmqControl:
             link.sent(frame)
             self._sent += 1
 
+    # -- parked links (rule 6) -----------------------------------------------------------
+
+    def _park(self, link: ZmqLink) -> bool:
+        """Keep closed ``link``'s connection for the peer's next link, if it is up."""
+        if link.socket is None or link.dead_reason is not None or self._max_parked <= 0:
+            return False
+        if self._monitor_loss(link) is not None:
+            return False  # lost (one still connecting is parked: its frames go first)
+        previous = self._parked.pop(link.peer_id, None)
+        if previous is not None:
+            self._drop(previous)
+        while len(self._parked) >= self._max_parked:
+            self._drop(next(iter(self._parked.values())))  # the oldest
+        link.parked, link.parked_until = True, self._clock() + self._park_s
+        self._parked[link.peer_id] = link
+        return True
+
+    def _tend_parked(self, link: ZmqLink) -> None:
+        """Watch a parked link: closed once lost; what the peer sends on it is
+        dropped; its last words that did not fit yet still go out."""
+        sock = link.socket
+        assert sock is not None
+        self._touched[id(link)] = link
+        if self._monitor_loss(link) is not None:
+            self._drop(link)
+            return
+        for _ in range(64):
+            if not _events(sock) & _POLLIN:
+                break
+            try:
+                sock.recv(_NOBLOCK)
+            except zmq.ZMQError:
+                break
+            self._dropped += 1  # an answer to a session that ended
+        self._send_queued(link, sock)
+        if link.dead_reason is not None:
+            self._drop(link)
+
+    def _adopt(self, link: ZmqLink) -> bool:
+        """Give new ``link`` the connection of the peer's parked link, if any."""
+        peer_id = link.peer_id
+        for old in list(self._links.values()):
+            if old.closed and not old.parked and old.peer_id == peer_id:
+                self._pump_link(old)  # closed since the last pump: its last words, parked
+        parked = self._parked.get(peer_id)
+        if parked is None:
+            return False
+        self._tend_parked(parked)  # a loss that already arrived is seen now
+        if self._parked.get(peer_id) is not parked:
+            return False
+        old = parked
+        self._drop(old, release=False)
+        sock = old.socket
+        assert sock is not None
+        sock.setsockopt(zmq.LINGER, 0)  # its last words went out (or move here)
+        link.socket, link.monitor, link.fds = sock, old.monitor, old.fds
+        old.socket, old.monitor, old.fds = None, None, ()
+        link.connected_once = old.connected_once
+        self._touched[id(link)] = link  # reading it as parked may have eaten an edge
+        link.recent = old.recent  # libzmq may still hold those frames (rule 2)
+        link.queue, link.queued_bytes = old.queue, old.queued_bytes  # in order, first
+        if link.queue:
+            self.mark_dirty()
+        return True
+
+    def _drop(self, link: ZmqLink, *, release: bool = True) -> None:
+        """Forget closed ``link`` (and close its sockets unless ``release`` is off)."""
+        if release:
+            self._release(link)
+        del self._links[id(link)]
+        self._touched.pop(id(link), None)
+        if self._parked.get(link.peer_id) is link:
+            del self._parked[link.peer_id]
+
     def _open(self, link: ZmqLink) -> None:
         try:
             endpoint = _endpoint(link.peer_id)
@@ -469,6 +588,10 @@ class ZmqControl:
             self._configure(sock)
             sock.setsockopt(zmq.IDENTITY, self._local_id.encode())
             sock.setsockopt(zmq.SNDHWM, LINK_HWM)
+            # What a peer sends back on it (refusals; on a parked link, nothing we
+            # read) is bounded like what it sends to the ROUTER.
+            sock.setsockopt(zmq.RCVHWM, LINK_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame + 4096)
             if ":" in endpoint[6:].rpartition(":")[0]:
                 sock.setsockopt(zmq.IPV6, 1)
             if self._curve is not None:
@@ -485,29 +608,28 @@ class ZmqControl:
         link.socket = sock
         link.fds = (sock.fileno(), link.monitor.fileno())
 
-    def _read_monitor(self, link: ZmqLink) -> None:
+    def _monitor_loss(self, link: ZmqLink) -> str | None:
+        """Read ``link``'s monitor: why its connection is lost, or None."""
         monitor = link.monitor
         if monitor is None:
-            return
+            return None
         while _events(monitor) & _POLLIN:
             try:
                 event = recv_monitor_message(monitor, _NOBLOCK)
             except zmq.Again:
-                return
+                return None
             kind = int(event["event"])
             if kind == zmq.EVENT_CONNECTED:
                 link.connected_once = True
             elif kind == zmq.EVENT_CONNECT_RETRIED and not link.connected_once:
                 # The first connect failed (refused, unreachable): say so now rather
                 # than let ZMQ retry while requests wait (rule 3).
-                self._lose(link, "cannot connect (refused or unreachable)")
-                return
+                return "cannot connect (refused or unreachable)"
             elif kind & _HANDSHAKE_FAILED:
-                self._lose(link, "security handshake failed (CURVE keys?)")
-                return
+                return "security handshake failed (CURVE keys?)"
             elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and link.connected_once:
-                self._lose(link, "connection lost")
-                return
+                return "connection lost"
+        return None
 
     def refuse(self, peer_id: str, frame: bytes) -> None:
         """Answer on the peer's own connection (ROUTER -> its DEALER); never dial it."""
@@ -541,11 +663,7 @@ class ZmqControl:
         sock = link.socket
         if sock is None:
             return
-        while link.queue:
-            try:
-                sock.send(link.queue.popleft(), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
+        self._send_queued(link, sock)  # what does not fit waits while the link is parked
         sock.setsockopt(zmq.LINGER, _LAST_WORDS_LINGER_MS)
 
     def lose(self, link: ZmqLink, reason: str) -> None:
