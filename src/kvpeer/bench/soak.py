@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -313,6 +313,7 @@ def summary(
     seconds: float,
     logs: Sequence[str],
     warmup_faults: Sequence[dict[str, Any]] = (),
+    event_history: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ``--json`` object (the table renders it)."""
     problems = verdict(tally, rows, leftovers, len(faults))
@@ -338,6 +339,7 @@ def summary(
         ],
         "leftovers": list(leftovers),
         "removed_by_fleet": list(removed_by_fleet),
+        "event_history": {name: dict(h) for name, h in (event_history or {}).items()},
         "problems": problems,
         "logs": list(logs),
     }

@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from kvpeer.bench.soak import (
     schedule,
     summary,
 )
+from kvpeer.bench.soak_events import SOAK_EVENT_BUFFER_STEPS, event_history
 from kvpeer.host.claims import CLAIM_PREFIX
 from kvpeer.integrations.vllm.procs import group_pids, process_info, shm_in_use, shm_names
 
@@ -92,6 +94,8 @@ class Soak:
         self.pulled: dict[str, tuple[int, float]] = {}  # engine -> (incarnation pid, last)
         self.pulled_total = 0.0
         self.urls: dict[str, str] = {}
+        self.replay: dict[str, str] = {}  # engine -> its KV-event replay endpoint
+        self.event_history: dict[str, dict[str, Any]] = {}  # engine -> when -> counts
         self.warmup_faults: list[dict[str, Any]] = []
 
     def now(self) -> float:
@@ -361,6 +365,7 @@ class Soak:
         self.count_pulls()
         release_free_heap()
         before = self.sample_processes()
+        self.sample_event_history("before")
         warm, self.tally = self.tally, Tally()
         # The warm-up's fault is not the soak's: its window, its log and its restart (the
         # engine sampled now is the restarted one) start over.
@@ -393,7 +398,25 @@ class Soak:
         for kind, by_class in warm.counts.items():
             self.tally.counts[f"{kind} warm-up"] = by_class
         self.tally.unexplained[:0] = [f"warm-up {u}" for u in warm.unexplained]
-        return before, self.sample_processes()
+        after = self.sample_processes()
+        self.sample_event_history("after")
+        return before, after
+
+    def sample_event_history(self, when: str) -> None:
+        """What each engine's vLLM event publisher holds for replay (kvpeer.bench.soak_events)."""
+        for name, endpoint in self.replay.items():
+            history = event_history(endpoint)
+            self.event_history.setdefault(name, {})[when] = (
+                None if history is None else asdict(history)
+            )
+            self.progress(
+                f"{name}'s KV-event replay buffer ({when}): "
+                + (
+                    "no complete answer"
+                    if history is None
+                    else f"{history.batches} batches, {history.payload_bytes / 2**20:.1f} MiB"
+                )
+            )
 
 
 def release_free_heap() -> bool:
@@ -422,7 +445,10 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
 
     started = time.monotonic()
     shm_at_start = shm_names()
-    specs = [ServeSpec(name, model, data_plane="shm") for name in ENGINES]
+    specs = [
+        ServeSpec(name, model, data_plane="shm", event_buffer_steps=SOAK_EVENT_BUFFER_STEPS)
+        for name in ENGINES
+    ]
     a, b = specs
     fleet = ServeFleet(log_dir, progress)
     soak = Soak(spec, fleet, progress)
@@ -443,6 +469,7 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
         )
         with BackgroundRouter(shared) as via_shared, BackgroundRouter(pd) as via_pd:
             soak.urls = {"shared": via_shared.url, "pd": via_pd.url}
+            soak.replay = {s.name: f"tcp://127.0.0.1:{s.replay_port}" for s in specs}
             before, after = soak.run()
     finally:
         fleet.close()
@@ -464,6 +491,7 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
         removed_by_fleet=[p.name for p in fleet.removed if p.name not in ours],
         seconds=time.monotonic() - started,
         logs=[],
+        event_history=soak.event_history,
     )
 
 

@@ -76,6 +76,7 @@ class ServeSpec:
     tier_options: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
+    event_buffer_steps: int | None = None  # vLLM's KV-event replay buffer (None: its 10,000)
 
     @property
     def url(self) -> str:
@@ -113,6 +114,8 @@ class ServeSpec:
             "endpoint": f"tcp://*:{self.events_port}",
             "replay_endpoint": f"tcp://{HOST}:{self.replay_port}",
         }
+        if self.event_buffer_steps is not None:
+            events["buffer_steps"] = self.event_buffer_steps
         return [
             sys.executable, "-m", SERVER_MODULE,
             "--model", str(self.model),
