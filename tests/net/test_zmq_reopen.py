@@ -86,6 +86,21 @@ def _reopened_reads(a: ZmqControl, b: ZmqControl, *, pump_between: bool) -> int:
     return reads
 
 
+def _parked_after_one_frame(
+    pair: tuple[ZmqControl, ZmqControl],
+) -> tuple[ZmqControl, ZmqControl, dict[int, list[InboundFrame]]]:
+    """``a``'s link to ``b`` carried one frame, then closed: parked."""
+    a, b = pair
+    got: dict[int, list[InboundFrame]] = {}
+    link = a.connect(b.local_id)
+    link.transmit(b"one")
+    assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
+    link.close()
+    a.receive()
+    assert a.statistics().links_parked == 1
+    return a, b, got
+
+
 @pytest.mark.parametrize("pump_between", [False, True], ids=["at-once", "after-a-pump"])
 def test_a_reopened_link_is_read_every_time(
     pair: tuple[ZmqControl, ZmqControl], pump_between: bool
@@ -141,14 +156,7 @@ def test_a_reopened_link_answers_on_the_same_connection(
 def test_a_closed_link_to_a_peer_that_went_away_is_not_reused(
     pair: tuple[ZmqControl, ZmqControl],
 ) -> None:
-    a, b = pair
-    got: dict[int, list[InboundFrame]] = {}
-    link = a.connect(b.local_id)
-    link.transmit(b"one")
-    assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
-    link.close()
-    a.receive()
-    assert a.statistics().links_parked == 1
+    a, b, got = _parked_after_one_frame(pair)
     port = b.port
     b.close()
     assert _pump_until((a,), got, lambda: a.statistics().links_parked == 0, 10.0)
@@ -213,14 +221,7 @@ def test_a_process_claiming_a_live_peers_identity_is_never_read(
 def test_what_the_peer_sends_on_a_parked_link_is_dropped_not_handed_to_the_next(
     pair: tuple[ZmqControl, ZmqControl],
 ) -> None:
-    a, b = pair
-    got: dict[int, list[InboundFrame]] = {}
-    link = a.connect(b.local_id)
-    link.transmit(b"one")
-    assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
-    link.close()
-    a.receive()
-    assert a.statistics().links_parked == 1
+    a, b, got = _parked_after_one_frame(pair)
 
     b.refuse(a.local_id, b"an answer to the session that ended")
 

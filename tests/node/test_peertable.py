@@ -524,18 +524,24 @@ class TestRegistrationOffTheLock:
         assert plane.settled == [pid(1)]
         assert t.table.statistics().stray_frames == 0
 
-    def test_the_peers_next_session_adopted_before_our_ack_registers_off_the_lock(
-        self,
-    ) -> None:
-        """Session invariant 3's adoption registers the peer afresh: its connect is held
-        like a first one while the plane prepares it, then adopted (our connect again,
-        then the ack of the new number)."""
+    @staticmethod
+    def registered_session_5() -> tuple[Table, SlowPlane]:
+        """A peer's session 5 registered off the lock and acknowledged by us."""
         t = Table(slow=True)
         plane = t.plane
         assert isinstance(plane, SlowPlane)
         t.connect_from(pid(1), session=5)
         plane.finish(pid(1))
         t.table.poll(t.now)
+        return t, plane
+
+    def test_the_peers_next_session_adopted_before_our_ack_registers_off_the_lock(
+        self,
+    ) -> None:
+        """Session invariant 3's adoption registers the peer afresh: its connect is held
+        like a first one while the plane prepares it, then adopted (our connect again,
+        then the ack of the new number)."""
+        t, plane = self.registered_session_5()
         peer = t.table.get(pid(1))
         assert peer is not None
         (link,) = t.control.links_to(pid(1))
@@ -557,12 +563,7 @@ class TestRegistrationOffTheLock:
     def test_a_connect_after_our_ack_is_never_held(self) -> None:
         """Once the peer acknowledged us, a later connect renews the session (a fresh
         one registers it, held then) and any other is refused: no preparation for it."""
-        t = Table(slow=True)
-        plane = t.plane
-        assert isinstance(plane, SlowPlane)
-        t.connect_from(pid(1), session=5)
-        plane.finish(pid(1))
-        t.table.poll(t.now)
+        t, plane = self.registered_session_5()
         t.ack_from(pid(1))
         peer = t.table.get(pid(1))
         assert peer is not None
