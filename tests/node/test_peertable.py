@@ -56,6 +56,8 @@ class FakeLink:
         self.sent: list[Message | UnknownMessage] = []
 
     def transmit(self, frame: bytes) -> bool:
+        if not self.alive:
+            return False  # died (the peer was cut off when we dialled): refused
         self.sent.append(Codec().decode(frame))
         return True
 
@@ -475,6 +477,46 @@ class TestRestart:
         new_link = t.control.links_to(pid(1))[-1]
         assert [type(m) for m in new_link.sent] == [Connect, ConnectAck]
         assert t.counters.sessions_opened == 2
+
+    def test_a_connect_our_dead_link_cannot_answer_opens_a_fresh_session(
+        self, t: Table
+    ) -> None:
+        """Seed 30771: our session toward the peer was opened while the path was cut and
+        its link died; the peer's connect arrives once the path healed, the answer is
+        refused, and the session ends unreachable. The connect proves the peer is there:
+        a fresh session on a new link answers it (dropped, the peer's session waited for
+        a connect that had gone to this one, until both gave up on a healthy path)."""
+        old = t.table.open(pid(1), t.now)
+        assert old is not None
+        (dead,) = t.control.links_to(pid(1))
+        dead.alive = False
+        t.connect_from(pid(1))
+        assert t.closed == [(pid(1), CloseKind.UNREACHABLE)]
+        fresh = t.table.get(pid(1))
+        assert fresh is not None
+        assert fresh is not old
+        hello = fresh.session.peer_hello
+        assert hello is not None
+        assert hello.peer_id == pid(1)
+        new_link = t.control.links_to(pid(1))[-1]
+        assert new_link is not dead
+        assert [type(m) for m in new_link.sent] == [Connect, ConnectAck]
+        t.ack_from(pid(1))
+        assert fresh.session.ready
+        assert not t.table.backed_off(pid(1), t.now), "a session that completed clears it"
+
+    def test_a_frame_other_than_connect_on_a_dead_link_opens_nothing(self, t: Table) -> None:
+        """Only a connect is answered with a fresh session: a ping whose answer our dead
+        link refuses ends the session, and no session is opened for it."""
+        peer = t.ready(pid(1))
+        (dead,) = t.control.links_to(pid(1))
+        dead.alive = False
+        t.frame(pid(1), Codec().encode(Ping()))  # its pong is refused
+        assert t.closed == [(pid(1), CloseKind.UNREACHABLE)]
+        assert not peer.session.alive
+        assert t.counters.sessions_opened == 1
+        fresh = t.table.get(pid(1))
+        assert fresh is None or not fresh.session.alive
 
     def test_the_same_connect_again_is_acknowledged_again(self, t: Table) -> None:
         t.connect_from(pid(1))  # not acknowledged by the peer yet

@@ -54,8 +54,13 @@ Invariants:
    the same frame opens a fresh one at once; so does a kvpeer peer's
    ``connect`` numbering a later session after it acknowledged ours
    (``RENEWED``: the peer's next session, its goodbye for the last one lost;
-   session invariant 3). Our connects number our sessions in increasing order,
-   from a start drawn from our boot id.
+   session invariant 3), and a ``connect`` whose session ends ``UNREACHABLE`` as
+   it takes it in (our own link to the peer died, seen when the answer could not
+   be sent): the connect proves the peer is there, and a fresh session on a new
+   link answers it. Dropped, it left the peer's session waiting for a connect
+   that had gone to ours, and ours, opened after the back-off, waiting for the
+   peer's, until both gave up on a healthy path (seed 30771). Our connects
+   number our sessions in increasing order, from a start drawn from our boot id.
 9. A peer's ``connect`` that a session will register with the data plane (its
    first, or its next session's that an unacknowledged session adopts), when the
    registration may be slow (a NIXL metadata load, an shm region request), is
@@ -378,7 +383,10 @@ class PeerTable:
             closed = result.closed
             if closed is not None and closed.kind is CloseKind.REJECTED:
                 self._remember_refusal(peer_id, frame, closed.reason, now)
-            if closed is not None and closed.kind in (CloseKind.RESTARTED, CloseKind.RENEWED):
+            if closed is not None and (
+                closed.kind in (CloseKind.RESTARTED, CloseKind.RENEWED)
+                or (closed.kind is CloseKind.UNREACHABLE and self._opens_session(frame))
+            ):
                 log.info("peer %s %s; opening a fresh session", peer_id, closed.kind.value)
                 fresh = self.open(peer_id, now, source)
                 if fresh is not None and not self._held_for_registration(
