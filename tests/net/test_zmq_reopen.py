@@ -171,6 +171,24 @@ def test_a_closed_link_to_a_peer_that_went_away_is_not_reused(
         fresh.close()
 
 
+def test_a_link_closed_without_parking_releases_its_connection(
+    pair: tuple[ZmqControl, ZmqControl],
+) -> None:
+    """The owner closes a link toward a peer that fell silent with ``park=False``:
+    nothing is kept (a partitioned peer's connection lingered 10 s otherwise), and the
+    next link dials afresh."""
+    a, b = pair
+    got: dict[int, list[InboundFrame]] = {}
+    link = a.connect(b.local_id)
+    link.transmit(b"one")
+    assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
+    link.close(park=False)
+    a.receive()
+    assert a.statistics().links_parked == 0
+    assert a.statistics().links == 0
+    assert a.next_deadline() is None
+
+
 # -- the attacker ----------------------------------------------------------------------------
 
 

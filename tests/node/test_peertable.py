@@ -53,6 +53,7 @@ class FakeLink:
         self.peer_id = peer_id
         self.alive = True
         self.closed = False
+        self.parked: bool | None = None  # how it was closed
         self.sent: list[Message | UnknownMessage] = []
 
     def transmit(self, frame: bytes) -> bool:
@@ -61,8 +62,9 @@ class FakeLink:
         self.sent.append(Codec().decode(frame))
         return True
 
-    def close(self) -> None:
+    def close(self, *, park: bool = True) -> None:
         self.closed = True
+        self.parked = park
 
 
 class FakeControl:
@@ -504,6 +506,28 @@ class TestRestart:
         t.ack_from(pid(1))
         assert fresh.session.ready
         assert not t.table.backed_off(pid(1), t.now), "a session that completed clears it"
+
+    @pytest.mark.parametrize("kind", [CloseKind.UNREACHABLE, CloseKind.TIMEOUT])
+    def test_nothing_is_kept_toward_a_peer_that_fell_silent(
+        self, t: Table, kind: CloseKind
+    ) -> None:
+        """A session that ends because the peer went silent closes its link without
+        parking its connection, and its goodbye link too: none is kept toward a peer
+        that may be gone (a partition test found one left for 10 s)."""
+        peer = t.ready(pid(1))
+        peer.session.close("the peer went quiet", kind)
+        t.table.poll(t.now)
+        links = t.control.links_to(pid(1))
+        assert links[0].parked is False
+        assert all(link.parked is False for link in links[1:])  # the goodbye's, if any
+
+    def test_a_renewed_session_parks_its_link_for_the_next(self, t: Table) -> None:
+        """The peer is there (its next session greets us): the connection is kept."""
+        t.connect_from(pid(1), session=5)
+        t.ack_from(pid(1))
+        t.connect_from(pid(1), session=6)
+        assert t.closed == [(pid(1), CloseKind.RENEWED)]
+        assert t.control.links_to(pid(1))[0].parked is True
 
     def test_a_frame_other_than_connect_on_a_dead_link_opens_nothing(self, t: Table) -> None:
         """Only a connect is answered with a fresh session: a ping whose answer our dead

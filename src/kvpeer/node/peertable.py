@@ -523,8 +523,8 @@ class PeerTable:
         self._sessions_ended_at[peer_id] = self._clock()
         while len(self._sessions_ended_at) > 4 * self._config.max_peers:  # bounded
             del self._sessions_ended_at[next(iter(self._sessions_ended_at))]
-        peer.link.close()
         unreachable = closed.kind in (CloseKind.UNREACHABLE, CloseKind.TIMEOUT)
+        peer.link.close(park=not unreachable)  # keep no connection toward a silent peer
         if unreachable and not peer.session.answered:
             self._back_off(peer_id, self._clock())  # and no goodbye: nobody to hear it
         elif closed.kind is CloseKind.UNREACHABLE:
@@ -538,7 +538,7 @@ class PeerTable:
         except PeerLost:
             return
         link.transmit(self._codec.encode(Disconnect(reason=f"session ended: {reason}")))
-        link.close()
+        link.close(park=False)
 
     def expire(self, now: float) -> None:
         """Forget refused connects whose time is up (invariant 3)."""

@@ -319,8 +319,8 @@ class SimLink:
             self._network.frames_dropped += len(self.held)
             self.held.clear()
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, *, park: bool = True) -> None:
+        self.closed = True  # a simulated link keeps no connection to park
         self._network.frames_dropped += len(self.held)
         self.held.clear()
 

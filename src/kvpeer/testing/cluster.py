@@ -91,8 +91,8 @@ class RecordingLink:
             self._log.append((self._inner.peer_id, self._codec.decode(frame)))
         return accepted
 
-    def close(self) -> None:
-        self._inner.close()
+    def close(self, *, park: bool = True) -> None:
+        self._inner.close(park=park)
 
 
 class RecordingControl:

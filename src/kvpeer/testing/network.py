@@ -99,8 +99,8 @@ class MemoryControlLink:
         self._network._send(self, frame)
         return True
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, *, park: bool = True) -> None:
+        self.closed = True  # nothing to keep: a memory link has no connection
 
 
 class MemoryControl:

@@ -56,7 +56,12 @@ class ControlLink(Protocol):
 
     def transmit(self, frame: bytes) -> bool: ...
 
-    def close(self) -> None: ...
+    def close(self, *, park: bool = True) -> None:
+        """Close the link (frames it queued still go out). ``park``: its connection may
+        be kept for our next link to the peer (a transport whose peers read a new
+        connection late, ZMQ's); off when the peer fell silent, so nothing is kept
+        toward a peer that may be gone."""
+        ...
 
 
 class ControlTransport(Protocol):

@@ -182,6 +182,7 @@ class ZmqLink:
         self.dead_reason: str | None = None
         self.closed = False
         self.parked = False  # closed, its connection kept for the peer's next link (rule 6)
+        self.parkable = True  # the owner's word when it closed the link
         self.parked_until = 0.0
 
     @property
@@ -217,9 +218,10 @@ class ZmqLink:
         """``frame`` was handed to libzmq (owner's lock held)."""
         self.recent.append(len(frame))
 
-    def close(self) -> None:
+    def close(self, *, park: bool = True) -> None:
         if not self.closed:
             self.closed = True
+            self.parkable = park
             self._owner.mark_dirty()
 
 
@@ -511,7 +513,12 @@ class ZmqControl:
 
     def _park(self, link: ZmqLink) -> bool:
         """Keep closed ``link``'s connection for the peer's next link, if it is up."""
-        if link.socket is None or link.dead_reason is not None or self._max_parked <= 0:
+        if (
+            link.socket is None
+            or link.dead_reason is not None
+            or not link.parkable
+            or self._max_parked <= 0
+        ):
             return False
         if self._monitor_loss(link) is not None:
             return False  # lost (one still connecting is parked: its frames go first)
