@@ -524,7 +524,11 @@ class PeerTable:
         while len(self._sessions_ended_at) > 4 * self._config.max_peers:  # bounded
             del self._sessions_ended_at[next(iter(self._sessions_ended_at))]
         unreachable = closed.kind in (CloseKind.UNREACHABLE, CloseKind.TIMEOUT)
-        peer.link.close(park=not unreachable)  # keep no connection toward a silent peer
+        # Keep the connection for our next link only toward the same, live process: not
+        # toward a silent peer, nor one that restarted (its connection went with the
+        # old process: taken over, the fresh session's frames followed it, and ZMQ's
+        # reconnect to the new one then ended that session too).
+        peer.link.close(park=not unreachable and closed.kind is not CloseKind.RESTARTED)
         if unreachable and not peer.session.answered:
             self._back_off(peer_id, self._clock())  # and no goodbye: nobody to hear it
         elif closed.kind is CloseKind.UNREACHABLE:
