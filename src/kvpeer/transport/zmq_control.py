@@ -513,12 +513,9 @@ class ZmqControl:
 
     def _park(self, link: ZmqLink) -> bool:
         """Keep closed ``link``'s connection for the peer's next link, if it is up."""
-        if (
-            link.socket is None
-            or link.dead_reason is not None
-            or not link.parkable
-            or self._max_parked <= 0
-        ):
+        if link.socket is None or link.dead_reason is not None or not link.parkable:
+            return False  # no connection, a lost one, or the owner's word
+        if self._max_parked <= 0:
             return False
         if self._monitor_loss(link) is not None:
             return False  # lost (one still connecting is parked: its frames go first)
