@@ -20,7 +20,7 @@ import zmq
 
 from kvpeer.node.loop import poll_block
 from kvpeer.transport.base import InboundFrame
-from kvpeer.transport.zmq_control import ZmqControl
+from kvpeer.transport.zmq_control import ZmqControl, ZmqLink
 
 TRIES = 20
 READ_WITHIN_S = 1.0
@@ -86,15 +86,23 @@ def _reopened_reads(a: ZmqControl, b: ZmqControl, *, pump_between: bool) -> int:
     return reads
 
 
-def _parked_after_one_frame(
+def _one_frame_across(
     pair: tuple[ZmqControl, ZmqControl],
-) -> tuple[ZmqControl, ZmqControl, dict[int, list[InboundFrame]]]:
-    """``a``'s link to ``b`` carried one frame, then closed: parked."""
+) -> tuple[ZmqControl, ZmqControl, dict[int, list[InboundFrame]], ZmqLink]:
+    """``a``'s new link to ``b`` carried one frame, read by ``b``."""
     a, b = pair
     got: dict[int, list[InboundFrame]] = {}
     link = a.connect(b.local_id)
     link.transmit(b"one")
     assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
+    return a, b, got, link
+
+
+def _parked_after_one_frame(
+    pair: tuple[ZmqControl, ZmqControl],
+) -> tuple[ZmqControl, ZmqControl, dict[int, list[InboundFrame]]]:
+    """``a``'s link to ``b`` carried one frame, then closed: parked."""
+    a, b, got, link = _one_frame_across(pair)
     link.close()
     a.receive()
     assert a.statistics().links_parked == 1
@@ -135,11 +143,7 @@ def test_a_reopened_link_answers_on_the_same_connection(
     pair: tuple[ZmqControl, ZmqControl],
 ) -> None:
     """A refusal the peer sends back (ROUTER -> our DEALER) reaches the new link."""
-    a, b = pair
-    got: dict[int, list[InboundFrame]] = {}
-    link = a.connect(b.local_id)
-    link.transmit(b"one")
-    assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
+    a, b, got, link = _one_frame_across(pair)
     link.close()
     link = a.connect(b.local_id)
     link.transmit(b"two")
@@ -177,11 +181,7 @@ def test_a_link_closed_without_parking_releases_its_connection(
     """The owner closes a link toward a peer that fell silent with ``park=False``:
     nothing is kept (a partitioned peer's connection lingered 10 s otherwise), and the
     next link dials afresh."""
-    a, b = pair
-    got: dict[int, list[InboundFrame]] = {}
-    link = a.connect(b.local_id)
-    link.transmit(b"one")
-    assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
+    a, _, _, link = _one_frame_across(pair)
     link.close(park=False)
     a.receive()
     assert a.statistics().links_parked == 0
