@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvpeer.errors import ConfigError
+
 __all__ = [
     "SERVE_LLAMA_CONFIG",
     "TINY_LLAMA_CONFIG",
@@ -78,6 +80,11 @@ _SEED = 0
 _WEIGHTS = "model.safetensors"
 _CONFIG = "config.json"
 _TOKENIZER = "tokenizer.json"
+# Written beside every checkpoint kvpeer makes: only such a directory is ever rewritten.
+_MARKER = ".kvpeer-random-llama"
+# Files that hold a model's weights: a directory with one that kvpeer did not write is
+# someone's model, never overwritten.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # The chat template: the messages' contents, one after the other. A conversation's next
 # turn therefore extends the previous turn's prompt, as a real template's would.
 _CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
@@ -106,6 +113,7 @@ def ensure_llama(path: str | os.PathLike[str], config: dict[str, Any]) -> Path:
     target = Path(path)
     if _is_complete(target, config):
         return target
+    _refuse_foreign(target)
     target.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -131,6 +139,39 @@ def _is_complete(path: Path, expected: dict[str, Any]) -> bool:
     return has_weights and all(config.get(k) == expected[k] for k in _IDENTITY_KEYS)
 
 
+def _refuse_foreign(path: Path) -> None:
+    """Raise :class:`ConfigError` unless ``path`` may be (re)written with a random Llama.
+
+    It may if it does not exist, holds no weights, holds kvpeer's marker, or its config
+    is one of kvpeer's random Llamas (checkpoints written before the marker). Anything
+    else is a model someone else made: kvpeer's commands never overwrite it.
+    """
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"model directory {path}: exists and is not a directory")
+    if not path.is_dir() or (path / _MARKER).exists():
+        return
+    weights = sorted(e.name for e in path.iterdir() if e.name.endswith(_WEIGHT_SUFFIXES))
+    if not weights:
+        return
+    try:
+        config = json.loads((path / _CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and all(
+        config.get(key) == TINY_LLAMA_CONFIG[key] for key in ("vocab_size", "initializer_range")
+    ):
+        return
+    shape = ""
+    if isinstance(config, dict):
+        kind = config.get("model_type", "unknown type")
+        shape = f" ({kind}, vocab_size {config.get('vocab_size')})"
+    raise ConfigError(
+        f"model directory {path}: holds a model kvpeer did not write ({weights[0]}{shape}); "
+        "kvpeer runs its own random Llama and writes it only into a new or empty directory "
+        "or one it wrote before: pass another --model directory"
+    )
+
+
 def _write_checkpoint(directory: Path, config: dict[str, Any]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -141,6 +182,8 @@ def _write_checkpoint(directory: Path, config: dict[str, Any]) -> None:
     model = model_class(LlamaConfig(**config))
     model.save_pretrained(directory, safe_serialization=True)
     _write_tokenizer(directory, int(config["vocab_size"]))
+    identity = {key: config[key] for key in _IDENTITY_KEYS}
+    (directory / _MARKER).write_text(json.dumps(identity, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _write_tokenizer(directory: Path, vocab_size: int) -> None:
