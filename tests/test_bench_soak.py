@@ -230,3 +230,32 @@ def test_release_free_heap_returns_freed_pages_of_a_fragmented_heap() -> None:
     assert after is not None
     assert before.private_bytes - after.private_bytes > 50 * MIB
     assert len(kept) == 200
+
+
+def test_trace_memory_names_the_line_that_kept_memory() -> None:
+    from kvpeer.bench.soak_memory import MemoryTrace
+
+    trace = MemoryTrace(enabled=True)
+    trace.start()
+    trace.mark()
+    kept = [bytes(1024) for _ in range(2048)]  # 2 MiB held past the second sample
+    lines: list[str] = []
+    trace.compare(lines.append)
+
+    assert len(kept) == 2048
+    top = trace.growth[0]
+    assert top["bytes"] >= 2 * 2**20
+    assert top["stack"][-1].startswith(f"{__file__}:")
+    assert lines[0].startswith("driver allocations, second sample less first: +2.")
+    assert "test_bench_soak.py" in lines[1]
+
+
+def test_trace_memory_off_records_nothing() -> None:
+    from kvpeer.bench.soak_memory import MemoryTrace
+
+    trace = MemoryTrace()
+    trace.start()
+    trace.mark()
+    lines: list[str] = []
+    trace.compare(lines.append)
+    assert (trace.growth, lines) == ([], [])

@@ -82,6 +82,7 @@ class SoakSpec:
     minutes: float
     fault_every_s: float = DEFAULT_FAULT_EVERY_S
     seed: int = 0
+    trace_memory: bool = False
 
     def __post_init__(self) -> None:
         if not self.minutes > 0:
@@ -95,7 +96,12 @@ class SoakSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SoakSpec:
-        return cls(minutes=args.minutes, fault_every_s=args.fault_every, seed=args.seed)
+        return cls(
+            minutes=args.minutes,
+            fault_every_s=args.fault_every,
+            seed=args.seed,
+            trace_memory=bool(getattr(args, "trace_memory", False)),
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)"
     )
     parser.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
+    parser.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="trace the driver's allocations (tracemalloc) and report where its memory "
+        "grew between the two samples (slower; for finding a leak)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -54,6 +54,7 @@ from kvpeer.bench.soak import (
     summary,
 )
 from kvpeer.bench.soak_events import SOAK_EVENT_BUFFER_STEPS, event_history
+from kvpeer.bench.soak_memory import MemoryTrace
 from kvpeer.host.claims import CLAIM_PREFIX
 from kvpeer.integrations.vllm.procs import group_pids, process_info, shm_in_use, shm_names
 
@@ -96,6 +97,7 @@ class Soak:
         self.urls: dict[str, str] = {}
         self.replay: dict[str, str] = {}  # engine -> its KV-event replay endpoint
         self.event_history: dict[str, dict[str, Any]] = {}  # engine -> when -> counts
+        self.memory = MemoryTrace(enabled=spec.trace_memory)
         self.warmup_faults: list[dict[str, Any]] = []
 
     def now(self) -> float:
@@ -349,6 +351,7 @@ class Soak:
             thread.join()
 
     def run(self) -> tuple[list[Sample], list[Sample]]:
+        self.memory.start()
         self.progress("warm-up: every path once, no fault")
         self.warm_up()
         self.progress(
@@ -366,6 +369,7 @@ class Soak:
         release_free_heap()
         before = self.sample_processes()
         self.sample_event_history("before")
+        self.memory.mark()
         warm, self.tally = self.tally, Tally()
         # The warm-up's fault is not the soak's: its window, its log and its restart (the
         # engine sampled now is the restarted one) start over.
@@ -400,6 +404,7 @@ class Soak:
         self.tally.unexplained[:0] = [f"warm-up {u}" for u in warm.unexplained]
         after = self.sample_processes()
         self.sample_event_history("after")
+        self.memory.compare(self.progress)
         return before, after
 
     def sample_event_history(self, when: str) -> None:
@@ -492,7 +497,7 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
         seconds=time.monotonic() - started,
         logs=[],
         event_history=soak.event_history,
-    )
+    ) | ({"memory_growth": soak.memory.growth} if spec.trace_memory else {})
 
 
 def main(args: argparse.Namespace) -> int:
