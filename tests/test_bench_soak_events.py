@@ -61,3 +61,18 @@ def test_the_spec_passes_buffer_steps_to_vllm() -> None:
     spec = ServeSpec("a", Path("/models/m"), event_buffer_steps=256)
     assert '"buffer_steps": 256' in " ".join(spec.command())
     assert "buffer_steps" not in " ".join(ServeSpec("a", Path("/models/m")).command())
+
+
+def test_asking_leaves_no_descriptor_behind(tmp_path: Path) -> None:
+    # The soak asks right after counting the driver's descriptors: a context (and its
+    # I/O thread's descriptors) kept past the call would read as the driver's growth.
+    import os
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    event_history(f"ipc://{tmp_path}/nobody", timeout_s=0.05)  # any lazy import settles
+    before = descriptors()
+    for _ in range(3):
+        assert event_history(f"ipc://{tmp_path}/nobody", timeout_s=0.05) is None
+    assert descriptors() == before

@@ -38,8 +38,12 @@ class EventHistory:
 
 def event_history(replay_endpoint: str, timeout_s: float = 5.0) -> EventHistory | None:
     """Every batch the engine's replay endpoint holds, counted (None: no complete answer
-    within ``timeout_s``, or more than :data:`MAX_FRAMES` frames)."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    within ``timeout_s``, or more than :data:`MAX_FRAMES` frames).
+
+    A context of its own, ended on the way out: the soak asks this right after sampling
+    the driver's descriptors, and the process-wide context's I/O thread (5 descriptors)
+    would stay and be counted as the driver's growth."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
@@ -67,3 +71,4 @@ def event_history(replay_endpoint: str, timeout_s: float = 5.0) -> EventHistory 
         return None
     finally:
         sock.close()
+        context.term()
