@@ -259,3 +259,37 @@ def test_trace_memory_off_records_nothing() -> None:
     lines: list[str] = []
     trace.compare(lines.append)
     assert (trace.growth, lines) == ([], [])
+
+
+def test_router_index_reads_the_index_gauges_of_a_metrics_page() -> None:
+    import http.server
+    import threading
+
+    from kvpeer.bench.soak_memory import router_index
+
+    page = (
+        b'kvpeer_router_index_blocks{engine="a",medium="GPU"} 2730.0\n'
+        b'kvpeer_router_index_blocks{engine="a",medium="CPU"} 1365.0\n'
+        b'kvpeer_router_index_hash_mappings{engine="a"} 4100.0\n'
+        b'kvpeer_router_engine_up{engine="a"} 1.0\n'
+    )
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        assert router_index(url) == {"a GPU": 2730, "a CPU": 1365, "a mappings": 4100}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert router_index(url, timeout_s=0.5) == {}  # nobody answers: nothing, no error

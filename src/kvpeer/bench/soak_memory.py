@@ -61,3 +61,29 @@ def _snapshot() -> tracemalloc.Snapshot:
     return tracemalloc.take_snapshot().filter_traces(
         [tracemalloc.Filter(False, tracemalloc.__file__)]
     )
+
+
+#: The router gauges that say how much its prefix index holds.
+INDEX_GAUGES = ("kvpeer_router_index_blocks", "kvpeer_router_index_hash_mappings")
+
+
+def router_index(metrics_url: str, timeout_s: float = 5.0) -> dict[str, int]:
+    """What a router's prefix index holds, from its ``/metrics``: ``{"a GPU": blocks,
+    "a CPU": blocks, "a mappings": hash mappings, ...}`` (empty if it did not answer)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout_s) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return {}
+    held: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in INDEX_GAUGES:
+            continue
+        for sample in family.samples:
+            what = sample.labels.get("medium", "mappings")
+            held[f"{sample.labels.get('engine', '?')} {what}"] = int(sample.value)
+    return held

@@ -54,7 +54,7 @@ from kvpeer.bench.soak import (
     summary,
 )
 from kvpeer.bench.soak_events import SOAK_EVENT_BUFFER_STEPS, event_history
-from kvpeer.bench.soak_memory import MemoryTrace
+from kvpeer.bench.soak_memory import MemoryTrace, router_index
 from kvpeer.host.claims import CLAIM_PREFIX
 from kvpeer.integrations.vllm.procs import group_pids, process_info, shm_in_use, shm_names
 
@@ -98,6 +98,7 @@ class Soak:
         self.replay: dict[str, str] = {}  # engine -> its KV-event replay endpoint
         self.event_history: dict[str, dict[str, Any]] = {}  # engine -> when -> counts
         self.memory = MemoryTrace(enabled=spec.trace_memory)
+        self.router_index: dict[str, dict[str, dict[str, int]]] = {}  # router -> when -> held
         self.warmup_faults: list[dict[str, Any]] = []
 
     def now(self) -> float:
@@ -300,8 +301,16 @@ class Soak:
         self.progress(
             f"{self.now():.0f} s: requests ok {counts[0]}, fallback {counts[1]}, failed "
             f"{counts[2]}, mismatch {counts[3]}; faults {len(self.faults)}; pulled blocks "
-            f"{self.pulled_total:.0f}; {resources}"
+            f"{self.pulled_total:.0f}; {resources}; {self.index_line()}"
         )
+
+    def index_line(self) -> str:
+        """Each router's prefix index (blocks per engine and medium, hash mappings)."""
+        parts = []
+        for router, url in sorted(self.urls.items()):
+            held = router_index(url + "/metrics")
+            parts.append(f"{router} index " + " ".join(f"{k} {v}" for k, v in held.items()))
+        return "; ".join(parts)
 
     def reporter(self) -> None:
         while not self.stop.wait(PROGRESS_S):
@@ -369,6 +378,7 @@ class Soak:
         release_free_heap()
         before = self.sample_processes()
         self.sample_event_history("before")
+        self.sample_router_index("before")
         self.memory.mark()
         warm, self.tally = self.tally, Tally()
         # The warm-up's fault is not the soak's: its window, its log and its restart (the
@@ -404,8 +414,13 @@ class Soak:
         self.tally.unexplained[:0] = [f"warm-up {u}" for u in warm.unexplained]
         after = self.sample_processes()
         self.sample_event_history("after")
+        self.sample_router_index("after")
         self.memory.compare(self.progress)
         return before, after
+
+    def sample_router_index(self, when: str) -> None:
+        for router, url in sorted(self.urls.items()):
+            self.router_index.setdefault(router, {})[when] = router_index(url + "/metrics")
 
     def sample_event_history(self, when: str) -> None:
         """What each engine's vLLM event publisher holds for replay (kvpeer.bench.soak_events)."""
@@ -497,7 +512,9 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
         seconds=time.monotonic() - started,
         logs=[],
         event_history=soak.event_history,
-    ) | ({"memory_growth": soak.memory.growth} if spec.trace_memory else {})
+    ) | {"router_index": soak.router_index} | (
+        {"memory_growth": soak.memory.growth} if spec.trace_memory else {}
+    )
 
 
 def main(args: argparse.Namespace) -> int:

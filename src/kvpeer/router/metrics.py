@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpeer.router.config import RouterConfig
 from kvpeer.router.health import EngineHealth
+from kvpeer.router.index import PrefixIndex
 
 __all__ = ["LATENCY_BUCKETS", "PREFIX", "LiveCollector", "RouterMetrics", "RouterView"]
 
@@ -35,6 +37,7 @@ class RouterView(Protocol):
 
     config: RouterConfig
     health: EngineHealth
+    index: PrefixIndex | None
 
     @property
     def policy(self) -> object: ...
@@ -99,6 +102,8 @@ class LiveCollector(Collector):
         yield flight
         yield GaugeMetricFamily(PREFIX + "engines_healthy", "Routable engines",
                                 value=float(len(router.health.statistics().up)))
+        if router.index is not None:
+            yield from _index_metrics(router.index)
         families: dict[str, GaugeMetricFamily] = {}
         for key, value in _policy_numbers(router.policy).items():
             # "name", "name:key" or "rate:name[:key]" (e.g. "rate:prefill_s_per_token:a",
@@ -116,6 +121,31 @@ class LiveCollector(Collector):
                 )
             family.add_metric([parts[-1]] if len(parts) > 1 else [], value)
         yield from families.values()
+
+
+def _index_metrics(index: PrefixIndex) -> Iterator[Metric]:
+    """What the prefix index holds per engine (its memory: chain keys, hash mappings,
+    speculative entries) and its event counters (orphans, unknown removals, ...)."""
+    stats = index.statistics(time.monotonic())
+    blocks = GaugeMetricFamily(PREFIX + "index_blocks", "Blocks the index holds per engine "
+                               "and medium (bounded by what the engine holds)",
+                               labels=["engine", "medium"])
+    for engine, medium, count in stats.blocks:
+        blocks.add_metric([engine, medium], float(count))
+    mappings = GaugeMetricFamily(PREFIX + "index_hash_mappings", "Engine block hashes the "
+                                 "index maps to chain keys (live and recently removed)",
+                                 labels=["engine"])
+    for engine, count in stats.hash_mappings:
+        mappings.add_metric([engine], float(count))
+    speculative = GaugeMetricFamily(PREFIX + "index_speculative", "Live speculative "
+                                    "entries (sent, not yet confirmed)", labels=["engine"])
+    for engine, count in stats.speculative:
+        speculative.add_metric([engine], float(count))
+    events = CounterMetricFamily(PREFIX + "index_events", "What the index met applying "
+                                 "KV events, by kind", labels=["kind"])
+    for kind, count in stats.counts:
+        events.add_metric([kind], float(count))
+    yield from (blocks, mappings, speculative, events)
 
 
 def _policy_numbers(policy: object) -> dict[str, float]:
