@@ -104,14 +104,14 @@ def test_failures_count_against_the_soak_only_outside_fault_windows() -> None:
 
 def test_processes_are_judged_within_five_percent_unless_replaced() -> None:
     before = [
-        ("driver", 1, 100, 200 * MIB, 0, 40),
+        ("router-shared", 1, 100, 200 * MIB, 0, 40),
         ("a:VLLM::EngineCor", 2, 100, 1000 * MIB, 256 * MIB, 100),
         ("a:VLLM::Worker", 3, 100, 1000 * MIB, 256 * MIB, 100),
         ("b:VLLM::EngineCor", 4, 100, 1000 * MIB, 256 * MIB, 100),
     ]
     grown = 1000 * MIB * (1 + RESOURCE_TOLERANCE)
     after = [
-        ("driver", 1, 100, 210 * MIB, 0, 42),  # exactly at the bound: fine
+        ("router-shared", 1, 100, 210 * MIB, 0, 42),  # exactly at the bound: fine
         ("a:VLLM::EngineCor", 2, 100, int(grown) + 4096, 512 * MIB, 100),  # past it
         ("a:VLLM::Worker", 3, 999, 1000 * MIB, 0, 100),  # pid reused: not the same process
         ("b:VLLM::EngineCor", 4, 100, 5000 * MIB, 0, 500),  # b restarted: not judged
@@ -125,8 +125,19 @@ def test_processes_are_judged_within_five_percent_unless_replaced() -> None:
     assert rows[0].fds_growth == pytest.approx(0.05)
     assert rows[1].shmem_after == 512 * MIB  # shown, never judged
     assert not rows[3].judged
-    fds = compare_processes(before[:1], [("driver", 1, 100, 200 * MIB, 0, 43)], set())
-    assert fds[0].problems() == ["driver (pid 1) fds 40 -> 43 (> 5%)"]
+    fds = compare_processes(before[:1], [("router-shared", 1, 100, 200 * MIB, 0, 43)], set())
+    assert fds[0].problems() == ["router-shared (pid 1) fds 40 -> 43 (> 5%)"]
+    assert (rows[3].unjudged_why, rows[0].unjudged_why) == ("restarted", "")
+
+
+def test_the_driver_is_shown_but_not_judged() -> None:
+    # The soak's own process only generates load (its clients are not kvpeer); the
+    # routers run as processes of their own and are judged.
+    row = compare_processes(
+        [("driver", 1, 100, 100 * MIB, 0, 40)], [("driver", 1, 100, 200 * MIB, 0, 80)], set()
+    )[0]
+    assert (row.judged, row.unjudged_why, row.problems()) == (False, "load generator", [])
+    assert row.rss_growth == pytest.approx(1.0)
 
 
 def test_the_verdict_names_every_failed_check() -> None:

@@ -67,6 +67,8 @@ __all__ = [
 FAULT_KINDS = ("kill-restart", "restart", "freeze")
 ENGINES = ("a", "b")
 WITNESS = "a"  # never killed nor restarted: its processes are compared for leaks
+DRIVER = "driver"  # the soak's own process: traffic threads and clients (not judged)
+ROUTERS = ("shared", "pd")  # kvpeer router processes, judged like the engines' processes
 RESOURCE_TOLERANCE = 0.05
 WARMUP_TRAFFIC_S = 30.0
 FAULT_GRACE_S = 5.0  # after an engine is healthy again, the routers' health checks catch up
@@ -228,6 +230,7 @@ class ProcessRow:
     judged: bool
     shmem_before: int = 0  # shared-memory pages (not judged)
     shmem_after: int | None = None
+    unjudged_why: str = ""  # "restarted", "load generator"
 
     @property
     def rss_growth(self) -> float | None:
@@ -267,12 +270,15 @@ def compare_processes(
     before: Sequence[Sample], after: Sequence[Sample], restarted: set[str]
 ) -> list[ProcessRow]:
     """Pair each warm-up sample with the same process at the end (pid and start time).
-    Processes of engines in ``restarted`` are shown but not judged (they were replaced)."""
+    Processes of engines in ``restarted`` are shown but not judged (they were replaced),
+    and so is the driver: the load generator, whose clients are not kvpeer (the routers
+    run as processes of their own and are judged)."""
     now = {(pid, started): (rss, shm, fds) for _label, pid, started, rss, shm, fds in after}
     rows = []
     for label, pid, started, rss, shm, fds in before:
         engine = label.split(":", 1)[0]
         later = now.get((pid, started))
+        why = "restarted" if engine in restarted else "load generator" if label == DRIVER else ""
         rows.append(
             ProcessRow(
                 label,
@@ -281,9 +287,10 @@ def compare_processes(
                 later[0] if later else None,
                 fds,
                 later[2] if later else None,
-                judged=engine not in restarted,
+                judged=not why,
                 shmem_before=shm,
                 shmem_after=later[1] if later else None,
+                unjudged_why=why,
             )
         )
     return rows
@@ -389,7 +396,7 @@ def render(result: dict[str, Any]) -> str:
             f"{row['label']:<22} {row['pid']:>7} {_mib(row['rss_before']):>12} {after:>10} "
             f"{rss_g:>7} {row['fds_before']:>4} {fds_after:>4} {fds_g:>7} "
             f"{_mib(row['shmem_before']):>10} {shm_after:>10}  "
-            f"{'yes' if row['judged'] else 'no (restarted)'}"
+            f"{'yes' if row['judged'] else 'no (' + row.get('unjudged_why', '') + ')'}"
         )
     lines += [
         "",

@@ -38,9 +38,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvpeer.bench.routerproc import RouterProcess
 from kvpeer.bench.soak import (
+    DRIVER,
     ENGINES,
     FAULT_GRACE_S,
+    ROUTERS,
     WARMUP_FAULT,
     WARMUP_TRAFFIC_S,
     Fault,
@@ -95,6 +98,7 @@ class Soak:
         self.pulled: dict[str, tuple[int, float]] = {}  # engine -> (incarnation pid, last)
         self.pulled_total = 0.0
         self.urls: dict[str, str] = {}
+        self.routers: dict[str, RouterProcess] = {}
         self.replay: dict[str, str] = {}  # engine -> its KV-event replay endpoint
         self.event_history: dict[str, dict[str, Any]] = {}  # engine -> when -> counts
         self.memory = MemoryTrace(enabled=spec.trace_memory)
@@ -251,7 +255,12 @@ class Soak:
         out: list[Sample] = []
         me = process_info(os.getpid())
         if me is not None:
-            out.append(("driver", me.pid, me.started, me.private_bytes, me.shmem_bytes, me.fds))
+            out.append((DRIVER, me.pid, me.started, me.private_bytes, me.shmem_bytes, me.fds))
+        for name, router in sorted(self.routers.items()):
+            info = process_info(router.pid) if router.pid is not None else None
+            if info is not None:
+                out.append((f"router-{name}", info.pid, info.started, info.private_bytes,
+                            info.shmem_bytes, info.fds))  # fmt: skip
         for name, engine in sorted(self.fleet.engines.items()):
             for pid in group_pids(engine.process.pid):
                 info = process_info(pid)
@@ -459,8 +468,6 @@ def fresh(rng: random.Random, n: int) -> list[int]:
 def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[str, Any]:
     """The whole soak; the engines are stopped whatever happens."""
     from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec
-    from kvpeer.router.background import BackgroundRouter
-    from kvpeer.router.config import EngineEntry, RouterConfig
     from kvpeer.router.policy import Mode, Role
 
     started = time.monotonic()
@@ -474,21 +481,21 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
     soak = Soak(spec, fleet, progress)
     try:
         fleet.start(specs)
-        shared = RouterConfig(
-            Mode.SHARED,
-            (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
-            listen_port=0,
-            allow_pinning=True,
-            health_timeout_s=HEALTH_TIMEOUT_S,
-        )
-        pd = RouterConfig(
-            Mode.PD,
-            (EngineEntry(a.router_engine(Role.PREFILL)), EngineEntry(b.router_engine(Role.DECODE))),
-            listen_port=0,
-            health_timeout_s=HEALTH_TIMEOUT_S,
-        )
-        with BackgroundRouter(shared) as via_shared, BackgroundRouter(pd) as via_pd:
-            soak.urls = {"shared": via_shared.url, "pd": via_pd.url}
+        routers = {
+            "shared": RouterProcess(
+                "shared", Mode.SHARED, (a.router_engine(), b.router_engine()), log_dir,
+                allow_pinning=True, health_timeout_s=HEALTH_TIMEOUT_S,
+            ),
+            "pd": RouterProcess(
+                "pd", Mode.PD, (a.router_engine(Role.PREFILL), b.router_engine(Role.DECODE)),
+                log_dir, health_timeout_s=HEALTH_TIMEOUT_S,
+            ),
+        }  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            for name in ROUTERS:
+                progress(f"starting kvpeer router ({name})")
+                soak.urls[name] = stack.enter_context(routers[name]).url
+                soak.routers[name] = routers[name]
             soak.replay = {s.name: f"tcp://127.0.0.1:{s.replay_port}" for s in specs}
             before, after = soak.run()
     finally:
