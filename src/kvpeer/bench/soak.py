@@ -15,8 +15,8 @@ leaks; ``b`` is a new set of processes after every restart, and a new process ca
 compared with the one it replaced.
 
 **Resources.** Resident memory and open descriptors of every process alive both after
-warm-up and at the end (same pid, same start time): the driver (its two routers run on
-threads in it) and every process of an engine not restarted since warm-up. Each must be
+warm-up and at the end (same pid, same start time): the two ``kvpeer router`` processes
+(:data:`ROUTERS`) and every process of an engine not restarted since warm-up. Each must be
 within :data:`RESOURCE_TOLERANCE` (5 %) of its warm-up value. The memory judged is RSS
 less shared-memory pages (``RssShmem``): an engine maps its own 256 MiB CPU region and,
 over shm, its peer's, whose pages count in its RSS as they are touched and are returned
@@ -26,10 +26,9 @@ bounded by the regions' sizes and shown beside. Warm-up is every path once, then
 restart of ``b``: the failure paths, first taken at the first fault, allocate what they
 keep once, and the routers relearn a new engine), and :data:`WARMUP_TRAFFIC_S` more; that
 fault is logged apart and is not one of the soak's. Both samples are taken with the
-traffic paused (no request in flight), no fault in progress, and the driver's garbage
-collected and its C heap's free pages returned (``malloc_trim``): what is judged is what
-the driver holds, not how fragmented its heap became (a fragmented heap plateaus; live
-memory is not released by a trim, so a leak still shows).
+traffic paused (no request in flight) and no fault in progress. The driver (the soak's
+own process: traffic threads, clients, fault injection) is the load generator: shown,
+not judged; its garbage is collected and its C heap trimmed before each sample.
 
 **Verdict.** Exit 1 if any output differs from its prompt's reference, a process grew
 past the tolerance, a file is left in ``/dev/shm``, a request failed whose life does not
