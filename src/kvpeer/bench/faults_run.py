@@ -12,10 +12,12 @@ the producer is restarted only after a fault killed it):
    run waits out the consumer's back-off first, so every run dials the dead port).
 
 Before each fault but the first-contact ones the consumer pulls until a pull works again
-(back-off over, session up): a fault is measured against a working pair. Kill delays
-sweep over the runs (lookup: 0-20 ms after the request is sent; transfer: 10-50 ms)
-and each run records what the consumer's kvpeer counters say it
-reached, since a real engine cannot be stopped at an exact protocol step.
+(back-off over, session up): a fault is measured against a working pair. For
+``killed-during-lookup`` the producer is stopped (SIGSTOP) before the request is sent
+and killed 20-60 ms after, so the request is certainly waiting on it; for
+``killed-mid-transfer`` the kill comes 10-50 ms after the send, and each run records
+what the consumer's kvpeer counters say it reached (a real engine cannot be stopped at
+an exact protocol step: on a small model the pull may finish first).
 """
 
 from __future__ import annotations
@@ -317,13 +319,17 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
         lookup_prompt, restart_prompt = pair.prompt(), pair.prompt()
         lookup_id, restart_id = pair.prefill(lookup_prompt), pair.prefill(restart_prompt)
         if "killed-during-lookup" in want:
+            # Stopped first, so the consumer's request is certainly waiting on it when
+            # it dies (a live producer answers the whole pull in a few ms here: a kill
+            # timed after the send mostly came after it).
+            pair.fleet.engines["p"].signal(signal.SIGSTOP)
             pair.measure(
                 "killed-during-lookup",
                 run,
                 lookup_id,
                 lookup_prompt,
                 pair.kill_producer,
-                delay_s=0.005 * (run % 5),
+                delay_s=0.02 + 0.01 * (run % 5),
             )
         if want & {"killed-during-lookup", "restarted"}:
             pair.restart_producer()
