@@ -243,3 +243,47 @@ def test_expired_speculative_entries_go_at_the_next_speculation() -> None:
     index.speculate("e0", index.keys(PROMPT[:4]), MEDIUM_CPU, now=16.0, ttl=5.0)
     stats = index.statistics(0.0)  # at time 0 every entry still kept counts as live
     assert dict(stats.speculative) == {"e0": 3}  # the two of t=10 went, t=12's stay
+
+
+def test_salted_blocks_offloaded_to_the_cpu_tier_are_not_keyed() -> None:
+    """What ``kvpeer soak`` found (invariant 6): a prompt computed again under a cache salt
+    is announced with ``extra_keys`` by the GPU prefix cache (skipped, its hashes named)
+    but by vLLM's CPU tier without them. Keyed, the salted copy would pass for the
+    unsalted prompt, its removal would remove the real block, and its hash mappings
+    would pile up (one per block, never retired)."""
+    from kvpeer.router.events import BlocksUnkeyable
+
+    index = learned_index("e0")
+    index.apply("e0", store(range(0, 4)))  # the prompt itself, unsalted, on GPU
+    salted = hashes(4, salt=9)
+    for _ in range(50):  # fifty references of the same prompt, each with its own salt
+        index.apply("e0", BlocksUnkeyable(salted))  # GPU store with extra_keys: skipped
+        cpu = store(range(0, 2), MEDIUM_CPU, salt=9)  # the CPU tier's: no extra keys
+        index.apply("e0", cpu)
+        index.apply("e0", store(range(2, 4), MEDIUM_CPU, salt=9))  # children of salted
+        index.apply("e0", BlocksRemoved(MEDIUM_CPU, salted))
+        index.apply("e0", BlocksRemoved(MEDIUM_GPU, salted))
+        salted = tuple(h + 100_000 for h in salted)
+
+    assert held(index, "e0") == 16  # the unsalted prompt is still held on GPU
+    assert held(index, "e0", MEDIUM_CPU) == 0  # and was never in the CPU tier
+    assert dict(index.statistics(0.0).hash_mappings) == {"e0": 4}
+    assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 100
+
+
+def test_unkeyable_hashes_are_bounded_and_forgotten_with_the_engine() -> None:
+    from kvpeer.router.events import BlocksUnkeyable
+
+    index = PrefixIndex(BS, max_unkeyable=3)
+    index.apply("e0", StreamSynced())
+    index.apply("e0", BlocksUnkeyable((1, 2)))
+    index.apply("e0", BlocksUnkeyable((3, 4)))  # 1 is the oldest and goes
+    index.apply("e0", BlocksStored(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
+    index.apply("e0", BlocksStored(MEDIUM_CPU, (2,), None, tuple(PROMPT[:BS]), BS))
+    assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 1
+    assert held(index, "e0", MEDIUM_CPU) == BS
+    index.forget("e0")  # a restart: the new process's hashes mean something else
+    index.apply("e0", StreamSynced())
+    index.apply("e0", BlocksStored(MEDIUM_CPU, (3,), None, tuple(PROMPT[:BS]), BS))
+    assert held(index, "e0", MEDIUM_CPU) == BS
+    assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 1

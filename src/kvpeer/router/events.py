@@ -42,6 +42,7 @@ __all__ = [
     "BlockHash",
     "BlocksRemoved",
     "BlocksStored",
+    "BlocksUnkeyable",
     "KVEvent",
     "decode_batch",
 ]
@@ -137,6 +138,9 @@ class _WireBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True, fr
     data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
 
 
+#: Skipped stores whose blocks are named to the index (:class:`BlocksUnkeyable`).
+UNKEYABLE_REASONS: Final = frozenset({"extra_keys", "lora"})
+
 # msgspec decoders are immutable and thread-safe once built: sharing one is not state.
 _DECODER: Final = msgspec.msgpack.Decoder(_WireBatch)
 
@@ -176,7 +180,18 @@ class AllCleared:
     """
 
 
-KVEvent = BlocksStored | BlocksRemoved | AllCleared
+@dataclass(frozen=True, slots=True)
+class BlocksUnkeyable:
+    """The engine stored these blocks under extra keys (cache salt, LoRA, multimodal)
+    that the router cannot see in a prompt: the store is skipped, and its hashes are
+    named so the index can skip later stores of the same blocks. vLLM 0.32's CPU-tier
+    events for a block carry its GPU hash but never its extra keys, so a salted block
+    offloaded to the CPU tier would otherwise be keyed as the unsalted prompt."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+KVEvent = BlocksStored | BlocksRemoved | AllCleared | BlocksUnkeyable
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +221,7 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     except RecursionError:  # msgspec's own depth guard: nesting no vLLM event has
         return BatchRejected("too_deep", "nesting")
     events: list[KVEvent] = []
+    unkeyable: list[KVEvent] = []
     skipped: dict[str, int] = {}
     for index, item in enumerate(wire.events):
         if isinstance(item, _WireCleared):
@@ -230,12 +246,16 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
             return BatchRejected(outcome.reason, f"event {index}: {outcome.detail}")
         if isinstance(outcome, str):
             skipped[outcome] = skipped.get(outcome, 0) + 1
+            if outcome in UNKEYABLE_REASONS:
+                unkeyable.append(BlocksUnkeyable(hashes))
         else:
             events.append(outcome)
     return BatchDecoded(
         ts=wire.ts,
         data_parallel_rank=wire.data_parallel_rank,
-        events=_parents_first(events),
+        # Unkeyable blocks first: a step's CPU-tier store of such a block may come
+        # before the store that says it is salted.
+        events=(*unkeyable, *_parents_first(events)),
         skipped=tuple(sorted(skipped.items())),
     )
 

@@ -28,6 +28,14 @@ Invariants:
    until an event stores the same block, whichever is first.
 5. The index is not thread-safe: the edge's event loop owns it (the subscribers and the
    policy run on that loop).
+6. A block stored under extra keys (cache salt, LoRA: :class:`BlocksUnkeyable`) is never
+   keyed by its tokens, nor is any later store of the same hash or of its children: vLLM
+   0.32's CPU-tier events carry a salted block's hash without its salt, and keying it
+   would tell the router the engine holds the unsalted prompt (and let the salted copy's
+   eviction remove the real one). The ``max_unkeyable`` most recent such hashes are
+   remembered per engine. ``kvpeer soak`` found it: every request's salted reference
+   left a hash mapping behind (a router's mappings of one engine grew by ~2,000 a
+   minute, to 22,000 against 550 blocks held).
 """
 
 from __future__ import annotations
@@ -39,7 +47,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvpeer.router.events import AllCleared, BlockHash, BlocksRemoved, BlocksStored
+from kvpeer.router.events import (
+    AllCleared,
+    BlockHash,
+    BlocksRemoved,
+    BlocksStored,
+    BlocksUnkeyable,
+)
 from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
 
 __all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "IndexStatistics", "PrefixIndex", "PromptKeys"]
@@ -76,6 +90,7 @@ class _Engine:
     retired: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
     present: dict[str, OrderedDict[bytes, int]] = field(default_factory=dict)
     speculative: dict[tuple[str, bytes], float] = field(default_factory=dict)
+    unkeyable: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
 
 
 class PrefixIndex:
@@ -90,6 +105,7 @@ class PrefixIndex:
         max_blocks: int = 200_000,
         max_speculative: int = 20_000,
         max_retired: int = 2_048,
+        max_unkeyable: int = 16_384,
     ) -> None:
         """``block_size`` as the engines run (``None``: adopt the first stored event's)."""
         if block_size is not None and block_size <= 0:
@@ -100,6 +116,7 @@ class PrefixIndex:
         self._max_blocks = max_blocks
         self._max_speculative = max_speculative
         self._max_retired = max_retired
+        self._max_unkeyable = max_unkeyable
         self._engines: dict[str, _Engine] = {}
         self._counts: dict[str, int] = {}
 
@@ -187,6 +204,8 @@ class PrefixIndex:
             self._stored(state, item)
         elif isinstance(item, BlocksRemoved):
             self._removed(state, item)
+        elif isinstance(item, BlocksUnkeyable):
+            self._mark_unkeyable(state, item.block_hashes)
         elif isinstance(item, AllCleared):
             state.present.clear()
             state.speculative.clear()
@@ -231,6 +250,13 @@ class PrefixIndex:
             self._block_size = event.block_size
         if event.block_size != self._block_size:
             self._bump("block_size_mismatch")
+            return
+        unkeyable = state.unkeyable
+        if (event.parent_hash is not None and event.parent_hash in unkeyable) or any(
+            block_hash in unkeyable for block_hash in event.block_hashes
+        ):
+            self._bump("unkeyable_stores")  # a salted block or its child (invariant 6)
+            self._mark_unkeyable(state, event.block_hashes)
             return
         if event.parent_hash is None:
             parent = _ROOT
@@ -281,6 +307,14 @@ class PrefixIndex:
             if not any(key in held for held in state.present.values()):
                 self._retire(state, block_hash, key)
 
+    def _mark_unkeyable(self, state: _Engine, block_hashes: Iterable[BlockHash]) -> None:
+        unkeyable = state.unkeyable
+        for block_hash in block_hashes:
+            unkeyable[block_hash] = None
+            unkeyable.move_to_end(block_hash)
+        while len(unkeyable) > self._max_unkeyable:
+            unkeyable.popitem(last=False)
+
     def _retire(self, state: _Engine, block_hash: BlockHash, key: bytes) -> None:
         """``block_hash``'s block left every medium: keep its mapping among the
         ``max_retired`` most recent only (invariant 2)."""
@@ -296,6 +330,7 @@ class PrefixIndex:
         if restarted:
             state.hashes.clear()
             state.retired.clear()
+            state.unkeyable.clear()
         state.learned = False
         self._bump("forgotten")
 
