@@ -66,6 +66,10 @@ __all__ = [
 FAULT_KINDS = ("kill-restart", "restart", "freeze")
 ENGINES = ("a", "b")
 WITNESS = "a"  # never killed nor restarted: its processes are compared for leaks
+# Before each sample, with traffic paused: the routers close pooled engine connections
+# idle for 15 s (aiohttp's keep-alive), so both samples count the same connections (the
+# health checks keep one per engine) and not how many requests were in flight at the end.
+QUIET_S = 16.0
 DRIVER = "driver"  # the soak's own process: traffic threads and clients (not judged)
 ROUTERS = ("shared", "pd")  # kvpeer router processes, judged like the engines' processes
 RESOURCE_TOLERANCE = 0.05

@@ -43,6 +43,7 @@ from kvpeer.bench.soak import (
     DRIVER,
     ENGINES,
     FAULT_GRACE_S,
+    QUIET_S,
     ROUTERS,
     WARMUP_FAULT,
     WARMUP_TRAFFIC_S,
@@ -384,6 +385,7 @@ class Soak:
         for name in ENGINES:
             self.wait_healthy(name)
         self.count_pulls()
+        time.sleep(QUIET_S)  # pooled connections lapse (see QUIET_S)
         release_free_heap()
         before = self.sample_processes()
         self.sample_event_history("before")
@@ -416,6 +418,7 @@ class Soak:
         for name in ENGINES:
             self.wait_healthy(name)
         self.report()
+        time.sleep(QUIET_S)
         release_free_heap()
         # The warm-up's failures outside its fault and its mismatches count like the soak's.
         for kind, by_class in warm.counts.items():
