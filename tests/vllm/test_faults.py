@@ -44,9 +44,11 @@ def samples(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> list[
 # 1.57 s end to end on this model) and restarted (one round trip: 28 ms), each within
 # its bound in both runs after pings and prefill_done.
 KNOWN_OVER_BOUND = {
-    "killed-during-lookup": "0.6-0.9 s in one run on the busy 2-core machine, 43-74 ms in "
-    "another (session closed as unreachable: control link lost); cause not pinned down",
-    "killed-mid-transfer": "as killed-during-lookup",
+    "killed-during-lookup": "0.6-0.9 s in one run on the busy 2-core machine, 41-155 ms in "
+    "later ones (session closed as unreachable: control link lost); the producer is now "
+    "stopped before the request and killed after it, not yet measured over five runs",
+    "killed-mid-transfer": "246 and 313 ms in the runs that met the fault (on this model "
+    "the pull mostly finishes before the kill); cause of the slow ones not pinned down",
 }
 
 
