@@ -314,13 +314,15 @@ class Soak:
             f"{self.pulled_total:.0f}; {resources}; {self.index_line()}"
         )
 
-    def index_line(self) -> str:
+    def router_indexes(self) -> dict[str, dict[str, int]]:
         """Each router's prefix index (blocks per engine and medium, hash mappings)."""
-        parts = []
-        for router, url in sorted(self.urls.items()):
-            held = router_index(url + "/metrics")
-            parts.append(f"{router} index " + " ".join(f"{k} {v}" for k, v in held.items()))
-        return "; ".join(parts)
+        return {router: router_index(url + "/metrics") for router, url in sorted(self.urls.items())}
+
+    def index_line(self) -> str:
+        return "; ".join(
+            f"{router} index " + " ".join(f"{k} {v}" for k, v in held.items())
+            for router, held in self.router_indexes().items()
+        )
 
     def reporter(self) -> None:
         while not self.stop.wait(PROGRESS_S):
@@ -431,8 +433,8 @@ class Soak:
         return before, after
 
     def sample_router_index(self, when: str) -> None:
-        for router, url in sorted(self.urls.items()):
-            self.router_index.setdefault(router, {})[when] = router_index(url + "/metrics")
+        for router, held in self.router_indexes().items():
+            self.router_index.setdefault(router, {})[when] = held
 
     def sample_event_history(self, when: str) -> None:
         """What each engine's vLLM event publisher holds for replay (kvpeer.bench.soak_events)."""
@@ -494,11 +496,11 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
                 log_dir, health_timeout_s=HEALTH_TIMEOUT_S,
             ),
         }  # fmt: skip
+        soak.routers = routers
         with contextlib.ExitStack() as stack:
             for name in ROUTERS:
                 progress(f"starting kvpeer router ({name})")
                 soak.urls[name] = stack.enter_context(routers[name]).url
-                soak.routers[name] = routers[name]
             soak.replay = {s.name: f"tcp://127.0.0.1:{s.replay_port}" for s in specs}
             before, after = soak.run()
     finally:
