@@ -247,43 +247,54 @@ def test_expired_speculative_entries_go_at_the_next_speculation() -> None:
 
 def test_salted_blocks_offloaded_to_the_cpu_tier_are_not_keyed() -> None:
     """What ``kvpeer soak`` found (invariant 6): a prompt computed again under a cache salt
-    is announced with ``extra_keys`` by the GPU prefix cache (skipped, its hashes named)
-    but by vLLM's CPU tier without them. Keyed, the salted copy would pass for the
-    unsalted prompt, its removal would remove the real block, and its hash mappings
-    would pile up (one per block, never retired)."""
+    is announced with ``extra_keys`` by the GPU prefix cache but by vLLM's CPU tier
+    without them. Keyed by its tokens, the salted copy would pass for the unsalted
+    prompt, its removal would remove the real block, and its hash mappings would pile up
+    (one per block, never retired)."""
     from kvpeer.router.events import BlocksUnkeyable
 
-    index = learned_index("e0")
+    index = PrefixIndex(BS, max_retired=8)
+    index.apply("e0", StreamSynced())
     index.apply("e0", store(range(0, 4)))  # the prompt itself, unsalted, on GPU
     salted = hashes(4, salt=9)
     for _ in range(50):  # fifty references of the same prompt, each with its own salt
-        index.apply("e0", BlocksUnkeyable(salted))  # GPU store with extra_keys: skipped
-        cpu = store(range(0, 2), MEDIUM_CPU, salt=9)  # the CPU tier's: no extra keys
-        index.apply("e0", cpu)
-        index.apply("e0", store(range(2, 4), MEDIUM_CPU, salt=9))  # children of salted
+        index.apply("e0", BlocksUnkeyable(salted))  # the GPU store with extra_keys
+        tokens = tuple(PROMPT)  # the CPU tier's stores carry no extra keys:
+        index.apply("e0", BlocksStored(MEDIUM_CPU, salted[:2], None, tokens[: 2 * BS], BS))
+        index.apply("e0", BlocksStored(MEDIUM_CPU, salted[2:], salted[1], tokens[2 * BS :], BS))
+        if _ == 0:  # held, under keys no prompt has
+            stats = index.statistics(0.0)
+            assert dict(((e, m), n) for e, m, n in stats.blocks)[("e0", MEDIUM_CPU)] == 4
+            assert held(index, "e0", MEDIUM_CPU) == 0
         index.apply("e0", BlocksRemoved(MEDIUM_CPU, salted))
         index.apply("e0", BlocksRemoved(MEDIUM_GPU, salted))
         salted = tuple(h + 100_000 for h in salted)
 
     assert held(index, "e0") == 16  # the unsalted prompt is still held on GPU
     assert held(index, "e0", MEDIUM_CPU) == 0  # and was never in the CPU tier
-    assert dict(index.statistics(0.0).hash_mappings) == {"e0": 4}
+    # The four live blocks and the eight most recently removed: the salted copies are
+    # forgotten as the engine removes them, like any block (invariant 2).
+    assert dict(index.statistics(0.0).hash_mappings) == {"e0": 4 + 8}
     assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 100
 
 
-def test_unkeyable_hashes_are_bounded_and_forgotten_with_the_engine() -> None:
+def test_a_salted_block_stays_unkeyed_until_it_is_forgotten() -> None:
+    """Held under extra keys, a hash keeps its unkeyed key on every medium and passes it
+    to its children, also while it is retired; a restart forgets it (its hashes mean
+    something else in the new process)."""
     from kvpeer.router.events import BlocksUnkeyable
 
-    index = PrefixIndex(BS, max_unkeyable=3)
-    index.apply("e0", StreamSynced())
-    index.apply("e0", BlocksUnkeyable((1, 2)))
-    index.apply("e0", BlocksUnkeyable((3, 4)))  # 1 is the oldest and goes
+    index = learned_index("e0")
+    index.apply("e0", BlocksUnkeyable((1, 2), MEDIUM_GPU))
+    index.apply("e0", BlocksRemoved(MEDIUM_GPU, (1, 2)))  # retired, still known
     index.apply("e0", BlocksStored(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
-    index.apply("e0", BlocksStored(MEDIUM_CPU, (2,), None, tuple(PROMPT[:BS]), BS))
-    assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 1
-    assert held(index, "e0", MEDIUM_CPU) == BS
-    index.forget("e0")  # a restart: the new process's hashes mean something else
+    index.apply("e0", BlocksStored(MEDIUM_CPU, (5,), 2, tuple(PROMPT[BS : 2 * BS]), BS))
+    assert held(index, "e0", MEDIUM_CPU) == 0
+    assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 2
+    index.apply("e0", BlocksUnkeyable((7,), "NVMe"))  # a medium the index does not follow
+    assert dict(index.statistics(0.0).counts)["ignored_medium"] == 1
+    index.forget("e0")
     index.apply("e0", StreamSynced())
-    index.apply("e0", BlocksStored(MEDIUM_CPU, (3,), None, tuple(PROMPT[:BS]), BS))
+    index.apply("e0", BlocksStored(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
     assert held(index, "e0", MEDIUM_CPU) == BS
-    assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 1
+    assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 2

@@ -182,13 +182,15 @@ class AllCleared:
 
 @dataclass(frozen=True, slots=True)
 class BlocksUnkeyable:
-    """The engine stored these blocks under extra keys (cache salt, LoRA, multimodal)
-    that the router cannot see in a prompt: the store is skipped, and its hashes are
-    named so the index can skip later stores of the same blocks. vLLM 0.32's CPU-tier
-    events for a block carry its GPU hash but never its extra keys, so a salted block
-    offloaded to the CPU tier would otherwise be keyed as the unsalted prompt."""
+    """The engine stored these blocks in ``medium`` under extra keys (cache salt, LoRA,
+    multimodal) that the router cannot see in a prompt: the index holds them under keys
+    no prompt matches, and so later stores of the same blocks and their children. vLLM
+    0.32's CPU-tier events for a block carry its GPU hash but never its extra keys, so a
+    salted block offloaded to the CPU tier would otherwise be keyed as the unsalted
+    prompt."""
 
     block_hashes: tuple[BlockHash, ...]
+    medium: str = "GPU"
 
 
 KVEvent = BlocksStored | BlocksRemoved | AllCleared | BlocksUnkeyable
@@ -247,7 +249,7 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
         if isinstance(outcome, str):
             skipped[outcome] = skipped.get(outcome, 0) + 1
             if outcome in UNKEYABLE_REASONS:
-                unkeyable.append(BlocksUnkeyable(hashes))
+                unkeyable.append(BlocksUnkeyable(hashes, item.medium or "GPU"))
         else:
             events.append(outcome)
     return BatchDecoded(

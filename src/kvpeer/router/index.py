@@ -28,14 +28,16 @@ Invariants:
    until an event stores the same block, whichever is first.
 5. The index is not thread-safe: the edge's event loop owns it (the subscribers and the
    policy run on that loop).
-6. A block stored under extra keys (cache salt, LoRA: :class:`BlocksUnkeyable`) is never
-   keyed by its tokens, nor is any later store of the same hash or of its children: vLLM
-   0.32's CPU-tier events carry a salted block's hash without its salt, and keying it
-   would tell the router the engine holds the unsalted prompt (and let the salted copy's
-   eviction remove the real one). The ``max_unkeyable`` most recent such hashes are
-   remembered per engine. ``kvpeer soak`` found it: every request's salted reference
-   left a hash mapping behind (a router's mappings of one engine grew by ~2,000 a
-   minute, to 22,000 against 550 blocks held).
+6. A block stored under extra keys (cache salt, LoRA: :class:`BlocksUnkeyable`) is held
+   under a key of its own, derived from its engine hash, that no prompt's chain key can
+   equal; so are its children and any later store of the same hash. vLLM 0.32's CPU-tier
+   events carry a salted block's hash without its salt, and keying it by its tokens would
+   tell the router the engine holds the unsalted prompt (and let the salted copy's
+   eviction remove the real one). Being held like any block, such blocks are forgotten
+   as the engine removes them (invariant 2's bound); a list of skipped hashes of its own
+   (the first fix) grew with traffic up to its cap, ~2 MiB per engine. ``kvpeer soak``
+   found it: every request's salted reference left a hash mapping behind (a router's
+   mappings of one engine grew by ~2,000 a minute, to 22,000 against 550 blocks held).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ __all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "IndexStatistics", "PrefixIndex", "Prompt
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 _ROOT: Final = b"kvpeer-router-chain-root"
+_CHAIN_BYTES: Final = 16
+_UNKEYED: Final = b"kvpeer-unkeyed:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +94,6 @@ class _Engine:
     retired: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
     present: dict[str, OrderedDict[bytes, int]] = field(default_factory=dict)
     speculative: dict[tuple[str, bytes], float] = field(default_factory=dict)
-    unkeyable: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
 
 
 class PrefixIndex:
@@ -105,7 +108,6 @@ class PrefixIndex:
         max_blocks: int = 200_000,
         max_speculative: int = 20_000,
         max_retired: int = 2_048,
-        max_unkeyable: int = 16_384,
     ) -> None:
         """``block_size`` as the engines run (``None``: adopt the first stored event's)."""
         if block_size is not None and block_size <= 0:
@@ -116,7 +118,6 @@ class PrefixIndex:
         self._max_blocks = max_blocks
         self._max_speculative = max_speculative
         self._max_retired = max_retired
-        self._max_unkeyable = max_unkeyable
         self._engines: dict[str, _Engine] = {}
         self._counts: dict[str, int] = {}
 
@@ -205,7 +206,7 @@ class PrefixIndex:
         elif isinstance(item, BlocksRemoved):
             self._removed(state, item)
         elif isinstance(item, BlocksUnkeyable):
-            self._mark_unkeyable(state, item.block_hashes)
+            self._stored_unkeyable(state, item)
         elif isinstance(item, AllCleared):
             state.present.clear()
             state.speculative.clear()
@@ -251,38 +252,65 @@ class PrefixIndex:
         if event.block_size != self._block_size:
             self._bump("block_size_mismatch")
             return
-        unkeyable = state.unkeyable
-        if (event.parent_hash is not None and event.parent_hash in unkeyable) or any(
-            block_hash in unkeyable for block_hash in event.block_hashes
-        ):
-            self._bump("unkeyable_stores")  # a salted block or its child (invariant 6)
-            self._mark_unkeyable(state, event.block_hashes)
-            return
         if event.parent_hash is None:
             parent = _ROOT
         else:
-            known = state.hashes.get(event.parent_hash)
-            if known is None:
-                known = state.retired.get(event.parent_hash)
+            known = self._mapping(state, event.parent_hash)
             if known is None:
                 self._bump("orphans")  # its parent was stored before we listened
                 return
             parent = known
         size = self._block_size
-        present = state.present.setdefault(event.medium, OrderedDict())
-        refcounted = event.medium in self._refcounted
+        unkeyed = False
         for i, block_hash in enumerate(event.block_hashes):
-            parent = _chain(parent, array("I", event.token_ids[i * size : (i + 1) * size]))
-            previous = state.hashes.get(block_hash)
-            if previous is not None and previous != parent:
-                self._bump("hash_remapped")
-            state.hashes[block_hash] = parent
-            state.hashes.move_to_end(block_hash)
-            state.retired.pop(block_hash, None)
-            present[parent] = present.get(parent, 0) + 1 if refcounted else 1
-            present.move_to_end(parent)
-            state.speculative.pop((event.medium, parent), None)
-        while len(present) > self._max_blocks:
+            previous = self._mapping(state, block_hash)
+            if _is_unkeyed(parent) or (previous is not None and _is_unkeyed(previous)):
+                parent = _unkeyed(block_hash)  # a salted block or its child (invariant 6)
+                unkeyed = True
+            else:
+                parent = _chain(parent, array("I", event.token_ids[i * size : (i + 1) * size]))
+            self._hold(state, event.medium, block_hash, parent, previous)
+        if unkeyed:
+            self._bump("unkeyable_stores")
+        self._bound(state, event.medium)
+
+    def _stored_unkeyable(self, state: _Engine, event: BlocksUnkeyable) -> None:
+        if event.medium not in self._media:
+            self._bump("ignored_medium")
+            return
+        for block_hash in event.block_hashes:
+            previous = self._mapping(state, block_hash)
+            self._hold(state, event.medium, block_hash, _unkeyed(block_hash), previous)
+        self._bound(state, event.medium)
+
+    @staticmethod
+    def _mapping(state: _Engine, block_hash: BlockHash) -> bytes | None:
+        """The key ``block_hash`` maps to, live or retired (None: not known)."""
+        known = state.hashes.get(block_hash)
+        return known if known is not None else state.retired.get(block_hash)
+
+    def _hold(
+        self,
+        state: _Engine,
+        medium: str,
+        block_hash: BlockHash,
+        key: bytes,
+        previous: bytes | None,
+    ) -> None:
+        """The engine holds ``block_hash`` (keyed ``key``) in ``medium``."""
+        if previous is not None and previous != key:
+            self._bump("hash_remapped")
+        state.hashes[block_hash] = key
+        state.hashes.move_to_end(block_hash)
+        state.retired.pop(block_hash, None)
+        present = state.present.setdefault(medium, OrderedDict())
+        present[key] = present.get(key, 0) + 1 if medium in self._refcounted else 1
+        present.move_to_end(key)
+        state.speculative.pop((medium, key), None)
+
+    def _bound(self, state: _Engine, medium: str) -> None:
+        present = state.present.get(medium)
+        while present is not None and len(present) > self._max_blocks:
             present.popitem(last=False)
             self._bump("evicted_blocks")
         while len(state.hashes) > 2 * self._max_blocks:
@@ -307,14 +335,6 @@ class PrefixIndex:
             if not any(key in held for held in state.present.values()):
                 self._retire(state, block_hash, key)
 
-    def _mark_unkeyable(self, state: _Engine, block_hashes: Iterable[BlockHash]) -> None:
-        unkeyable = state.unkeyable
-        for block_hash in block_hashes:
-            unkeyable[block_hash] = None
-            unkeyable.move_to_end(block_hash)
-        while len(unkeyable) > self._max_unkeyable:
-            unkeyable.popitem(last=False)
-
     def _retire(self, state: _Engine, block_hash: BlockHash, key: bytes) -> None:
         """``block_hash``'s block left every medium: keep its mapping among the
         ``max_retired`` most recent only (invariant 2)."""
@@ -330,7 +350,6 @@ class PrefixIndex:
         if restarted:
             state.hashes.clear()
             state.retired.clear()
-            state.unkeyable.clear()
         state.learned = False
         self._bump("forgotten")
 
@@ -357,4 +376,15 @@ def _drop_expired(speculative: dict[tuple[str, bytes], float], now: float) -> No
 
 
 def _chain(parent: bytes, tokens: array[int]) -> bytes:
-    return hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(parent + tokens.tobytes(), digest_size=_CHAIN_BYTES).digest()
+
+
+def _unkeyed(block_hash: BlockHash) -> bytes:
+    """The key of a block under extra keys: its engine hash behind a prefix no chain key
+    has, so no prompt resolves to it (invariant 6)."""
+    raw = block_hash if isinstance(block_hash, bytes) else b"%d" % block_hash
+    return _UNKEYED + raw
+
+
+def _is_unkeyed(key: bytes) -> bool:
+    return key.startswith(_UNKEYED)  # a chain key has it by chance with p = 2**-120
