@@ -60,7 +60,13 @@ from kvpeer.bench.soak import (
 from kvpeer.bench.soak_events import SOAK_EVENT_BUFFER_STEPS, event_history
 from kvpeer.bench.soak_memory import MemoryTrace, router_index
 from kvpeer.host.claims import CLAIM_PREFIX
-from kvpeer.integrations.vllm.procs import group_pids, process_info, shm_in_use, shm_names
+from kvpeer.integrations.vllm.procs import (
+    ProcessInfo,
+    group_pids,
+    process_info,
+    shm_in_use,
+    shm_names,
+)
 
 __all__ = ["main", "run"]
 
@@ -256,26 +262,16 @@ class Soak:
         out: list[Sample] = []
         me = process_info(os.getpid())
         if me is not None:
-            out.append((DRIVER, me.pid, me.started, me.private_bytes, me.shmem_bytes, me.fds))
+            out.append((DRIVER, *_memory(me)))
         for name, router in sorted(self.routers.items()):
             info = process_info(router.pid) if router.pid is not None else None
             if info is not None:
-                out.append((f"router-{name}", info.pid, info.started, info.private_bytes,
-                            info.shmem_bytes, info.fds))  # fmt: skip
+                out.append((f"router-{name}", *_memory(info)))
         for name, engine in sorted(self.fleet.engines.items()):
             for pid in group_pids(engine.process.pid):
                 info = process_info(pid)
                 if info is not None:
-                    out.append(
-                        (
-                            f"{name}:{info.name}",
-                            pid,
-                            info.started,
-                            info.private_bytes,
-                            info.shmem_bytes,
-                            info.fds,
-                        )
-                    )
+                    out.append((f"{name}:{info.name}", *_memory(info)))
         return out
 
     def count_pulls(self) -> None:
@@ -301,12 +297,12 @@ class Soak:
             t = self.tally
             counts = (t.total("ok"), t.total("fallback"), t.total("failed"), t.total("mismatch"))
         groups: dict[str, tuple[int, int]] = {}
-        for label, _pid, _started, rss, _shm, fds in self.sample_processes():
+        for label, _pid, _started, rss, _file, _shm, fds in self.sample_processes():
             group = label.split(":", 1)[0]
             old = groups.get(group, (0, 0))
             groups[group] = (old[0] + rss, old[1] + fds)
         resources = ", ".join(
-            f"{g} {rss / (1 << 20):.0f} MiB private {fds} fds" for g, (rss, fds) in groups.items()
+            f"{g} {rss / (1 << 20):.0f} MiB anon {fds} fds" for g, (rss, fds) in groups.items()
         )
         self.progress(
             f"{self.now():.0f} s: requests ok {counts[0]}, fallback {counts[1]}, failed "
@@ -553,3 +549,9 @@ def main(args: argparse.Namespace) -> int:
         result["logs"] = [str(log_dir)]
     print(json.dumps(result) if args.json else render(result))
     return 0 if result["ok"] else 1
+
+
+def _memory(info: ProcessInfo) -> tuple[int, int, int, int, int, int]:
+    """A sample's fields after its label: pid, start, anonymous, file and shm RSS, fds."""
+    return (info.pid, info.started, info.anon_bytes, info.file_bytes, info.shmem_bytes,
+            info.fds)  # fmt: skip

@@ -33,9 +33,11 @@ class ProcessInfo:
     pid: int
     name: str
     started: int
-    rss_bytes: int  # VmRSS
+    rss_bytes: int  # VmRSS = anon_bytes + file_bytes + shmem_bytes
     shmem_bytes: int  # RssShmem: shared-memory pages (e.g. mapped /dev/shm regions)
     fds: int
+    anon_bytes: int = 0  # RssAnon: heap, stacks, anonymous mappings: what the process owns
+    file_bytes: int = 0  # RssFile: pages of mapped files (libraries, code) paged in
 
     @property
     def private_bytes(self) -> int:
@@ -44,7 +46,8 @@ class ProcessInfo:
 
 
 def process_info(pid: int) -> ProcessInfo | None:
-    """``pid``'s name, start time, VmRSS and open descriptors; None if it is gone."""
+    """``pid``'s name, start time, resident memory (in all and by kind) and open
+    descriptors; None if it is gone."""
     base = PROC / str(pid)
     try:
         stat = (base / "stat").read_text()
@@ -58,9 +61,18 @@ def process_info(pid: int) -> ProcessInfo | None:
     fields = {}
     for line in status.splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssShmem"):
+        if key in ("VmRSS", "RssShmem", "RssAnon", "RssFile"):
             fields[key] = int(value.split()[0]) * 1024
-    return ProcessInfo(pid, name, started, fields.get("VmRSS", 0), fields.get("RssShmem", 0), fds)
+    return ProcessInfo(
+        pid,
+        name,
+        started,
+        fields.get("VmRSS", 0),
+        fields.get("RssShmem", 0),
+        fds,
+        anon_bytes=fields.get("RssAnon", 0),
+        file_bytes=fields.get("RssFile", 0),
+    )
 
 
 def group_pids(pgid: int) -> list[int]:
