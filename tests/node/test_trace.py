@@ -106,6 +106,16 @@ def test_one_pull_traces_both_sides_in_order(caplog: pytest.LogCaptureFixture) -
     assert len(steps) == 5
     assert steps == sorted(steps)
     assert int(by_event[(a.peer_id, "request_finished")].fields["step"]) > steps[0]
+    # The handshakes stand on their own lines (no request); each side dials the other.
+    session = [(e.node, e.event) for e in events(caplog) if e.kv_request_id == "-"]
+    for dialer, dialed in ((a, b), (b, a)):
+        handshake = [
+            (dialer.peer_id, "connect_sent"),
+            (dialed.peer_id, "connect_received"),
+            (dialed.peer_id, "connect_ack_sent"),
+            (dialer.peer_id, "connect_ack_received"),
+        ]
+        assert [x for x in session if x in handshake] == handshake
 
 
 def test_disabled_trace_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:

@@ -4,12 +4,14 @@ per tier, faults injected into the producer's process group.
 Order per tier (each step keeps what the next needs, so one pair serves every fault and
 the producer is restarted only after a fault killed it):
 
-1. ``frozen-first-contact`` (the consumer has not contacted this producer yet),
-2. ``healthy`` (also proves pulling works), 3. ``frozen-in-session``,
-4. per run: ``killed-during-lookup``, ``restarted`` (its prefill leg ran on the killed
+1. ``healthy`` (also proves pulling works), 2. ``frozen-in-session``,
+3. per run: ``killed-during-lookup``, ``restarted`` (its prefill leg ran on the killed
    process; the request meets the new one), ``killed-mid-transfer``, restart,
-5. ``killed-before-contact`` then at once ``backed-off`` (the producer stays dead; each
-   run waits out the consumer's back-off first, so every run dials the dead port).
+4. ``killed-before-contact`` then at once ``backed-off`` (the producer stays dead; each
+   run waits out the consumer's back-off first, so every run dials the dead port),
+5. ``frozen-first-contact``: the producer is restarted, so the consumer has never
+   talked to this process; each run waits out the back-off the last one left. Last:
+   after it vLLM's p2p pair never pulled again.
 
 Before each fault but the first-contact ones the consumer pulls until a pull works again
 (back-off over, session up): a fault is measured against a working pair. For
@@ -286,17 +288,8 @@ def phase(delta: dict[str, float]) -> str:
 
 def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
     want, runs = set(spec.faults), spec.runs
-    if "frozen-first-contact" in want:
-        for run in range(runs):
-            prompt = pair.prompt()
-            kv_id = pair.prefill(prompt)
-            pair.fleet.engines["p"].signal(signal.SIGSTOP)
-            try:
-                pair.measure("frozen-first-contact", run, kv_id, prompt)
-            finally:
-                pair.fleet.engines["p"].signal(signal.SIGCONT)
-            time.sleep(1.0)
-    pair.recover()
+    if want - {"frozen-first-contact"}:
+        pair.recover()
     latencies = []
     for run in range(runs if "healthy" in want or "killed-mid-transfer" in want else 0):
         prompt = pair.prompt()
@@ -360,6 +353,22 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
                 pair.measure(
                     "backed-off", run, f"faults-{uuid.uuid4().hex[:12]}", again, local=again_local
                 )
+    if "frozen-first-contact" in want:
+        # Last, against a producer process the consumer never talked to: vLLM's p2p pair
+        # never pulled again after this fault (its consumer keeps waiting on the session
+        # it could not finish), which cost every later fault its measurement.
+        if want - {"frozen-first-contact"}:
+            pair.restart_producer()
+        for run in range(runs):
+            if run:  # each frozen run is a failed first contact: wait out its back-off
+                time.sleep(min(2.0 ** (run - 1), 30.0) + 0.5)
+            prompt = pair.prompt()
+            kv_id = pair.prefill(prompt)
+            pair.fleet.engines["p"].signal(signal.SIGSTOP)
+            try:
+                pair.measure("frozen-first-contact", run, kv_id, prompt)
+            finally:
+                pair.fleet.engines["p"].signal(signal.SIGCONT)
 
 
 def run(spec: FaultsSpec, work: Workload, log_dir: Path, progress: Progress) -> list[Sample]:

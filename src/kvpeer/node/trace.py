@@ -18,7 +18,9 @@ hits of keys), ``load_submitted``, ``fetch_sent``, ``transfer_done_received``,
 ``load_done`` / ``load_failed`` (bytes, seconds from the fetch). Producer:
 ``lookup_received``, ``lookup_answered`` (hits, ``waited_s``: received →
 answered, i.e. the wait for the engine's serve window), ``fetch_received``,
-``transfer_started`` (blocks), ``transfer_done`` (ok, blocks, bytes).
+``transfer_started`` (blocks), ``transfer_done`` (ok, blocks, bytes). Both sides:
+``connect_sent`` / ``connect_received``, ``connect_ack_sent`` / ``_received``,
+``disconnect_sent`` / ``_received`` (id ``-``: a session names no request).
 
 Consumer events seen by the engine carry ``step``, the engine's scheduler steps
 so far (the tier counts ``on_schedule_end``): ``lookup_asked``, ``lookup_hit``
@@ -53,6 +55,8 @@ from kvpeer.protocol import (
     AbortFetch,
     Codec,
     Connect,
+    ConnectAck,
+    Disconnect,
     Fetch,
     Lookup,
     LookupResponse,
@@ -197,6 +201,11 @@ class Trace:
             self.emit(message.kv_request_id, event, peer=peer_id, ok=int(message.success),
                       blocks=blocks, bytes=size, round=message.round_seq,
                       reason=message.reason)  # fmt: skip
+        elif isinstance(message, Connect | ConnectAck | Disconnect):
+            # Session events name no request: they stand on the peer's line ("-").
+            kind = {Connect: "connect", ConnectAck: "connect_ack", Disconnect: "disconnect"}
+            event = f"{kind[type(message)]}_{'sent' if outbound else 'received'}"
+            self.emit("-", event, peer=peer_id)
         elif isinstance(message, AbortFetch | AbortAck):
             kind = "abort_fetch" if isinstance(message, AbortFetch) else "abort_ack"
             event = f"{kind}_{'sent' if outbound else 'received'}"
