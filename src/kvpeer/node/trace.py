@@ -68,6 +68,11 @@ from kvpeer.session.ports import DataPlane, TransferEvent
 __all__ = ["MAX_TRACKED", "TRACE_ENV", "TRACE_LOGGER", "Trace"]
 
 TRACE_LOGGER = "kvpeer.trace"
+_SESSION_EVENTS: dict[type, str] = {
+    Connect: "connect",
+    ConnectAck: "connect_ack",
+    Disconnect: "disconnect",
+}
 TRACE_ENV = "KVPEER_TRACE"  # read by the vLLM adapter and the CLI only
 MAX_TRACKED = 4096
 
@@ -203,9 +208,8 @@ class Trace:
                       reason=message.reason)  # fmt: skip
         elif isinstance(message, Connect | ConnectAck | Disconnect):
             # Session events name no request: they stand on the peer's line ("-").
-            kind = {Connect: "connect", ConnectAck: "connect_ack", Disconnect: "disconnect"}
-            event = f"{kind[type(message)]}_{'sent' if outbound else 'received'}"
-            self.emit("-", event, peer=peer_id)
+            name = _SESSION_EVENTS[type(message)]
+            self.emit("-", f"{name}_{'sent' if outbound else 'received'}", peer=peer_id)
         elif isinstance(message, AbortFetch | AbortAck):
             kind = "abort_fetch" if isinstance(message, AbortFetch) else "abort_ack"
             event = f"{kind}_{'sent' if outbound else 'received'}"
