@@ -17,19 +17,18 @@ compared with the one it replaced.
 **Resources.** Resident memory and open descriptors of every process alive both after
 warm-up and at the end (same pid, same start time): the two ``kvpeer router`` processes
 (:data:`ROUTERS`) and every process of an engine not restarted since warm-up. Each must be
-within :data:`RESOURCE_TOLERANCE` (5 %) of its warm-up value. The memory judged is
-anonymous RSS (``RssAnon``: heap, stacks, anonymous mappings), what a process allocated
-and where a leak lives. The rest of RSS is shown beside, not judged: shared-memory pages
-(``RssShmem``: an engine maps its own 256 MiB CPU region and, over shm, its peer's, whose
-pages count as they are touched and are returned when the peer's region is unmapped; a
-restarted peer brings a new one) and pages of mapped files (``RssFile``: executables,
-libraries, the model's weights), which become resident as code runs for the first time
-and which the kernel drops at will (a router's grew 2.5 MiB over a 30-minute soak while
-its anonymous memory grew 1.9 MiB, then found and fixed). Warm-up is every path once, then
-:data:`WARMUP_TRAFFIC_S` of the soak's own traffic, :data:`WARMUP_FAULT` (a SIGKILL and
-restart of ``b``: the failure paths, first taken at the first fault, allocate what they
-keep once, and the routers relearn a new engine), and :data:`WARMUP_TRAFFIC_S` more; that
-fault is logged apart and is not one of the soak's. Both samples are taken with the
+within :data:`RESOURCE_TOLERANCE` (5 %) of its warm-up value. The memory judged is RSS
+less shared-memory pages (``RssShmem``: an engine maps its own 256 MiB CPU region and,
+over shm, its peer's, whose pages count as they are touched and are returned when the
+peer's region is unmapped; a restarted peer brings a new one; shown beside). What is
+judged is shown in its two parts as well: anonymous memory (``RssAnon``: heap, stacks,
+what the process allocated, where a leak lives) and pages of mapped files (``RssFile``:
+interpreter, libraries, the model's weights, resident as code first runs). Warm-up is
+every path once, then :data:`WARMUP_TRAFFIC_S` of the soak's own traffic,
+:data:`WARMUP_FAULT` (a SIGKILL and restart of ``b``: the failure paths, first taken at
+the first fault, allocate what they keep once, and the routers relearn a new engine),
+and :data:`WARMUP_TRAFFIC_S` more; that fault is logged apart and is not one of the
+soak's. Both samples are taken with the
 traffic paused (no request in flight) and no fault in progress. The driver (the soak's
 own process: traffic threads, clients, fault injection) is the load generator: shown,
 not judged; its garbage is collected and its C heap trimmed before each sample.
@@ -230,16 +229,31 @@ class ProcessRow:
 
     label: str  # "driver", "a:VLLM::EngineCor", ...
     pid: int
-    anon_before: int  # anonymous resident memory (RssAnon): judged
+    anon_before: int  # anonymous resident memory (RssAnon)
     anon_after: int | None  # None: gone or replaced (a restarted engine)
     fds_before: int
     fds_after: int | None
     judged: bool
-    file_before: int = 0  # resident pages of mapped files (RssFile): shown, not judged
+    file_before: int = 0  # resident pages of mapped files (RssFile)
     file_after: int | None = None
     shmem_before: int = 0  # shared-memory pages (RssShmem): shown, not judged
     shmem_after: int | None = None
     unjudged_why: str = ""  # "restarted", "load generator"
+
+    @property
+    def rss_before(self) -> int:
+        """Judged: RSS less shared memory (anonymous and file pages)."""
+        return self.anon_before + self.file_before
+
+    @property
+    def rss_after(self) -> int | None:
+        if self.anon_after is None or self.file_after is None:
+            return None
+        return self.anon_after + self.file_after
+
+    @property
+    def rss_growth(self) -> float | None:
+        return _growth(self.rss_before, self.rss_after)
 
     @property
     def anon_growth(self) -> float | None:
@@ -256,13 +270,15 @@ class ProcessRow:
     def problems(self) -> list[str]:
         if not self.judged:
             return []
-        if self.anon_after is None or self.fds_after is None:
+        rss_after = self.rss_after
+        if rss_after is None or self.fds_after is None:
             return [f"{self.label} (pid {self.pid}) is gone"]
         out = []
-        if self.anon_after > self.anon_before * (1 + RESOURCE_TOLERANCE):
+        if rss_after > self.rss_before * (1 + RESOURCE_TOLERANCE):
             out.append(
-                f"{self.label} (pid {self.pid}) anonymous RSS {_mib(self.anon_before)} -> "
-                f"{_mib(self.anon_after)} (> {RESOURCE_TOLERANCE:.0%})"
+                f"{self.label} (pid {self.pid}) private RSS {_mib(self.rss_before)} -> "
+                f"{_mib(rss_after)} (> {RESOURCE_TOLERANCE:.0%}; anonymous "
+                f"{_mib(self.anon_before)} -> {_mib(self.anon_after or 0)})"
             )
         if self.fds_after > self.fds_before * (1 + RESOURCE_TOLERANCE):
             out.append(
@@ -373,6 +389,9 @@ def summary(
         "processes": [
             {
                 **asdict(row),
+                "rss_before": row.rss_before,
+                "rss_after": row.rss_after,
+                "rss_growth": row.rss_growth,
                 "anon_growth": row.anon_growth,
                 "file_growth": row.file_growth,
                 "fds_growth": row.fds_growth,
@@ -406,25 +425,23 @@ def render(result: dict[str, Any]) -> str:
         f"faults: {faults}" + (f" (and in warm-up, before the first sample: {warmup})"
                                if warmup else ""),
         "",
-        f"{'process':<22} {'pid':>7} {'anon RSS':>10} {'end':>10} {'':>7} "
-        f"{'fds':>4} {'end':>4} {'':>7} {'file RSS':>10} {'end':>10} {'':>7} "
-        f"{'shm RSS':>10} {'end':>10}  judged",
+        f"{'process':<22} {'pid':>7} {'private RSS':>11} {'end':>10} {'':>7} "
+        f"{'anon':>7} {'file':>7} {'fds':>4} {'end':>4} {'':>7} {'shm RSS':>10} {'end':>10}"
+        "  judged",
     ]
     for row in result["processes"]:
-        anon_g, file_g, fds_g = (
+        rss_g, anon_g, file_g, fds_g = (
             "-" if row[k] is None else f"{row[k]:+.1%}"
-            for k in ("anon_growth", "file_growth", "fds_growth")
+            for k in ("rss_growth", "anon_growth", "file_growth", "fds_growth")
         )
-        anon_after, file_after, shm_after = (
-            "-" if row[k] is None else _mib(row[k])
-            for k in ("anon_after", "file_after", "shmem_after")
+        rss_after, shm_after = (
+            "-" if row[k] is None else _mib(row[k]) for k in ("rss_after", "shmem_after")
         )
         fds_after = "-" if row["fds_after"] is None else str(row["fds_after"])
         lines.append(
-            f"{row['label']:<22} {row['pid']:>7} {_mib(row['anon_before']):>10} "
-            f"{anon_after:>10} {anon_g:>7} {row['fds_before']:>4} {fds_after:>4} {fds_g:>7} "
-            f"{_mib(row['file_before']):>10} {file_after:>10} {file_g:>7} "
-            f"{_mib(row['shmem_before']):>10} {shm_after:>10}  "
+            f"{row['label']:<22} {row['pid']:>7} {_mib(row['rss_before']):>11} "
+            f"{rss_after:>10} {rss_g:>7} {anon_g:>7} {file_g:>7} {row['fds_before']:>4} "
+            f"{fds_after:>4} {fds_g:>7} {_mib(row['shmem_before']):>10} {shm_after:>10}  "
             f"{'yes' if row['judged'] else 'no (' + row.get('unjudged_why', '') + ')'}"
         )
     lines += [
