@@ -74,14 +74,16 @@ def test_the_cli_knows_the_subcommand() -> None:
 def test_bounds_follow_issue_11() -> None:
     bounds = {f.name: f.bound_s for f in FAULTS}
     assert bounds["healthy"] is None
-    assert bounds["frozen-first-contact"] == bounds["frozen-in-session"] == SILENT_BOUND_S == 2.0
+    # Silent: frozen, or killed while the request waits (its sockets close only after
+    # the kernel tore its memory down).
     for name in (
-        "killed-before-contact",
+        "frozen-first-contact",
+        "frozen-in-session",
         "killed-during-lookup",
         "killed-mid-transfer",
-        "restarted",
-        "backed-off",
     ):
+        assert bounds[name] == SILENT_BOUND_S == 2.0
+    for name in ("killed-before-contact", "restarted", "backed-off"):
         assert bounds[name] == ANSWERED_BOUND_S == 0.25
 
 
