@@ -222,6 +222,18 @@ class Pair:
     def signal_producer(self, signum: int) -> Callable[[], None]:
         return lambda: self.fleet.engines["p"].signal(signum)
 
+    def measure_frozen(self, fault: str, run: int) -> Sample:
+        """A prefill leg, then the request with the producer stopped (SIGSTOP) until
+        the measurement is over."""
+        prompt = self.prompt()
+        kv_id = self.prefill(prompt)
+        producer = self.fleet.engines["p"]
+        producer.signal(signal.SIGSTOP)
+        try:
+            return self.measure(fault, run, kv_id, prompt)
+        finally:
+            producer.signal(signal.SIGCONT)
+
     def kill_producer(self) -> None:
         """SIGKILL the producer's group; note when the last process of it was gone (the
         kernel closes a process's sockets only after it has torn down its memory)."""
@@ -299,13 +311,7 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
     if "frozen-in-session" in want:
         for run in range(runs):
             pair.recover()
-            prompt = pair.prompt()
-            kv_id = pair.prefill(prompt)
-            pair.fleet.engines["p"].signal(signal.SIGSTOP)
-            try:
-                pair.measure("frozen-in-session", run, kv_id, prompt)
-            finally:
-                pair.fleet.engines["p"].signal(signal.SIGCONT)
+            pair.measure_frozen("frozen-in-session", run)
     cycle = want & {"killed-during-lookup", "restarted", "killed-mid-transfer"}
     for run in range(runs if cycle else 0):
         pair.recover()
@@ -362,13 +368,7 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
         for run in range(runs):
             if run:  # each frozen run is a failed first contact: wait out its back-off
                 time.sleep(min(2.0 ** (run - 1), 30.0) + 0.5)
-            prompt = pair.prompt()
-            kv_id = pair.prefill(prompt)
-            pair.fleet.engines["p"].signal(signal.SIGSTOP)
-            try:
-                pair.measure("frozen-first-contact", run, kv_id, prompt)
-            finally:
-                pair.fleet.engines["p"].signal(signal.SIGCONT)
+            pair.measure_frozen("frozen-first-contact", run)
 
 
 def run(spec: FaultsSpec, work: Workload, log_dir: Path, progress: Progress) -> list[Sample]:
