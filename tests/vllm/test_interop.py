@@ -106,12 +106,7 @@ DIRECTIONS = ("vllm-to-kvpeer", "kvpeer-to-vllm")
 
 
 def kvpeer_nixl(port: int) -> dict[str, Any]:
-    # peer_wait_s too: vLLM's producer answers only in its serve windows, and with three
-    # engines on two cores a first contact can take longer than the 1.5 s default request
-    # budget (CI: a PD pull fell back that way). This test compares bytes; the budget is
-    # test_faults' subject.
-    tier = kvpeer_tier(port, "nixl", timeout_s=KVPEER_TIMEOUT_S)
-    return {**tier, "peer_wait_s": KVPEER_TIMEOUT_S}
+    return kvpeer_tier(port, "nixl", timeout_s=KVPEER_TIMEOUT_S)  # and peer_wait_s
 
 
 def kvpeer_tcp_then_nixl(port: int) -> dict[str, Any]:

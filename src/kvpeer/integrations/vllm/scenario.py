@@ -55,9 +55,15 @@ def kvpeer_tier(
     host: str = HOST,
     short_name: bool = False,
 ) -> dict[str, Any]:
-    """A kvpeer tier entry on ``planes`` with load, lookup and handshake timeouts of
-    ``timeout_s`` (None: kvpeer's defaults); ``short_name`` uses the type kvpeer's vLLM
-    plugin registers."""
+    """A kvpeer tier entry on ``planes`` with load, lookup and handshake timeouts and a
+    request budget (``peer_wait_s``) of ``timeout_s`` (None: kvpeer's defaults);
+    ``short_name`` uses the type kvpeer's vLLM plugin registers.
+
+    The budget goes with the timeouts: a test that waits for a healthy peer on a loaded
+    machine must not fall back after the 1.5 s default while a first contact (a NIXL
+    registration, a producer answering only in its serve windows) takes longer; CI saw
+    both (``test_interop``, ``test_warm_and_symmetric``). Budgets are ``test_faults``'
+    subject."""
     entry: dict[str, Any] = (
         {"type": "kvpeer"}
         if short_name
@@ -72,7 +78,7 @@ def kvpeer_tier(
         entry["nixl_peers"] = ["127.0.0.0/8"]  # the other engines run on this machine
     if timeout_s is not None:
         entry.update(load_timeout_s=timeout_s, lookup_timeout_s=timeout_s)
-        entry.update(handshake_timeout_s=timeout_s)
+        entry.update(handshake_timeout_s=timeout_s, peer_wait_s=timeout_s)
     return entry
 
 
