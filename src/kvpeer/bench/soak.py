@@ -28,10 +28,10 @@ every path once, then :data:`WARMUP_TRAFFIC_S` of the soak's own traffic,
 :data:`WARMUP_FAULT` (a SIGKILL and restart of ``b``: the failure paths, first taken at
 the first fault, allocate what they keep once, and the routers relearn a new engine),
 and :data:`WARMUP_TRAFFIC_S` more; that fault is logged apart and is not one of the
-soak's. Both samples are taken with the
-traffic paused (no request in flight) and no fault in progress. The driver (the soak's
-own process: traffic threads, clients, fault injection) is the load generator: shown,
-not judged; its garbage is collected and its C heap trimmed before each sample.
+soak's. Both samples are taken with the traffic paused (no request in flight) and no
+fault in progress. The driver (the soak's own process: traffic threads, clients, fault
+injection) is the load generator: shown, not judged; its garbage is collected and its C
+heap trimmed before each sample.
 
 **Verdict.** Exit 1 if any output differs from its prompt's reference, a process grew
 past the tolerance, a file is left in ``/dev/shm``, a request failed whose life does not

@@ -297,12 +297,12 @@ class Soak:
             t = self.tally
             counts = (t.total("ok"), t.total("fallback"), t.total("failed"), t.total("mismatch"))
         groups: dict[str, tuple[int, int]] = {}
-        for label, _pid, _started, rss, _file, _shm, fds in self.sample_processes():
+        for label, _pid, _started, anon, _file, _shm, fds in self.sample_processes():
             group = label.split(":", 1)[0]
             old = groups.get(group, (0, 0))
-            groups[group] = (old[0] + rss, old[1] + fds)
+            groups[group] = (old[0] + anon, old[1] + fds)
         resources = ", ".join(
-            f"{g} {rss / (1 << 20):.0f} MiB anon {fds} fds" for g, (rss, fds) in groups.items()
+            f"{g} {anon / (1 << 20):.0f} MiB anon {fds} fds" for g, (anon, fds) in groups.items()
         )
         self.progress(
             f"{self.now():.0f} s: requests ok {counts[0]}, fallback {counts[1]}, failed "

@@ -68,13 +68,14 @@ from kvpeer.session.ports import DataPlane, TransferEvent
 __all__ = ["MAX_TRACKED", "TRACE_ENV", "TRACE_LOGGER", "Trace"]
 
 TRACE_LOGGER = "kvpeer.trace"
+TRACE_ENV = "KVPEER_TRACE"  # read by the vLLM adapter and the CLI only
+MAX_TRACKED = 4096
+#: Session frames name no request: traced under id "-" by these names.
 _SESSION_EVENTS: dict[type, str] = {
     Connect: "connect",
     ConnectAck: "connect_ack",
     Disconnect: "disconnect",
 }
-TRACE_ENV = "KVPEER_TRACE"  # read by the vLLM adapter and the CLI only
-MAX_TRACKED = 4096
 
 K = TypeVar("K")
 V = TypeVar("V")
