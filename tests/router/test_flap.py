@@ -28,6 +28,7 @@ from kvpeer.router.feed import (
     EventFeed,
     FeedLimits,
     StreamReset,
+    encode_replay_request,
 )
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import MEDIUM_GPU, PrefixIndex
@@ -336,6 +337,36 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0)
         await asyncio.sleep(0.005)
 
 
+async def sent(replay_endpoint: str, batches: int, timeout: float = 10.0) -> None:
+    """Wait until a vLLM publisher has sent ``batches`` batches, asking its replay endpoint
+    as any client would. Its ``publish`` only queues a batch for the publisher's thread,
+    which serves replays from what it has sent: a subscriber asking sooner (a loaded CI
+    machine) gets part of the history, and the rest went out before it had subscribed."""
+    context = zmq.asyncio.Context()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while True:
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(replay_endpoint)
+            await dealer.send_multipart(encode_replay_request(0))
+            got = 0
+            while True:
+                left = deadline - loop.time()
+                assert left > 0, f"the publisher did not send {batches} batches in {timeout} s"
+                parts = await asyncio.wait_for(dealer.recv_multipart(), left)
+                if parts == REPLAY_END:
+                    break
+                got += 1
+            dealer.close(linger=0)
+            if got >= batches:
+                return
+            await asyncio.sleep(0.005)
+    finally:
+        context.destroy(linger=0)
+
+
 async def flap_down(router: Router, engine: FakeEngine) -> None:
     engine.behaviour.health_status = 503
     await router.health.wait_for(lambda h: not h.healthy("a"), 10)
@@ -443,6 +474,7 @@ def test_vllms_publisher_replays_the_anchor_byte_for_byte_and_its_successor_does
         second = None
         for n in range(3):
             publish(first, n, ts=100.0 + n)
+        await sent(replay_ep, 3)
         stop = asyncio.Event()
         task = asyncio.create_task(subscriber.run(stop))
         keys = index.keys([t for n in range(3) for t in tokens(n)])
