@@ -123,6 +123,29 @@ def planes() -> Iterator[Planes]:
         made.set.close()
 
 
+def reapers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvpeer-reaper"]
+
+
+def test_a_set_that_registers_off_the_lock_starts_its_reaper_before_any_peer() -> None:
+    """A peer's first contact must not pay for starting a thread: in a busy engine
+    process that took 20-165 ms, most of a restarted producer's fallback."""
+    before = set(reapers())
+    eager = Planes()
+    try:
+        started = set(reapers()) - before
+        assert len(started) == 1
+        assert all(t.is_alive() for t in started)
+    finally:
+        eager.set.close()
+    assert not any(t.is_alive() for t in started)
+    lazy = Planes(notify=False)  # the undriven node registers under the lock
+    try:
+        assert set(reapers()) - before == set()
+    finally:
+        lazy.set.close()
+
+
 def test_a_slow_registration_runs_off_the_callers_thread_and_is_taken_once(
     planes: Planes,
 ) -> None:
