@@ -222,6 +222,7 @@ class ServeFleet:
         self._progress = progress or (lambda _message: None)
         self.engines: dict[str, ServeEngine] = {}
         self.removed: list[Path] = []  # leftovers of stopped engines removed so far
+        self._restarts: dict[str, int] = {}  # per engine name
 
     def __enter__(self) -> ServeFleet:
         return self
@@ -243,7 +244,8 @@ class ServeFleet:
         old.stop()
         removed = _remove_unused(old.tracked_files)
         self.removed.extend(removed)
-        new = self._spawn(old.spec, suffix=".restart")
+        self._restarts[name] = self._restarts.get(name, 0) + 1
+        new = self._spawn(old.spec, suffix=f".restart{self._restarts[name]}")  # logs kept
         new.tracked_files |= old.tracked_files - {path.name for path in removed}
         self.engines[name] = new
         self.wait_ready([name], timeout_s)
