@@ -11,6 +11,7 @@ from kvpeer.bench.faults import (
     FAULTS,
     SILENT_BOUND_S,
     FaultsSpec,
+    Renewal,
     Sample,
     add_arguments,
     cells,
@@ -172,6 +173,29 @@ def test_the_table_has_a_row_per_cell_and_lists_problems() -> None:
     assert "frozen-in-session/kvpeer: run 0: fallback 9.800 s > bound 2 s" in text
     assert not result["ok"]
     assert result["samples"][0]["fallback_s"] == pytest.approx(0.012)
+
+
+def test_a_fresh_pair_is_listed_and_fails_the_run_only_on_the_kvpeer_tier() -> None:
+    samples = [sample("healthy", 0, -0.5), sample("healthy", 0, 0.1, tier="p2p")]
+    broken_p2p = Renewal("p2p", "frozen-in-session run 4", "no pull worked for 60 s")
+    result = to_json(
+        FaultsSpec(runs=1), samples, model="tiny-llama", prompt_tokens=384, seconds=1.0,
+        renewals=[broken_p2p],
+    )  # fmt: skip
+    assert result["ok"]
+    assert result["renewals"] == [
+        {"tier": "p2p", "after": "frozen-in-session run 4", "why": "no pull worked for 60 s"}
+    ]
+    text = render(result)
+    assert "p2p after frozen-in-session run 4: no pull worked for 60 s" in text
+    assert "problems:" not in text
+    broken_kvpeer = Renewal("kvpeer", "restarted run 2", "no pull worked for 60 s")
+    result = to_json(
+        FaultsSpec(runs=1), samples, model="tiny-llama", prompt_tokens=384, seconds=1.0,
+        renewals=[broken_p2p, broken_kvpeer],
+    )  # fmt: skip
+    assert not result["ok"]
+    assert "kvpeer: the pair pulled no more after restarted run 2" in render(result)
 
 
 def test_phase_reads_the_consumers_counter_deltas() -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "Cell",
     "Fault",
     "FaultsSpec",
+    "Renewal",
     "Sample",
     "add_arguments",
     "cells",
@@ -178,6 +179,16 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class Renewal:
+    """A pair started afresh: after ``after`` (a fault run) it pulled no more (``why``).
+    On the kvpeer tier that is a failure of its own; vLLM's p2p pair needs it."""
+
+    tier: str
+    after: str
+    why: str
+
+
+@dataclass(frozen=True)
 class Cell:
     """Every sample of one fault on one tier, summarised and judged."""
 
@@ -264,6 +275,15 @@ def render(result: dict[str, Any]) -> str:
             f"{' | '.join(cell['phases']) or '-'}"
         )
     problems = [f"{c['fault']}/{c['tier']}: {p}" for c in result["cells"] for p in c["problems"]]
+    problems += [
+        f"{r['tier']}: the pair pulled no more after {r['after']}; both engines restarted"
+        for r in result.get("renewals", ())
+        if r["tier"] == "kvpeer"
+    ]
+    renewed = [r for r in result.get("renewals", ()) if r["tier"] != "kvpeer"]
+    if renewed:
+        lines += ["", "fresh pairs (vLLM's tier pulled no more; not judged):"]
+        lines += [f"  {r['tier']} after {r['after']}: {r['why']}" for r in renewed]
     if problems:
         lines += ["", "problems:", *(f"  {p}" for p in problems)]
     lines += [
@@ -276,15 +296,23 @@ def render(result: dict[str, Any]) -> str:
 
 
 def to_json(
-    spec: FaultsSpec, samples: Sequence[Sample], *, model: str, prompt_tokens: int, seconds: float
+    spec: FaultsSpec,
+    samples: Sequence[Sample],
+    *,
+    model: str,
+    prompt_tokens: int,
+    seconds: float,
+    renewals: Sequence[Renewal] = (),
 ) -> dict[str, Any]:
+    """The run as one object; ``ok`` needs every cell ok and no kvpeer pair renewed."""
     judged = cells(samples)
     return {
         "runs": spec.runs,
         "model": model,
         "prompt_tokens": prompt_tokens,
         "seconds": seconds,
-        "ok": all(cell.ok for cell in judged),
+        "ok": all(cell.ok for cell in judged) and not any(r.tier == "kvpeer" for r in renewals),
         "cells": [{**asdict(cell), "ok": cell.ok} for cell in judged],
+        "renewals": [asdict(renewal) for renewal in renewals],
         "samples": [{**asdict(s), "fallback_s": s.fallback_s} for s in samples],
     }

@@ -42,8 +42,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvpeer.bench.faults import FaultsSpec, Sample, render, to_json
-from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec, TierKind, kvpeer_samples
+from kvpeer.bench.faults import FaultsSpec, Renewal, Sample, render, to_json
+from kvpeer.integrations.vllm.serving import (
+    EngineFailed,
+    ServeFleet,
+    ServeSpec,
+    TierKind,
+    kvpeer_samples,
+)
 
 __all__ = ["Pair", "Workload", "main", "measure_tier", "run"]
 
@@ -54,6 +60,7 @@ REQUEST_TIMEOUT_S = 90.0
 # 1 s back-off, which backed-off must measure right after killed-before-contact.
 COUNTER_SETTLE_S = 0.3
 RECOVER_TIMEOUT_S = 60.0
+RESTART_TIMEOUT_S = 180.0  # engines start in ~60 s here
 GONE_TIMEOUT_S = 10.0
 Progress = Callable[[str], None]
 
@@ -78,6 +85,9 @@ class Pair:
         self.samples: list[Sample] = []
         self.healthy_latency_s = 0.0
         self.producer_gone_s: float | None = None
+        self.log_dir = log_dir
+        self.last = "start"  # the last fault measured (what a renewal follows)
+        self.renewals: list[Renewal] = []
 
     def start(self) -> None:
         self.fleet.start(
@@ -201,6 +211,7 @@ class Pair:
                 counters=delta,
             )
         self.samples.append(sample)
+        self.last = f"{fault} run {run}"
         self.progress(
             f"{self.tier} {fault} run {run}: "
             + (
@@ -250,19 +261,35 @@ class Pair:
             time.sleep(0.002)
         self.producer_gone_s = time.monotonic() - killed
 
-    def recover(self) -> None:
-        """Pull until a pull works: the consumer's back-off is over and a session is up."""
+    def recover(self) -> bool:
+        """Pull until a pull works: the consumer's back-off is over and a session is up.
+        False if none did within :data:`RECOVER_TIMEOUT_S`."""
         deadline = time.monotonic() + RECOVER_TIMEOUT_S
         while time.monotonic() < deadline:
             prompt = self.prompt()
             kv_id = self.prefill(prompt)
             answer, _ = self.post("c", self.pull_body(prompt, kv_id))
             if (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"):
-                return
+                return True
             time.sleep(1.0)
-        self.progress(
-            f"{self.tier}: no pull worked for {RECOVER_TIMEOUT_S:.0f} s; measuring anyway"
-        )
+        return False
+
+    def ready(self) -> None:
+        """A working pair for the next fault: recovered, or else both engines started
+        afresh (a renewal, recorded: the faults before it broke the pair for good)."""
+        if self.recover():
+            return
+        self.renew(f"no pull worked for {RECOVER_TIMEOUT_S:.0f} s")
+        if not self.recover():
+            self.progress(f"{self.tier}: no pull works even on a fresh pair; measuring anyway")
+
+    def renew(self, why: str) -> None:
+        """Stop both engines and start a fresh pair (new log directory)."""
+        self.renewals.append(Renewal(self.tier, self.last, why))
+        self.progress(f"{self.tier}: the pair broke after {self.last} ({why}); a fresh pair")
+        self.fleet.close()
+        self.fleet = ServeFleet(self.log_dir / f"{self.tier}.{len(self.renewals)}", self.progress)
+        self.start()
 
     def close(self) -> None:
         """Stop both engines; a stopped producer is resumed first (it could not act on
@@ -272,7 +299,11 @@ class Pair:
         self.fleet.close()
 
     def restart_producer(self) -> None:
-        self.fleet.restart("p")
+        try:
+            self.fleet.restart("p", timeout_s=RESTART_TIMEOUT_S)
+        except EngineFailed as exc:  # vLLM's tier: once 466 s (its consumer held the port?)
+            self.renew(f"the producer did not restart: {str(exc).splitlines()[0]}")
+            return
         self.post("p", self.body(self.prompt(), cache_salt=uuid.uuid4().hex))  # warm-up
 
 
@@ -301,7 +332,7 @@ def phase(delta: dict[str, float]) -> str:
 def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
     want, runs = set(spec.faults), spec.runs
     if want - {"frozen-first-contact"}:
-        pair.recover()
+        pair.ready()
     latencies = []
     for run in range(runs if "healthy" in want or "killed-mid-transfer" in want else 0):
         prompt = pair.prompt()
@@ -310,11 +341,11 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
     pair.healthy_latency_s = sorted(latencies)[len(latencies) // 2] if latencies else 0.1
     if "frozen-in-session" in want:
         for run in range(runs):
-            pair.recover()
+            pair.ready()
             pair.measure_frozen("frozen-in-session", run)
     cycle = want & {"killed-during-lookup", "restarted", "killed-mid-transfer"}
     for run in range(runs if cycle else 0):
-        pair.recover()
+        pair.ready()
         lookup_prompt, restart_prompt = pair.prompt(), pair.prompt()
         lookup_id, restart_id = pair.prefill(lookup_prompt), pair.prefill(restart_prompt)
         if "killed-during-lookup" in want:
@@ -335,7 +366,7 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
         if "restarted" in want:
             pair.measure("restarted", run, restart_id, restart_prompt)
         if "killed-mid-transfer" in want:
-            pair.recover()
+            pair.ready()
             prompt = pair.prompt()
             kv_id = pair.prefill(prompt)
             delay = 0.010 * (1 + run % 5)  # 36 MiB over shm take ~20 ms here
@@ -371,9 +402,12 @@ def measure_tier(pair: Pair, spec: FaultsSpec) -> None:
             pair.measure_frozen("frozen-first-contact", run)
 
 
-def run(spec: FaultsSpec, work: Workload, log_dir: Path, progress: Progress) -> list[Sample]:
+def run(
+    spec: FaultsSpec, work: Workload, log_dir: Path, progress: Progress
+) -> tuple[list[Sample], list[Renewal]]:
     """Every tier of ``spec``, one pair after another; engines are stopped whatever happens."""
     samples: list[Sample] = []
+    renewals: list[Renewal] = []
     for tier in spec.tiers:
         pair = Pair("kvpeer" if tier == "kvpeer" else "p2p", work, log_dir, progress)
         try:
@@ -382,7 +416,8 @@ def run(spec: FaultsSpec, work: Workload, log_dir: Path, progress: Progress) -> 
         finally:
             pair.close()
             samples += pair.samples
-    return samples
+            renewals += pair.renewals
+    return samples, renewals
 
 
 def main(args: argparse.Namespace) -> int:
@@ -412,10 +447,11 @@ def main(args: argparse.Namespace) -> int:
             if args.log_dir
             else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpeer-faults-")))
         )
-        samples = run(spec, work, log_dir, progress)
+        samples, renewals = run(spec, work, log_dir, progress)
     result = to_json(
         spec,
         samples,
+        renewals=renewals,
         model=model.name,
         prompt_tokens=work.prompt_tokens,
         seconds=time.monotonic() - started,
