@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
+from kvpeer.bench import faults_run
 from kvpeer.bench.faults import (
     BUDGET_S,
     FAULTS,
@@ -19,7 +21,7 @@ from kvpeer.bench.faults import (
     render,
     to_json,
 )
-from kvpeer.bench.faults_run import phase
+from kvpeer.bench.faults_run import Pair, Workload, phase
 from kvpeer.cli import build_parser
 
 
@@ -196,7 +198,7 @@ def test_a_fresh_pair_is_listed_and_fails_the_run_only_on_the_kvpeer_tier() -> N
         renewals=[broken_p2p, broken_kvpeer],
     )  # fmt: skip
     assert not result["ok"]
-    assert "kvpeer: the pair pulled no more after restarted run 2" in render(result)
+    assert "kvpeer: after restarted run 2: no pull worked for 60 s" in render(result)
 
 
 def test_phase_reads_the_consumers_counter_deltas() -> None:
@@ -211,3 +213,25 @@ def test_phase_reads_the_consumers_counter_deltas() -> None:
     }
     assert phase(delta) == ("fetch failed; lookup hit; session opened; closed peer_lost; 3 blocks")
     assert phase({"timeouts_total[handshake]": 1.0}) == "timeout handshake"
+
+
+def test_a_tier_whose_engine_stops_answering_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An engine that stops answering ends that tier's measurement; the run goes on to
+    the next tier and the result says where it stopped."""
+    started: list[str] = []
+
+    def start(pair: Pair) -> None:
+        started.append(pair.tier)
+        if pair.tier == "p2p":
+            raise TimeoutError("timed out")
+
+    monkeypatch.setattr(Pair, "start", start)
+    monkeypatch.setattr(faults_run, "measure_tier", lambda pair, spec: None)
+    work = Workload(tmp_path, prompt_tokens=8, max_model_len=64)
+    spec = FaultsSpec(runs=1, tiers=("p2p", "kvpeer"))
+    samples, stops = faults_run.run(spec, work, tmp_path, progress=lambda _m: None)
+    assert started == ["p2p", "kvpeer"]
+    assert samples == []
+    assert stops == [Renewal("p2p", "start", "measurement stopped: TimeoutError: timed out")]

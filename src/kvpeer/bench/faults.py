@@ -182,8 +182,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class Renewal:
-    """A pair started afresh: after ``after`` (a fault run) it pulled no more (``why``).
-    On the kvpeer tier that is a failure of its own; vLLM's p2p pair needs it."""
+    """A pair started afresh after ``after`` (a fault run) because it pulled no more, or
+    a tier's measurement stopped there (``why`` says which). On the kvpeer tier either is
+    a failure of its own; vLLM's p2p pair needs them."""
 
     tier: str
     after: str
@@ -278,13 +279,13 @@ def render(result: dict[str, Any]) -> str:
         )
     problems = [f"{c['fault']}/{c['tier']}: {p}" for c in result["cells"] for p in c["problems"]]
     problems += [
-        f"{r['tier']}: the pair pulled no more after {r['after']}; both engines restarted"
+        f"{r['tier']}: after {r['after']}: {r['why']}"
         for r in result.get("renewals", ())
         if r["tier"] == "kvpeer"
     ]
     renewed = [r for r in result.get("renewals", ()) if r["tier"] != "kvpeer"]
     if renewed:
-        lines += ["", "fresh pairs (vLLM's tier pulled no more; not judged):"]
+        lines += ["", "fresh pairs and stops of vLLM's tier (not judged):"]
         lines += [f"  {r['tier']} after {r['after']}: {r['why']}" for r in renewed]
     if problems:
         lines += ["", "problems:", *(f"  {p}" for p in problems)]

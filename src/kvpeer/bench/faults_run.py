@@ -413,6 +413,12 @@ def run(
         try:
             pair.start()
             measure_tier(pair, spec)
+        except (OSError, EngineFailed) as exc:  # URLError and timeouts are OSErrors
+            # An engine that stops answering (vLLM's p2p producer once sat on a prefill
+            # leg for 90 s): what was measured stands, the rest of this tier is left out.
+            why = f"measurement stopped: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            progress(f"{tier}: {why} (after {pair.last})")
+            pair.renewals.append(Renewal(pair.tier, pair.last, why))
         finally:
             pair.close()
             samples += pair.samples
