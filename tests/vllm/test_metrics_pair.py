@@ -29,6 +29,7 @@ from kvpeer.transport.data.nixl import NixlBackend
 DELAY = "vllm:kv_offload_tiering_lookup_async_delay_seconds"
 PROMPT = 1024
 BLOCK = 32
+ATTEMPTS = 3  # pulls vLLM's tier gets (kvpeer: one)
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -63,17 +64,23 @@ def pull_once(tier: TierKind, model: Path, logs: Path) -> dict[str, float]:
         a, b = (fleet.engines[name].spec for name in "ab")
         for spec in (a, b):  # warm-up: each engine's first request is slow
             post(spec.url, {**greedy, "prompt": [rng.randrange(3, 512) for _ in range(64)]})
-        prompt = [rng.randrange(3, 512) for _ in range(PROMPT)]
-        computed = post(a.url, {**greedy, "prompt": prompt})
-        before = delay(b.url)
-        source = {"kv_request_id": uuid.uuid4().hex, "remote_host": "127.0.0.1",
-                  "remote_port": a.tier_port}
-        pulled = post(b.url, {**greedy, "prompt": prompt,
-                              "kv_transfer_params": {"remote_kv_source": source}})
-        post(b.url, {**greedy, "prompt": [rng.randrange(3, 512) for _ in range(40)]})  # a step
-        after = delay(b.url)
-    assert pulled["choices"][0]["token_ids"] == computed["choices"][0]["token_ids"]
-    cached = pulled["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # kvpeer must pull at its first contact; vLLM's tier, the baseline, gets
+        # ATTEMPTS fresh prompts: on a loaded machine its first contact sometimes falls
+        # back (CI, 2026-12-02: 0 tokens cached), which is not what this test compares.
+        for _attempt in range(1 if tier == "kvpeer" else ATTEMPTS):
+            prompt = [rng.randrange(3, 512) for _ in range(PROMPT)]
+            computed = post(a.url, {**greedy, "prompt": prompt})
+            before = delay(b.url)
+            source = {"kv_request_id": uuid.uuid4().hex, "remote_host": "127.0.0.1",
+                      "remote_port": a.tier_port}
+            pulled = post(b.url, {**greedy, "prompt": prompt,
+                                  "kv_transfer_params": {"remote_kv_source": source}})
+            post(b.url, {**greedy, "prompt": [rng.randrange(3, 512) for _ in range(40)]})
+            after = delay(b.url)  # (the request above: a step that reports the lookup)
+            assert pulled["choices"][0]["token_ids"] == computed["choices"][0]["token_ids"]
+            cached = pulled["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if cached >= PROMPT - BLOCK:
+                break
     assert cached >= PROMPT - BLOCK, f"{tier}: only {cached} tokens cached"
     lookups = after[0] - before[0]
     assert lookups > 0, f"{tier}: the lookup-delay histogram did not move"
