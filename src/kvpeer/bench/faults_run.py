@@ -301,7 +301,7 @@ class Pair:
     def restart_producer(self) -> None:
         try:
             self.fleet.restart("p", timeout_s=RESTART_TIMEOUT_S)
-        except EngineFailed as exc:  # vLLM's tier: once 466 s (its consumer held the port?)
+        except EngineFailed as exc:  # vLLM's tier: a producer restart once took 466 s
             self.renew(f"the producer did not restart: {str(exc).splitlines()[0]}")
             return
         self.post("p", self.body(self.prompt(), cache_salt=uuid.uuid4().hex))  # warm-up
