@@ -235,3 +235,23 @@ def test_a_tier_whose_engine_stops_answering_is_reported_not_raised(
     assert started == ["p2p", "kvpeer"]
     assert samples == []
     assert stops == [Renewal("p2p", "start", "measurement stopped: TimeoutError: timed out")]
+
+
+def test_an_interrupted_run_stops_every_tier_and_keeps_what_was_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    started: list[str] = []
+
+    def measure(pair: Pair, spec: FaultsSpec) -> None:
+        started.append(pair.tier)
+        pair.samples.append(sample("healthy", 0, 0.1, tier=pair.tier))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Pair, "start", lambda pair: None)
+    monkeypatch.setattr(faults_run, "measure_tier", measure)
+    work = Workload(tmp_path, prompt_tokens=8, max_model_len=64)
+    spec = FaultsSpec(runs=1, tiers=("kvpeer", "p2p"))
+    samples, stops = faults_run.run(spec, work, tmp_path, progress=lambda _m: None)
+    assert started == ["kvpeer"]
+    assert [s.tier for s in samples] == ["kvpeer"]
+    assert stops == [Renewal("kvpeer", "start", "measurement stopped: interrupted")]

@@ -419,6 +419,10 @@ def run(
             why = f"measurement stopped: {type(exc).__name__}: {str(exc).splitlines()[0]}"
             progress(f"{tier}: {why} (after {pair.last})")
             pair.renewals.append(Renewal(pair.tier, pair.last, why))
+        except KeyboardInterrupt:  # Ctrl-C: stop here, but print what was measured
+            progress(f"{tier}: interrupted after {pair.last}; the table has what was measured")
+            pair.renewals.append(Renewal(pair.tier, pair.last, "measurement stopped: interrupted"))
+            break
         finally:
             pair.close()
             samples += pair.samples
