@@ -53,6 +53,7 @@ PREFIX = "vllm:kvpeer_"  # kvpeer's series on vLLM's /metrics
 # What Python's resource_tracker removes for vLLM at a clean exit (shared-memory message
 # queues, named semaphores): a SIGKILLed process group leaves them.
 TRACKED_SHM_PREFIXES = ("psm_", "sem.mp-")
+YIELD_NICE = 19  # running engines' priority while a fleet waits for others to start
 
 Progress = Callable[[str], None]
 
@@ -193,6 +194,15 @@ class ServeEngine:
             self.process.wait(timeout=STOP_TIMEOUT_S)
         self.wait_gone()
 
+    def set_nice(self, value: int) -> bool:
+        """Set the scheduling priority of every thread of the group; False if it could
+        not (the group is gone, or lowering a value needs privileges we lack)."""
+        try:
+            os.setpriority(os.PRIO_PGRP, self.process.pid, value)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
     def wait_gone(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         """Wait until no process of the group is left (the kernel unmaps a killed
         process's memory before it goes); False if some still runs after ``timeout_s``."""
@@ -252,10 +262,38 @@ class ServeFleet:
         return self.engines[name]
 
     def wait_ready(self, names: Sequence[str], timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait until every engine in ``names`` answers ``/health``.
+
+        While some are still starting, the fleet's running engines yield the CPU to them
+        (nice :data:`YIELD_NICE`, restored when the wait ends): an engine that steps
+        while idle (vLLM's p2p tier never idles, its notes' bug 8) took both cores of this
+        machine and held a restarting peer's start past 180 s. Only where the priority
+        can be restored afterwards (root), so that no measurement runs de-prioritised.
+        """
+        yielded: list[ServeEngine] = []
+        try:
+            self._wait_ready(names, timeout_s, yielded)
+        finally:
+            for engine in yielded:
+                engine.set_nice(0)
+
+    def _yield_cpu(self, waiting: Sequence[str], yielded: list[ServeEngine]) -> None:
+        if not waiting or os.geteuid() != 0:
+            return
+        for name, engine in self.engines.items():
+            if name in waiting or engine in yielded or not engine.alive():
+                continue
+            if engine.set_nice(YIELD_NICE):
+                yielded.append(engine)
+
+    def _wait_ready(
+        self, names: Sequence[str], timeout_s: float, yielded: list[ServeEngine]
+    ) -> None:
         started = time.monotonic()
         waiting = list(names)
         reported = started
         while waiting:
+            self._yield_cpu(waiting, yielded)
             for name in list(waiting):
                 engine = self.engines[name]
                 if not engine.alive():
