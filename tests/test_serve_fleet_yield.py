@@ -62,19 +62,24 @@ def test_running_engines_yield_while_another_starts_and_get_their_priority_back(
     running = add(fleet, "running", tmp_path)
     starting = add(fleet, "starting", tmp_path)
     seen: list[list[int]] = []
+    groups: list[int | None] = []
 
     def healthy(engine: ServeEngine, timeout_s: float = 2.0) -> bool:
         if engine is running:
             return True
         seen.append(thread_nices(running.process.pid))
+        groups.append(running.autogroup_nice())
         return len(seen) >= 2
 
     monkeypatch.setattr(ServeEngine, "healthy", healthy)
     monkeypatch.setattr("kvpeer.integrations.vllm.serving.POLL_S", 0.0)
     fleet.wait_ready(["starting"], timeout_s=30)
     assert seen == [[YIELD_NICE, YIELD_NICE]] * 2  # every thread, for the whole wait
+    assert groups in ([YIELD_NICE] * 2, [None] * 2)  # None: this kernel has no autogroup
     assert thread_nices(running.process.pid) == [0, 0]
+    assert running.autogroup_nice() in (0, None)
     assert thread_nices(starting.process.pid) == [0, 0]  # the one waited for never yields
+    assert starting.autogroup_nice() in (0, None)
 
 
 def test_priorities_come_back_when_the_wait_fails(

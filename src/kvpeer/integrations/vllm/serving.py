@@ -195,13 +195,30 @@ class ServeEngine:
         self.wait_gone()
 
     def set_nice(self, value: int) -> bool:
-        """Set the scheduling priority of every thread of the group; False if it could
-        not (the group is gone, or lowering a value needs privileges we lack)."""
+        """Set the scheduling priority of every thread of the group, and of its session's
+        autogroup; False if it could not (the group is gone, or lowering a value needs
+        privileges we lack).
+
+        With the kernel's autogroup on (``/proc/sys/kernel/sched_autogroup_enabled``),
+        every session is scheduled as one group against the others and a thread's nice
+        value only weighs inside its session; each engine is a session of its own, so
+        only the autogroup's nice value makes an engine yield to another.
+        """
         try:
             os.setpriority(os.PRIO_PGRP, self.process.pid, value)
         except (ProcessLookupError, PermissionError):
             return False
+        with contextlib.suppress(OSError):  # no autogroup: the thread values decide
+            Path(f"/proc/{self.process.pid}/autogroup").write_text(f"{value}\n")
         return True
+
+    def autogroup_nice(self) -> int | None:
+        """The nice value of the group's autogroup; None without one."""
+        try:
+            text = Path(f"/proc/{self.process.pid}/autogroup").read_text()
+        except OSError:
+            return None
+        return int(text.rsplit("nice", 1)[1])
 
     def wait_gone(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         """Wait until no process of the group is left (the kernel unmaps a killed
@@ -265,10 +282,11 @@ class ServeFleet:
         """Wait until every engine in ``names`` answers ``/health``.
 
         While some are still starting, the fleet's running engines yield the CPU to them
-        (nice :data:`YIELD_NICE`, restored when the wait ends): an engine that steps
-        while idle (vLLM's p2p tier never idles, its notes' bug 8) took both cores of this
-        machine and held a restarting peer's start past 180 s. Only where the priority
-        can be restored afterwards (root), so that no measurement runs de-prioritised.
+        (nice :data:`YIELD_NICE`, threads and autogroup, restored when the wait ends): an
+        engine that steps while idle (vLLM's p2p tier never idles, its notes' bug 8) took
+        both cores of this machine and held a restarting peer's start past 180 s. Only
+        where the priority can be restored afterwards (root), so that no measurement runs
+        de-prioritised.
         """
         yielded: list[ServeEngine] = []
         try:
