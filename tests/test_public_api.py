@@ -40,6 +40,7 @@ PUBLIC_SURFACE: dict[str, list[str]] = {
         "PROTOCOL_VERSION",
         "Ping",
         "Pong",
+        "RESOLVE_VERSION",
         "TransferDone",
         "TransportChoice",
         "TransportOffer",

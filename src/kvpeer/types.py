@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -72,6 +72,9 @@ class RequestContext:
 
     req_id: str
     kv_transfer_params: Mapping[str, object] | None = None
+    #: The prompt position (end token) of one of the request's keys, if the engine
+    #: knows it (vLLM's ``ReqContext.get_offload_key_position``).
+    key_position: Callable[[Key], int | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

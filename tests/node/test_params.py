@@ -45,6 +45,33 @@ class TestWellFormed:
         routing = parse_transfer_params({"remote_kv_source": SRC})
         assert routing.source == Source("req-1", "10.0.0.5:5710", probe=True)
 
+    @pytest.mark.parametrize(
+        ("role", "value", "held", "problem"),
+        [
+            ("remote_kv_source", 640, 640, None),
+            ("remote_kv_source", 0, 0, None),
+            ("remote_prefiller", 640, None, None),  # PD fetches everything anyway
+            ("remote_kv_source", -1, None, "held_tokens"),
+            ("remote_kv_source", True, None, "held_tokens"),
+            ("remote_kv_source", "640", None, "held_tokens"),
+            ("remote_kv_source", 2**64, None, "held_tokens"),
+            ("remote_kv_source", 64.0, None, "held_tokens"),
+        ],
+    )
+    def test_held_tokens_extension(
+        self, role: str, value: object, held: int | None, problem: str | None
+    ) -> None:
+        """A bad count is named and ignored: the request still pulls, probing first."""
+        routing = parse_transfer_params({role: {**SRC, "held_tokens": value}})
+        assert routing.source is not None
+        assert routing.source.held_tokens == held
+        if problem is None:
+            assert routing.problems == ()
+        else:
+            [text] = routing.problems
+            assert problem in text
+            assert repr(value)[:20] in text
+
     def test_producer_leg(self) -> None:
         routing = parse_transfer_params({"remote_decoder": {"kv_request_id": "req-9"}})
         assert routing.destination == Destination("req-9")

@@ -416,3 +416,84 @@ class TestMissUntilFinished:
         assert a.outcome(job) is False
         assert a.lookup(failed, *KEYS) == [MISS] * 3
         assert resolve(cluster, a, healthy, *KEYS) == [HIT] * 3
+
+
+def positions(*wanted: Key, tokens_per_key: int = 32) -> Callable[[Key], int | None]:
+    """What vLLM's ReqContext says of the request's keys: each key's end token."""
+    table = {k: (i + 1) * tokens_per_key for i, k in enumerate(wanted)}
+    return table.get
+
+
+class TestHeldTokens:
+    """remote_kv_source with the router's ``held_tokens``: keys the peer holds answer HIT
+    at once and are fetched with ``resolve``; the peer is never asked a lookup."""
+
+    def hinted(self, a: TierNode, b: TierNode, req_id: str, held: int) -> RequestContext:
+        params = {"remote_kv_source": {**kv_source("kv1", b)["remote_kv_source"],  # type: ignore[dict-item]
+                                       "held_tokens": held}}  # fmt: skip
+        ctx = RequestContext(req_id, params, key_position=positions(*KEYS))
+        a.tier.on_new_request(ctx)
+        return ctx
+
+    def test_held_keys_hit_at_once_and_load_without_a_lookup(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        for k in keys(1, 2):
+            b.parent.put(k)
+        warm = a.request("warm", kv_source("kv0", b))  # a session both ways already
+        a.lookup(warm, *KEYS)
+        cluster.run()
+        a.finish(warm)
+        cluster.run()
+        looked_up = len(a.sent_of(Lookup, to=b))
+        req = self.hinted(a, b, "c", held=64)
+        assert a.lookup(req, *KEYS) == [HIT, HIT, MISS]  # no RETRY: no engine step lost
+        job, slots = a.load(req, keys(1, 2))
+        cluster.run()
+        assert a.outcome(job) is True
+        assert [a.block(s) for s in slots] == [b.parent.expected(k) for k in keys(1, 2)]
+        assert len(a.sent_of(Lookup, to=b)) == looked_up
+        [fetch] = [f for f in a.sent_of(Fetch, to=b) if f.kv_request_id == "kv1" and f.keys]
+        assert fetch.resolve
+        a.finish(req)
+        cluster.run()
+        assert b.parent.pins == {}
+        assert b.parent.open_requests == {}
+
+    def test_a_held_key_the_peer_lost_fails_the_load_then_stays_miss(
+        self, cluster: Cluster
+    ) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        b.parent.put(key(1))  # key 2 was evicted after the router saw it
+        warm = a.request("warm", kv_source("kv0", b))
+        a.lookup(warm, *KEYS)
+        cluster.run()
+        req = self.hinted(a, b, "c", held=64)
+        assert a.lookup(req, *KEYS) == [HIT, HIT, MISS]
+        job, _ = a.load(req, keys(1, 2))
+        cluster.run()
+        assert a.outcome(job) is False
+        assert a.lookup(req, *KEYS) == [MISS] * 3  # the engine computes them
+        a.finish(req)
+        a.finish(warm)
+        cluster.run()
+        assert b.parent.pins == {}
+        assert b.parent.open_requests == {}
+
+    def test_before_the_session_is_ready_the_peer_is_probed(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        for k in keys(1, 2):
+            b.parent.put(k)
+        req = self.hinted(a, b, "c", held=64)
+        assert a.lookup(req, *KEYS) == [RETRY] * 3  # nothing known of the peer yet
+        assert resolve(cluster, a, req, *KEYS) == [HIT, HIT, MISS]
+        job, _ = a.load(req, keys(1, 2))
+        cluster.run()
+        assert a.outcome(job) is True
+
+    def test_a_key_without_a_known_position_is_probed(self, cluster: Cluster) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        warm = a.request("warm", kv_source("kv0", b))
+        a.lookup(warm, *KEYS)
+        cluster.run()
+        req = self.hinted(a, b, "c", held=64)
+        assert a.lookup(req, key(9)) == [RETRY]

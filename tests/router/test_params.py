@@ -39,6 +39,11 @@ def test_decode_and_shared_legs_name_only_the_given_peer() -> None:
         "remote_kv_source": target}
     assert params.decode_leg(body, "id1", None) == body
     assert params.shared_leg(body, "id1", None) == body
+    assert params.shared_leg(body, "id1", PEER, 640)["kv_transfer_params"] == {
+        "remote_kv_source": target | {"held_tokens": 640}}
+    assert params.shared_leg(body, "id1", PEER, 0)["kv_transfer_params"] == {
+        "remote_kv_source": target}  # nothing held: the engine probes as before
+    assert params.shared_leg(body, "id1", None, 640) == body
 
 
 def test_want_usage_only_when_streaming_and_not_asked() -> None:

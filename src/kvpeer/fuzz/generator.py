@@ -279,8 +279,11 @@ class FrameGenerator:
                     "block_indexes": rng.sample(range(self.target.our_blocks), len(keys)),
                     "round_seq": seq.round_seq,
                 }
-                if rng.random() < 0.25:
+                extension = rng.random()
+                if extension < 0.25:
                     fetch["prefill_done"] = True  # kvpeer 1.1 (PD: the leg answered)
+                elif extension < 0.5:
+                    fetch["resolve"] = True  # kvpeer 1.2 (the producer looks keys up)
                 return fetch
             case "transfer_done":
                 return {

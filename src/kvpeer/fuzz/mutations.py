@@ -65,6 +65,7 @@ SCHEMAS: Final[dict[str, dict[str, Field]]] = {
         "block_indexes": Field.UINTS,
         "round_seq": Field.UINT,
         "prefill_done": Field.BOOL,
+        "resolve": Field.BOOL,
     },
     "transfer_done": {
         "kv_request_id": Field.NAME,

@@ -3,7 +3,10 @@
 Each role key names the remote counterpart: ``remote_decoder`` (we produce
 for a decoder that will fetch ``kv_request_id``), ``remote_prefiller`` (PD
 consumer: the peer has every block, no probing) and ``remote_kv_source``
-(symmetric consumer: probe, then fetch the hits). ``remote_decoder`` may
+(symmetric consumer: probe, then fetch the hits; with ``held_tokens``, a
+kvpeer extension the router sets from the peer's KV events, the consumer
+trusts that the peer holds the prompt's first ``held_tokens`` tokens and
+fetches them without probing). ``remote_decoder`` may
 combine with one consumer role. Anything malformed is reported as a problem
 and that role is dropped, so the request runs locally; parsing never raises.
 """
@@ -38,6 +41,9 @@ class Source:
     #: kvpeer extension: the orchestrator saw the producer's prefill leg answer
     #: before sending this request (a restarted producer then fails it at once).
     prefill_done: bool = False
+    #: kvpeer extension (symmetric only): the peer holds the prompt's first
+    #: ``held_tokens`` tokens, as the router last saw them.
+    held_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +148,20 @@ def _source(role: str, value: object, problems: list[str], *, probe: bool) -> So
     if kv_request_id is None or host is None or port is None:
         return None
     prefill_done = not probe and value.get("prefill_done") is True
-    return Source(kv_request_id, format_peer_id(host, port), probe, prefill_done)
+    held = value.get("held_tokens") if probe else None
+    if held is not None and not _is_count(held):
+        problems.append(
+            f"{role}.held_tokens: expected a token count 0..{limits.INT_LIMIT - 1}, "
+            f"got {held!r:.80}; probing instead"
+        )
+        held = None
+    return Source(kv_request_id, format_peer_id(host, port), probe, prefill_done, held)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and (
+        0 <= value < limits.INT_LIMIT
+    )
 
 
 def _port(value: object) -> int | None:

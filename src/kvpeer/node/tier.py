@@ -48,7 +48,7 @@ from kvpeer.config import TierConfig
 from kvpeer.errors import ProtocolError
 from kvpeer.node.bindings import Bindings
 from kvpeer.node.counters import CounterSnapshot, TierCounters
-from kvpeer.node.params import LOCAL, Routing, parse_transfer_params
+from kvpeer.node.params import LOCAL, Routing, Source, parse_transfer_params
 from kvpeer.node.peertable import Peer, PeerTable, PeerView
 from kvpeer.node.trace import Trace
 from kvpeer.session import CloseKind, PeerSession, PollResult
@@ -164,7 +164,7 @@ class Tier:
             return OffloadPolicy.CHUNK_LEVEL
         routing = parse_transfer_params(request.kv_transfer_params)
         for problem in routing.problems:
-            log.warning("request %s runs locally for that role: %s", request.req_id, problem)
+            log.warning("request %s: kv_transfer_params: %s", request.req_id, problem)
         now = self._clock()
         source = routing.source
         backed_off = source is not None and self._peers.backed_off(source.peer_id, now)
@@ -217,6 +217,9 @@ class Tier:
             return _MISS
         now = self._clock()
         peer.last_used = now
+        held = self._held_answer(key, request, source, peer.session.resolves_fetches)
+        if held is not None:
+            return held
         if self._trace.enabled:
             self._trace.lookup_asked(source.kv_request_id, source.peer_id, self._steps)
         answer = peer.session.register_probe(source.kv_request_id, key, now)
@@ -225,6 +228,24 @@ class Tier:
         if answer and self._trace.enabled:
             self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
         return _HIT if answer else _MISS
+
+    def _held_answer(
+        self, key: Key, request: RequestContext, source: Source, resolves: bool
+    ) -> LookupResult | None:
+        """The router's word for ``key`` (``held_tokens``), if the peer can be asked to
+        resolve the fetch itself; None: probe it. A key answered so is fetched with
+        ``resolve``: a block the peer no longer holds fails the load, and the engine
+        computes it (consumer invariant 1 keeps it MISS)."""
+        if source.held_tokens is None or not resolves or request.key_position is None:
+            return None
+        position = request.key_position(key)
+        if position is None:
+            return None
+        if position > source.held_tokens:
+            return _MISS
+        if self._trace.enabled:
+            self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
+        return _HIT
 
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source
@@ -246,7 +267,8 @@ class Tier:
                                        len(job.keys), self._steps)  # fmt: skip
         try:
             peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots,
-                                        now, prefill_done=source.prefill_done)  # fmt: skip
+                                        now, prefill_done=source.prefill_done,
+                                        resolve=source.held_tokens is not None)  # fmt: skip
         except ProtocolError as exc:
             log.error("load %s of request %s refused: %s", job.job_id, job.request.req_id, exc)
             self._results.append(JobResult(job.job_id, False))

@@ -4,6 +4,7 @@ from kvpeer.protocol.codec import KNOWN_TYPES, Codec
 from kvpeer.protocol.messages import (
     PING_VERSION,
     PROTOCOL_VERSION,
+    RESOLVE_VERSION,
     AbortAck,
     AbortFetch,
     AckExtension,
@@ -28,6 +29,7 @@ __all__ = [
     "KNOWN_TYPES",
     "PING_VERSION",
     "PROTOCOL_VERSION",
+    "RESOLVE_VERSION",
     "AbortAck",
     "AbortFetch",
     "AckExtension",

@@ -4,7 +4,7 @@ Every message is a frozen, tagged msgspec struct. On the wire it is one
 msgpack map whose ``"type"`` key carries the tag; the base fields are exactly
 those of vLLM 0.32's built-in p2p tier, and the optional extension fields
 (``kvpeer``, ``reason``, ``round_seq`` on ``lookup_resp``, ``blocks``,
-``prefill_done``) are
+``prefill_done``, ``resolve``) are
 omitted when unset, so a base-only message is the same map vLLM sends (key
 order aside, which msgpack maps do not carry as meaning).
 vLLM ignores keys it does not know, and so do we (forward compatibility).
@@ -24,6 +24,7 @@ from kvpeer.protocol import limits as L
 __all__ = [
     "PING_VERSION",
     "PROTOCOL_VERSION",
+    "RESOLVE_VERSION",
     "AbortAck",
     "AbortFetch",
     "AckExtension",
@@ -44,9 +45,12 @@ __all__ = [
     "UnknownMessage",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 #: The first version that answers :class:`Ping` (1.0 peers ignore it).
 PING_VERSION: tuple[int, int] = (1, 1)
+#: The first version that serves a :attr:`Fetch.resolve` fetch (older peers would
+#: fail it: they match a symmetric fetch against what a lookup pinned).
+RESOLVE_VERSION: tuple[int, int] = (1, 2)
 
 Key: TypeAlias = Annotated[bytes, Meta(min_length=L.MIN_KEY_BYTES, max_length=L.MAX_KEY_BYTES)]
 Keys: TypeAlias = Annotated[tuple[Key, ...], Meta(max_length=L.MAX_ITEMS)]
@@ -163,6 +167,11 @@ class Fetch(_Base, tag="fetch", frozen=True):
     leg for the id answer before it sent ours: a producer with no record of the
     id (it restarted, or reaped it) fails the round at once instead of waiting
     for a producer request that will never come.
+    ``resolve`` (extension, peers of version >= :data:`RESOLVE_VERSION`) asks the
+    producer to look the keys up itself, as a lookup of the same round would, and
+    to write those it holds: a consumer told which blocks the producer holds (the
+    router's ``held_tokens``) skips the lookup round trip. Any key the producer
+    does not hold fails the round.
     """
 
     kv_request_id: Name
@@ -170,6 +179,7 @@ class Fetch(_Base, tag="fetch", frozen=True):
     block_indexes: Annotated[tuple[WireInt, ...], Meta(max_length=L.MAX_ITEMS)]
     round_seq: WireInt
     prefill_done: bool = False
+    resolve: bool = False
 
     def __post_init__(self) -> None:
         _same_length("fetch", "keys", len(self.keys), "block_indexes", len(self.block_indexes))

@@ -447,7 +447,9 @@ class Router:
                 leg = params.decode_leg(ctx.body, ctx.request_id, named)
             else:
                 source = self.config.entry(plan.source).spec if plan.source else None
-                leg = params.shared_leg(ctx.body, ctx.request_id, source)
+                leg = params.shared_leg(
+                    ctx.body, ctx.request_id, source, plan.predicted_cached_tokens
+                )
             self._sent(ctx, plan)
             try:
                 return await self._forward(request, ctx, entry, leg, plan, prefill_s)

@@ -87,12 +87,23 @@ def decode_leg(
 
 
 def shared_leg(
-    body: Mapping[str, Any], kv_request_id: str, source: EngineSpec | None
+    body: Mapping[str, Any],
+    kv_request_id: str,
+    source: EngineSpec | None,
+    held_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """A whole request; with ``source`` it probes that peer and pulls the prefix it holds."""
+    """A whole request; with ``source`` it pulls the prefix that peer holds.
+
+    ``held_tokens`` (a kvpeer extension vLLM's tier ignores) is how much of the prompt
+    the router saw ``source`` hold: a kvpeer consumer then fetches that much without
+    asking the peer first, which saves the engine step that waits for the answer.
+    """
     leg = dict(body)
     if source is not None:
-        leg["kv_transfer_params"] = {"remote_kv_source": _target(kv_request_id, source)}
+        target = _target(kv_request_id, source)
+        if held_tokens is not None and held_tokens > 0:
+            target["held_tokens"] = held_tokens
+        leg["kv_transfer_params"] = {"remote_kv_source": target}
     return leg
 
 

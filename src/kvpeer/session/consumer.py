@@ -170,9 +170,12 @@ class ConsumerRole:
         now: float,
         *,
         prefill_done: bool = False,
+        resolve: bool = False,
     ) -> None:
         """Fetch ``keys`` into our ``slots`` as a new round; the job reports later.
-        ``prefill_done``: tell the producer its prefill leg already answered."""
+        ``prefill_done``: tell the producer its prefill leg already answered.
+        ``resolve``: keys we never probed, that the producer is to look up itself
+        (sent as such only if some key was not confirmed by a probe)."""
         if len(keys) != len(slots):
             raise ProtocolError(f"load job {job_id}: {len(keys)} keys but {len(slots)} slots")
         if not keys:
@@ -186,9 +189,11 @@ class ConsumerRole:
                 )
         request = self._requests.setdefault(kv_request_id, _Request())
         request.finished = False
-        unconfirmed = [k for k in keys if k in request.probes and request.probes[k] is not True]
+        # The peer pinned only confirmed hits; asking for more can only fail. A resolve
+        # fetch has the peer look up what it was not asked yet (or has not answered).
+        acceptable = (True, None) if resolve else (True,)
+        unconfirmed = [k for k in keys if request.probes.get(k, True) not in acceptable]
         if unconfirmed:
-            # The peer pinned only confirmed hits; asking for more can only fail.
             self._finished.append(
                 LoadFinished(
                     job_id,
@@ -199,6 +204,7 @@ class ConsumerRole:
             )
             self._prune(kv_request_id)
             return
+        confirmed = {k for k in keys if request.probes.get(k) is True}
         round_seq = request.round_seq
         request.round_seq += 1
         slot_tuple = tuple(slots)
@@ -216,6 +222,7 @@ class ConsumerRole:
                 block_indexes=slot_tuple,
                 round_seq=round_seq,
                 prefill_done=prefill_done,
+                resolve=resolve and any(k not in confirmed for k in keys),
             )
         )
         self._fetches_sent += 1

@@ -97,6 +97,7 @@ from kvpeer.errors import (
 from kvpeer.protocol import (
     PING_VERSION,
     PROTOCOL_VERSION,
+    RESOLVE_VERSION,
     AbortAck,
     AbortFetch,
     AckExtension,
@@ -384,12 +385,20 @@ class PeerSession:
         wait = self._settings.peer_wait_s
         if self._heard_at is None:
             return self._started_at + wait, None
-        hello = self._peer_hello
-        if hello is None or hello.kvpeer is None or tuple(hello.kvpeer.version) < PING_VERSION:
+        if not self._peer_at_least(PING_VERSION):
             return None  # it cannot be asked: the transport's heartbeat decides
         quiet_from = max(self._heard_at, self._wait_began)
         ping_due = self._acked and not self._ping_out
         return quiet_from + wait, quiet_from + wait / 4 if ping_due else None
+
+    def _peer_at_least(self, version: tuple[int, int]) -> bool:
+        ext = self._peer_hello.kvpeer if self._peer_hello is not None else None
+        return ext is not None and tuple(ext.version) >= version
+
+    @property
+    def resolves_fetches(self) -> bool:
+        """Ready, and the peer serves ``Fetch.resolve`` (kvpeer >= 1.2)."""
+        return self.ready and self._peer_at_least(RESOLVE_VERSION)
 
     def close(self, reason: str = "closed locally", kind: CloseKind = CloseKind.LOCAL) -> None:
         """End the session; the failed jobs arrive with the next :meth:`poll`."""
@@ -418,8 +427,7 @@ class PeerSession:
         keys: Sequence[Key],
         slots: Sequence[int],
         now: float,
-        *,
-        prefill_done: bool = False,
+        **flags: bool,  # the fetch's: prefill_done, resolve (ConsumerRole.request_blocks)
     ) -> None:
         if self._closed is not None:
             self._late_loads.append(
@@ -428,9 +436,7 @@ class PeerSession:
             return
         # Not guarded: a bad job is the engine's mistake (ProtocolError to the owner).
         self._note_wait(now)
-        self._consumer.request_blocks(
-            job_id, kv_request_id, keys, slots, now, prefill_done=prefill_done
-        )
+        self._consumer.request_blocks(job_id, kv_request_id, keys, slots, now, **flags)
         self._settle_deferred_close()
 
     def _note_wait(self, now: float) -> None:

@@ -17,7 +17,10 @@ Invariants (per ``kv_request_id``):
    demand is a protocol error. Demand is matched against the round's supply,
    then the pool. A round with lookup state fails at once if any demanded key
    was not pinned; a PD round waits for stores until the producer's request
-   finished (``finish_supply``), then fails.
+   finished (``finish_supply``), then fails. A *resolve* fetch (kvpeer 1.2)
+   brings its own lookup of the demanded keys, resolved like any lookup of its
+   round (invariant 1) but answered only by the round's reply; its round fails
+   once that lookup is done if any demanded key was not pinned.
 5. Rounds finish, fail and abort independently. A failing or aborted round
    replies (``transfer_done(false)`` / ``abort_ack``) only once none of its
    writes can still touch the consumer's memory: in-flight writes are
@@ -123,13 +126,27 @@ class ProducerRole:
                 f"its answer may take at most max_peer_bytes/{ANSWER_SHARE} "
                 f"({self._settings.max_peer_bytes // ANSWER_SHARE})"
             )
-        charge = _keys_cost(message.keys) + LOOKUP_BYTES
-        self._charge(charge, message.kv_request_id, "a lookup")
         request = self._requests.setdefault(message.kv_request_id, ProducerRequest())
         if message.round_seq <= request.closed_through:
+            self._charge(_keys_cost(message.keys) + LOOKUP_BYTES, message.kv_request_id,
+                         "a lookup")  # fmt: skip
             self._prune(message.kv_request_id)
             return  # the consumer already closed that round
-        self._queued_lookup_keys += len(message.keys)
+        self._queue_lookup(message.kv_request_id, request, message.round_seq, message.keys, now)
+
+    def _queue_lookup(
+        self,
+        kv_request_id: str,
+        request: ProducerRequest,
+        round_seq: int,
+        keys: tuple[Key, ...],
+        now: float,
+        *,
+        implicit: bool = False,
+    ) -> None:
+        charge = _keys_cost(keys) + LOOKUP_BYTES
+        self._charge(charge, kv_request_id, "a lookup")
+        self._queued_lookup_keys += len(keys)
         if self._queued_lookup_keys > MAX_QUEUED_LOOKUP_KEYS:
             raise ProtocolError(
                 f"more than {MAX_QUEUED_LOOKUP_KEYS} lookup keys queued by one peer"
@@ -137,14 +154,11 @@ class ProducerRole:
         self._held += charge
         request.lookups.append(
             InboundLookup(
-                message.round_seq,
-                message.keys,
-                now,
-                pending=dict.fromkeys(message.keys),
-                charge=charge,
+                round_seq, keys, now, pending=dict.fromkeys(keys), charge=charge,
+                implicit=implicit,
             )
-        )
-        self._serve_pending.add(message.kv_request_id)
+        )  # fmt: skip
+        self._serve_pending.add(kv_request_id)
 
     def on_fetch(self, message: Fetch, now: float) -> None:
         kv_request_id = message.kv_request_id
@@ -180,6 +194,11 @@ class ProducerRole:
         self._held += charge
         round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
         round_.demanded = len(message.keys)
+        if message.resolve:
+            round_.looked_up = round_.resolving = True
+            self._queue_lookup(
+                kv_request_id, request, message.round_seq, message.keys, now, implicit=True
+            )
         if not round_.looked_up:
             self._fetched.append((kv_request_id, message.prefill_done))  # PD: owner binds
         self._match(kv_request_id, request, round_, now)
@@ -429,6 +448,12 @@ class ProducerRole:
         now: float,
     ) -> bool:
         """One serve pass over a lookup; True once it was answered."""
+        if lookup.implicit:
+            found = request.rounds.get(lookup.round_seq)
+            if found is None or not found.resolving:
+                self._end_lookup(lookup, parent)  # its round failed or was aborted meanwhile
+                return True
+        round_ = request.rounds.setdefault(lookup.round_seq, Round(lookup.round_seq))
         if lookup.serve is None:
             self._lookup_seq += 1
             lookup.serve = ServeRequest(
@@ -437,13 +462,12 @@ class ProducerRole:
                 self._peer_id,
             )
             parent.on_new_request(lookup.serve)
-        round_ = request.rounds.setdefault(lookup.round_seq, Round(lookup.round_seq))
         round_.looked_up = True
         expired = now >= lookup.received_at + self._settings.lookup_pending_timeout_s
         hits: list[Key] = []
         for key in list(lookup.pending):
-            if key in round_.supply:
-                answer: bool | None = True  # already pinned for this round
+            if key in round_.supply or (lookup.implicit and key not in (round_.demand or ())):
+                answer: bool | None = True  # already pinned for this round, or matched
             else:
                 result = parent.lookup(key, lookup.serve)
                 if result is LookupResult.HIT:
@@ -467,8 +491,11 @@ class ProducerRole:
                     del lookup.pending[key]
         if lookup.pending:
             return False
-        self._queued_lookup_keys -= len(lookup.keys)
-        self._held -= lookup.charge
+        self._end_lookup(lookup, parent)
+        if lookup.implicit:  # the round's reply answers it (invariant 4)
+            round_.resolving = False
+            self._check_unmet(kv_request_id, request, round_, now)
+            return True
         self._send(
             LookupResponse(
                 kv_request_id=kv_request_id,
@@ -478,15 +505,20 @@ class ProducerRole:
             )
         )
         self._lookups_answered += 1
-        parent.on_request_finished(lookup.serve)
         return True
+
+    def _end_lookup(self, lookup: InboundLookup, parent: Parent) -> None:
+        self._queued_lookup_keys -= len(lookup.keys)
+        self._held -= lookup.charge
+        if lookup.serve is not None:
+            parent.on_request_finished(lookup.serve)
 
     def _close_lookups(self, kv_request_id: str, request: ProducerRequest, through: int) -> None:
         """The consumer closed rounds <= ``through``: their lookups get no answer."""
         request.closed_through = max(request.closed_through, through)
         keep: list[InboundLookup] = []
         for lookup in request.lookups:
-            if lookup.round_seq <= through:
+            if lookup.round_seq <= through and not lookup.implicit:  # that one is its fetch's
                 self._queued_lookup_keys -= len(lookup.keys)
                 self._held -= lookup.charge
                 if lookup.serve is not None:
@@ -532,7 +564,7 @@ class ProducerRole:
     def _check_unmet(
         self, kv_request_id: str, request: ProducerRequest, round_: Round, now: float
     ) -> None:
-        if not round_.demand or round_.reply is not None:
+        if not round_.demand or round_.reply is not None or round_.resolving:
             return
         if round_.looked_up:
             self._fail_round(
@@ -591,6 +623,7 @@ class ProducerRole:
         reply: Message | None = None,
     ) -> None:
         """End a round unsuccessfully; reply once no write of it can land any more."""
+        round_.resolving = False  # its own lookup ends at the next serve pass
         self._release_supply(round_.supply, False, reason)
         round_.demand = {}
         round_.reply = reply or TransferDone(

@@ -74,6 +74,7 @@ class Round:
     seq: int
     supply: dict[Key, Supply] = field(default_factory=dict)
     looked_up: bool = False  # lookup state exists: demand must have been pinned
+    resolving: bool = False  # a resolve fetch's keys are still being looked up
     demand: dict[Key, int] | None = None  # unmatched demand; None until the fetch
     demanded: int = 0
     delivered: int = 0
@@ -92,6 +93,7 @@ class InboundLookup:
     answers: dict[Key, bool] = field(default_factory=dict)
     pending: dict[Key, None] = field(default_factory=dict)  # ordered set
     charge: int = 0  # bytes of the peer's budget it holds (invariant 8)
+    implicit: bool = False  # a resolve fetch's own lookup: answered by its round's reply
 
 
 @dataclass(slots=True, eq=False)

@@ -8,7 +8,10 @@ Each arrival is one scenario (weights in :data:`KINDS`):
   first, sometimes a decoder so late that the producer's stores were reaped,
   sometimes only one of the two legs;
 - ``sym``: a consumer probing a peer (``remote_kv_source``) that holds the
-  prompt's prefix (warm) or may not (cold);
+  prompt's prefix (warm) or may not (cold); toward a warm peer, every other id
+  carries the router's ``held_tokens`` (how much of the prompt the peer held
+  when the request was planned), so the consumer fetches without probing and
+  the peer resolves the fetch itself (protocol 1.2). A key holds one token;
 - ``pull``: a PD pair whose prefill leg also pulls from a third node.
 
 Now and then a consumer leg gets a twin (same node, same id: parallel
@@ -20,6 +23,7 @@ stages (a prompt growing, chunked prefill) and may finish early.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpeer.sim.config import PORT
@@ -127,7 +131,14 @@ class Router:
             if node.live is not None and node.live.pool.slot_of(prompt[0]) is not None
         ]
         if warm and rng.random() < 0.7:
-            return _role(kv_id, rng.choice(warm))
+            peer = rng.choice(warm)
+            role = _role(kv_id, peer)
+            if int(kv_id.removeprefix("kv")) % 2 == 0 and peer.live is not None:
+                pool = peer.live.pool
+                role["held_tokens"] = next(
+                    (i for i, k in enumerate(prompt) if pool.slot_of(k) is None), len(prompt)
+                )
+            return role
         return _role(kv_id, rng.choice(others))
 
     def _kv_id(self) -> str:
@@ -158,12 +169,17 @@ class Router:
         cuts = (*sorted(rng.sample(range(1, len(prompt)), stages - 1)), len(prompt))
         return SimRequest(
             req_id=req_id,
-            ctx=RequestContext(req_id, params),
+            ctx=RequestContext(req_id, params, key_position=_positions(prompt)),
             keys=prompt,
             cuts=cuts,
             linger=rng.randint(0, 4),
             finish_tick=tick + rng.randint(0, 6) if rng.random() < 0.1 else None,
         )
+
+
+def _positions(prompt: tuple[Key, ...]) -> Callable[[Key], int | None]:
+    """Each key's end token, as vLLM reports it: a key is one token here."""
+    return {key: i + 1 for i, key in enumerate(prompt)}.get
 
 
 def _role(kv_id: str, peer: SimNode) -> Params:

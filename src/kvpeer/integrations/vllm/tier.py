@@ -283,7 +283,11 @@ class KVPeerTier(SecondaryTierManager):
     def _context(req_context: ReqContext) -> RequestContext:
         cached = req_context.get_state(RequestContext)
         if cached is None:
-            cached = RequestContext(req_context.req_id, req_context.kv_transfer_params)
+            cached = RequestContext(
+                req_context.req_id,
+                req_context.kv_transfer_params,
+                key_position=lambda key: req_context.get_offload_key_position(OffloadKey(key)),
+            )
             req_context.set_state(cached)
         return cached
 
