@@ -46,6 +46,20 @@ def done(pair: SessionPair) -> list[tuple[int, bool, str | None]]:
     return [(m.round_seq, m.success, m.reason) for m in sent(pair.b, TransferDone)]
 
 
+def serve_and_write(pair: SessionPair) -> None:
+    """One serve window on the producer, its writes landing, the answers delivered."""
+    pair.serve()
+    pair.b.plane.complete_all()
+    pair.pump()
+
+
+def finish(pair: SessionPair) -> None:
+    """The consumer's request ends; nothing may be left on the producer."""
+    pair.a.session.finish_consumer(KV, pair.clock.now)
+    pair.pump()
+    assert_settled(pair)
+
+
 def assert_settled(pair: SessionPair) -> None:
     assert pair.b.parent.open_jobs == {}
     assert pair.b.parent.pinned_slots() == 0
@@ -100,26 +114,20 @@ def test_a_resolve_fetch_waits_for_a_serve_window_then_writes_what_is_held() -> 
     assert pair.a.loads[load].success
     for i, key in enumerate((K1, K2)):
         assert pair.a.region.block(10 + i) == pair.b.parent.expected(key)
-    pair.a.session.finish_consumer(KV, pair.clock.now)
-    pair.pump()
-    assert_settled(pair)
+    finish(pair)
 
 
 def test_a_key_the_producer_does_not_hold_fails_the_round_and_unpins_the_rest() -> None:
     pair = SessionPair()
     pair.b.parent.put(K1)  # K2 was evicted since the router saw it
     load = resolve_fetch(pair, [K1, K2])
-    pair.serve()
-    pair.b.plane.complete_all()
-    pair.pump()
+    serve_and_write(pair)
     [(round_seq, success, reason)] = done(pair)
     assert (round_seq, success) == (0, False)
     assert reason is not None
     assert "1 keys were not pinned" in reason
     assert not pair.a.loads[load].success
-    pair.a.session.finish_consumer(KV, pair.clock.now)
-    pair.pump()
-    assert_settled(pair)
+    finish(pair)
 
 
 def test_a_key_still_being_written_is_asked_again_until_it_lands() -> None:
@@ -133,14 +141,10 @@ def test_a_key_still_being_written_is_asked_again_until_it_lands() -> None:
     pair.pump()
     assert done(pair) == []
     pair.b.parent.pending.discard(K2)
-    pair.serve()
-    pair.b.plane.complete_all()
-    pair.pump()
+    serve_and_write(pair)
     assert done(pair) == [(0, True, None)]
     assert pair.a.loads[load].success
-    pair.a.session.finish_consumer(KV, pair.clock.now)
-    pair.pump()
-    assert_settled(pair)
+    finish(pair)
 
 
 def test_a_key_pending_past_the_lookup_timeout_fails_the_round() -> None:
@@ -154,9 +158,7 @@ def test_a_key_pending_past_the_lookup_timeout_fails_the_round() -> None:
     pair.pump()
     assert [(r, ok) for r, ok, _ in done(pair)] == [(0, False)]
     assert not pair.a.loads[load].success
-    pair.a.session.finish_consumer(KV, pair.clock.now)
-    pair.pump()
-    assert_settled(pair)
+    finish(pair)
 
 
 def test_an_abort_before_the_serve_window_ends_the_implicit_lookup_too() -> None:
@@ -168,9 +170,7 @@ def test_an_abort_before_the_serve_window_ends_the_implicit_lookup_too() -> None
     pair.serve()  # the lookup of an aborted round pins nothing
     pair.pump()
     assert pair.b.plane.pending == {}
-    pair.a.session.finish_consumer(KV, pair.clock.now)
-    pair.pump()
-    assert_settled(pair)
+    finish(pair)
 
 
 def test_the_terminal_fetch_keeps_a_resolving_round_and_it_still_completes() -> None:
@@ -178,14 +178,10 @@ def test_the_terminal_fetch_keeps_a_resolving_round_and_it_still_completes() -> 
     pair.b.parent.put(K1)
     load = resolve_fetch(pair, [K1])
     inject(pair, pair.b, Fetch(kv_request_id=KV, keys=(), block_indexes=(), round_seq=1))
-    pair.serve()
-    pair.b.plane.complete_all()
-    pair.pump()
+    serve_and_write(pair)
     assert done(pair) == [(0, True, None)]
     assert pair.a.loads[load].success
-    pair.a.session.finish_consumer(KV, pair.clock.now)
-    pair.pump()
-    assert_settled(pair)
+    finish(pair)
 
 
 def test_keys_confirmed_by_probes_are_fetched_without_resolve() -> None:
