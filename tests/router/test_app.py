@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -11,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from kvpeer.router.app import Router
 from kvpeer.router.config import from_mapping
@@ -454,6 +456,42 @@ class TestStreaming:
                 assert f.router.statistics().in_flight["a"] == 0
 
         run(scenario())
+
+    def test_a_client_gone_before_the_streams_end_is_an_ok_request(
+        self, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Found by the serving benchmark: a client that closed its connection after
+        ``[DONE]`` made the router's last write, the stream's end, raise "Cannot write to
+        closing transport", logged by aiohttp as an error of the request. The answer was
+        whole: it counts as ok and nothing is logged as an error. (The closed transport is
+        simulated on the router's answer, which alone carries ``X-Kvpeer-Request-Id``.)"""
+        original = web.StreamResponse.write_eof
+
+        async def closing(response: web.StreamResponse, data: bytes = b"") -> None:
+            if "X-Kvpeer-Request-Id" in response.headers:
+                raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+            await original(response, data)
+
+        monkeypatch.setattr(web.StreamResponse, "write_eof", closing)
+
+        async def scenario() -> None:
+            async with fleet(choose=prefer("a", "b")) as f:
+                async with f.client.post(f.url + "/v1/completions",
+                                         json=completion(stream=True)) as resp:
+                    events = []
+                    async for event in read_events(resp):
+                        events.append(event)
+                        if event == b"data: [DONE]":
+                            break
+                    resp.close()
+                await asyncio.wait_for(f.policy.outcome_seen.wait(), 5)
+                assert events[-1] == b"data: [DONE]"
+                assert f.policy.outcomes[0].ok is True
+                assert f.router.statistics().in_flight["a"] == 0
+
+        with caplog.at_level(logging.ERROR):
+            run(scenario())
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 class TestEndpoints:

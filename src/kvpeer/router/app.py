@@ -24,6 +24,7 @@ per engine, and handed to the policy with every plan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -583,11 +584,13 @@ class Router:
                             failed)
                 message = {"error": {"message": f"engine failed mid-stream: {failed}",
                                      "type": "upstream_error", "code": 502}}
-                await client.write(f"data: {json.dumps(message)}\n\n".encode())
-                await client.write_eof()
+                with contextlib.suppress(ConnectionResetError):  # the client left too
+                    await client.write(f"data: {json.dumps(message)}\n\n".encode())
+                    await client.write_eof()
                 return client, "stream_error"
             ok = True
-            await client.write_eof()
+            with contextlib.suppress(ConnectionResetError):  # left after the last event
+                await client.write_eof()
             return client, "ok"
         finally:
             if upstream is not None:
