@@ -88,11 +88,20 @@ def test_flags_choose_arms_workloads_and_sizes() -> None:
         (("--rate", "nan"), "--rate nan"),
         (("--rate", "-1"), "--rate -1.0"),
         (("--data-plane", "rdma"), "'rdma'"),
+        (("--max-num-batched-tokens", "16"), "--max-num-batched-tokens 16"),
+        (("--max-num-batched-tokens", "100000"), "--max-num-batched-tokens 100000"),
     ],
 )
 def test_bad_values_are_named(argv: tuple[str, ...], named: str) -> None:
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
         spec_from(*argv)
+
+
+def test_the_step_budget_goes_to_every_engine_of_every_arm_alike() -> None:
+    assert spec_from().engine_args() == ()
+    spec = spec_from("--max-num-batched-tokens", "512")
+    assert spec.step_tokens == 512
+    assert spec.engine_args() == ("--max-num-batched-tokens", "512")
 
 
 def test_the_command_reports_a_bad_value_before_starting_anything(

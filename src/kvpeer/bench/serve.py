@@ -89,6 +89,8 @@ class ServeBenchSpec:
     seed: int = 0
     data_plane: str = "shm"
     trace: bool = False  # engines and routers trace requests (kvpeer.bench.serve_trace)
+    #: every engine's ``--max-num-batched-tokens`` (None: vLLM's default, 2,048 on CPU)
+    step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_names("--arms", self.arms, ARMS)
@@ -96,6 +98,11 @@ class ServeBenchSpec:
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(
                 f"--data-plane {self.data_plane!r}: choose one of {', '.join(DATA_PLANES)}"
+            )
+        if self.step_tokens is not None and not BLOCK_TOKENS <= self.step_tokens <= MAX_CONTEXT:
+            raise ConfigError(
+                f"--max-num-batched-tokens {self.step_tokens}: must be "
+                f"{BLOCK_TOKENS}..{MAX_CONTEXT} (one block up to the engines' context)"
             )
         s = self.shape
         if s.requests < 1:
@@ -133,7 +140,14 @@ class ServeBenchSpec:
             seed=args.seed,
             data_plane=args.data_plane,
             trace=args.trace,
+            step_tokens=args.max_num_batched_tokens,
         )
+
+    def engine_args(self) -> tuple[str, ...]:
+        """Flags every engine of every arm gets."""
+        if self.step_tokens is None:
+            return ()
+        return ("--max-num-batched-tokens", str(self.step_tokens))
 
     def cpu_bytes(self) -> int:
         """Each engine's CPU tier: room for every prefix busy-producer parks on ``a`` plus
@@ -178,6 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", help="keep the engines' logs here (default: kept on failure)")
     parser.add_argument("--plot", help="write the TTFT CDFs (one panel per workload) to this PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                        help="every engine's step budget in tokens, all arms alike (default: "
+                             "vLLM's, 2,048 on CPU); smaller steps let a short request "
+                             "through sooner while another's long prefill is chunked")
     parser.add_argument("--trace", action="store_true",
                         help="trace requests (KVPEER_TRACE=1) and print the slowest kvpeer "
                              "request's timeline per workload")

@@ -74,6 +74,7 @@ class VllmArms:
     cpu_bytes: int
     progress: Progress
     trace: bool = False
+    engine_args: tuple[str, ...] = ()  # added to every engine's command line
     #: every engine's tier peer id (host:port) -> its name, for trace timelines
     peer_names: dict[str, str] = field(default_factory=dict)
 
@@ -91,7 +92,7 @@ class VllmArms:
         specs = [
             ServeSpec(name, self.model, tier=ARM_TIERS[arm],  # type: ignore[arg-type]
                       data_plane=self.data_plane, cpu_bytes=self.cpu_bytes,
-                      env={TRACE_ENV: "1"} if self.trace else {})
+                      env={TRACE_ENV: "1"} if self.trace else {}, extra_args=self.engine_args)
             for name in ENGINES
         ]
         self.peer_names.update({f"{HOST}:{s.tier_port}": s.name for s in specs})
@@ -217,7 +218,8 @@ def run(
     progress(f"model: {model_dir} (created on first use)")
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-serve-"))
-    arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress, spec.trace)
+    arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress, spec.trace,
+                    spec.engine_args())
     if not spec.trace:
         result = run_matrix(spec, arms, progress)
     else:
