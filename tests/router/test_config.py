@@ -115,6 +115,8 @@ def test_engine_flag_parses() -> None:
         ({**engines(engine()), "retry": 2}, "unknown key(s) ['retry']"),
         ({**engines(engine()), "prefill_timeout_s": 0}, "prefill_timeout_s: 0"),
         ({**engines(engine()), "allow_pinning": "yes"}, "allow_pinning: 'yes'"),
+        ({**engines(engine()), "engine_step_tokens": 0}, "engine_step_tokens: 0 must be"),
+        ({**engines(engine()), "engine_step_tokens": 1.5}, "engine_step_tokens: 1.5 is not"),
     ],
 )
 def test_bad_config_names_the_bad_value(mapping: dict[str, Any], message: str) -> None:
@@ -136,3 +138,18 @@ def test_bad_engine_flag() -> None:
         parse_engine_flag("http://h:1,peer=h:2")
     with pytest.raises(ConfigError, match="'role' is not key=value"):
         parse_engine_flag("a=http://h:1,peer=h:2,role")
+
+
+def test_the_engines_step_budget_reaches_the_cost_model() -> None:
+    """A busy source answers between two steps: the router predicts that wait from the
+    engines' step budget, which the operator gives when it is not vLLM's default."""
+    from kvpeer.router.app import Router
+    from kvpeer.router.decide import RouterPolicy
+
+    default = from_mapping(engines(engine()))
+    small = from_mapping({**engines(engine()), "engine_step_tokens": 512})
+    assert (default.engine_step_tokens, small.engine_step_tokens) == (2048, 512)
+    for config, step in ((default, 2048), (small, 512)):
+        policy = Router(config).policy
+        assert isinstance(policy, RouterPolicy)
+        assert policy.cost.priors.step_tokens == step

@@ -75,8 +75,14 @@ class VllmArms:
     progress: Progress
     trace: bool = False
     engine_args: tuple[str, ...] = ()  # added to every engine's command line
+    step_tokens: int | None = None  # the engines' step budget (None: vLLM's), told to routers
     #: every engine's tier peer id (host:port) -> its name, for trace timelines
     peer_names: dict[str, str] = field(default_factory=dict)
+
+    def _step(self) -> int:
+        from kvpeer.router.config import ENGINE_STEP_TOKENS
+
+        return ENGINE_STEP_TOKENS if self.step_tokens is None else self.step_tokens
 
     @contextlib.contextmanager
     def __call__(self, arm: str) -> Iterator[ArmFleet]:
@@ -108,12 +114,14 @@ class VllmArms:
             shared = BackgroundRouter(RouterConfig(
                 Mode.SHARED, (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
                 listen_port=0, allow_pinning=True, health_timeout_s=HEALTH_TIMEOUT_S,
+                engine_step_tokens=self._step(),
             ))  # fmt: skip
             try:
                 pd = BackgroundRouter(RouterConfig(
                     Mode.PD, (EngineEntry(a.router_engine(Role.PREFILL)),
                               EngineEntry(b.router_engine(Role.DECODE))),
                     listen_port=0, health_timeout_s=HEALTH_TIMEOUT_S,
+                    engine_step_tokens=self._step(),
                 ))  # fmt: skip
                 try:
                     live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")
@@ -219,7 +227,7 @@ def run(
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-serve-"))
     arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress, spec.trace,
-                    spec.engine_args())
+                    spec.engine_args(), spec.step_tokens)
     if not spec.trace:
         result = run_matrix(spec, arms, progress)
     else:

@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpeer.router import params
 from kvpeer.router.config import EngineEntry, RouterConfig
+from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import RouterPolicy
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
@@ -136,7 +137,8 @@ class Router:
             # The decision core, fed by every engine's KV events (engines without an
             # event endpoint stay unlearned: load only for them).
             self.index = PrefixIndex()
-            policy = RouterPolicy(config.specs, config.mode, self.index)
+            priors = CostPriors(step_tokens=config.engine_step_tokens)
+            policy = RouterPolicy(config.specs, config.mode, self.index, cost=CostModel(priors))
             self.subscribers = {
                 spec.name: EventSubscriber(
                     spec.name, spec.kv_events, self.index, replay_endpoint=spec.kv_events_replay

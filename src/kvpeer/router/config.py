@@ -60,6 +60,10 @@ class EngineEntry:
         return {} if self.dp_rank is None else {DP_RANK_HEADER: str(self.dp_rank)}
 
 
+#: vLLM's default --max-num-batched-tokens for ``vllm serve`` on CPU.
+ENGINE_STEP_TOKENS = 2048
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """Everything ``kvpeer router`` needs; validated on construction."""
@@ -82,6 +86,9 @@ class RouterConfig:
     # still chooses the source). For benchmarks and demos that must place requests;
     # off by default, since it lets a client defeat load balancing.
     allow_pinning: bool = False
+    # The engines' step budget (vLLM's --max-num-batched-tokens; 2,048 by default on CPU):
+    # a busy source answers a peer between two steps, so its wait is one step at most.
+    engine_step_tokens: int = ENGINE_STEP_TOKENS
     _by_name: dict[str, EngineEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +117,7 @@ SCALARS: dict[str, type] = {
     "tokenize": bool,
     "tokenize_timeout_s": float,
     "max_body_bytes": int,
+    "engine_step_tokens": int,
 }
 
 
@@ -124,6 +132,11 @@ def _validate(config: RouterConfig) -> None:
         value = getattr(config, key)
         if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{key}: {value!r} must be a positive number of seconds")
+    if not 1 <= config.engine_step_tokens <= 1 << 20:
+        raise ConfigError(
+            f"engine_step_tokens: {config.engine_step_tokens!r} must be within 1..{1 << 20} "
+            "(the engines' --max-num-batched-tokens)"
+        )
     if config.max_body_bytes < 1024:
         raise ConfigError(f"max_body_bytes: {config.max_body_bytes!r} is below 1024")
     if not config.engines:
@@ -366,6 +379,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-tokenize", action="store_true", help="never call /tokenize (text prompts: load only)"
     )
+    parser.add_argument(
+        "--engine-step-tokens", dest="engine_step_tokens",
+        help="the engines' --max-num-batched-tokens (default 2048): a busy source's serve wait",
+    )
     parser.add_argument("--ready-file", help="write http://HOST:PORT here once listening")
 
 
@@ -373,7 +390,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     mapping: dict[str, Any] = load_file(Path(args.config)) if args.config else {}
     source = args.config or "flags"
     for key in ("mode", "listen", "retries", "health_interval_s", "health_timeout_s",
-                "read_timeout_s", "prefill_timeout_s", "allow_pinning"):
+                "read_timeout_s", "prefill_timeout_s", "allow_pinning", "engine_step_tokens"):
         value = getattr(args, key, None)
         if value is not None:
             mapping[key] = value
