@@ -1,5 +1,6 @@
 """``kvpeer soak`` for real, short: two ``vllm serve`` engines behind the routers, traffic,
-a freeze of each engine and a SIGKILL + restart of ``b`` (seed 5, a fault every ~6 s),
+a freeze of each engine and at least one SIGKILL + restart of ``b`` (seed 5, a fault every
+~6 s),
 then the verdict: every output equals its reference, the processes alive throughout
 stayed within 5 %, nothing is left in /dev/shm. About 5-6 minutes here (an engine restart
 under load takes 1-2 of them; the warm-up restarts ``b`` once too)."""
@@ -23,7 +24,9 @@ def test_a_short_soak_passes_every_check(serve_llama: Path, tmp_path: Path) -> N
     text = render(result)
     assert result["ok"], text
     assert result["faults"].get("freeze", 0) >= 1, text
-    assert result["faults"].get("kill-restart", 0) == 1, text
+    # How many faults fit in the minute depends on how fast a restart comes up (engines
+    # yield the CPU to a restarting one since 2026-12-02: two kill-restarts in 20 s each).
+    assert result["faults"].get("kill-restart", 0) >= 1, text
     assert result["mismatches"] == 0
     assert result["leftovers"] == []
     judged = [row for row in result["processes"] if row["judged"]]
