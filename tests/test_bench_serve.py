@@ -34,7 +34,9 @@ from kvpeer.bench.serve_stats import (
     Cell,
     PeerCounters,
     RequestRecord,
+    median_ratios,
     percentile,
+    pool,
     ratios,
     render,
     summarize,
@@ -74,6 +76,8 @@ def test_flags_choose_arms_workloads_and_sizes() -> None:
     assert spec.workloads == ("chat", "pd")
     assert spec.shape == replace(QUICK_SHAPE, requests=9, rate=0.5)
     assert spec.seed == 7
+    assert spec.repeats == 1
+    assert spec_from("--repeat", "3").repeats == 3
 
 
 @pytest.mark.parametrize(
@@ -90,6 +94,8 @@ def test_flags_choose_arms_workloads_and_sizes() -> None:
         (("--data-plane", "rdma"), "'rdma'"),
         (("--max-num-batched-tokens", "16"), "--max-num-batched-tokens 16"),
         (("--max-num-batched-tokens", "100000"), "--max-num-batched-tokens 100000"),
+        (("--repeat", "0"), "--repeat 0"),
+        (("--repeat", "21"), "--repeat 21"),
     ],
 )
 def test_bad_values_are_named(argv: tuple[str, ...], named: str) -> None:
@@ -252,6 +258,49 @@ def test_ratios_are_kvpeer_over_each_baseline_per_workload() -> None:
     assert found["chat", "vllm-p2p"].ttft_p99 == pytest.approx(0.496 / 0.992)
 
 
+def test_pooling_repeats_takes_percentiles_over_every_request_and_sums_the_rest() -> None:
+    one = summarize("kvpeer", "chat", [record(0.0, 0.1, 1.0, source="a"),
+                                       record(1.0, 0.3, 1.0)], PeerCounters(pulled_blocks=2))
+    two = summarize("kvpeer", "chat", [record(0.0, 0.2, 3.0),
+                                       record(0.5, 9.9, 9.9, error="HTTP 500")],
+                    PeerCounters(pulled_blocks=1, failed_fetches=1))  # fmt: skip
+    pooled = pool([replace(one, repeat=0), replace(two, repeat=1)])
+    assert pooled.repeat is None
+    assert (pooled.requests, pooled.errors) == (4, 1)
+    assert pooled.ttfts_s == pytest.approx([0.1, 0.2, 0.3])
+    assert pooled.ttft_p50_s == pytest.approx(0.2)
+    assert pooled.latency_p99_s == pytest.approx(percentile([1.0, 1.0, 3.0], 99))
+    assert pooled.window_s == pytest.approx(2.0 + 3.0)  # each repeat's window, summed
+    assert pooled.requests_per_s == pytest.approx(3 / 5.0)
+    assert pooled.output_tokens_per_s == pytest.approx(12 / 5.0)
+    assert (pooled.pulled_tokens, pooled.failed_fetches) == (96, 1)
+    assert (pooled.pulls_named, pooled.cached_tokens) == (1, 192)
+    assert [row["repeat"] for row in pooled.per_request] == [0, 0, 1, 1]
+    none = summarize("none", "chat", [record(0.0, 1.0, 1.0)], None)
+    assert pool([none, replace(none, repeat=1)]).pulled_tokens is None
+    with pytest.raises(ValueError, match="mixed"):
+        pool([one, none])
+    with pytest.raises(ValueError, match="no cells"):
+        pool([])
+
+
+def test_repeats_are_compared_with_the_same_repeat_and_their_median_is_reported() -> None:
+    def cell(arm: str, repeat: int, ttft: float) -> Cell:
+        return replace(summarize(arm, "chat", [record(0.0, ttft, 1.0)], None), repeat=repeat)
+
+    cells = [cell("none", 0, 1.0), cell("none", 1, 2.0), cell("none", 2, 1.0),
+             cell("kvpeer", 0, 0.5), cell("kvpeer", 1, 0.2), cell("kvpeer", 2, 0.3)]
+    per_repeat = ratios(cells)
+    assert [(r.repeat, round(r.ttft_p50 or 0, 3)) for r in per_repeat] == [
+        (0, 0.5), (1, 0.1), (2, 0.3)]  # fmt: skip
+    (median,) = median_ratios(per_repeat)
+    assert (median.repeat, median.baseline) == (None, "none")
+    assert median.ttft_p50 == pytest.approx(0.3)
+    table = render([pool(cells[:3]), pool(cells[3:])], [], 1.0, repeat_cells=cells)
+    assert "3 repeats pooled" in table
+    assert "chat           kvpeer/none      p50 0.50x 0.10x 0.30x  median 0.30x" in table
+
+
 # --- the client and the matrix, through the real router -----------------------------------
 
 
@@ -388,6 +437,41 @@ def test_the_matrix_runs_every_arm_on_fresh_engines_and_every_workload(tmp_path:
     out = tmp_path / "ttft.png"
     plot(result.cells, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload() -> None:
+    spec = ServeBenchSpec(arms=("none", "kvpeer"), shape=TINY, workloads=("chat", "pd"),
+                          repeats=2)  # fmt: skip
+    arms = FakeArms()
+    progress: list[str] = []
+    result = run_matrix(spec, arms, progress.append)
+    assert arms.opened == ["none", "kvpeer"]  # engines start once per arm, not per repeat
+    assert [(c.arm, c.workload, c.repeat) for c in result.repeat_cells] == [
+        (arm, workload, k) for arm in ("none", "kvpeer") for k in (0, 1)
+        for workload in ("chat", "pd")
+    ]  # fmt: skip
+    assert [(c.arm, c.workload, c.repeat) for c in result.cells] == [
+        (arm, workload, None) for arm in ("none", "kvpeer") for workload in ("chat", "pd")
+    ]  # fmt: skip
+    assert all(c.requests == 2 * TINY.requests for c in result.cells)
+    # repeat k sends seed k's prompts: the second repeat's chat is not the first's
+    a = arms.engines["none"][0]
+    first_turns = [tuple(b["prompt"]) for b in a.generation_bodies()
+                   if len(b["prompt"]) == TINY.prompt_tokens]  # fmt: skip
+    assert len(set(first_turns)) == len(first_turns) >= 2
+    assert any("kvpeer/chat (repeat 2/2): TTFT p50" in line for line in progress)
+    decoded = json.loads(json.dumps(result.to_json()))
+    assert len(decoded["repeat_cells"]) == 8
+    assert len(decoded["repeat_ratios"]) == 4  # kvpeer/none per workload per repeat
+    assert {(r["workload"], r["repeat"]) for r in decoded["median_ratios"]} == {
+        ("chat", None), ("pd", None)}  # fmt: skip
+    table = render(result.cells, result.errors, result.seconds, repeat_cells=result.repeat_cells)
+    assert "2 repeats pooled" in table
+    assert "median" in table
+    single = run_matrix(replace(spec, repeats=1, workloads=("pd",)), FakeArms(), lambda _: None)
+    assert single.repeat_cells == []
+    assert [c.repeat for c in single.cells] == [0, 0]
+    assert "median" not in render(single.cells, single.errors, single.seconds)
 
 
 def test_an_arm_that_cannot_run_is_named_and_the_others_still_run() -> None:

@@ -84,6 +84,8 @@ def test_the_slowest_measured_request_of_each_workload_is_picked() -> None:
     slowest("kvpeer", "chat", [rec(1.0, "k1"), rec(2.0, "k2"), rec(5.0, "k3", "HTTP 500"),
                                rec(7.0, None)])  # fmt: skip
     assert {w: r.request_id for w, r in slowest.picked.items()} == {"chat": "k2"}
+    slowest("kvpeer", "chat", [rec(1.5, "k4")])  # a later repeat, faster: k2 stays
+    assert slowest.picked["chat"].request_id == "k2"
     text = slowest.timelines([], NAMES)
     assert text[0].startswith("chat: slowest kvpeer request k2 (TTFT 2.000 s")
     assert text[1] == "  (no trace lines)"

@@ -201,7 +201,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         plot(result.cells, Path(args.plot))
         progress(f"TTFT CDFs written to {args.plot}")
     print(json.dumps(result.to_json()) if args.json else render(
-        result.cells, result.errors, result.seconds, result.setup_errors, result.logs))
+        result.cells, result.errors, result.seconds, result.setup_errors, result.logs,
+        result.repeat_cells))
     if result.timelines and not args.json:
         print("\nTimelines (--trace; wall clock, from the router's send)")
         print("\n".join(result.timelines))

@@ -36,6 +36,8 @@ from kvpeer.bench.serve_stats import (
     Cell,
     PeerCounters,
     RequestRecord,
+    median_ratios,
+    pool,
     ratios,
     summarize,
 )
@@ -73,6 +75,7 @@ QUICK_SHAPE = Shape(
     requests=6, rate=2.0, prompt_tokens=1024, suffix_tokens=64, output_tokens=8,
     turns=3, background_tokens=1024, think_s=0.5,
 )  # fmt: skip
+MAX_REPEATS = 20
 INDEX_WAIT_S = 15.0  # a setup phase's prefixes must reach the router's index by then
 KV_BYTES_PER_TOKEN = 24 * 1024  # the serving model's KV per token (float32)
 
@@ -91,6 +94,8 @@ class ServeBenchSpec:
     trace: bool = False  # engines and routers trace requests (kvpeer.bench.serve_trace)
     #: every engine's ``--max-num-batched-tokens`` (None: vLLM's default, 2,048 on CPU)
     step_tokens: int | None = None
+    #: each workload runs this many times per arm, repeat ``k`` with seed ``seed + k``
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         _check_names("--arms", self.arms, ARMS)
@@ -104,6 +109,8 @@ class ServeBenchSpec:
                 f"--max-num-batched-tokens {self.step_tokens}: must be "
                 f"{BLOCK_TOKENS}..{MAX_CONTEXT} (one block up to the engines' context)"
             )
+        if not 1 <= self.repeats <= MAX_REPEATS:
+            raise ConfigError(f"--repeat {self.repeats}: must be 1..{MAX_REPEATS}")
         s = self.shape
         if s.requests < 1:
             raise ConfigError(f"--requests {s.requests}: must be at least 1")
@@ -141,6 +148,7 @@ class ServeBenchSpec:
             data_plane=args.data_plane,
             trace=args.trace,
             step_tokens=args.max_num_batched_tokens,
+            repeats=args.repeat,
         )
 
     def engine_args(self) -> tuple[str, ...]:
@@ -183,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float,
                         help="Poisson arrivals per second (default 1; --quick 2)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run each workload N times per arm, seeds S..S+N-1 (default 1); "
+                             "the table pools them, then each repeat's ratios and the median")
     parser.add_argument("--quick", action="store_true",
                         help="few requests, 1,024-token prompts (about 10 minutes for 3 arms)")
     parser.add_argument("--data-plane", default="shm",
@@ -230,12 +241,13 @@ Observe = Callable[[str, str, Sequence[RequestRecord]], None]
 @dataclass(frozen=True)
 class BenchResult:
     spec: ServeBenchSpec
-    cells: list[Cell]
+    cells: list[Cell]  # one per arm x workload (pooled over the repeats)
     errors: list[ArmError]
     seconds: float
     logs: str | None = None
     setup_errors: list[str] = field(default_factory=list)
     timelines: list[str] = field(default_factory=list)  # --trace: rendered, one per line
+    repeat_cells: list[Cell] = field(default_factory=list)  # --repeat N > 1: each repeat's
 
     @property
     def ok(self) -> bool:
@@ -248,6 +260,9 @@ class BenchResult:
             "spec": {**asdict(self.spec), "shape": asdict(self.spec.shape)},
             "cells": [c.to_json() for c in self.cells],
             "ratios": [asdict(r) for r in ratios(self.cells)],
+            "repeat_cells": [c.to_json() for c in self.repeat_cells],
+            "repeat_ratios": [asdict(r) for r in ratios(self.repeat_cells)],
+            "median_ratios": [asdict(r) for r in median_ratios(ratios(self.repeat_cells))],
             "arms_not_run": [asdict(e) for e in self.errors],
             "setup_errors": self.setup_errors,
             "logs": self.logs,
@@ -257,37 +272,53 @@ class BenchResult:
 
 def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
                observe: Observe | None = None) -> BenchResult:
-    """Every arm (fresh engines each) x every workload, one after another."""
+    """Every arm (fresh engines each) x every repeat x every workload, one after another.
+    Repeat ``k`` of every arm runs the workloads of seed ``spec.seed + k``."""
     started = time.monotonic()
-    workloads = [build(name, spec.shape, spec.seed) for name in spec.workloads]
+    repeats = [
+        [build(name, spec.shape, spec.seed + k) for name in spec.workloads]
+        for k in range(spec.repeats)
+    ]
     cells: list[Cell] = []
     errors: list[ArmError] = []
     setup_errors: list[str] = []
     for arm in spec.arms:
         try:
             with open_arm(arm) as fleet:
-                for workload in workloads:
-                    cell, failed = _run_workload(arm, workload, fleet, progress, observe)
-                    cells.append(cell)
-                    setup_errors.extend(failed)
+                for k, workloads in enumerate(repeats):
+                    tag = f" (repeat {k + 1}/{spec.repeats})" if spec.repeats > 1 else ""
+                    for workload in workloads:
+                        cell, failed = _run_workload(arm, workload, fleet, progress, observe,
+                                                     tag)  # fmt: skip
+                        cells.append(replace(cell, repeat=k))
+                        setup_errors.extend(failed)
         except ArmUnavailable as exc:
             progress(f"arm {arm} did not run: {exc}")
             errors.append(ArmError(arm, str(exc)))
-    return BenchResult(spec, cells, errors, time.monotonic() - started, setup_errors=setup_errors)
+    seconds = time.monotonic() - started
+    if spec.repeats == 1:
+        return BenchResult(spec, cells, errors, seconds, setup_errors=setup_errors)
+    groups: dict[tuple[str, str], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.arm, cell.workload), []).append(cell)
+    pooled = [pool(group) for group in groups.values()]
+    return BenchResult(spec, pooled, errors, seconds, setup_errors=setup_errors,
+                       repeat_cells=cells)  # fmt: skip
 
 
 def _run_workload(
-    arm: str, workload: Workload, fleet: ArmFleet, progress: Progress, observe: Observe | None
+    arm: str, workload: Workload, fleet: ArmFleet, progress: Progress, observe: Observe | None,
+    tag: str = "",
 ) -> tuple[Cell, list[str]]:
     failed: list[str] = []
     if workload.setup:
-        progress(f"{arm}/{workload.name}: setup, {len(workload.setup)} requests")
+        progress(f"{arm}/{workload.name}{tag}: setup, {len(workload.setup)} requests")
         records = asyncio.run(run_phase(workload.setup, fleet.urls))
         failed = [f"{arm}/{workload.name} setup: {r.error}" for r in records if r.error]
         held = [(r.pin, r.prompt) for r in workload.setup if r.pin is not None]
         fleet.wait_indexed(held, INDEX_WAIT_S)
     measured = workload.measured
-    progress(f"{arm}/{workload.name}: {len(measured)} measured requests "
+    progress(f"{arm}/{workload.name}{tag}: {len(measured)} measured requests "
              f"({len(workload.main) - len(measured)} background)")
     before = fleet.counters()
     records = asyncio.run(run_phase(workload.main, fleet.urls))
@@ -298,7 +329,7 @@ def _run_workload(
     if observe is not None:
         observe(arm, workload.name, kept)
     progress(
-        f"{arm}/{workload.name}: TTFT p50 {_ms(cell.ttft_p50_s)} p99 {_ms(cell.ttft_p99_s)}, "
+        f"{arm}/{workload.name}{tag}: TTFT p50 {_ms(cell.ttft_p50_s)} p99 {_ms(cell.ttft_p99_s)}, "
         f"{cell.cached_tokens}/{cell.prompt_tokens} prompt tokens cached, {cell.errors} errors"
     )
     return cell, failed

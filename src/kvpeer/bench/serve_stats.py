@@ -16,7 +16,9 @@ __all__ = [
     "PeerCounters",
     "Ratio",
     "RequestRecord",
+    "median_ratios",
     "percentile",
+    "pool",
     "ratios",
     "render",
     "summarize",
@@ -89,9 +91,12 @@ class Cell:
     pulls_fell_back: int  # ...of which the engine reused nothing
     failed_fetches: int | None  # kvpeer's failed loads (computed locally instead)
     ttfts_s: list[float] = field(default_factory=list)  # for the CDF
-    #: each measured request in send order: sent, TTFT, prompt and cached tokens, where
-    #: it ran, the peer named and its kv_request_id (--trace: find its lines)
+    #: each measured request in send order: sent, TTFT, latency, prompt and cached tokens,
+    #: where it ran, the peer named and its kv_request_id (--trace: find its lines)
     per_request: list[dict[str, Any]] = field(default_factory=list)
+    window_s: float = 0.0  # first send to last answer (the throughput's denominator)
+    #: which repeat (--repeat: seed + repeat) this cell measured; None: every repeat, pooled
+    repeat: int | None = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +111,7 @@ class Ratio:
     baseline: str
     ttft_p50: float | None
     ttft_p99: float | None
+    repeat: int | None = 0  # the cells' repeat (None: pooled over every repeat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +171,53 @@ def summarize(
         failed_fetches=None if counters is None else int(counters.failed_fetches),
         ttfts_s=sorted(ttfts),
         per_request=[_brief(r) for r in sorted(records, key=lambda r: r.sent_s)],
+        window_s=window,
+    )
+
+
+def pool(cells: Sequence[Cell]) -> Cell:
+    """One arm x workload over every repeat: percentiles over all their requests,
+    throughput over the sum of their windows, counts and counters summed. Each request
+    of ``per_request`` names its repeat."""
+    if not cells:
+        raise ValueError("pool: no cells")
+    first = cells[0]
+    if any((c.arm, c.workload) != (first.arm, first.workload) for c in cells):
+        raise ValueError(f"pool: cells of {first.arm}/{first.workload} and others mixed")
+    rows = [{**row, "repeat": c.repeat} for c in cells for row in c.per_request]
+    ok = [row for row in rows if row["error"] is None]
+    ttfts = sorted(t for c in cells for t in c.ttfts_s)
+    latencies = [row["latency_s"] for row in ok]
+    window = sum(c.window_s for c in cells)
+    done = sum(c.requests - c.errors for c in cells)
+    output = sum((c.output_tokens_per_s or 0.0) * c.window_s for c in cells)
+    prompt = sum(c.prompt_tokens for c in cells)
+    cached = sum(c.cached_tokens for c in cells)
+    pulled = [c.pulled_tokens for c in cells]
+    failed = [c.failed_fetches for c in cells]
+    return Cell(
+        arm=first.arm,
+        workload=first.workload,
+        requests=sum(c.requests for c in cells),
+        errors=sum(c.errors for c in cells),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        latency_p50_s=percentile(latencies, 50),
+        latency_p99_s=percentile(latencies, 99),
+        requests_per_s=done / window if window > 0 else None,
+        output_tokens_per_s=output / window if window > 0 else None,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        computed_tokens=prompt - cached,
+        pulled_tokens=None if None in pulled else sum(p or 0 for p in pulled),
+        pulls_named=sum(c.pulls_named for c in cells),
+        pulls_fell_back=sum(c.pulls_fell_back for c in cells),
+        failed_fetches=None if None in failed else sum(f or 0 for f in failed),
+        ttfts_s=ttfts,
+        per_request=rows,
+        window_s=window,
+        repeat=None if len(cells) > 1 else first.repeat,
     )
 
 
@@ -172,6 +225,7 @@ def _brief(record: RequestRecord) -> dict[str, Any]:
     return {
         "sent_s": round(record.sent_s, 3),
         "ttft_s": round(record.ttft_s, 4),
+        "latency_s": round(record.latency_s, 4),
         "prompt_tokens": record.prompt_tokens,
         "cached_tokens": record.cached_tokens,
         "engine": record.engine,
@@ -184,14 +238,17 @@ def _brief(record: RequestRecord) -> dict[str, Any]:
 def ratios(
     cells: Sequence[Cell], arm: str = "kvpeer", baselines: Sequence[str] = ("none", "vllm-p2p")
 ) -> list[Ratio]:
-    """``arm``'s TTFT p50 and p99 over each baseline's, per workload both ran."""
-    by_key: Mapping[tuple[str, str], Cell] = {(c.arm, c.workload): c for c in cells}
+    """``arm``'s TTFT p50 and p99 over each baseline's, per workload (and repeat) both
+    ran: a repeat's cells are compared with the same repeat's, pooled with pooled."""
+    by_key: Mapping[tuple[str, str, int | None], Cell] = {
+        (c.arm, c.workload, c.repeat): c for c in cells
+    }
     found: list[Ratio] = []
     for cell in cells:
         if cell.arm != arm:
             continue
         for baseline in baselines:
-            base = by_key.get((baseline, cell.workload))
+            base = by_key.get((baseline, cell.workload, cell.repeat))
             if base is None:
                 continue
             found.append(
@@ -201,9 +258,28 @@ def ratios(
                     baseline,
                     _ratio(cell.ttft_p50_s, base.ttft_p50_s),
                     _ratio(cell.ttft_p99_s, base.ttft_p99_s),
+                    cell.repeat,
                 )
             )
     return found
+
+
+def median_ratios(per_repeat: Sequence[Ratio]) -> list[Ratio]:
+    """Per workload and baseline, the median over repeats of each repeat's ratio
+    (``repeat`` None): the same-run comparison, repeated, robust to one noisy repeat."""
+    groups: dict[tuple[str, str, str], list[Ratio]] = {}
+    for r in per_repeat:
+        groups.setdefault((r.workload, r.arm, r.baseline), []).append(r)
+    return [
+        Ratio(workload, arm, baseline, _median([r.ttft_p50 for r in group]),
+              _median([r.ttft_p99 for r in group]), None)
+        for (workload, arm, baseline), group in groups.items()
+    ]  # fmt: skip
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return percentile(known, 50)
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -218,8 +294,11 @@ def render(
     seconds: float,
     setup_errors: Sequence[str] = (),
     logs: str | None = None,
+    repeat_cells: Sequence[Cell] = (),
 ) -> str:
-    """The table, the ratios, the arms that did not run, one summary line."""
+    """The table, the ratios, the arms that did not run, one summary line. With
+    ``repeat_cells`` (--repeat) the table and first ratios are pooled over the repeats,
+    followed by each repeat's ratios and their median."""
     header = (
         f"{'workload':<14} {'arm':<9} {'n':>3} {'err':>3} {'TTFT p50':>9} {'p90':>7} "
         f"{'p99':>7} {'e2e p50':>8} {'p99':>7} {'req/s':>6} {'out tok/s':>9} "
@@ -236,14 +315,27 @@ def render(
             f"{c.pulls_fell_back:>9}"
         )
     found = ratios(cells)
+    per_repeat = ratios(repeat_cells)
+    repeats = len({c.repeat for c in repeat_cells})
     if found:
         lines.append("")
-        lines.append("TTFT ratios (below 1: kvpeer faster)")
+        pooled = f", {repeats} repeats pooled" if repeat_cells else ""
+        lines.append(f"TTFT ratios (below 1: kvpeer faster{pooled})")
         for r in found:
             lines.append(
                 f"  {r.workload:<14} {r.arm}/{r.baseline:<9} p50 {_times(r.ttft_p50):>6}  "
                 f"p99 {_times(r.ttft_p99):>6}"
             )
+    if per_repeat:
+        lines.append("")
+        lines.append("TTFT ratios per repeat (same seed, same run), and their median")
+        medians = {(r.workload, r.baseline): r for r in median_ratios(per_repeat)}
+        for (workload, baseline), median in medians.items():
+            mine = [r for r in per_repeat if (r.workload, r.baseline) == (workload, baseline)]
+            for name, pick in (("p50", _p50), ("p99", _p99)):
+                each = " ".join(_times(pick(r)) for r in mine)
+                lines.append(f"  {workload:<14} kvpeer/{baseline:<9} {name} {each}  "
+                             f"median {_times(pick(median))}")  # fmt: skip
     for error in errors:
         lines.append(f"arm {error.arm} did not run: {error.reason}")
     lines.extend(setup_errors)
@@ -252,6 +344,14 @@ def render(
     if logs:
         lines.append(f"engine logs: {logs}")
     return "\n".join(lines)
+
+
+def _p50(r: Ratio) -> float | None:
+    return r.ttft_p50
+
+
+def _p99(r: Ratio) -> float | None:
+    return r.ttft_p99
 
 
 def _ms(value: float | None) -> str:

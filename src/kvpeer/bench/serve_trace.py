@@ -131,7 +131,8 @@ def _describe(e: TraceEvent, names: Mapping[str, str]) -> str:
 
 
 class Slowest:
-    """The slowest measured request (by TTFT) of each workload of one arm."""
+    """The slowest measured request (by TTFT) of each workload of one arm, over every
+    repeat."""
 
     def __init__(self, arm: str) -> None:
         self.arm = arm
@@ -141,6 +142,9 @@ class Slowest:
         if arm != self.arm:
             return
         traced = [r for r in records if r.request_id is not None and r.error is None]
+        before = self.picked.get(workload)
+        if before is not None:
+            traced.append(before)
         if traced:
             self.picked[workload] = max(traced, key=lambda r: r.ttft_s)
 
