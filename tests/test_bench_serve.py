@@ -299,6 +299,8 @@ def test_repeats_are_compared_with_the_same_repeat_and_their_median_is_reported(
     table = render([pool(cells[:3]), pool(cells[3:])], [], 1.0, repeat_cells=cells)
     assert "3 repeats pooled" in table
     assert "chat           kvpeer/none      p50 0.50x 0.10x 0.30x  median 0.30x" in table
+    tiny = render([cell("none", 0, 100.0), cell("kvpeer", 0, 0.4)], [], 1.0)
+    assert "p50 0.004x" in tiny  # a ratio under 0.01 keeps a digit, not 0.00x
 
 
 # --- the client and the matrix, through the real router -----------------------------------

@@ -363,4 +363,6 @@ def _num(value: float | None) -> str:
 
 
 def _times(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" if value >= 0.01 else f"{value:.3f}x"  # 0.004x, not 0.00x
