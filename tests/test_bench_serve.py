@@ -2,8 +2,9 @@
 generators, the statistics, the arm x workload matrix (fake engines behind the real
 router, real HTTP), the table, ``--json`` and the plot file.
 
-The real run (two ``vllm serve`` engines per arm) is run by hand (``--quick``), its
-output kept in the README: one costs minutes on this machine.
+One real arm pair (``none``, ``kvpeer`` on ``chat``, ``--quick``) runs in
+``tests/vllm/test_bench_serve_real.py``; the three-arm runs whose numbers the README keeps
+are run by hand: each costs many minutes on this machine.
 """
 
 from __future__ import annotations

@@ -1,0 +1,67 @@
+"""``kvpeer bench serve --quick`` for real: one arm pair (none, kvpeer) on ``chat``.
+
+The command runs as a user runs it: two fresh ``vllm serve`` engines per arm behind the
+real routers, the quick chat workload through the OpenAI API, ``--json`` out. Checked:
+every request answered, kvpeer's arm pulled what the router named (no fallback, no failed
+fetch) and reused more of the prompts than ``none``, the numbers and ratios are all there,
+and nothing is left in ``/dev/shm``. No speed is asserted: this shared machine is noisy,
+and speed claims come from the benchmark itself (README, Serving benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvpeer.bench.serve import QUICK_SHAPE
+from kvpeer.integrations.vllm.procs import shm_names
+
+pytestmark = pytest.mark.slow  # real engines, ~3 minutes
+
+BENCH_TIMEOUT_S = 900
+
+
+def test_a_quick_none_kvpeer_pair_on_chat(serve_llama: Path, tmp_path: Path) -> None:
+    shm_before = shm_names()
+    command = [sys.executable, "-m", "kvpeer", "bench", "serve", "--quick", "--json",
+               "--arms", "none,kvpeer", "--workloads", "chat", "--model", str(serve_llama),
+               "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "arm kvpeer: starting engines a and b" in done.stderr  # progress on stderr
+    result = json.loads(done.stdout)
+    assert result["ok"]
+    assert result["arms_not_run"] == []
+    assert result["setup_errors"] == []
+    cells = {cell["arm"]: cell for cell in result["cells"]}
+    assert set(cells) == {"none", "kvpeer"}
+    for cell in cells.values():
+        assert cell["workload"] == "chat"
+        assert (cell["requests"], cell["errors"]) == (QUICK_SHAPE.requests, 0)
+        assert cell["ttft_p50_s"] > 0
+        assert cell["ttft_p99_s"] >= cell["ttft_p50_s"]
+        assert len(cell["per_request"]) == QUICK_SHAPE.requests
+    none, kvpeer = cells["none"], cells["kvpeer"]
+    assert none["pulled_tokens"] is None
+    assert none["failed_fetches"] is None
+    # kvpeer pulled every prefix the router named, and reused more than its own cache gave
+    assert kvpeer["pulls_named"] >= 1
+    assert kvpeer["pulls_fell_back"] == 0
+    assert kvpeer["failed_fetches"] == 0
+    assert kvpeer["pulled_tokens"] >= QUICK_SHAPE.prompt_tokens
+    assert kvpeer["cached_tokens"] > none["cached_tokens"]
+    for row in kvpeer["per_request"]:
+        if row["source"] is not None:  # named: the turn before it, on the other engine
+            assert row["cached_tokens"] >= QUICK_SHAPE.prompt_tokens, row
+    (ratio,) = result["ratios"]
+    assert (ratio["workload"], ratio["baseline"]) == ("chat", "none")
+    assert ratio["ttft_p50"] > 0
+    assert ratio["ttft_p99"] > 0
+    assert shm_names() - shm_before == set()  # every engine's region files removed
