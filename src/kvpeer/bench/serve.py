@@ -195,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run each workload N times per arm, seeds S..S+N-1 (default 1); "
                              "the table pools them, then each repeat's ratios and the median")
     parser.add_argument("--quick", action="store_true",
-                        help="few requests, 1,024-token prompts (about 10 minutes for 3 arms)")
+                        help="few requests, 1,024-token prompts (5-8 minutes for 3 arms here)")
     parser.add_argument("--data-plane", default="shm",
                         help="kvpeer's data plane: shm (default), tcp or nixl")
     parser.add_argument("--model",
