@@ -477,6 +477,35 @@ def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload
     assert "median" not in render(single.cells, single.errors, single.seconds)
 
 
+def test_an_arm_that_stops_after_one_repeat_is_still_compared_pooled_with_pooled() -> None:
+    class StopsInRepeat2(_FakeFleet):
+        calls = 0
+
+        def counters(self) -> PeerCounters | None:
+            StopsInRepeat2.calls += 1
+            if StopsInRepeat2.calls > 2:  # before and after repeat 1; repeat 2 fails
+                raise ArmUnavailable("engine b died")
+            return PeerCounters()
+
+    class Arms(FakeArms):
+        @contextlib.contextmanager
+        def __call__(self, arm: str) -> Iterator[ArmFleet]:
+            with super().__call__(arm) as fleet:
+                if arm != "kvpeer":
+                    yield fleet
+                    return
+                yield StopsInRepeat2(self, arm, fleet.urls)
+
+    spec = ServeBenchSpec(arms=("none", "kvpeer"), shape=TINY, workloads=("pd",), repeats=2)
+    result = run_matrix(spec, Arms(), lambda _: None)
+    assert [(c.arm, c.repeat) for c in result.repeat_cells] == [
+        ("none", 0), ("none", 1), ("kvpeer", 0)]  # fmt: skip
+    assert [(c.arm, c.repeat, c.requests) for c in result.cells] == [
+        ("none", None, 2 * TINY.requests), ("kvpeer", None, TINY.requests)]  # fmt: skip
+    assert [(r.baseline, r.repeat) for r in ratios(result.cells)] == [("none", None)]
+    assert result.errors[0].reason == "engine b died"
+
+
 def test_an_arm_that_cannot_run_is_named_and_the_others_still_run() -> None:
     spec = ServeBenchSpec(shape=TINY, workloads=("system-prompt",))
     arms = FakeArms({"vllm-p2p": "vLLM's p2p tier runs on NIXL, which is not usable here"})
