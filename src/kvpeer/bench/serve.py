@@ -301,8 +301,7 @@ def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
     groups: dict[tuple[str, str], list[Cell]] = {}
     for cell in cells:
         groups.setdefault((cell.arm, cell.workload), []).append(cell)
-    # repeat None even where an arm stopped after one repeat: pooled compares with pooled
-    pooled = [replace(pool(group), repeat=None) for group in groups.values()]
+    pooled = [pool(group) for group in groups.values()]
     return BenchResult(spec, pooled, errors, seconds, setup_errors=setup_errors,
                        repeat_cells=cells)  # fmt: skip
 

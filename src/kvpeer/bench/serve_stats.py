@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any
 
 __all__ = [
@@ -176,9 +177,10 @@ def summarize(
 
 
 def pool(cells: Sequence[Cell]) -> Cell:
-    """One arm x workload over every repeat: percentiles over all their requests,
-    throughput over the sum of their windows, counts and counters summed. Each request
-    of ``per_request`` names its repeat."""
+    """One arm x workload over every repeat (``repeat`` None, even for one cell: an arm
+    that stopped early still compares with the others' pooled cells): percentiles over
+    all their requests, throughput over the sum of their windows, counts and counters
+    summed. Each request of ``per_request`` names its repeat."""
     if not cells:
         raise ValueError("pool: no cells")
     first = cells[0]
@@ -217,7 +219,7 @@ def pool(cells: Sequence[Cell]) -> Cell:
         ttfts_s=ttfts,
         per_request=rows,
         window_s=window,
-        repeat=None if len(cells) > 1 else first.repeat,
+        repeat=None,
     )
 
 
@@ -332,7 +334,7 @@ def render(
         medians = {(r.workload, r.baseline): r for r in median_ratios(per_repeat)}
         for (workload, baseline), median in medians.items():
             mine = [r for r in per_repeat if (r.workload, r.baseline) == (workload, baseline)]
-            for name, pick in (("p50", _p50), ("p99", _p99)):
+            for name, pick in (("p50", attrgetter("ttft_p50")), ("p99", attrgetter("ttft_p99"))):
                 each = " ".join(_times(pick(r)) for r in mine)
                 lines.append(f"  {workload:<14} kvpeer/{baseline:<9} {name} {each}  "
                              f"median {_times(pick(median))}")  # fmt: skip
@@ -344,14 +346,6 @@ def render(
     if logs:
         lines.append(f"engine logs: {logs}")
     return "\n".join(lines)
-
-
-def _p50(r: Ratio) -> float | None:
-    return r.ttft_p50
-
-
-def _p99(r: Ratio) -> float | None:
-    return r.ttft_p99
 
 
 def _ms(value: float | None) -> str:
