@@ -17,11 +17,13 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy
 import pytest
 
 from kvpeer.bench.serve import (
+    ARM_POLICIES,
     ARMS,
     QUICK_SHAPE,
     ArmFleet,
@@ -33,6 +35,7 @@ from kvpeer.bench.serve_client import run_phase
 from kvpeer.bench.serve_plot import plot
 from kvpeer.bench.serve_stats import (
     Cell,
+    FleetCounters,
     PeerCounters,
     RequestRecord,
     median_ratios,
@@ -42,7 +45,16 @@ from kvpeer.bench.serve_stats import (
     render,
     summarize,
 )
-from kvpeer.bench.serve_workloads import MAX_CONTEXT, WORKLOADS, BenchRequest, Shape, build
+from kvpeer.bench.serve_vllm import router_plans
+from kvpeer.bench.serve_workloads import (
+    MAX_CONTEXT,
+    PINNED,
+    UNPINNED,
+    WORKLOADS,
+    BenchRequest,
+    Shape,
+    build,
+)
 from kvpeer.cli import build_parser, main
 from kvpeer.errors import ConfigError
 from kvpeer.router.background import BackgroundRouter
@@ -52,7 +64,20 @@ from kvpeer.router.policy import EngineSpec, Mode, Role
 
 TINY = replace(QUICK_SHAPE, requests=4, rate=50.0, prompt_tokens=96, suffix_tokens=32,
                output_tokens=3, background_tokens=128, think_s=0.0)  # fmt: skip
-CACHED_BY_ARM = {"none": 0, "kvpeer": 64, "vllm-p2p": 32}
+CACHED_BY_ARM = {"none": 0, "affinity": 16, "load": 8, "kvpeer": 64, "vllm-p2p": 32}
+PINNED_ARMS = ("none", "kvpeer", "vllm-p2p")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The serving model's word-level tokenizer, loaded the way vLLM loads it."""
+    from vllm.tokenizers import get_tokenizer
+
+    from kvpeer.integrations.vllm.model import write_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(directory, 512)
+    return get_tokenizer(str(directory))
 
 
 def spec_from(*argv: str) -> ServeBenchSpec:
@@ -63,11 +88,15 @@ def spec_from(*argv: str) -> ServeBenchSpec:
 # --- parsing and validation -------------------------------------------------------------
 
 
-def test_defaults_are_every_arm_and_workload() -> None:
+def test_defaults_are_every_arm_and_the_unpinned_workloads() -> None:
     spec = spec_from()
-    assert spec.arms == ARMS == ("none", "kvpeer", "vllm-p2p")
-    assert spec.workloads == WORKLOADS == ("chat", "system-prompt", "pd", "busy-producer")
+    assert spec.arms == ARMS == ("none", "affinity", "load", "kvpeer", "vllm-p2p")
+    assert spec.workloads == UNPINNED == ("prefix", "chat", "chat-skewed")
+    assert WORKLOADS == UNPINNED + PINNED
+    assert PINNED == ("pinned-chat", "system-prompt", "pd", "busy-producer")
     assert spec.data_plane == "shm"
+    assert spec.loads is None  # probed
+    assert spec_from("--loads", "0.3,0.8").loads == (0.3, 0.8)
 
 
 def test_flags_choose_arms_workloads_and_sizes() -> None:
@@ -97,6 +126,11 @@ def test_flags_choose_arms_workloads_and_sizes() -> None:
         (("--max-num-batched-tokens", "100000"), "--max-num-batched-tokens 100000"),
         (("--repeat", "0"), "--repeat 0"),
         (("--repeat", "21"), "--repeat 21"),
+        (("--loads", "0.8,0.3"), "--loads 0.8,0.3"),
+        (("--loads", "0,0.3"), "--loads 0,0.3"),
+        (("--loads", "0.3,inf"), "--loads 0.3,inf"),
+        (("--arms", "none", "--workloads", "chat"), "nothing to run"),
+        (("--arms", "affinity", "--workloads", "pd"), "nothing to run"),
     ],
 )
 def test_bad_values_are_named(argv: tuple[str, ...], named: str) -> None:
@@ -128,27 +162,87 @@ def test_prompts_that_cannot_fit_the_context_are_refused() -> None:
 # --- workloads ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
-def test_workloads_are_seeded(name: str) -> None:
-    assert build(name, QUICK_SHAPE, 1) == build(name, QUICK_SHAPE, 1)
-    assert build(name, QUICK_SHAPE, 1) != build(name, QUICK_SHAPE, 2)
+def test_loads_that_are_not_two_numbers_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        spec_from("--loads", "0.3")
+    assert "expected LOW,HIGH" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
-def test_workloads_have_the_requested_size_and_fit(name: str) -> None:
-    workload = build(name, QUICK_SHAPE, 0)
-    assert len(workload.measured) == QUICK_SHAPE.requests
+def test_workloads_are_seeded(name: str, tokenizer: Any) -> None:
+    def made(seed: int, variant: str = "") -> object:
+        return build(name, QUICK_SHAPE, seed, variant=variant, tokenizer=tokenizer)
+
+    assert made(1) == made(1)
+    assert made(1) != made(2)
+    assert made(1, "low") != made(1, "high")  # two loads on one fleet share no prompt
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_have_the_requested_size_and_fit(name: str, tokenizer: Any) -> None:
+    workload = build(name, QUICK_SHAPE, 0, tokenizer=tokenizer)
+    assert workload.pinned == (name in PINNED)
+    if name == "prefix":  # vLLM's dataset: requests // prefixes per prefix
+        assert len(workload.measured) == QUICK_SHAPE.requests // QUICK_SHAPE.prefixes * (
+            QUICK_SHAPE.prefixes)
+    else:
+        assert len(workload.measured) == QUICK_SHAPE.requests
     times = [r.at_s for r in workload.main]
     assert times == sorted(times)
     assert times[0] == 0.0
     for request in (*workload.setup, *workload.main):
         assert len(request.prompt) + request.max_tokens <= MAX_CONTEXT
-        assert all(3 <= token < 512 for token in request.prompt)
+        assert all(0 <= token < 512 for token in request.prompt)
+        if not workload.pinned:
+            assert (request.pin, request.source) == (None, None)  # the router places it
+
+
+def test_prefix_is_vllms_prefix_repetition_dataset(tokenizer: Any) -> None:
+    shape = replace(QUICK_SHAPE, requests=12, prefixes=3, prompt_tokens=96, suffix_tokens=32)
+    workload = build("prefix", shape, 0, tokenizer=tokenizer)
+    assert len(workload.main) == 12
+    prefixes = {r.prompt[:96] for r in workload.main}
+    assert len(prefixes) == 3  # 3 prefixes, 4 requests each
+    assert all(len(r.prompt) == 128 for r in workload.main)
+    assert len({r.prompt for r in workload.main}) == 12
+    for request in workload.main:  # the text vLLM's client sends is those very tokens
+        assert request.text is not None
+        assert tuple(tokenizer.encode(request.text, add_special_tokens=False)) == request.prompt
+    with pytest.raises(ValueError, match="tokenizer"):
+        build("prefix", shape, 0)
+
+
+def test_unpinned_chat_turns_extend_each_other_and_the_router_places_them() -> None:
+    shape = replace(QUICK_SHAPE, requests=7, turns=3)
+    main = build("chat", shape, 0).main
+    assert all(turn.pin is None for turn in main)
+    for turn in main:
+        if turn.after is not None:
+            previous = main[turn.after]
+            assert turn.prompt[: len(previous.prompt)] == previous.prompt
+            assert turn.think_s == shape.think_s
+
+
+def test_chat_skewed_opens_most_conversations_with_a_few_hot_openings() -> None:
+    shape = replace(QUICK_SHAPE, requests=60, turns=2)
+    main = build("chat-skewed", shape, 0).main
+    firsts = [turn for turn in main if turn.after is None]
+    opening = shape.prompt_tokens - shape.suffix_tokens
+    counts: dict[tuple[int, ...], int] = {}
+    for turn in firsts:
+        assert len(turn.prompt) == shape.prompt_tokens
+        counts[turn.prompt[:opening]] = counts.get(turn.prompt[:opening], 0) + 1
+    assert len(firsts) == 30
+    assert 2 <= len(counts) <= 10  # 30 conversations over 10 openings, Zipf-weighted
+    assert max(counts.values()) >= 10  # the hottest opening leads a third or more
+    assert len({turn.prompt for turn in firsts}) == 30  # each conversation its own message
 
 
 def test_chat_turns_extend_each_other_on_alternating_engines() -> None:
     shape = replace(QUICK_SHAPE, requests=7, turns=3)
-    main = build("chat", shape, 0).main
+    main = build("pinned-chat", shape, 0).main
     assert len(main) == 7
     for index, turn in enumerate(main):
         if turn.after is None:  # a conversation's first turn
@@ -299,7 +393,7 @@ def test_repeats_are_compared_with_the_same_repeat_and_their_median_is_reported(
     assert median.ttft_p50 == pytest.approx(0.3)
     table = render([pool(cells[:3]), pool(cells[3:])], [], 1.0, repeat_cells=cells)
     assert "3 repeats pooled" in table
-    assert "chat           kvpeer/none      p50 0.50x 0.10x 0.30x  median 0.30x" in table
+    assert f"{'chat':<17} kvpeer/none      p50 0.50x 0.10x 0.30x  median 0.30x" in table
     tiny = render([cell("none", 0, 100.0), cell("kvpeer", 0, 0.4)], [], 1.0)
     assert "p50 0.004x" in tiny  # a ratio under 0.01 keeps a digit, not 0.00x
 
@@ -342,11 +436,12 @@ class FakeArms:
 
             with (
                 BackgroundRouter(RouterConfig(Mode.SHARED, specs(Role.BOTH, Role.BOTH),
-                                              listen_port=0, allow_pinning=True)) as shared,
+                                              listen_port=0, allow_pinning=True,
+                                              policy=ARM_POLICIES[arm])) as shared,
                 BackgroundRouter(RouterConfig(Mode.PD, specs(Role.PREFILL, Role.DECODE),
                                               listen_port=0)) as pd,
             ):  # fmt: skip
-                yield _FakeFleet(self, arm, {"shared": shared.url, "pd": pd.url})
+                yield _FakeFleet(self, arm, {"shared": shared.url, "pd": pd.url}, shared)
         finally:
             for fake in fakes:
                 on_loop(fake.stop())
@@ -356,8 +451,9 @@ class FakeArms:
 
 
 class _FakeFleet:
-    def __init__(self, arms: FakeArms, arm: str, urls: Mapping[str, str]) -> None:
-        self._arms, self._arm, self._urls = arms, arm, urls
+    def __init__(self, arms: FakeArms, arm: str, urls: Mapping[str, str],
+                 shared: BackgroundRouter) -> None:  # fmt: skip
+        self._arms, self._arm, self._urls, self.shared = arms, arm, urls, shared
 
     @property
     def urls(self) -> Mapping[str, str]:
@@ -365,6 +461,9 @@ class _FakeFleet:
 
     def counters(self) -> PeerCounters | None:
         return PeerCounters() if self._arm == "kvpeer" else None
+
+    def fleet_counters(self) -> FleetCounters:
+        return FleetCounters(plans=router_plans(self.shared))
 
     def wait_indexed(self, held: Sequence[tuple[str, Sequence[int]]], timeout_s: float) -> None:
         self._arms.waited.extend((engine, len(prompt)) for engine, prompt in held)
@@ -402,14 +501,16 @@ def test_a_failed_request_is_a_record_not_an_exception() -> None:
 
 
 def test_the_matrix_runs_every_arm_on_fresh_engines_and_every_workload(tmp_path: Path) -> None:
-    spec = ServeBenchSpec(shape=TINY, workloads=("chat", "busy-producer", "pd"))
+    pinned = ("pinned-chat", "busy-producer", "pd")
+    spec = ServeBenchSpec(shape=TINY, workloads=pinned)
     arms = FakeArms()
     progress: list[str] = []
     result = run_matrix(spec, arms, progress.append)
-    assert arms.opened == list(ARMS)
+    assert arms.opened == list(PINNED_ARMS)  # affinity and load place, they never pin
+    assert "arm affinity: none of the chosen workloads applies to it; not started" in progress
     assert len({id(fake) for fakes in arms.engines.values() for fake in fakes}) == 6
     assert [(c.arm, c.workload) for c in result.cells] == [
-        (arm, workload) for arm in ARMS for workload in ("chat", "busy-producer", "pd")
+        (arm, workload) for arm in PINNED_ARMS for workload in pinned
     ]
     assert result.ok
     assert not result.errors
@@ -421,17 +522,17 @@ def test_the_matrix_runs_every_arm_on_fresh_engines_and_every_workload(tmp_path:
         assert cell.ttft_p50_s is not None
         assert cell.requests_per_s is not None
     # busy-producer's setup parks one prefix per measured request on a, then waits for it
-    assert arms.waited.count(("a", TINY.prompt_tokens)) == TINY.requests * len(ARMS)
+    assert arms.waited.count(("a", TINY.prompt_tokens)) == TINY.requests * len(PINNED_ARMS)
     # the producer's background prefills reached a and were not counted
     a = arms.engines["kvpeer"][0]
     background = [b for b in a.generation_bodies() if len(b["prompt"]) == TINY.background_tokens]
     assert len(background) == TINY.requests
-    assert any("kvpeer/chat: TTFT p50" in line for line in progress)
+    assert any("kvpeer/pinned-chat: TTFT mean" in line for line in progress)
 
     table = render(result.cells, result.errors, result.seconds)
-    for workload in ("chat", "busy-producer", "pd"):
-        assert f"{workload:<14} kvpeer/none" in table
-        assert f"{workload:<14} kvpeer/vllm-p2p" in table
+    for workload in pinned:
+        assert f"{workload:<17} kvpeer/none" in table
+        assert f"{workload:<17} kvpeer/vllm-p2p" in table
     decoded = json.loads(json.dumps(result.to_json()))
     assert len(decoded["cells"]) == 9
     assert len(decoded["ratios"]) == 6
@@ -442,8 +543,63 @@ def test_the_matrix_runs_every_arm_on_fresh_engines_and_every_workload(tmp_path:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_unpinned_workloads_run_on_every_placing_arm_at_two_probed_loads(
+    tokenizer: Any,
+) -> None:
+    shape = replace(TINY, requests=6, prefixes=2, turns=2)
+    spec = ServeBenchSpec(shape=shape, workloads=UNPINNED)
+    arms = FakeArms()
+    progress: list[str] = []
+    result = run_matrix(spec, arms, progress.append, tokenizer=tokenizer)
+    placing = ["affinity", "load", "kvpeer", "vllm-p2p"]
+    assert arms.opened == placing  # none only runs pinned workloads
+    assert "arm none: none of the chosen workloads applies to it; not started" in progress
+    assert result.ok
+    # probed once per workload, on the first arm; every arm then offers the same loads
+    probes = [line for line in progress if line.startswith("probe ") and "answered" in line]
+    assert len(probes) == 3
+    assert set(result.loads) == set(UNPINNED)
+    assert all(0 < low < high for low, high in result.loads.values())
+    expected = [(arm, f"{name}@{level}") for arm in placing for name in UNPINNED
+                for level in ("low", "high")]  # fmt: skip
+    assert [(c.arm, c.workload) for c in result.cells] == expected
+    for cell in result.cells:
+        name, level = cell.workload.split("@")
+        assert cell.offered_rate == result.loads[name][("low", "high").index(level)]
+        assert cell.errors == 0
+        assert cell.ttft_mean_s is not None
+        assert all(row["engine"] in ("a", "b") for row in cell.per_request)  # router headers
+        assert sum(cell.plans.values()) == cell.requests  # each request planned once
+        if cell.arm == "load":
+            assert cell.plans == {"load only": cell.requests}
+        else:
+            assert "load only" not in cell.plans
+        if cell.arm == "affinity":
+            assert not {"pull", "compute: pull slower"} & set(cell.plans)
+    # sent by vLLM's benchmark request function (it adds repetition_penalty), as text
+    bodies = [b for fake in arms.engines["kvpeer"] for b in fake.generation_bodies()]
+    sent = [b for b in bodies if "repetition_penalty" in b]
+    assert len(sent) >= 6 * len(UNPINNED) * 2
+    assert all(isinstance(b["prompt"], str) and b["ignore_eos"] for b in sent)
+    found = {(r.workload, r.baseline) for r in ratios(result.cells)}
+    for name in UNPINNED:
+        assert {(f"{name}@low", "affinity"), (f"{name}@high", "vllm-p2p")} <= found
+    table = render(result.cells, result.errors, result.seconds)
+    assert "router plans by reason" in table
+    assert f"{'chat-skewed@high':<17} kvpeer/affinity" in table
+    decoded = json.loads(json.dumps(result.to_json()))
+    assert set(decoded["loads"]) == set(UNPINNED)
+    assert decoded["cells"][0]["plans"]
+
+    given = run_matrix(replace(spec, loads=(1.0, 2.0), arms=("affinity",), workloads=("chat",)),
+                       FakeArms(), progress.append)  # fmt: skip
+    assert given.loads == {"chat": (1.0, 2.0)}
+    assert [c.offered_rate for c in given.cells] == [1.0, 2.0]
+    assert len([line for line in progress if line.startswith("probe ")]) == len(probes) * 2
+
+
 def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload() -> None:
-    spec = ServeBenchSpec(arms=("none", "kvpeer"), shape=TINY, workloads=("chat", "pd"),
+    spec = ServeBenchSpec(arms=("none", "kvpeer"), shape=TINY, workloads=("pinned-chat", "pd"),
                           repeats=2)  # fmt: skip
     arms = FakeArms()
     progress: list[str] = []
@@ -451,10 +607,10 @@ def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload
     assert arms.opened == ["none", "kvpeer"]  # engines start once per arm, not per repeat
     assert [(c.arm, c.workload, c.repeat) for c in result.repeat_cells] == [
         (arm, workload, k) for arm in ("none", "kvpeer") for k in (0, 1)
-        for workload in ("chat", "pd")
+        for workload in ("pinned-chat", "pd")
     ]  # fmt: skip
     assert [(c.arm, c.workload, c.repeat) for c in result.cells] == [
-        (arm, workload, None) for arm in ("none", "kvpeer") for workload in ("chat", "pd")
+        (arm, workload, None) for arm in ("none", "kvpeer") for workload in ("pinned-chat", "pd")
     ]  # fmt: skip
     assert all(c.requests == 2 * TINY.requests for c in result.cells)
     # repeat k sends seed k's prompts: the second repeat's chat is not the first's
@@ -462,12 +618,12 @@ def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload
     first_turns = [tuple(b["prompt"]) for b in a.generation_bodies()
                    if len(b["prompt"]) == TINY.prompt_tokens]  # fmt: skip
     assert len(set(first_turns)) == len(first_turns) >= 2
-    assert any("kvpeer/chat (repeat 2/2): TTFT p50" in line for line in progress)
+    assert any("kvpeer/pinned-chat (repeat 2/2): TTFT mean" in line for line in progress)
     decoded = json.loads(json.dumps(result.to_json()))
     assert len(decoded["repeat_cells"]) == 8
     assert len(decoded["repeat_ratios"]) == 4  # kvpeer/none per workload per repeat
     assert {(r["workload"], r["repeat"]) for r in decoded["median_ratios"]} == {
-        ("chat", None), ("pd", None)}  # fmt: skip
+        ("pinned-chat", None), ("pd", None)}  # fmt: skip
     table = render(result.cells, result.errors, result.seconds, repeat_cells=result.repeat_cells)
     assert "2 repeats pooled" in table
     assert "median" in table
@@ -494,7 +650,8 @@ def test_an_arm_that_stops_after_one_repeat_is_still_compared_pooled_with_pooled
                 if arm != "kvpeer":
                     yield fleet
                     return
-                yield StopsInRepeat2(self, arm, fleet.urls)
+                assert isinstance(fleet, _FakeFleet)
+                yield StopsInRepeat2(self, arm, fleet.urls, fleet.shared)
 
     spec = ServeBenchSpec(arms=("none", "kvpeer"), shape=TINY, workloads=("pd",), repeats=2)
     result = run_matrix(spec, Arms(), lambda _: None)

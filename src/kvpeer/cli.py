@@ -200,6 +200,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
         plot(result.cells, Path(args.plot))
         progress(f"TTFT CDFs written to {args.plot}")
+    if result.loads and not args.json:
+        print("offered loads (requests/s): " + "; ".join(
+            f"{name} {low:g} and {high:g}" for name, (low, high) in result.loads.items()))
     print(json.dumps(result.to_json()) if args.json else render(
         result.cells, result.errors, result.seconds, result.setup_errors, result.logs,
         result.repeat_cells))

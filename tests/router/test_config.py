@@ -117,6 +117,10 @@ def test_engine_flag_parses() -> None:
         ({**engines(engine()), "allow_pinning": "yes"}, "allow_pinning: 'yes'"),
         ({**engines(engine()), "engine_step_tokens": 0}, "engine_step_tokens: 0 must be"),
         ({**engines(engine()), "engine_step_tokens": 1.5}, "engine_step_tokens: 1.5 is not"),
+        ({**engines(engine()), "policy": "nearest"}, "policy: 'nearest' is not one of pull"),
+        ({**engines(engine()), "policy": 1}, "policy: 1 is not a string"),
+        ({"mode": "pd", "policy": "affinity", "engine": [engine("a", role="prefill"), engine(
+            "b", role="decode", url="http://h:2", peer="h:3")]}, "'affinity' never pulls"),
     ],
 )
 def test_bad_config_names_the_bad_value(mapping: dict[str, Any], message: str) -> None:
@@ -153,3 +157,27 @@ def test_the_engines_step_budget_reaches_the_cost_model() -> None:
         policy = Router(config).policy
         assert isinstance(policy, RouterPolicy)
         assert policy.cost.priors.step_tokens == step
+
+
+def test_the_policy_chooses_the_decision_core() -> None:
+    """``pull`` (default) and ``affinity`` run the KV-aware core, the latter without pulls;
+    ``load`` routes by load alone and subscribes to no KV events."""
+    from kvpeer.router.app import Router
+    from kvpeer.router.decide import RouterPolicy
+    from kvpeer.router.loadonly import LoadOnlyPolicy
+
+    events = engines(engine(kv_events="tcp://127.0.0.1:1"))
+    by_flag = from_args(build_parser().parse_args(
+        ["router", "--policy", "affinity", "--engine",
+         "a=http://h:1,peer=h:2,kv_events=tcp://127.0.0.1:1"]))  # fmt: skip
+    assert by_flag.policy == "affinity"
+    for policy, core, pulls in (("pull", RouterPolicy, True), ("affinity", RouterPolicy, False)):
+        router = Router(from_mapping({**events, "policy": policy}))
+        assert isinstance(router.policy, core)
+        assert router.policy._config.pulls is pulls
+        assert set(router.subscribers) == {"e0"}
+    load = Router(from_mapping({**events, "policy": "load"}))
+    assert isinstance(load.policy, LoadOnlyPolicy)
+    assert load.index is None
+    assert load.subscribers == {}
+    assert from_mapping(engines(engine())).policy == "pull"

@@ -93,6 +93,20 @@ def test_longer_prefix_on_a_peer_busy_decoding_is_pulled() -> None:
     assert plan.predicted_pulled_tokens == USABLE - 64
 
 
+def test_affinity_never_plans_a_pull_the_engines_could_not_make() -> None:
+    """Policy ``affinity``: engines without a peer tier. The same case as above is placed
+    by the engines' own caches and load; no plan names a source."""
+    policy, index = shared("e0", "e1", config=DecideConfig(pulls=False))
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    hold(index, "e0", 64, MEDIUM_GPU, salt=1)
+    for load in (busy(queued=0, in_flight=40), idle()):
+        plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": load}, 0.0)
+        assert plan.source is None
+        assert plan.reason in (REASON_CACHE, REASON_LOAD)
+    plan = policy.plan("r2", PROMPT, {"e0": idle(), "e1": idle()}, 0.0)
+    assert (plan.engine, plan.reason) == ("e1", REASON_CACHE)  # the holder, not a pull
+
+
 def test_a_peer_busy_prefilling_is_not_pulled_from() -> None:
     """Its engine answers our lookup only after the step prefilling its queue: computing
     here is sooner (issue 14's busy producer, where such a lookup waited 8 s)."""

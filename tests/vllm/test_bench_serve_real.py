@@ -1,7 +1,7 @@
-"""``kvpeer bench serve --quick`` for real: one arm pair (none, kvpeer) on ``chat``.
+"""``kvpeer bench serve --quick`` for real: one arm pair (none, kvpeer) on ``pinned-chat``.
 
 The command runs as a user runs it: two fresh ``vllm serve`` engines per arm behind the
-real routers, the quick chat workload through the OpenAI API, ``--json`` out. Checked:
+real routers, the quick pinned-chat workload through the OpenAI API, ``--json`` out. Checked:
 every request answered, kvpeer's arm pulled what the router named (no fallback, no failed
 fetch) and reused more of the prompts than ``none``, the numbers and ratios are all there,
 and nothing is left in ``/dev/shm``. No speed is asserted: this shared machine is noisy,
@@ -27,10 +27,10 @@ pytestmark = pytest.mark.slow  # real engines, ~3 minutes
 BENCH_TIMEOUT_S = 900
 
 
-def test_a_quick_none_kvpeer_pair_on_chat(serve_llama: Path, tmp_path: Path) -> None:
+def test_a_quick_none_kvpeer_pair_on_pinned_chat(serve_llama: Path, tmp_path: Path) -> None:
     shm_before = shm_names()
     command = [sys.executable, "-m", "kvpeer", "bench", "serve", "--quick", "--json",
-               "--arms", "none,kvpeer", "--workloads", "chat", "--model", str(serve_llama),
+               "--arms", "none,kvpeer", "--workloads", "pinned-chat", "--model", str(serve_llama),
                "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
                           check=False)  # fmt: skip
@@ -43,7 +43,7 @@ def test_a_quick_none_kvpeer_pair_on_chat(serve_llama: Path, tmp_path: Path) -> 
     cells = {cell["arm"]: cell for cell in result["cells"]}
     assert set(cells) == {"none", "kvpeer"}
     for cell in cells.values():
-        assert cell["workload"] == "chat"
+        assert cell["workload"] == "pinned-chat"
         assert (cell["requests"], cell["errors"]) == (QUICK_SHAPE.requests, 0)
         assert cell["ttft_p50_s"] > 0
         assert cell["ttft_p99_s"] >= cell["ttft_p50_s"]
@@ -61,7 +61,7 @@ def test_a_quick_none_kvpeer_pair_on_chat(serve_llama: Path, tmp_path: Path) -> 
         if row["source"] is not None:  # named: the turn before it, on the other engine
             assert row["cached_tokens"] >= QUICK_SHAPE.prompt_tokens, row
     (ratio,) = result["ratios"]
-    assert (ratio["workload"], ratio["baseline"]) == ("chat", "none")
+    assert (ratio["workload"], ratio["baseline"]) == ("pinned-chat", "none")
     assert ratio["ttft_p50"] > 0
     assert ratio["ttft_p99"] > 0
     assert shm_names() - shm_before == set()  # every engine's region files removed

@@ -10,27 +10,44 @@ which engine served and which peer it was told to pull from.
 
 A request that fails (HTTP status, a broken stream, a timeout) becomes a record with its
 ``error`` set: one bad request must not end the arm, and errors are counted in the table.
+
+Unpinned workloads are sent the way vLLM's own benchmark client sends them: its request
+function (``vllm.benchmarks.lib.endpoint_request_func.async_request_openai_completions``,
+imported) with the workload's text prompt; the arrival times stay ours (seeded, the same
+for every arm). vLLM's function does not report ``cached_tokens`` (``None`` in the record:
+the engines' prefix-cache counters say it instead); the router's headers are read from
+the response by an aiohttp trace hook.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import json
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import aiohttp
 
 from kvpeer.bench.serve_stats import RequestRecord
 from kvpeer.bench.serve_workloads import BenchRequest
+from kvpeer.integrations.vllm.model import token_text
 
-__all__ = ["MODEL_NAME", "PIN_HEADER", "run_phase", "send"]
+__all__ = ["MODEL_NAME", "PIN_HEADER", "Sender", "run_phase", "send", "send_like_vllm"]
 
 MODEL_NAME = "kvpeer-demo"  # ServeSpec's --served-model-name
 PIN_HEADER = "X-Kvpeer-Engine"
 SOURCE_HEADER = "X-Kvpeer-Source"
 REQUEST_TIMEOUT_S = 300.0
+TAG_HEADER = "X-Kvpeer-Bench-Tag"  # pairs vLLM's request with its response's headers
+
+Sender = Literal["kvpeer", "vllm"]
+Send = Callable[
+    [aiohttp.ClientSession, str, BenchRequest, str], Awaitable[tuple[float, RequestRecord]]
+]
 
 
 async def send(
@@ -105,17 +122,85 @@ class _Failed(Exception):
     """The engine or router answered, but not with a completion."""
 
 
+_tags = itertools.count()
+
+
+async def send_like_vllm(
+    session: aiohttp.ClientSession, base_url: str, request: BenchRequest, model: str,
+    answers: dict[str, dict[str, str]],
+) -> tuple[float, RequestRecord]:
+    """Send ``request`` with vLLM's benchmark request function (greedy, ``ignore_eos``);
+    ``session`` carries :func:`header_trace`, which files the router's answer headers in
+    ``answers``."""
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        RequestFuncInput,
+        async_request_openai_completions,
+    )
+
+    tag = str(next(_tags))
+    headers = {TAG_HEADER: tag}
+    if request.pin:
+        headers[PIN_HEADER] = request.pin
+    if request.source:
+        headers[SOURCE_HEADER] = request.source
+    # Users send text: a prompt made of token ids goes as the text that tokenizes to them.
+    prompt = request.text if request.text is not None else token_text(list(request.prompt))
+    func_input = RequestFuncInput(
+        prompt=prompt, api_url=f"{base_url}/v1/completions", prompt_len=len(request.prompt),
+        output_len=request.max_tokens, model=model, ignore_eos=True,
+        extra_headers=headers, extra_body={"temperature": 0.0},
+    )  # fmt: skip
+    started = time.monotonic()
+    output = await async_request_openai_completions(func_input, session)
+    seconds = time.monotonic() - started
+    answer: Mapping[str, str] = answers.pop(tag, {})
+    if not output.success:
+        error = (output.error or "failed").strip().splitlines()[-1][:200]
+        return started, RequestRecord(0.0, seconds, seconds, len(request.prompt), 0, None,
+                                      error=error)  # fmt: skip
+    return started, RequestRecord(
+        sent_s=0.0,
+        ttft_s=output.ttft,
+        latency_s=output.latency,
+        prompt_tokens=output.prompt_len or len(request.prompt),
+        output_tokens=output.output_tokens or 0,
+        cached_tokens=None,
+        engine=answer.get("X-Kvpeer-Engine"),
+        source=answer.get("X-Kvpeer-Source"),
+        request_id=answer.get("X-Kvpeer-Request-Id"),
+    )
+
+
+def header_trace() -> tuple[aiohttp.TraceConfig, dict[str, dict[str, str]]]:
+    """A trace hook keeping each tagged request's answer headers, and where it keeps them."""
+    answers: dict[str, dict[str, str]] = {}
+
+    async def on_end(
+        _session: aiohttp.ClientSession, _ctx: SimpleNamespace,
+        params: aiohttp.TraceRequestEndParams,
+    ) -> None:
+        tag = params.headers.get(TAG_HEADER)
+        if tag is not None:
+            answers[tag] = dict(params.response.headers)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_end.append(on_end)
+    return trace, answers
+
+
+
 async def run_phase(
     requests: Sequence[BenchRequest],
     urls: Mapping[str, str],
     *,
     model: str = MODEL_NAME,
     timeout_s: float = REQUEST_TIMEOUT_S,
+    sender: Sender = "kvpeer",
 ) -> list[RequestRecord]:
     """Send ``requests`` at their arrival times (after their ``after`` request and its
     think time), all concurrently; ``urls`` maps a router kind (``shared``, ``pd``) to its
     URL. Returns one record per request, in ``requests`` order, ``sent_s`` relative to
-    the phase's start."""
+    the phase's start. ``sender`` ``vllm`` sends with vLLM's benchmark request function."""
     for index, request in enumerate(requests):
         if request.after is not None and not 0 <= request.after < index:
             raise ValueError(f"request {index}: after={request.after} is not an earlier request")
@@ -125,7 +210,13 @@ async def run_phase(
     records: list[RequestRecord | None] = [None] * len(requests)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    trace, answers = header_trace()
+    send_one: Send = send
+    if sender == "vllm":
+        send_one = functools.partial(send_like_vllm, answers=answers)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, trace_configs=[trace]
+    ) as session:
         start = time.monotonic()
 
         async def one(index: int, request: BenchRequest) -> None:
@@ -134,7 +225,7 @@ async def run_phase(
                 if request.after is not None:
                     await done[request.after].wait()
                     await asyncio.sleep(request.think_s)  # the user reads the answer
-                sent, record = await send(session, urls[request.router], request, model)
+                sent, record = await send_one(session, urls[request.router], request, model)
                 records[index] = _rebased(record, sent - start)
             finally:
                 done[index].set()

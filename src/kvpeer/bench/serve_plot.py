@@ -14,7 +14,8 @@ from kvpeer.errors import ConfigError
 
 __all__ = ["plot"]
 
-ARM_COLOURS = {"none": "tab:gray", "kvpeer": "tab:blue", "vllm-p2p": "tab:orange"}
+ARM_COLOURS = {"none": "tab:gray", "affinity": "tab:green", "load": "tab:purple",
+               "kvpeer": "tab:blue", "vllm-p2p": "tab:orange"}
 
 
 def plot(cells: Sequence[Cell], path: Path) -> None:

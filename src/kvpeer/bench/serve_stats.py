@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "ArmError",
     "Cell",
+    "FleetCounters",
     "PeerCounters",
     "Ratio",
     "RequestRecord",
@@ -37,7 +38,9 @@ class RequestRecord:
     latency_s: float  # sent → stream ended
     prompt_tokens: int
     output_tokens: int
-    cached_tokens: int  # prompt tokens the engine did not compute (its cache or a pull)
+    #: prompt tokens the engine did not compute (its cache or a pull); None: the sender
+    #: does not see it (vLLM's request function)
+    cached_tokens: int | None
     engine: str | None = None  # X-Kvpeer-Engine
     source: str | None = None  # X-Kvpeer-Source: the peer the router named
     error: str | None = None
@@ -50,7 +53,12 @@ class RequestRecord:
     @property
     def fell_back(self) -> bool:
         """The router named a peer, yet the engine took not one block from anywhere."""
-        return self.source is not None and self.error is None and self.cached_tokens < BLOCK_TOKENS
+        return (
+            self.source is not None
+            and self.error is None
+            and self.cached_tokens is not None
+            and self.cached_tokens < BLOCK_TOKENS
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +68,33 @@ class PeerCounters:
     pulled_blocks: float = 0.0
     pulled_bytes: float = 0.0
     failed_fetches: float = 0.0
+    pulls: float = 0.0  # loads from peers that completed
 
     def __sub__(self, other: PeerCounters) -> PeerCounters:
         return PeerCounters(
             self.pulled_blocks - other.pulled_blocks,
             self.pulled_bytes - other.pulled_bytes,
             self.failed_fetches - other.failed_fetches,
+            self.pulls - other.pulls,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetCounters:
+    """What every arm's engines and shared router count, summed over the engines."""
+
+    local_hit_tokens: float = 0.0  # vllm:prefix_cache_hits (the engine's own KV cache)
+    #: vllm:external_prefix_cache_hits: tokens the KV connector loaded (its CPU tier, or
+    #: pulled by a secondary tier)
+    external_hit_tokens: float = 0.0
+    plans: tuple[tuple[str, float], ...] = ()  # the shared router's plans by reason
+
+    def __sub__(self, other: FleetCounters) -> FleetCounters:
+        before = dict(other.plans)
+        return FleetCounters(
+            self.local_hit_tokens - other.local_hit_tokens,
+            self.external_hit_tokens - other.external_hit_tokens,
+            tuple((reason, n - before.get(reason, 0.0)) for reason, n in self.plans),
         )
 
 
@@ -85,7 +114,7 @@ class Cell:
     requests_per_s: float | None
     output_tokens_per_s: float | None
     prompt_tokens: int
-    cached_tokens: int  # from every engine's usage: its own cache or pulled
+    cached_tokens: int  # from every engine's usage (its own cache or pulled), where seen
     computed_tokens: int  # prompt_tokens - cached_tokens
     pulled_tokens: int | None  # kvpeer's pulled blocks x block size (None: no kvpeer tier)
     pulls_named: int  # requests where the router named a peer
@@ -98,6 +127,13 @@ class Cell:
     window_s: float = 0.0  # first send to last answer (the throughput's denominator)
     #: which repeat (--repeat: seed + repeat) this cell measured; None: every repeat, pooled
     repeat: int | None = 0
+    ttft_mean_s: float | None = None
+    offered_rate: float | None = None  # requests/s offered (Poisson); None: not recorded
+    local_hit_tokens: int | None = None  # the engines' own prefix-cache hits (None: unread)
+    external_hit_tokens: int | None = None  # loaded by the KV connector (CPU tier, pulls)
+    pulls: int | None = None  # kvpeer loads from peers completed (None: no kvpeer tier)
+    pulled_bytes: int | None = None
+    plans: dict[str, int] = field(default_factory=dict)  # the router's plans by reason
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +149,8 @@ class Ratio:
     ttft_p50: float | None
     ttft_p99: float | None
     repeat: int | None = 0  # the cells' repeat (None: pooled over every repeat)
+    ttft_mean: float | None = None
+    ttft_p90: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,16 +179,18 @@ def summarize(
     workload: str,
     records: Sequence[RequestRecord],
     counters: PeerCounters | None,
+    fleet: FleetCounters | None = None,
+    offered_rate: float | None = None,
 ) -> Cell:
     """Summarize one arm x workload. Throughput is over the window from the first send to
     the last answer of the measured requests; ``counters`` (None: the arm has no kvpeer
-    tier) are the main phase's change in kvpeer's counters."""
+    tier) and ``fleet`` (None: not read) are the main phase's change in the counters."""
     ok = [r for r in records if r.error is None]
     ttfts = [r.ttft_s for r in ok]
     latencies = [r.latency_s for r in ok]
     window = (max(r.done_s for r in ok) - min(r.sent_s for r in ok)) if ok else 0.0
     prompt = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
     return Cell(
         arm=arm,
         workload=workload,
@@ -173,7 +213,19 @@ def summarize(
         ttfts_s=sorted(ttfts),
         per_request=[_brief(r) for r in sorted(records, key=lambda r: r.sent_s)],
         window_s=window,
+        ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else None,
+        offered_rate=offered_rate,
+        local_hit_tokens=None if fleet is None else int(fleet.local_hit_tokens),
+        external_hit_tokens=None if fleet is None else int(fleet.external_hit_tokens),
+        pulls=None if counters is None else int(counters.pulls),
+        pulled_bytes=None if counters is None else int(counters.pulled_bytes),
+        plans={} if fleet is None else {r: int(n) for r, n in fleet.plans if n},
     )
+
+
+def _sum_known(values: Sequence[int | None]) -> int | None:
+    """The sum, or None if any value is unknown."""
+    return None if None in values else sum(v or 0 for v in values)
 
 
 def pool(cells: Sequence[Cell]) -> Cell:
@@ -212,15 +264,30 @@ def pool(cells: Sequence[Cell]) -> Cell:
         prompt_tokens=prompt,
         cached_tokens=cached,
         computed_tokens=prompt - cached,
-        pulled_tokens=None if None in pulled else sum(p or 0 for p in pulled),
+        pulled_tokens=_sum_known(pulled),
         pulls_named=sum(c.pulls_named for c in cells),
         pulls_fell_back=sum(c.pulls_fell_back for c in cells),
-        failed_fetches=None if None in failed else sum(f or 0 for f in failed),
+        failed_fetches=_sum_known(failed),
         ttfts_s=ttfts,
         per_request=rows,
         window_s=window,
         repeat=None,
+        ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else None,
+        offered_rate=first.offered_rate,
+        local_hit_tokens=_sum_known([c.local_hit_tokens for c in cells]),
+        external_hit_tokens=_sum_known([c.external_hit_tokens for c in cells]),
+        pulls=_sum_known([c.pulls for c in cells]),
+        pulled_bytes=_sum_known([c.pulled_bytes for c in cells]),
+        plans=_sum_plans([c.plans for c in cells]),
     )
+
+
+def _sum_plans(plans: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for each in plans:
+        for reason, count in each.items():
+            total[reason] = total.get(reason, 0) + count
+    return total
 
 
 def _brief(record: RequestRecord) -> dict[str, Any]:
@@ -237,8 +304,11 @@ def _brief(record: RequestRecord) -> dict[str, Any]:
     }
 
 
+BASELINES = ("none", "affinity", "vllm-p2p")
+
+
 def ratios(
-    cells: Sequence[Cell], arm: str = "kvpeer", baselines: Sequence[str] = ("none", "vllm-p2p")
+    cells: Sequence[Cell], arm: str = "kvpeer", baselines: Sequence[str] = BASELINES
 ) -> list[Ratio]:
     """``arm``'s TTFT p50 and p99 over each baseline's, per workload (and repeat) both
     ran: a repeat's cells are compared with the same repeat's, pooled with pooled."""
@@ -261,6 +331,8 @@ def ratios(
                     _ratio(cell.ttft_p50_s, base.ttft_p50_s),
                     _ratio(cell.ttft_p99_s, base.ttft_p99_s),
                     cell.repeat,
+                    _ratio(cell.ttft_mean_s, base.ttft_mean_s),
+                    _ratio(cell.ttft_p90_s, base.ttft_p90_s),
                 )
             )
     return found
@@ -274,7 +346,8 @@ def median_ratios(per_repeat: Sequence[Ratio]) -> list[Ratio]:
         groups.setdefault((r.workload, r.arm, r.baseline), []).append(r)
     return [
         Ratio(workload, arm, baseline, _median([r.ttft_p50 for r in group]),
-              _median([r.ttft_p99 for r in group]), None)
+              _median([r.ttft_p99 for r in group]), None,
+              _median([r.ttft_mean for r in group]), _median([r.ttft_p90 for r in group]))
         for (workload, arm, baseline), group in groups.items()
     ]  # fmt: skip
 
@@ -302,20 +375,27 @@ def render(
     ``repeat_cells`` (--repeat) the table and first ratios are pooled over the repeats,
     followed by each repeat's ratios and their median."""
     header = (
-        f"{'workload':<14} {'arm':<9} {'n':>3} {'err':>3} {'TTFT p50':>9} {'p90':>7} "
-        f"{'p99':>7} {'e2e p50':>8} {'p99':>7} {'req/s':>6} {'out tok/s':>9} "
-        f"{'prompt':>7} {'cached':>7} {'pulled':>7} {'named':>5} {'fell back':>9}"
+        f"{'workload':<17} {'arm':<9} {'n':>3} {'err':>3} {'load/s':>6} {'TTFT mean':>9} "
+        f"{'p50':>7} {'p90':>7} {'p99':>7} {'req/s':>6} {'prompt':>7} {'hit own':>7} "
+        f"{'hit ext':>7} {'pulls':>5} {'MiB':>6} {'named':>5} {'fell back':>9}"
     )
     lines = [header, "-" * len(header)]
     for c in sorted(cells, key=lambda c: (c.workload, c.arm)):
         lines.append(
-            f"{c.workload:<14} {c.arm:<9} {c.requests:>3} {c.errors:>3} "
-            f"{_ms(c.ttft_p50_s):>9} {_ms(c.ttft_p90_s):>7} {_ms(c.ttft_p99_s):>7} "
-            f"{_ms(c.latency_p50_s):>8} {_ms(c.latency_p99_s):>7} {_num(c.requests_per_s):>6} "
-            f"{_num(c.output_tokens_per_s):>9} {c.prompt_tokens:>7} {c.cached_tokens:>7} "
-            f"{'-' if c.pulled_tokens is None else c.pulled_tokens:>7} {c.pulls_named:>5} "
-            f"{c.pulls_fell_back:>9}"
+            f"{c.workload:<17} {c.arm:<9} {c.requests:>3} {c.errors:>3} "
+            f"{_num(c.offered_rate, 2):>6} {_ms(c.ttft_mean_s):>9} {_ms(c.ttft_p50_s):>7} "
+            f"{_ms(c.ttft_p90_s):>7} {_ms(c.ttft_p99_s):>7} {_num(c.requests_per_s, 2):>6} "
+            f"{c.prompt_tokens:>7} {_int(c.local_hit_tokens):>7} "
+            f"{_int(c.external_hit_tokens):>7} {_int(c.pulls):>5} "
+            f"{_mib(c.pulled_bytes):>6} {c.pulls_named:>5} {c.pulls_fell_back:>9}"
         )
+    planned = [c for c in sorted(cells, key=lambda c: (c.workload, c.arm)) if c.plans]
+    if planned:
+        lines.append("")
+        lines.append("router plans by reason")
+        for c in planned:
+            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(c.plans.items()))
+            lines.append(f"  {c.workload:<17} {c.arm:<9} {reasons}")
     found = ratios(cells)
     per_repeat = ratios(repeat_cells)
     repeats = len({c.repeat for c in repeat_cells})
@@ -325,7 +405,8 @@ def render(
         lines.append(f"TTFT ratios (below 1: kvpeer faster{pooled})")
         for r in found:
             lines.append(
-                f"  {r.workload:<14} {r.arm}/{r.baseline:<9} p50 {_times(r.ttft_p50):>6}  "
+                f"  {r.workload:<17} {r.arm}/{r.baseline:<9} mean {_times(r.ttft_mean):>6}  "
+                f"p50 {_times(r.ttft_p50):>6}  p90 {_times(r.ttft_p90):>6}  "
                 f"p99 {_times(r.ttft_p99):>6}"
             )
     if per_repeat:
@@ -336,7 +417,7 @@ def render(
             mine = [r for r in per_repeat if (r.workload, r.baseline) == (workload, baseline)]
             for name, pick in (("p50", attrgetter("ttft_p50")), ("p99", attrgetter("ttft_p99"))):
                 each = " ".join(_times(pick(r)) for r in mine)
-                lines.append(f"  {workload:<14} kvpeer/{baseline:<9} {name} {each}  "
+                lines.append(f"  {workload:<17} kvpeer/{baseline:<9} {name} {each}  "
                              f"median {_times(pick(median))}")  # fmt: skip
     for error in errors:
         lines.append(f"arm {error.arm} did not run: {error.reason}")
@@ -352,8 +433,16 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}ms"
 
 
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _int(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / (1 << 20):.0f}"
 
 
 def _times(value: float | None) -> str:

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpeer.bench.serve import (
+    ARM_POLICIES,
     ARM_TIERS,
     INDEX_WAIT_S,
+    PINNED_ARMS,
     ArmFleet,
     ArmUnavailable,
     BenchResult,
@@ -27,14 +29,14 @@ from kvpeer.bench.serve import (
     run_matrix,
 )
 from kvpeer.bench.serve_client import run_phase
-from kvpeer.bench.serve_stats import PeerCounters
+from kvpeer.bench.serve_stats import FleetCounters, PeerCounters
 from kvpeer.bench.serve_trace import TRACE_ENV, RouterCapture, Slowest, read_logs
 from kvpeer.bench.serve_workloads import BLOCK_TOKENS, ENGINES, BenchRequest
 
 if TYPE_CHECKING:
     from kvpeer.router.background import BackgroundRouter
 
-__all__ = ["VllmArms", "run", "unavailable"]
+__all__ = ["VllmArms", "router_plans", "run", "unavailable"]
 
 COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats flush
 # An engine that misses a health check is routed around and, when back, treated as
@@ -42,6 +44,7 @@ COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats 
 # spin and starve the API servers past the router's default 1 s, which would charge the
 # router's forgetting to that arm: the bench gives every arm the same generous timeout.
 HEALTH_TIMEOUT_S = 10.0
+HIT_SERIES = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
 Progress = Callable[[str], None]
 
@@ -114,23 +117,24 @@ class VllmArms:
             shared = BackgroundRouter(RouterConfig(
                 Mode.SHARED, (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
                 listen_port=0, allow_pinning=True, health_timeout_s=HEALTH_TIMEOUT_S,
-                engine_step_tokens=self._step(),
+                engine_step_tokens=self._step(), policy=ARM_POLICIES[arm],
             ))  # fmt: skip
+            pd: BackgroundRouter | None = None
             try:
-                pd = BackgroundRouter(RouterConfig(
-                    Mode.PD, (EngineEntry(a.router_engine(Role.PREFILL)),
-                              EngineEntry(b.router_engine(Role.DECODE))),
-                    listen_port=0, health_timeout_s=HEALTH_TIMEOUT_S,
-                    engine_step_tokens=self._step(),
-                ))  # fmt: skip
-                try:
-                    live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")
-                    self.progress(f"arm {arm}: warm-up (each engine computes, pulls, and pd once)")
-                    live.warm_up()
-                    yield live
-                finally:
-                    pd.stop()
+                if arm in PINNED_ARMS:  # the pinned pd workload's router
+                    pd = BackgroundRouter(RouterConfig(
+                        Mode.PD, (EngineEntry(a.router_engine(Role.PREFILL)),
+                                  EngineEntry(b.router_engine(Role.DECODE))),
+                        listen_port=0, health_timeout_s=HEALTH_TIMEOUT_S,
+                        engine_step_tokens=self._step(),
+                    ))  # fmt: skip
+                live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")
+                self.progress(f"arm {arm}: warm-up (each engine computes, pulls, and pd once)")
+                live.warm_up()
+                yield live
             finally:
+                if pd is not None:
+                    pd.stop()
                 shared.stop()
         finally:
             fleet.close()
@@ -139,13 +143,16 @@ class VllmArms:
 @dataclass
 class _LiveArm:
     shared: BackgroundRouter
-    pd: BackgroundRouter
+    pd: BackgroundRouter | None  # only for arms that run the pinned workloads
     engine_urls: list[str]
     has_kvpeer: bool
 
     @property
     def urls(self) -> Mapping[str, str]:
-        return {"shared": self.shared.url, "pd": self.pd.url}
+        urls = {"shared": self.shared.url}
+        if self.pd is not None:
+            urls["pd"] = self.pd.url
+        return urls
 
     def warm_up(self) -> None:
         """Each engine's first requests are slow (and not learned from by the router):
@@ -162,7 +169,8 @@ class _LiveArm:
             asyncio.run(run_phase([BenchRequest(0.0, prompt, 2, pin=first)], self.urls))
             self.wait_indexed([(first, prompt)], INDEX_WAIT_S)
             asyncio.run(run_phase([BenchRequest(0.0, prompt, 2, pin=second)], self.urls))
-        asyncio.run(run_phase([BenchRequest(0.0, fresh(), 2, router="pd")], self.urls))
+        if self.pd is not None:
+            asyncio.run(run_phase([BenchRequest(0.0, fresh(), 2, router="pd")], self.urls))
 
     def counters(self) -> PeerCounters | None:
         if not self.has_kvpeer:
@@ -176,6 +184,17 @@ class _LiveArm:
                 break
             previous = current
         return previous
+
+    def fleet_counters(self) -> FleetCounters:
+        from kvpeer.integrations.vllm.serving import vllm_samples
+
+        local = external = 0.0
+        for url in self.engine_urls:
+            samples = vllm_samples(url, HIT_SERIES)
+            local += samples.get("vllm:prefix_cache_hits_total", 0.0)
+            external += samples.get("vllm:external_prefix_cache_hits_total", 0.0)
+
+        return FleetCounters(local, external, router_plans(self.shared))
 
     def wait_indexed(self, held: Sequence[tuple[str, Sequence[int]]], timeout_s: float) -> None:
         from kvpeer.router.index import MEDIUM_CPU
@@ -197,16 +216,33 @@ class _LiveArm:
                 time.sleep(0.05)
 
 
+def router_plans(router: BackgroundRouter) -> tuple[tuple[str, float], ...]:
+    """The router's plans so far by reason (a load-only router's are all ``load only``)."""
+    from kvpeer.router.loadonly import LoadOnlyPolicy
+
+    def plans() -> dict[str, float]:
+        policy = router.router.policy
+        if isinstance(policy, LoadOnlyPolicy):
+            return {"load only": float(policy.statistics().plans)}
+        stats = getattr(policy, "stats", None)
+        found: dict[str, float] = stats() if stats is not None else {}
+        return {key.split(":", 1)[1]: value for key, value in found.items()
+                if key.startswith("plans_by_reason:")}  # fmt: skip
+
+    return tuple(sorted(router.call(plans).items()))
+
+
 def _read_counters(urls: Sequence[str]) -> PeerCounters:
     from kvpeer.integrations.vllm.serving import kvpeer_samples
 
-    blocks = bytes_ = failed = 0.0
+    blocks = bytes_ = failed = pulls = 0.0
     for url in urls:
         samples = kvpeer_samples(url)
         blocks += samples.get("pulled_blocks_total", 0.0)
         bytes_ += samples.get("pulled_bytes_total", 0.0)
         failed += samples.get("fetches_total[failed]", 0.0)
-    return PeerCounters(blocks, bytes_, failed)
+        pulls += samples.get("fetches_total[ok]", 0.0)
+    return PeerCounters(blocks, bytes_, failed, pulls)
 
 
 def run(
@@ -228,13 +264,18 @@ def run(
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-serve-"))
     arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress, spec.trace,
                     spec.engine_args(), spec.step_tokens)
+    tokenizer = None
+    if "prefix" in spec.workloads:
+        from vllm.tokenizers import get_tokenizer
+
+        tokenizer = get_tokenizer(str(model))
     if not spec.trace:
-        result = run_matrix(spec, arms, progress)
+        result = run_matrix(spec, arms, progress, tokenizer=tokenizer)
     else:
         slowest = Slowest("kvpeer")
         capture = RouterCapture().install()
         try:
-            result = run_matrix(spec, arms, progress, slowest)
+            result = run_matrix(spec, arms, progress, slowest, tokenizer=tokenizer)
         finally:
             capture.remove()
         events = capture.events() + read_logs(sorted((logs / slowest.arm).glob("*.log")))

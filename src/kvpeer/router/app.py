@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvpeer.router import params
 from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
-from kvpeer.router.decide import RouterPolicy
+from kvpeer.router.decide import DecideConfig, RouterPolicy
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
@@ -133,12 +133,15 @@ class Router:
         self._fallback = LoadOnlyPolicy(config.specs, config.mode)
         self.index: PrefixIndex | None = None
         self.subscribers: dict[str, EventSubscriber] = {}
+        if policy is None and config.policy == "load":
+            policy = self._fallback
         if policy is None:
             # The decision core, fed by every engine's KV events (engines without an
             # event endpoint stay unlearned: load only for them).
             self.index = PrefixIndex()
             priors = CostPriors(step_tokens=config.engine_step_tokens)
-            policy = RouterPolicy(config.specs, config.mode, self.index, cost=CostModel(priors))
+            policy = RouterPolicy(config.specs, config.mode, self.index, cost=CostModel(priors),
+                                  config=DecideConfig(pulls=config.policy == "pull"))
             self.subscribers = {
                 spec.name: EventSubscriber(
                     spec.name, spec.kv_events, self.index, replay_endpoint=spec.kv_events_replay

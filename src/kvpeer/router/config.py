@@ -28,6 +28,7 @@ from kvpeer.errors import ConfigError
 from kvpeer.router.policy import EngineSpec, Mode, Role
 
 __all__ = [
+    "POLICIES",
     "EngineEntry",
     "RouterConfig",
     "add_arguments",
@@ -62,6 +63,11 @@ class EngineEntry:
 
 #: vLLM's default --max-num-batched-tokens for ``vllm serve`` on CPU.
 ENGINE_STEP_TOKENS = 2048
+#: How the router places requests: ``pull`` (each engine's KV events; serve where the
+#: predicted TTFT is lowest, pulling a longer prefix from a peer when that is faster),
+#: ``affinity`` (the same without pulls: engines without a peer tier, as a prefix-aware
+#: router such as llm-d's runs them) and ``load`` (load only, no KV events).
+POLICIES = ("pull", "affinity", "load")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,7 @@ class RouterConfig:
     # The engines' step budget (vLLM's --max-num-batched-tokens; 2,048 by default on CPU):
     # a busy source answers a peer between two steps, so its wait is one step at most.
     engine_step_tokens: int = ENGINE_STEP_TOKENS
+    policy: str = "pull"  # one of POLICIES
     _by_name: dict[str, EngineEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +125,7 @@ SCALARS: dict[str, type] = {
     "tokenize_timeout_s": float,
     "max_body_bytes": int,
     "engine_step_tokens": int,
+    "policy": str,
 }
 
 
@@ -136,6 +144,13 @@ def _validate(config: RouterConfig) -> None:
         raise ConfigError(
             f"engine_step_tokens: {config.engine_step_tokens!r} must be within 1..{1 << 20} "
             "(the engines' --max-num-batched-tokens)"
+        )
+    if config.policy not in POLICIES:
+        raise ConfigError(f"policy: {config.policy!r} is not one of {', '.join(POLICIES)}")
+    if config.policy == "affinity" and config.mode is Mode.PD:
+        raise ConfigError(
+            "policy: 'affinity' never pulls, and mode pd moves every prompt from its prefill "
+            "engine to its decode engine; use policy 'pull' (or 'load') with mode pd"
         )
     if config.max_body_bytes < 1024:
         raise ConfigError(f"max_body_bytes: {config.max_body_bytes!r} is below 1024")
@@ -217,6 +232,10 @@ def _check_url(where: str, url: object) -> str:
 
 def _number(where: str, value: object, kind: type) -> Any:
     """A number, also from a string ("180"); booleans are not numbers."""
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: {value!r} is not a string")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -383,6 +402,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-step-tokens", dest="engine_step_tokens",
         help="the engines' --max-num-batched-tokens (default 2048): a busy source's serve wait",
     )
+    parser.add_argument(
+        "--policy", choices=POLICIES,
+        help="pull (default: KV-aware, pulls a peer's prefix when faster), affinity "
+             "(KV-aware, never pulls: engines without a peer tier) or load (load only)",
+    )
     parser.add_argument("--ready-file", help="write http://HOST:PORT here once listening")
 
 
@@ -390,7 +414,8 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     mapping: dict[str, Any] = load_file(Path(args.config)) if args.config else {}
     source = args.config or "flags"
     for key in ("mode", "listen", "retries", "health_interval_s", "health_timeout_s",
-                "read_timeout_s", "prefill_timeout_s", "allow_pinning", "engine_step_tokens"):
+                "read_timeout_s", "prefill_timeout_s", "allow_pinning", "engine_step_tokens",
+                "policy"):
         value = getattr(args, key, None)
         if value is not None:
             mapping[key] = value

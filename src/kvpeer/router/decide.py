@@ -63,6 +63,7 @@ class DecideConfig:
     pull_margin_s: float = 0.002  # a pull must win by this much (no coin flips)
     max_pending: int = 10_000  # plans awaiting their outcome
     recent_records: int = 256
+    pulls: bool = True  # False: the engines have no peer tier (policy "affinity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +316,8 @@ class RouterPolicy:
         best = _Option(self.cost.compute_s(engine, prompt_tokens - local, load), local)
         rejected = False
         for source, (_, source_cpu) in held.items():
+            if not self._config.pulls:
+                break
             if source == engine or source_cpu <= local:
                 continue
             if pull_from is not None and source != pull_from:

@@ -34,6 +34,7 @@ __all__ = [
     "ensure_llama",
     "ensure_tiny_llama",
     "token_text",
+    "write_tokenizer",
 ]
 
 TINY_LLAMA_CONFIG: dict[str, Any] = {
@@ -181,12 +182,12 @@ def _write_checkpoint(directory: Path, config: dict[str, Any]) -> None:
     torch.manual_seed(_SEED)
     model = model_class(LlamaConfig(**config))
     model.save_pretrained(directory, safe_serialization=True)
-    _write_tokenizer(directory, int(config["vocab_size"]))
+    write_tokenizer(directory, int(config["vocab_size"]))
     identity = {key: config[key] for key in _IDENTITY_KEYS}
     (directory / _MARKER).write_text(json.dumps(identity, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_tokenizer(directory: Path, vocab_size: int) -> None:
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
     """A word-level tokenizer: word ``t<id>`` is token ``id``; nothing else is added."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -40,7 +40,9 @@ from kvpeer.integrations.vllm.procs import shm_in_use, shm_names
 from kvpeer.integrations.vllm.scenario import HOST, kvpeer_tier, vllm_p2p_tier
 from kvpeer.router.policy import EngineSpec, Role
 
-__all__ = ["ServeEngine", "ServeFleet", "ServeSpec", "TierKind", "kvpeer_samples"]
+__all__ = [
+    "ServeEngine", "ServeFleet", "ServeSpec", "TierKind", "kvpeer_samples", "vllm_samples",
+]
 
 TierKind = Literal["kvpeer", "p2p", "none"]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -390,6 +392,18 @@ def kvpeer_samples(url: str) -> dict[str, float]:
     """kvpeer's series on the vLLM engine at ``url`` (its ``/metrics``), summed over
     vLLM's ``engine``/``model_name`` labels: ``name`` or ``name[label,...]`` without the
     ``vllm:kvpeer_`` prefix; histograms give ``_count`` and ``_sum``, no buckets."""
+    found = _samples(url, lambda name: name.startswith(PREFIX))
+    return {key[len(PREFIX):]: value for key, value in found.items()}
+
+
+def vllm_samples(url: str, names: Sequence[str]) -> dict[str, float]:
+    """The samples named ``names`` (e.g. ``vllm:prefix_cache_hits_total``) on the engine at
+    ``url``, summed over vLLM's ``engine``/``model_name`` labels."""
+    wanted = frozenset(names)
+    return _samples(url, wanted.__contains__)
+
+
+def _samples(url: str, keep: Callable[[str], bool]) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
@@ -398,9 +412,9 @@ def kvpeer_samples(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if not name.startswith(PREFIX) or name.endswith(("_bucket", "_created")):
+            if not keep(name) or name.endswith(("_bucket", "_created")):
                 continue
             ours = [v for k, v in sample.labels.items() if k not in ("engine", "model_name")]
-            key = name[len(PREFIX):] + (f"[{','.join(ours)}]" if ours else "")
+            key = name + (f"[{','.join(ours)}]" if ours else "")
             out[key] = out.get(key, 0.0) + sample.value
     return out
