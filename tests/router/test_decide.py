@@ -16,6 +16,7 @@ from kvpeer.router.decide import (
     REASON_PD_CACHED,
     REASON_PD_NO_PREFILL,
     REASON_PULL,
+    REASON_PULL_EXPLORE,
     REASON_PULL_PINNED,
     REASON_PULL_SLOWER,
     DecideConfig,
@@ -413,3 +414,48 @@ def test_a_pd_pull_does_not_wait_for_the_prefill_engines_steps() -> None:
     parked = cost.pull_s("d", "p", 512, loaded, parked=True)
     assert symmetric - parked == pytest.approx(cost.serve_wait_s("p", loaded))
     assert parked == pytest.approx(cost.pull_s("d", "p", 512, busy(queued=0), parked=True))
+
+
+def test_a_pull_predicted_a_little_slower_is_explored_now_and_then() -> None:
+    """Rule 6: a pessimistic estimate is put to the test, at most once every
+    ``explore_every`` plans and only where the predicted loss is small."""
+    policy, index = shared("e0", "e1", config=DecideConfig(explore_every=4))
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    near = {"e0": idle(), "e1": busy(queued=500, in_flight=1)}  # pulling loses a little
+    plans = [policy.plan(f"r{i}", PROMPT, near, 0.0, serve_on="e0") for i in range(12)]
+    assert [p.reason for p in plans] == ([REASON_PULL_SLOWER] * 3 + [REASON_PULL_EXPLORE]) * 3
+    computed, explored = plans[0], plans[3]
+    assert (computed.source, explored.source) == (None, "e1")
+    assert explored.predicted_cached_tokens == USABLE
+    assert explored.predicted_ttft_s is not None
+    assert computed.predicted_ttft_s is not None
+    loss = explored.predicted_ttft_s - computed.predicted_ttft_s
+    assert 0 < loss <= DecideConfig().explore_max_loss_s
+    assert policy.stats()["explorations_total"] == 3
+    # A source so busy that pulling loses more is never tried; neither is one with
+    # exploring off.
+    far = {"e0": idle(), "e1": busy(queued=4000, in_flight=4)}
+    assert all(policy.plan(f"f{i}", PROMPT, far, 0.0, serve_on="e0").source is None
+               for i in range(12))  # fmt: skip
+    never, index = shared("e0", "e1", config=DecideConfig(explore_every=0))
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    assert all(never.plan(f"n{i}", PROMPT, near, 0.0, serve_on="e0").source is None
+               for i in range(40))  # fmt: skip
+
+
+def test_a_learned_busy_source_cost_relaxes_toward_its_prior_without_new_evidence() -> None:
+    """Rule 7: a bad experience with a busy source is not believed for ever."""
+    cost = CostModel()
+    prior = cost.priors.source_busy_s
+    load = busy(queued=0, in_flight=1)
+    cost.observe_pull("e0", "e1", 100, idle(), 0.01)  # warms the pair
+    for _ in range(20):
+        cost.observe_pull("e0", "e1", 100, load, 2.0)
+    learned = cost.rates()["source_busy_s"]
+    assert learned > 1.0
+    cost.relax(10.0)
+    assert cost.rates()["source_busy_s"] == learned  # the clock starts at the first call
+    cost.relax(10.0 + cost.priors.stale_half_life_s)
+    assert cost.rates()["source_busy_s"] == pytest.approx(prior + (learned - prior) / 2)
+    cost.relax(10.0 + 20 * cost.priors.stale_half_life_s)
+    assert cost.rates()["source_busy_s"] == pytest.approx(prior, abs=1e-4)

@@ -16,6 +16,11 @@ The model (all terms in seconds):
   serve wait, from the ``source_busy_s`` prior. Plus ``cold_session_s`` for the first
   pull between the pair (handshake, data-plane registration).
 
+The busy-source cost is only learned from pulls from busy sources, which the model stops
+planning once it has learned that they are slow; so it relaxes toward its prior with a
+half-life of ``stale_half_life_s`` seconds without such a pull (:meth:`CostModel.relax`):
+a bad experience is not believed for ever.
+
 An engine with fewer than ``own_samples`` observations of its own is predicted by the
 fleet's pooled compute line (every engine's observations): engines of one fleet mostly
 run one model on one kind of machine, and an engine that has only pulled so far would
@@ -59,6 +64,7 @@ class CostPriors:
     half_life: float = 50.0  # observations after which one counts half
     cold_alpha: float = 0.2
     own_samples: int = 8  # an engine's own compute line is used from this many on
+    stale_half_life_s: float = 60.0  # the busy-source cost relaxes toward its prior
 
 
 class Line:
@@ -120,6 +126,7 @@ class CostModel:
         self._pull: dict[str, Line] = {}
         self._cold_s = self.priors.cold_session_s
         self._busy_s = self.priors.source_busy_s
+        self._busy_at: float | None = None  # when _busy_s was last relaxed or learned
         self._warm: set[tuple[str, str]] = set()
 
     # --- predictions ------------------------------------------------------------------
@@ -161,6 +168,16 @@ class CostModel:
 
     def is_warm(self, engine: str, source: str) -> bool:
         return (engine, source) in self._warm
+
+    def relax(self, now: float) -> None:
+        """Let the busy-source cost drift toward its prior, at ``stale_half_life_s``."""
+        if self._busy_at is None or now <= self._busy_at:
+            self._busy_at = now if self._busy_at is None else self._busy_at
+            return
+        keep = 0.5 ** ((now - self._busy_at) / self.priors.stale_half_life_s)
+        prior = self.priors.source_busy_s
+        self._busy_s = prior + (self._busy_s - prior) * keep
+        self._busy_at = now
 
     # --- learning ---------------------------------------------------------------------
 

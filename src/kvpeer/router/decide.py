@@ -19,6 +19,15 @@
    the last prompt token is always computed.
 5. Every plan, prediction and outcome is counted in :class:`DecisionStats`; nothing here
    raises on engine data, and every table is bounded.
+6. Bounded exploration: a pull the model predicts slower, but by no more than
+   ``explore_max_loss_s``, is planned anyway once every ``explore_every`` plans (reason
+   ``pull: exploring``), so a pessimistic estimate is put to the test instead of keeping
+   pulls away for good; its outcome is learned like any other. Nothing else is traded for
+   learning: a pull predicted to lose more is never explored, and the client's pinned
+   engine or source always wins.
+7. Estimates go stale: what a busy source costs is learned only from pulls from busy
+   sources, so it relaxes toward its prior as time passes without one
+   (:meth:`CostModel.relax`), and no decision rests on an old bad experience alone.
 """
 
 from __future__ import annotations
@@ -45,12 +54,14 @@ REASON_CACHE: Final = "cache"  # the chosen engine's own cache made it the faste
 REASON_PULL: Final = "pull"  # the chosen engine pulls a longer prefix from a peer
 REASON_PULL_SLOWER: Final = "compute: pull slower"  # a peer had more; computing wins
 REASON_PULL_PINNED: Final = "pull: pinned source"  # the client pinned the source
+REASON_PULL_EXPLORE: Final = "pull: exploring"  # predicted a little slower: tried (rule 6)
 REASON_PD: Final = "pd"
 REASON_PD_CACHED: Final = "pd: decode-only, cached"
 REASON_PD_NO_PREFILL: Final = "pd: decode-only, no prefill engine"
 REASON_NO_ENGINE: Final = "no healthy engine"  # Plan.engine is "": answer 503
 REASONS: Final = (
-    REASON_LOAD, REASON_CACHE, REASON_PULL, REASON_PULL_SLOWER, REASON_PULL_PINNED, REASON_PD,
+    REASON_LOAD, REASON_CACHE, REASON_PULL, REASON_PULL_SLOWER, REASON_PULL_PINNED,
+    REASON_PULL_EXPLORE, REASON_PD,
     REASON_PD_CACHED, REASON_PD_NO_PREFILL, REASON_NO_ENGINE,
 )
 
@@ -64,6 +75,8 @@ class DecideConfig:
     max_pending: int = 10_000  # plans awaiting their outcome
     recent_records: int = 256
     pulls: bool = True  # False: the engines have no peer tier (policy "affinity")
+    explore_every: int = 16  # at most one exploring pull per this many plans (0: never)
+    explore_max_loss_s: float = 0.05  # only pulls predicted to lose at most this much
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +162,8 @@ class _Option:
     source: str | None = None
     pulled: int = 0
     pull_rejected: bool = False  # a source held more, but pulling was predicted slower
+    #: the best rejected pull (``pull_rejected``): tried now and then (rule 6)
+    rejected: _Option | None = None
 
 
 class RouterPolicy:
@@ -176,6 +191,7 @@ class RouterPolicy:
         # Engines whose first request since (re)start has not finished: that request
         # pays the engine's warm-up (seconds here) and would teach the model nonsense.
         self._warming: set[str] = set(self._specs)
+        self._since_explore = 0  # plans since the last exploring pull (rule 6)
 
     # --- Policy -----------------------------------------------------------------------
 
@@ -196,6 +212,8 @@ class RouterPolicy:
         servers = [serve_on] if serve_on in healthy else list(healthy)
         keys = self._index.keys(prompt)
         usable = _usable_tokens(len(prompt), keys.block_size)
+        self.cost.relax(now)
+        self._since_explore += 1
         if self._mode is Mode.PD:
             plan, pending = self._plan_pd(prompt, keys, usable, healthy, servers, now)
         else:
@@ -286,7 +304,12 @@ class RouterPolicy:
         assert best is not None
         engine = best[2]
         option = options[engine]
-        if option.source is not None:
+        explore = self._explorable(option)
+        if explore is not None:
+            option = explore
+        if explore is not None:
+            reason = REASON_PULL_EXPLORE
+        elif option.source is not None:
             reason = REASON_PULL if option.source != pull_from else REASON_PULL_PINNED
         elif option.pull_rejected:
             reason = REASON_PULL_SLOWER
@@ -314,7 +337,7 @@ class RouterPolicy:
         load = healthy[engine]
         local = held[engine][0]
         best = _Option(self.cost.compute_s(engine, prompt_tokens - local, load), local)
-        rejected = False
+        rejected: _Option | None = None
         for source, (_, source_cpu) in held.items():
             if not self._config.pulls:
                 break
@@ -326,13 +349,26 @@ class RouterPolicy:
             ttft = self.cost.compute_s(engine, prompt_tokens - source_cpu, load) + (
                 self.cost.pull_s(engine, source, pulled, healthy[source])
             )
+            option = _Option(ttft, source_cpu, source, pulled)
             if source == pull_from or ttft + self._config.pull_margin_s < best.ttft_s:
-                best = _Option(ttft, source_cpu, source, pulled)
-            else:
-                rejected = True
-        if best.source is None and rejected:
-            return _Option(best.ttft_s, best.cached, pull_rejected=True)
+                best = option
+            elif rejected is None or ttft < rejected.ttft_s:
+                rejected = option
+        if best.source is None and rejected is not None:
+            return _Option(best.ttft_s, best.cached, pull_rejected=True, rejected=rejected)
         return best
+
+    def _explorable(self, option: _Option) -> _Option | None:
+        """The rejected pull of ``option``, if it is time to try one (rule 6)."""
+        every = self._config.explore_every
+        tried = option.rejected
+        if not every or tried is None or self._since_explore < every:
+            return None
+        if tried.ttft_s - option.ttft_s > self._config.explore_max_loss_s:
+            return None
+        self._since_explore = 0
+        self._stats.add("explorations_total")
+        return tried
 
     def _held(self, engine: str, keys: PromptKeys, usable: int, now: float) -> tuple[int, int]:
         """(local prefix in either medium, prefix in the CPU tier), capped (rule 4)."""
