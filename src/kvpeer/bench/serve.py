@@ -100,7 +100,7 @@ FULL_SHAPE = Shape(
 )  # fmt: skip
 QUICK_SHAPE = Shape(
     requests=6, rate=2.0, prompt_tokens=1024, suffix_tokens=64, output_tokens=8,
-    turns=3, background_tokens=1024, think_s=0.5,
+    turns=3, background_tokens=1024, think_s=0.5, prefixes=2,
 )  # fmt: skip
 MAX_REPEATS = 20
 INDEX_WAIT_S = 15.0  # a setup phase's prefixes must reach the router's index by then

@@ -142,7 +142,7 @@ class DecisionStats:
                 "outcomes_failed_total", "outcomes_unmatched_total", "outcomes_warmup_total",
                 "predicted_cached_tokens_total", "actual_cached_tokens_total",
                 "cached_tokens_abs_error_total", "cached_tokens_unreported_total",
-                "predicted_pulled_tokens_planned_total",
+                "predicted_pulled_tokens_planned_total", "explorations_total",
             )
         }
         out.update(self._counts)
