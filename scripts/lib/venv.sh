@@ -2,7 +2,8 @@
 # the pinned requirement files (re-installs only when a file changed).
 # Files named *nodeps*.txt are installed with --no-deps (pip cannot say that
 # per package inside a requirements file; nixl needs it).
-step() { printf '\n==> %s\n' "$*"; }
+# Progress goes to stderr: a command's stdout stays its own (`scripts/demo --json`).
+step() { printf '\n==> %s\n' "$*" >&2; }
 
 ensure_venv() {
     local py="${KVPEER_PYTHON:-python3}"
