@@ -65,3 +65,34 @@ def test_a_quick_none_kvpeer_pair_on_pinned_chat(serve_llama: Path, tmp_path: Pa
     assert ratio["ttft_p50"] > 0
     assert ratio["ttft_p99"] > 0
     assert shm_names() - shm_before == set()  # every engine's region files removed
+
+
+def test_a_quick_unpinned_affinity_kvpeer_pair_on_chat(serve_llama: Path, tmp_path: Path) -> None:
+    """The unpinned path for real: vLLM's request function sends the chat as text to
+    routers with policy ``affinity`` and ``pull``; the engines' own prefix-cache counters
+    and the routers' plans are read, at the two given loads."""
+    command = [sys.executable, "-m", "kvpeer", "bench", "serve", "--quick", "--json",
+               "--arms", "affinity,kvpeer", "--workloads", "chat", "--loads", "0.5,1.5",
+               "--model", str(serve_llama), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    result = json.loads(done.stdout)
+    assert result["ok"]
+    assert result["loads"] == {"chat": [0.5, 1.5]}
+    cells = {(cell["arm"], cell["workload"]): cell for cell in result["cells"]}
+    assert set(cells) == {(arm, f"chat@{level}") for arm in ("affinity", "kvpeer")
+                          for level in ("low", "high")}  # fmt: skip
+    for (arm, _), cell in cells.items():
+        assert (cell["requests"], cell["errors"]) == (QUICK_SHAPE.requests, 0)
+        assert cell["offered_rate"] in (0.5, 1.5)
+        assert all(row["engine"] in ("a", "b") for row in cell["per_request"])
+        # later turns find their history: the engines count the reuse, the router planned
+        # every request once
+        assert cell["local_hit_tokens"] + cell["external_hit_tokens"] >= QUICK_SHAPE.prompt_tokens
+        assert sum(cell["plans"].values()) == QUICK_SHAPE.requests
+        assert (cell["pulls"] is None) == (arm == "affinity")
+        if arm == "affinity":
+            assert not {"pull", "pull: exploring", "compute: pull slower"} & set(cell["plans"])
+    assert {(r["workload"], r["baseline"]) for r in result["ratios"]} == {
+        ("chat@low", "affinity"), ("chat@high", "affinity")}  # fmt: skip
