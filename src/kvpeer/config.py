@@ -87,6 +87,11 @@ class AllowList:
     def allow_all(cls) -> AllowList:
         return cls(everyone=True)
 
+    @property
+    def nobody(self) -> bool:
+        """No peer at all is allowed."""
+        return not (self.everyone or self.networks or self.endpoints)
+
     @classmethod
     def from_entries(cls, entries: Iterable[str]) -> AllowList:
         """Parse CIDRs / host:port strings; raise ConfigError listing every bad one."""

@@ -74,6 +74,11 @@ def _backends(
                 )
             )
         elif name == "nixl":
+            if config.nixl_trusted().nobody:
+                # NIXL and UCX cost a node ~300 MiB of RSS: not loaded for no peer at all.
+                log.info("data plane nixl skipped: no peer may use it (give nixl_peers, or "
+                         "an allowed_peers list, or CURVE)")
+                continue
             from kvpeer.transport.data.nixl import NixlBackend
 
             if not NixlBackend.available():
