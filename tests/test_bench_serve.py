@@ -3,7 +3,7 @@ generators, the statistics, the arm x workload matrix (fake engines behind the r
 router, real HTTP), the table, ``--json`` and the plot file.
 
 One real arm pair (``none``, ``kvpeer`` on ``chat``, ``--quick``) runs in
-``tests/vllm/test_bench_serve_real.py``; the three-arm runs whose numbers the README keeps
+``tests/vllm/test_bench_serve_real.py``; the runs whose numbers docs/benchmarks.md keeps
 are run by hand: each costs many minutes on this machine.
 """
 

@@ -1,8 +1,8 @@
-"""Architecture pins: the layers of README.md's architecture section, enforced.
+"""Architecture pins: the layers of docs/architecture.md, enforced.
 
 Every module under ``src/kvpeer`` imports only what :data:`MAY_IMPORT` allows its
 layer (an allow-list: a new package or a new dependency is a deliberate edit
-here and in the README's drawing, which must match it), and the allowed
+here and in docs/architecture.md's drawing, which must match it), and the allowed
 dependencies form no cycle. The sans-IO core (``kvpeer.protocol`` and
 ``kvpeer.session``) also imports none of the I/O, threading or clock modules
 (DESIGN.md section 4.1). The checks are on the source (``ast``), because the
@@ -37,7 +37,7 @@ FORBIDDEN_MODULES = frozenset(
         "multiprocessing",
     }
 )
-README = SRC.parents[1] / "README.md"
+ARCHITECTURE = SRC.parents[1] / "docs" / "architecture.md"
 # What each layer may import besides itself: module names under ``kvpeer.``, each
 # allowing itself and its submodules. A layer is a package under src/kvpeer or a
 # top-level module; ``kvpeer`` is the package's own ``__init__`` (``__version__``).
@@ -251,7 +251,7 @@ class TestImportSideEffects:
 
 
 class TestLayers:
-    """Every import is one its layer may make; the layers form no cycle; the README
+    """Every import is one its layer may make; the layers form no cycle; docs/architecture.md
     draws exactly these layers, top-down."""
 
     def test_every_layer_is_listed(self) -> None:
@@ -319,10 +319,10 @@ class TestLayers:
 
 
 def readme_layers() -> list[tuple[str, set[str]]]:
-    """The layer table of README.md's architecture section, in its order: the fenced
+    """The layer table of docs/architecture.md, in its order: the fenced
     block whose first line starts with ``layer``; each line names layers (joined
     with ``,``) and, after two or more spaces, what they may import (``-``: nothing)."""
-    text = README.read_text(encoding="utf-8")
+    text = ARCHITECTURE.read_text(encoding="utf-8")
     blocks = text.split("```")[1::2]
     (block,) = [b for b in blocks if b.lstrip("\n").startswith("layer")]
     rows: list[tuple[str, set[str]]] = []

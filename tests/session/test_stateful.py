@@ -104,7 +104,7 @@ class CoupledSessions(RuleBasedStateMachine):
         # The consumer's write window is enforced, as the tcp plane does: a peer that
         # writes after we gave up on its load (abort unanswered, session closed) is
         # refused. One-sided planes (shm, nixl) cannot refuse such a late write; that
-        # residual risk is documented (README, "one-sided data planes").
+        # residual risk is documented (docs/behaviour.md, "one-sided").
         self.pair = SessionPair(num_blocks=NUM_BLOCKS, enforce_windows=True, settings=_DEFAULTS)
         self.ids: dict[tuple[str, bool], _Id] = {}
         self.all_ids: list[_Id] = []

@@ -5,7 +5,7 @@ real routers, the quick pinned-chat workload through the OpenAI API, ``--json`` 
 every request answered, kvpeer's arm pulled what the router named (no fallback, no failed
 fetch) and reused more of the prompts than ``none``, the numbers and ratios are all there,
 and nothing is left in ``/dev/shm``. No speed is asserted: this shared machine is noisy,
-and speed claims come from the benchmark itself (README, Serving benchmark).
+and speed claims come from the benchmark itself (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ CATALOG: tuple[Metric, ...] = (
         "timeouts_total",
         MetricType.COUNTER,
         "timeouts",
-        "Timers that expired, by kind (the config key is named in the README).",
+        "Timers that expired, by kind (the config key is named in docs/configuration.md).",
         ("kind",),
         _one_label(*TIMEOUT_KINDS),
     ),
@@ -223,7 +223,7 @@ def series_count() -> int:
 
 
 def markdown_table() -> str:
-    """The README's table of metrics (a test keeps the two equal)."""
+    """docs/metrics.md's table of metrics (a test keeps the two equal)."""
     rows = ["| metric | type | labels (values) | meaning |", "|---|---|---|---|"]
     for m in CATALOG:
         if m.labels and m.label_values:

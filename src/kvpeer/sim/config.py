@@ -44,7 +44,7 @@ class Timeouts:
     unbound_store: float = 5.0
     tombstone: float = 8.0
     handshake: float = 9.0
-    abort_drain: float = 0.5  # under abort_ack, as a fleet must be (README)
+    abort_drain: float = 0.5  # under abort_ack, as a fleet must be (docs/simulation.md)
     peer_wait: float = 1.0
     peer_retry_max: float = 4.0
     heartbeat_interval: float = 0.2

@@ -78,7 +78,7 @@ class SimDataPlane(FakeDataPlane):
     The consumer's write windows are enforced, as the tcp plane does: a write a
     stalled producer resumes after the consumer gave up on it is refused.
     One-sided planes (shm, nixl) cannot refuse it; that residual risk is a
-    property of those transports, documented in the README, not of the logic
+    property of those transports, documented in docs/behaviour.md, not of the logic
     under test here.
     """
 
