@@ -330,6 +330,26 @@ def test_summary_counts_throughput_tokens_and_fallbacks() -> None:
     assert cell.ttfts_s == pytest.approx([0.1, 0.2, 0.3])
 
 
+def test_plans_are_set_against_their_outcomes_per_reason() -> None:
+    records = [
+        record(0.0, 0.1, 1.0, plan="pull", predicted_ttft_s=0.2),
+        record(1.0, 0.5, 1.0, plan="pull", predicted_ttft_s=0.2),
+        record(2.0, 0.9, 1.0, plan="compute: pull slower", predicted_ttft_s=1.0),
+        record(3.0, 0.9, 1.0, plan="cache"),  # no prediction: not judged
+        record(4.0, 9.0, 9.0, plan="pull", predicted_ttft_s=0.2, error="HTTP 500"),
+    ]
+    cell = summarize("kvpeer", "chat@low", records, None)
+    assert cell.outcomes == {
+        "compute: pull slower": {"n": 1.0, "predicted_mean_s": 1.0, "actual_mean_s": 0.9},
+        "pull": {"n": 2.0, "predicted_mean_s": pytest.approx(0.2),
+                 "actual_mean_s": pytest.approx(0.3)},
+    }
+    assert pool([cell, replace(cell, repeat=1)]).outcomes["pull"]["n"] == 4.0
+    table = render([cell], [], 1.0)
+    assert "kvpeer's plans against outcomes" in table
+    assert "pull 2: 200ms -> 300ms" in table
+
+
 def test_an_arm_without_kvpeer_has_no_pulled_count() -> None:
     cell = summarize("none", "pd", [record(0.0, 0.5, 1.0)], None)
     assert cell.pulled_tokens is None
@@ -569,6 +589,10 @@ def test_unpinned_workloads_run_on_every_placing_arm_at_two_probed_loads(
         assert cell.errors == 0
         assert cell.ttft_mean_s is not None
         assert all(row["engine"] in ("a", "b") for row in cell.per_request)  # router headers
+        if cell.arm != "load":  # the KV-aware core says why and what it predicted
+            assert all(row["plan"] in cell.plans and row["predicted_ttft_s"] is not None
+                       for row in cell.per_request)  # fmt: skip
+            assert set(cell.outcomes) <= set(cell.plans)
         assert sum(cell.plans.values()) == cell.requests  # each request planned once
         if cell.arm == "load":
             assert cell.plans == {"load only": cell.requests}

@@ -75,13 +75,17 @@ class TestPinning:
 class TestRouteHeaders:
     def test_shared_names_the_source_and_pd_the_prefill_leg(self) -> None:
         async def scenario() -> None:
-            shared = fleet(choose=lambda loads: Plan(engine="a", source="b"))
+            shared = fleet(choose=lambda loads: Plan(engine="a", source="b", reason="pull",
+                                                     predicted_ttft_s=0.25))
             async with shared as f:
                 stream = {**BODY, "stream": True}
                 async with f.client.post(f.url + "/v1/completions", json=stream) as resp:
                     assert resp.status == 200
                     assert resp.headers["X-Kvpeer-Source"] == "b"
                     assert "X-Kvpeer-Prefill-Seconds" not in resp.headers
+                    # the plan against its outcome: why, and what it predicted
+                    assert resp.headers["X-Kvpeer-Plan"] == "pull"
+                    assert float(resp.headers["X-Kvpeer-Predicted-Ttft-Seconds"]) == 0.25
                     await resp.read()
             async with fleet("pd", {"p": "prefill", "d": "decode"}) as f:
                 reply = await f.client.post(f.url + "/v1/completions", json=BODY)

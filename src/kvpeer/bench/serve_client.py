@@ -22,6 +22,7 @@ the response by an aiohttp trace hook.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import json
@@ -112,9 +113,7 @@ async def send(
         prompt_tokens=int(usage.get("prompt_tokens") or len(request.prompt)),
         output_tokens=int(usage.get("completion_tokens") or output),
         cached_tokens=int(details.get("cached_tokens") or 0),
-        engine=answer_headers.get("X-Kvpeer-Engine"),
-        source=answer_headers.get("X-Kvpeer-Source"),
-        request_id=answer_headers.get("X-Kvpeer-Request-Id"),
+        **_route(answer_headers),
     )
 
 
@@ -165,10 +164,24 @@ async def send_like_vllm(
         prompt_tokens=output.prompt_len or len(request.prompt),
         output_tokens=output.output_tokens or 0,
         cached_tokens=None,
-        engine=answer.get("X-Kvpeer-Engine"),
-        source=answer.get("X-Kvpeer-Source"),
-        request_id=answer.get("X-Kvpeer-Request-Id"),
+        **_route(answer),
     )
+
+
+def _route(headers: Mapping[str, str]) -> dict[str, Any]:
+    """What the router's answer headers say of the request's route and plan."""
+    predicted = headers.get("X-Kvpeer-Predicted-Ttft-Seconds")
+    try:
+        predicted_s = None if predicted is None else float(predicted)
+    except ValueError:
+        predicted_s = None
+    return {
+        "engine": headers.get("X-Kvpeer-Engine"),
+        "source": headers.get("X-Kvpeer-Source"),
+        "request_id": headers.get("X-Kvpeer-Request-Id"),
+        "plan": headers.get("X-Kvpeer-Plan"),
+        "predicted_ttft_s": predicted_s,
+    }
 
 
 def header_trace() -> tuple[aiohttp.TraceConfig, dict[str, dict[str, str]]]:
@@ -235,7 +248,4 @@ async def run_phase(
 
 
 def _rebased(record: RequestRecord, sent_s: float) -> RequestRecord:
-    return RequestRecord(
-        sent_s, record.ttft_s, record.latency_s, record.prompt_tokens, record.output_tokens,
-        record.cached_tokens, record.engine, record.source, record.error, record.request_id,
-    )  # fmt: skip
+    return dataclasses.replace(record, sent_s=sent_s)

@@ -45,6 +45,8 @@ class RequestRecord:
     source: str | None = None  # X-Kvpeer-Source: the peer the router named
     error: str | None = None
     request_id: str | None = None  # X-Kvpeer-Request-Id: the kv_request_id (--trace)
+    plan: str | None = None  # X-Kvpeer-Plan: the router's reason for its plan
+    predicted_ttft_s: float | None = None  # X-Kvpeer-Predicted-Ttft-Seconds
 
     @property
     def done_s(self) -> float:
@@ -134,6 +136,9 @@ class Cell:
     pulls: int | None = None  # kvpeer loads from peers completed (None: no kvpeer tier)
     pulled_bytes: int | None = None
     plans: dict[str, int] = field(default_factory=dict)  # the router's plans by reason
+    #: plans against outcomes: per reason, the requests, their mean predicted and mean
+    #: measured TTFT (seconds), from each answer's X-Kvpeer-Plan headers
+    outcomes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,7 +225,24 @@ def summarize(
         pulls=None if counters is None else int(counters.pulls),
         pulled_bytes=None if counters is None else int(counters.pulled_bytes),
         plans={} if fleet is None else {r: int(n) for r, n in fleet.plans if n},
+        outcomes=_outcomes(ok),
     )
+
+
+def _outcomes(records: Sequence[RequestRecord]) -> dict[str, dict[str, float]]:
+    """Per plan reason: requests, mean predicted TTFT, mean measured TTFT."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        if record.plan is not None and record.predicted_ttft_s is not None:
+            groups.setdefault(record.plan, []).append(record)
+    return {
+        reason: {
+            "n": float(len(group)),
+            "predicted_mean_s": sum(r.predicted_ttft_s or 0.0 for r in group) / len(group),
+            "actual_mean_s": sum(r.ttft_s for r in group) / len(group),
+        }
+        for reason, group in sorted(groups.items())
+    }
 
 
 def _sum_known(values: Sequence[int | None]) -> int | None:
@@ -279,7 +301,15 @@ def pool(cells: Sequence[Cell]) -> Cell:
         pulls=_sum_known([c.pulls for c in cells]),
         pulled_bytes=_sum_known([c.pulled_bytes for c in cells]),
         plans=_sum_plans([c.plans for c in cells]),
+        outcomes=_outcomes([_record(row) for row in ok]),
     )
+
+
+def _record(row: Mapping[str, Any]) -> RequestRecord:
+    """A ``per_request`` row back as a record (what :func:`_outcomes` reads of it)."""
+    return RequestRecord(row["sent_s"], row["ttft_s"], row["latency_s"], row["prompt_tokens"],
+                         0, row["cached_tokens"], plan=row.get("plan"),
+                         predicted_ttft_s=row.get("predicted_ttft_s"))  # fmt: skip
 
 
 def _sum_plans(plans: Sequence[Mapping[str, int]]) -> dict[str, int]:
@@ -301,6 +331,8 @@ def _brief(record: RequestRecord) -> dict[str, Any]:
         "source": record.source,
         "error": record.error,
         "request_id": record.request_id,
+        "plan": record.plan,
+        "predicted_ttft_s": record.predicted_ttft_s,
     }
 
 
@@ -396,6 +428,18 @@ def render(
         for c in planned:
             reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(c.plans.items()))
             lines.append(f"  {c.workload:<17} {c.arm:<9} {reasons}")
+    judged = [c for c in sorted(cells, key=lambda c: (c.workload, c.arm))
+              if c.outcomes and c.arm == "kvpeer"]  # fmt: skip
+    if judged:
+        lines.append("")
+        lines.append("kvpeer's plans against outcomes (requests: mean TTFT predicted -> measured)")
+        for c in judged:
+            each = ", ".join(
+                f"{reason} {int(o['n'])}: {_ms(o['predicted_mean_s'])} -> "
+                f"{_ms(o['actual_mean_s'])}"
+                for reason, o in c.outcomes.items()
+            )
+            lines.append(f"  {c.workload:<17} {each}")
     found = ratios(cells)
     per_repeat = ratios(repeat_cells)
     repeats = len({c.repeat for c in repeat_cells})

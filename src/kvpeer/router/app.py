@@ -670,7 +670,10 @@ def _route_headers(ctx: _Request, plan: Plan, prefill_s: float | None) -> dict[s
     """Where the request went, for clients that measure (names from the router's config,
     never addresses): the serving engine, the peer it pulled from, the prefill leg."""
     headers = {"X-Kvpeer-Request-Id": ctx.request_id, "X-Kvpeer-Engine": plan.engine,
-               "X-Kvpeer-Predicted-Cached-Tokens": str(plan.predicted_cached_tokens)}
+               "X-Kvpeer-Predicted-Cached-Tokens": str(plan.predicted_cached_tokens),
+               "X-Kvpeer-Plan": plan.reason}
+    if plan.predicted_ttft_s is not None:
+        headers["X-Kvpeer-Predicted-Ttft-Seconds"] = f"{plan.predicted_ttft_s:.6f}"
     source = plan.prefill_engine if prefill_s is not None else plan.source
     if source is not None:
         headers[SOURCE_HEADER] = source
