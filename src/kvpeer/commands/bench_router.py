@@ -1,0 +1,25 @@
+"""``kvpeer bench router``: the router's added latency and throughput vs a direct baseline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpeer.router import bench
+
+HELP = "router overhead: added latency and requests/s vs a direct baseline"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    bench.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    def progress(message: str) -> None:
+        print(f"kvpeer bench router: {message}", file=sys.stderr, flush=True)
+
+    spec = bench.RouterBenchSpec.from_args(args)
+    result = bench.run(spec, progress)
+    print(json.dumps(result) if args.json else bench.render(result))
+    return 0

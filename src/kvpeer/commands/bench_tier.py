@@ -1,0 +1,33 @@
+"""``kvpeer bench tier``: the tier's step overhead and memory, in memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "tier step overhead and memory (in memory)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smaller counts, under a minute")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also time each step while a thread scrapes the tier's metrics (on vs off)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpeer.bench import tier
+
+    print("kvpeer bench tier: measuring (in memory, no sockets)...", file=sys.stderr, flush=True)
+    scraper = None
+    if args.metrics:
+        from kvpeer.metrics.prom import tier_scraper
+
+        scraper = tier_scraper
+    result = tier.run(quick=args.quick, scraper=scraper)
+    print(json.dumps(result) if args.json else tier.render(result))
+    return 0

@@ -1,0 +1,20 @@
+"""``kvpeer soak``: two engines under mixed traffic and injected faults."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvpeer.bench import soak
+
+HELP = ("two vllm serve engines under mixed traffic and injected faults: outputs, leaks, "
+        "leftover files")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    soak.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpeer.bench import soak_run
+
+    return soak_run.main(args)
