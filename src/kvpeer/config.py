@@ -438,7 +438,7 @@ def validate_dict(mapping: object) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """Effective configuration of one kvpeer tier (DESIGN.md section 6).
+    """Effective configuration of one kvpeer tier (docs/design.md section 6).
 
     Build it with `from_dict`; ``TierConfig()`` equals ``from_dict({})``. When
     constructing directly, ``tombstone_retention_s`` is not re-derived.

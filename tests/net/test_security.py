@@ -84,7 +84,7 @@ def test_allow_list_serves_listed_peers_and_refuses_others(serve: StartNode) -> 
 
 
 def test_refused_peer_is_told_at_once(serve: StartNode) -> None:
-    """PROTOCOL.md 3.2: a connect from a peer that is not allowed is answered with a
+    """docs/protocol.md §3.2: a connect from a peer that is not allowed is answered with a
     ``disconnect``, so the refused node stops waiting instead of running into its
     handshake timeout (30 s by default) with every request that wanted that peer."""
     server = serve(plane="tcp", args=["--allow", f"127.0.0.1:{free_port()}"], wait=False)
@@ -455,7 +455,7 @@ def test_unknown_message_type_is_ignored(
 def test_a_rejected_peer_is_told_why(
     victim: tuple[ServingNode, LocalNode], zmq_context: ZmqContext, case: str
 ) -> None:
-    """PROTOCOL.md 3.2 and 6: a rejected connect or a protocol error is answered with a
+    """docs/protocol.md §3.2 and 6: a rejected connect or a protocol error is answered with a
     best-effort ``disconnect`` naming the reason. Without it the other side learns
     nothing and waits out its handshake or load timeout (30 s by default)."""
     node, _ = victim

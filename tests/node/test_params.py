@@ -1,4 +1,4 @@
-"""Parsing of kv_transfer_params into request roles (DESIGN.md section 3)."""
+"""Parsing of kv_transfer_params into request roles (docs/design.md section 3)."""
 
 from __future__ import annotations
 

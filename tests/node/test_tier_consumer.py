@@ -1,6 +1,6 @@
 """Tier, consumer side: parsing roles once, sessions per source, lookups and loads.
 
-Pins ``kvpeer.node.tier`` invariants 1 and 2 (DESIGN.md §3, §5.1, §5.2, §5.8):
+Pins ``kvpeer.node.tier`` invariants 1 and 2 (docs/design.md §3, §5.1, §5.2, §5.8):
 malformed roles run locally with a logged reason; ``remote_prefiller`` answers
 HIT without the network, ``remote_kv_source`` probes; a request whose load
 failed, whose peer died or whose probes timed out answers MISS until it

@@ -1,6 +1,6 @@
 """Tier, producer side: offload policy, parking and binding, late fetches, bounded state.
 
-Pins ``kvpeer.node.bindings`` invariants 1-5 over a cluster (DESIGN.md §5.1,
+Pins ``kvpeer.node.bindings`` invariants 1-5 over a cluster (docs/design.md §5.1,
 §5.4-§5.6; ``test_bindings.py`` drives the module directly): stores for
 a ``remote_decoder`` id are parked until a fetch for it arrives, in either
 order; parked stores nobody fetched fail and tombstone the id, so a late
@@ -45,7 +45,7 @@ def delivered(a: TierNode, b: TierNode, slots: tuple[int, ...], wanted: tuple[by
 
 
 class TestPolicy:
-    """REQUEST_LEVEL exactly for a producer leg with an id (DESIGN.md §5.5)."""
+    """REQUEST_LEVEL exactly for a producer leg with an id (docs/design.md §5.5)."""
 
     def test_producer_leg_with_an_id(self, b: TierNode) -> None:
         assert b.start("p", decoder("kv1"))[1] is OffloadPolicy.REQUEST_LEVEL

@@ -139,7 +139,7 @@ def test_a_request_that_used_the_half_open_session_computes_locally() -> None:
 
 
 def test_a_vllm_style_connect_after_the_handshake_is_still_a_protocol_error() -> None:
-    """vLLM's connect carries no boot id: nothing changes for it (PROTOCOL.md 3.4)."""
+    """vLLM's connect carries no boot id: nothing changes for it (docs/protocol.md §3.4)."""
     cluster, a, b = half_open_pair()
     hello = b.sent_of(Connect, to=a)[0]
     vllm_hello = Connect(

@@ -1,7 +1,7 @@
 """Tier, sessions: reaping, pending work, drain and shutdown, statistics, admission.
 
 Pins ``kvpeer.node.tier`` invariants 1 and 4 and the peer table's admission rules
-over a cluster (DESIGN.md §5.8, §6, §7; ``test_peertable.py`` drives it directly): a dead
+over a cluster (docs/design.md §5.8, §6, §7; ``test_peertable.py`` drives it directly): a dead
 session is reaped within one poll (its loads and stores fail, waiting probes
 answer MISS, pinned serves go back to the parent); ``has_pending_work`` says
 whether anything is in flight; ``drain_jobs`` is bounded and ``shutdown``

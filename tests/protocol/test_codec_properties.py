@@ -45,7 +45,7 @@ PROPERTY_SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
-# --- strategies for valid messages (every bound of PROTOCOL.md section 5) -----------
+# --- strategies for valid messages (every bound of docs/protocol.md section 5) -----------
 
 wire_ints = st.integers(min_value=0, max_value=INT_LIMIT - 1)
 positive_ints = st.integers(min_value=1, max_value=INT_LIMIT - 1)

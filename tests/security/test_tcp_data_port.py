@@ -3,7 +3,7 @@
 A real ``kvpeer serve`` node (or a node in this process) is attacked from other
 loopback addresses (127.0.0.x): floods of idle connections must leave its threads and
 file descriptors bounded and never shut out a legitimate writer from another address,
-and a peer's offer must never make the node dial a third party (DESIGN.md section 7).
+and a peer's offer must never make the node dial a third party (docs/design.md section 7).
 Hellos, tokens and deadlines are attacked at the unit level in
 tests/transport/test_tcp.py.
 """

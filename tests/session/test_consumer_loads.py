@@ -1,7 +1,7 @@
 """Consumer role, load phase: fetch rounds, completion, timeouts, finish and close.
 
 Node ``a`` is the consumer and node ``b`` the producer. Pins consumer invariants
-5-7 (DESIGN.md §5.2-§5.4, §5.7, §5.8; vLLM TestClientFlows / TestLookupFlow).
+5-7 (docs/design.md §5.2-§5.4, §5.7, §5.8; vLLM TestClientFlows / TestLookupFlow).
 Hand-made producer messages are delivered straight to ``a`` after the handshake.
 """
 
@@ -84,7 +84,7 @@ class TestFetch:
 class TestInvalidLoads:
     """A load its peer must reject never reaches the wire.
 
-    Slot indexes outside our region break PROTOCOL.md §5; duplicate keys are a
+    Slot indexes outside our region break docs/protocol.md §5; duplicate keys are a
     protocol error to our own producer. Such a load is our engine's mistake: it
     may raise ProtocolError or fail as a job, but it must not end the session
     and every other load with it.

@@ -2,7 +2,7 @@
 
 Node ``a`` is the consumer and node ``b`` the producer. Pins consumer invariants
 1-4 and the lookup-to-fetch boundary, up to a byte-exact symmetric pull
-(DESIGN.md §5.2, §5.8; vLLM TestLookupFlow). Hand-made producer answers are
+(docs/design.md §5.2, §5.8; vLLM TestLookupFlow). Hand-made producer answers are
 delivered straight to ``a`` after the handshake.
 """
 

@@ -1,6 +1,6 @@
 """PeerSession coordinator: dispatch gating, error policy, close reporting, work and timers.
 
-Pins PROTOCOL.md section 6 and invariants 3, 5 and 6 of ``kvpeer.session.peer``,
+Pins docs/protocol.md section 6 and invariants 3, 5 and 6 of ``kvpeer.session.peer``,
 after vLLM's TestDisconnect / TestAdversarial / TestDispatchErrorHandling
 scenarios: a bad frame ends only the session that saw it, with a disconnect
 and failed jobs, never an exception out of ``receive()``.

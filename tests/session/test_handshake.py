@@ -1,6 +1,6 @@
 """PeerSession handshake: connect/ack, gating, rejections, deadline and restarts.
 
-Pins PROTOCOL.md section 3 and invariants 1-4 of ``kvpeer.session.peer``, after
+Pins docs/protocol.md section 3 and invariants 1-4 of ``kvpeer.session.peer``, after
 vLLM's TestConnectHandshake scenarios. Two-party behaviour runs with either
 side initiating: the initiator starts alone, the responder starts when that
 first frame arrives (as a node does for an inbound peer) and handles it.
@@ -658,7 +658,7 @@ class TestRepeatedHandshake:
 
     def test_a_connect_without_boot_id_after_the_handshake_is_a_duplicate(self) -> None:
         """vLLM's connect carries no boot id: a second one after the handshake stays a
-        protocol error (PROTOCOL.md 3.4), with a disconnect and failed jobs."""
+        protocol error (docs/protocol.md §3.4), with a disconnect and failed jobs."""
         pair = SessionPair(
             hello_a=lambda r: make_hello("a", r, kvpeer=False),
             hello_b=lambda r: make_hello("b", r, kvpeer=False),

@@ -1,4 +1,4 @@
-"""Producer role: serving a peer's lookups (DESIGN.md §5.2, PROTOCOL.md §2).
+"""Producer role: serving a peer's lookups (docs/design.md §5.2, docs/protocol.md §2).
 
 Node ``b`` is the producer (its keys come from ``pair.b.parent.put``), node
 ``a`` the consumer. Mirrors vLLM's TestServerLookupHandling scenarios.

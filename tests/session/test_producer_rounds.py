@@ -1,4 +1,4 @@
-"""Producer role: supply, demand and round isolation (DESIGN.md §5.1, §5.3, §5.4, §5.7).
+"""Producer role: supply, demand and round isolation (docs/design.md §5.1, §5.3, §5.4, §5.7).
 
 Node ``b`` is the producer, node ``a`` the consumer. Mirrors vLLM's
 TestServerFlows / TestFinishRequestServerSide scenarios and the round

@@ -642,7 +642,7 @@ def dialed(listener: socket.socket, timeout_s: float) -> bytes | None:
 
 
 class TestDialing:
-    """Nothing a peer names is dialed blindly (DESIGN.md section 7)."""
+    """Nothing a peer names is dialed blindly (docs/design.md section 7)."""
 
     def test_the_peer_is_dialed_at_its_own_host_not_the_one_it_offers(self, a: Side) -> None:
         with listeners("127.0.0.9", "127.0.0.1") as (port, at):

@@ -38,7 +38,7 @@ class Field(enum.Enum):
     ACK_EXT = "ack_ext"  # the kvpeer map of connect_ack
 
 
-#: Every message type and its fields (base and extension), PROTOCOL.md section 2.
+#: Every message type and its fields (base and extension), docs/protocol.md section 2.
 SCHEMAS: Final[dict[str, dict[str, Field]]] = {
     "connect": {
         "peer_id": Field.NAME,

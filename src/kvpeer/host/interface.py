@@ -1,4 +1,4 @@
-"""The engine-facing tier interface (DESIGN.md section 4.2): what a host drives.
+"""The engine-facing tier interface (docs/design.md section 4.2): what a host drives.
 
 The host layer defines it, as vLLM defines the tiers its tiering manager drives,
 and :mod:`kvpeer.node` implements it, so the host never imports the node. It

@@ -1,4 +1,4 @@
-"""Producer bindings: which peer serves each ``remote_decoder`` id (DESIGN.md 5.1, 5.6).
+"""Producer bindings: which peer serves each ``remote_decoder`` id (docs/design.md §5.1, 5.6).
 
 A PD producer's stores are known by ``kv_request_id`` only; the consumer that
 will fetch them is not known until its fetch arrives on some session. This

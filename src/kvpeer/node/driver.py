@@ -1,5 +1,5 @@
 """The thread-safe tier the engine talks to: a facade over :class:`Tier` driven by
-a :class:`~kvpeer.node.loop.NodeLoop` (DESIGN.md 4.3).
+a :class:`~kvpeer.node.loop.NodeLoop` (docs/design.md §4.3).
 
 Invariants:
 

@@ -1,5 +1,5 @@
 """The node's loop: one owner for the lock, the wake-up channel, the poll set and
-the rule of who polls when (DESIGN.md 4.3).
+the rule of who polls when (docs/design.md §4.3).
 
 What a poll is belongs to the caller (``poll``: the tier's receive, timers,
 completions, sends); *when* one happens, and on which thread, is decided here and

@@ -1,4 +1,4 @@
-"""Request roles from ``kv_transfer_params`` (DESIGN.md section 3), parsed once.
+"""Request roles from ``kv_transfer_params`` (docs/design.md section 3), parsed once.
 
 Each role key names the remote counterpart: ``remote_decoder`` (we produce
 for a decoder that will fetch ``kv_request_id``), ``remote_prefiller`` (PD

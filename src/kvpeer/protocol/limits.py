@@ -1,4 +1,4 @@
-"""Hard bounds of the wire protocol (PROTOCOL.md section 5).
+"""Hard bounds of the wire protocol (docs/protocol.md section 5).
 
 Every bound is enforced by the typed decoder while it reads a frame, before
 anything proportional to an attacker-chosen length is allocated.

@@ -9,7 +9,7 @@ omitted when unset, so a base-only message is the same map vLLM sends (key
 order aside, which msgpack maps do not carry as meaning).
 vLLM ignores keys it does not know, and so do we (forward compatibility).
 
-All bounds of PROTOCOL.md section 5 live in the field types below.
+All bounds of docs/protocol.md section 5 live in the field types below.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Prompts of the simulation: chained block keys and the bytes every node computes.
 
-Keys follow DESIGN.md section 2: ``sha256(parent key + block tokens)[:16]``
+Keys follow docs/design.md section 2: ``sha256(parent key + block tokens)[:16]``
 followed by the 4-byte group index (always 0 here), so two prompts that share
 their first blocks share those keys, and a prompt that extends another one
 shares all of its keys. A block's bytes are a pure function of its key, so

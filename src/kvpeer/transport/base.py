@@ -1,6 +1,6 @@
 """Contracts between a node and its transports.
 
-Control (PROTOCOL.md section 1): a node receives every peer's frames on one
+Control (docs/protocol.md section 1): a node receives every peer's frames on one
 inbound endpoint, tagged with the sender's peer id, and sends to each peer on
 an outbound :class:`ControlLink`. Frames are delivered in order per peer;
 ``transmit`` never blocks (False = the peer cannot take it, the session

@@ -1,4 +1,4 @@
-"""The ZMQ control channel (PROTOCOL.md section 1).
+"""The ZMQ control channel (docs/protocol.md section 1).
 
 One ROUTER bound on ``tcp://host:port`` receives every peer's frames as
 ``[identity, payload]``; one DEALER per peer, with our peer id as identity,

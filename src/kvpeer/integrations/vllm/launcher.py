@@ -100,7 +100,7 @@ class RunningEngine:
 
 
 def engine_env(*, multiprocessing: bool) -> dict[str, str]:
-    """The environment of an engine subprocess (DESIGN.md section 9)."""
+    """The environment of an engine subprocess (docs/design.md section 9)."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",

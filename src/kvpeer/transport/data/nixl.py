@@ -1,6 +1,6 @@
 """The ``nixl`` data plane: one-sided NIXL WRITEs into a peer's registered region.
 
-This is the plane a vLLM 0.32 p2p peer speaks (PROTOCOL.md sections 3 and 4): our
+This is the plane a vLLM 0.32 p2p peer speaks (docs/protocol.md sections 3 and 4): our
 ``connect`` carries the agent's metadata (``agent_metadata()``) and our region's
 ``base_addr``/``num_blocks``/``block_len``; a peer loads the metadata and writes row
 ``i`` of its region into our row ``j`` at ``base_addr + j * block_len``. We do the same

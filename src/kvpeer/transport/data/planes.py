@@ -1,6 +1,6 @@
 """A node's data plane: its backends in preference order, chosen per peer.
 
-Negotiation (PROTOCOL.md section 3): when the peer's ``connect`` lists kvpeer
+Negotiation (docs/protocol.md section 3): when the peer's ``connect`` lists kvpeer
 transports, we write into it with the first backend of our preference list that
 the peer offered and that works between the two (``usable_with``, then ``add_peer``:
 a plane whose ``add_peer`` fails, e.g. ``shm`` when the same-host proof does, gives

@@ -72,7 +72,7 @@ SOCKET_PREFIX = "\0kvpeer-shm-"
 _NAME_CHARS = 32
 _HEX = frozenset("0123456789abcdef")
 _MAGIC = b"kvpeer-shm/1"
-#: A peer id is at most 512 characters (PROTOCOL.md section 5), 4 bytes each in UTF-8.
+#: A peer id is at most 512 characters (docs/protocol.md section 5), 4 bytes each in UTF-8.
 _MAX_ID_BYTES = 2048
 _LENGTHS = struct.Struct("!HH")
 MAX_REQUEST_BYTES = len(_MAGIC) + _LENGTHS.size + 2 * _MAX_ID_BYTES
