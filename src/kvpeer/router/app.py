@@ -41,6 +41,7 @@ from kvpeer.router import params
 from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
+from kvpeer.router.engineload import EngineLoadFeed
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 trace_log = logging.getLogger("kvpeer.trace")
 
 FORWARDED_HEADERS = ("Authorization",)
+MEAN_PROMPT_PRIOR = 1024  # prompt tokens per request, until this router has seen some
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
 SOURCE_HEADER = "X-Kvpeer-Source"  # likewise; answers carry it too (the peer named)
 
@@ -92,8 +94,21 @@ def _reason(exc: BaseException) -> str:
 
 @dataclass(slots=True)
 class _Load:
+    """This router's requests on one engine."""
+
     in_flight: int = 0
     queued_prompt_tokens: int = 0
+    queued: int = 0  # requests whose first token is not back
+
+    def sent(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.queued_prompt_tokens += tokens
+        self.queued += 1
+
+    def answering(self, tokens: int) -> None:
+        """The first token is back (or the request ended before it)."""
+        self.queued_prompt_tokens -= tokens
+        self.queued -= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +179,17 @@ class Router:
             on_flap=lambda name: self._metrics.flaps.inc(),
         )
         self._loads = {entry.name: _Load() for entry in config.engines}
+        self._mean_prompt_tokens = float(MEAN_PROMPT_PRIOR)
+        self.engine_load: EngineLoadFeed | None = None
+        if config.load_scrape_interval_s > 0:
+            self.engine_load = EngineLoadFeed(
+                config.engines,
+                lambda name: (self._loads[name].in_flight, self._loads[name].queued),
+                interval_s=config.load_scrape_interval_s,
+                timeout_s=config.health_timeout_s,
+                clock=time.monotonic,
+            )
+        self._load_task: asyncio.Task[None] | None = None
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=config.connect_timeout_s,
@@ -197,6 +223,8 @@ class Router:
         ]
         await self.health.check_once(self._session)
         self._health_task = asyncio.create_task(self.health.run(self._session))
+        if self.engine_load is not None:
+            self._load_task = asyncio.create_task(self.engine_load.run(self._session))
         self._runner = web.AppRunner(
             self.app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0
         )
@@ -211,9 +239,10 @@ class Router:
     async def stop(self) -> None:
         self._events_stop.set()
         await asyncio.gather(*self._event_tasks, return_exceptions=True)
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        for task in (self._health_task, self._load_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -252,14 +281,17 @@ class Router:
 
     def _plan(self, ctx: _Request, exclude: set[str]) -> Plan | None:
         """A valid plan over healthy engines not in ``exclude``, or None if none can serve."""
-        loads = {
-            name: EngineLoad(
+        loads = {}
+        for name, load in self._loads.items():
+            in_flight, queued = load.in_flight, load.queued_prompt_tokens
+            if self.engine_load is not None:  # what other routers sent there too
+                in_flight, queued = self.engine_load.combine(
+                    name, in_flight, queued, self._mean_prompt_tokens)
+            loads[name] = EngineLoad(
                 healthy=name not in exclude and self.health.healthy(name),
-                in_flight=load.in_flight,
-                queued_prompt_tokens=load.queued_prompt_tokens,
+                in_flight=in_flight,
+                queued_prompt_tokens=queued,
             )
-            for name, load in self._loads.items()
-        }
         pd = self.config.mode is Mode.PD
         servers = [e.name for e in self.config.engines
                    if loads[e.name].healthy and (not pd or e.spec.role in DECODE_ROLES)]
@@ -478,8 +510,7 @@ class Router:
         entry = self.config.entry(name)
         leg = params.prefill_leg(ctx.body, ctx.request_id, chat=ctx.chat)
         load = self._loads[name]
-        load.in_flight += 1
-        load.queued_prompt_tokens += len(ctx.tokens)
+        load.sent(len(ctx.tokens))
         sent = time.monotonic()
         try:
             async with self.session.post(
@@ -500,7 +531,7 @@ class Router:
                 self.health.mark_down(name, str(exc))
         finally:
             load.in_flight -= 1
-            load.queued_prompt_tokens -= len(ctx.tokens)
+            load.answering(len(ctx.tokens))
         self._metrics.upstream_errors.labels(reason).inc()
         self._metrics.fallbacks.inc()
         self._counts["fallbacks"] += 1
@@ -517,8 +548,8 @@ class Router:
         """
         leg, strip_usage = params.want_usage(leg)
         load = self._loads[entry.name]
-        load.in_flight += 1
-        load.queued_prompt_tokens += len(ctx.tokens)
+        load.sent(len(ctx.tokens))
+        self._mean_prompt_tokens += 0.1 * (len(ctx.tokens) - self._mean_prompt_tokens)
         queued = True
         sent, sent_wall = time.monotonic(), time.time()
         ok = False
@@ -576,7 +607,7 @@ class Router:
                 now = time.monotonic()
                 ttft = now - sent
                 self._metrics.ttft.labels(self.config.mode.value).observe(now - ctx.started)
-                load.queued_prompt_tokens -= len(ctx.tokens)
+                load.answering(len(ctx.tokens))
                 queued = False
                 failed = await self._relay(upstream, client, stream)
             except ConnectionResetError:
@@ -604,7 +635,7 @@ class Router:
                 upstream.release()
             load.in_flight -= 1
             if queued:
-                load.queued_prompt_tokens -= len(ctx.tokens)
+                load.answering(len(ctx.tokens))
             self._finished(ctx, entry, plan, ok, usage, ttft, prefill_s)
             if trace_log.isEnabledFor(logging.INFO):
                 _trace(ctx.request_id, entry.name, plan, sent_wall, ttft, prefill_s, ok)

@@ -96,6 +96,9 @@ class RouterConfig:
     # a busy source answers a peer between two steps, so its wait is one step at most.
     engine_step_tokens: int = ENGINE_STEP_TOKENS
     policy: str = "pull"  # one of POLICIES
+    # Scrape each engine's /metrics for its running and waiting requests this often, so
+    # that routers sharing engines see each other's load (kvpeer.router.engineload); 0: off.
+    load_scrape_interval_s: float = 1.0
     _by_name: dict[str, EngineEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -126,6 +129,7 @@ SCALARS: dict[str, type] = {
     "max_body_bytes": int,
     "engine_step_tokens": int,
     "policy": str,
+    "load_scrape_interval_s": float,
 }
 
 
@@ -144,6 +148,12 @@ def _validate(config: RouterConfig) -> None:
         raise ConfigError(
             f"engine_step_tokens: {config.engine_step_tokens!r} must be within 1..{1 << 20} "
             "(the engines' --max-num-batched-tokens)"
+        )
+    interval = config.load_scrape_interval_s
+    if not (isinstance(interval, float | int) and math.isfinite(interval) and interval >= 0):
+        raise ConfigError(
+            f"load_scrape_interval_s: {interval!r} must be 0 (off) or a positive number of "
+            "seconds"
         )
     if config.policy not in POLICIES:
         raise ConfigError(f"policy: {config.policy!r} is not one of {', '.join(POLICIES)}")
@@ -407,6 +417,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pull (default: KV-aware, pulls a peer's prefix when faster), affinity "
              "(KV-aware, never pulls: engines without a peer tier) or load (load only)",
     )
+    parser.add_argument(
+        "--load-scrape-interval", dest="load_scrape_interval_s",
+        help="seconds between scrapes of each engine's /metrics for its running and waiting "
+             "requests (default 1; 0: off): routers sharing engines see each other's load",
+    )
     parser.add_argument("--ready-file", help="write http://HOST:PORT here once listening")
 
 
@@ -415,7 +430,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     source = args.config or "flags"
     for key in ("mode", "listen", "retries", "health_interval_s", "health_timeout_s",
                 "read_timeout_s", "prefill_timeout_s", "allow_pinning", "engine_step_tokens",
-                "policy"):
+                "policy", "load_scrape_interval_s"):
         value = getattr(args, key, None)
         if value is not None:
             mapping[key] = value

@@ -89,11 +89,13 @@ class FakeEngine:
         self._runner: web.AppRunner | None = None
         self._transports: set[asyncio.Transport] = set()
         self.port = 0
+        self.running = 0  # generations in progress (reported on /metrics as vLLM does)
         app = web.Application()
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/_fake/behaviour", self._set_behaviour)
         app.router.add_post("/_fake/release", self._release)
@@ -143,9 +145,11 @@ class FakeEngine:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._record(request)
         self.journal.append(f"{self.name}:start")
+        self.running += 1
         try:
             return await self._answer(request, body, chat=chat)
         finally:
+            self.running -= 1
             self.journal.append(f"{self.name}:end")
 
     async def _answer(
@@ -226,6 +230,19 @@ class FakeEngine:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.behaviour.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The two scheduler gauges of vLLM's ``/metrics``, in its exposition format."""
+        labels = f'engine="0",model_name="{MODEL}"'
+        text = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

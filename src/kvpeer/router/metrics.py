@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpeer.router.config import RouterConfig
+from kvpeer.router.engineload import EngineLoadFeed
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
 
@@ -38,6 +39,7 @@ class RouterView(Protocol):
     config: RouterConfig
     health: EngineHealth
     index: PrefixIndex | None
+    engine_load: EngineLoadFeed | None
 
     @property
     def policy(self) -> object: ...
@@ -100,6 +102,22 @@ class LiveCollector(Collector):
             flight.add_metric([entry.name], float(router.load_of(entry.name).in_flight))
         yield up
         yield flight
+        feed = router.engine_load
+        if feed is not None:
+            reported = GaugeMetricFamily(
+                PREFIX + "engine_reported_requests", "Running plus waiting requests the "
+                "engine last reported on its /metrics (every router's; absent when stale)",
+                labels=["engine"])
+            for entry in router.config.engines:
+                report = feed.report(entry.name)
+                if report is not None:
+                    reported.add_metric([entry.name], report.running + report.waiting)
+            yield reported
+            stats = feed.statistics()
+            yield CounterMetricFamily(PREFIX + "load_scrapes", "Scrapes of engines' /metrics "
+                                      "for their load", value=stats["scrapes_total"])
+            yield CounterMetricFamily(PREFIX + "load_scrape_failures", "Scrapes of engines' "
+                                      "/metrics that failed", value=stats["scrape_failures_total"])
         yield GaugeMetricFamily(PREFIX + "engines_healthy", "Routable engines",
                                 value=float(len(router.health.statistics().up)))
         if router.index is not None:

@@ -1,0 +1,175 @@
+"""What the engines report of their own load, so that routers sharing them agree.
+
+One router judges an engine's load by its own requests in flight; two routers in front of
+the same engines each see half the truth. Every vLLM engine reports on its ``/metrics``
+how many requests its scheduler is running and how many wait
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``): the truth of every router
+together, a scrape late. :class:`EngineLoadFeed` scrapes each engine every
+``load_scrape_interval_s`` and :meth:`EngineLoadFeed.combine` folds the report into the
+router's own count.
+
+Rules:
+
+1. The combined load is the router's own count plus what the others had in flight at
+   the report: ``own_now + max(0, reported - own_at_report)`` requests (with one router,
+   ``reported`` is about ``own_at_report``, and nothing changes). Waiting requests of the
+   others count as queued prompt tokens at this router's mean prompt length.
+2. No decision rests on a stale report: one older than ``STALE_INTERVALS`` intervals
+   (a scrape that failed, an engine that stopped answering) is ignored, and the router
+   falls back to its own count, which is never too low for its own requests.
+3. An engine is hostile input like any peer: only the two series are read, a value
+   must be a finite number within ``0..MAX_REPORTED``, anything else is ignored, and a
+   page is read up to ``MAX_PAGE_BYTES``. A scrape is bounded by the health timeout,
+   runs concurrently for every URL, and never raises into the router.
+4. Engines behind one URL (data-parallel ranks of one API server) are told apart by the
+   ``engine`` label vLLM puts on each series (the rank); one URL per engine sums every
+   label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvpeer.router.config import EngineEntry
+
+__all__ = ["EngineLoadFeed", "Report", "parse_reported"]
+
+log = logging.getLogger(__name__)
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+STALE_INTERVALS = 3.0
+MAX_REPORTED = 1_000_000.0
+MAX_PAGE_BYTES = 8 << 20
+_LINE = re.compile(r'^(vllm:num_requests_(?:running|waiting))(\{[^}]*\})?\s+(\S+)')
+_ENGINE_LABEL = re.compile(r'(?:^|[{,])engine="([^"]*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One engine's scheduler, as its ``/metrics`` said at ``at`` (monotonic seconds)."""
+
+    running: float
+    waiting: float
+    at: float
+    own_in_flight: int  # this router's requests in flight then
+    own_queued: int  # ...of which not yet answered with a first token
+
+
+def parse_reported(page: str) -> dict[str, tuple[float, float]]:
+    """``engine`` label -> (running, waiting) from a vLLM ``/metrics`` page (rule 3);
+    series without the label count under ``""``."""
+    found: dict[str, list[float]] = {}
+    for line in page.splitlines():
+        match = _LINE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        if not (math.isfinite(value) and 0.0 <= value <= MAX_REPORTED):
+            continue
+        labels = match.group(2) or ""
+        engine = _ENGINE_LABEL.search(labels)
+        key = engine.group(1) if engine else ""
+        pair = found.setdefault(key, [0.0, 0.0])
+        pair[0 if match.group(1) == RUNNING else 1] += value
+    return {key: (pair[0], pair[1]) for key, pair in found.items()}
+
+
+class EngineLoadFeed:
+    """Scrapes every engine's reported load and folds it into the router's own count."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineEntry],
+        own: Callable[[str], tuple[int, int]],
+        *,
+        interval_s: float,
+        timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        """``own(name)``: this router's (in flight, awaiting a first token) for ``name``."""
+        self._entries = tuple(engines)
+        self._own = own
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._clock = clock
+        self._urls: dict[str, list[EngineEntry]] = {}
+        for entry in self._entries:
+            self._urls.setdefault(entry.spec.url, []).append(entry)
+        self._reports: dict[str, Report] = {}
+        self._scrapes = 0
+        self._failures = 0
+
+    def report(self, name: str) -> Report | None:
+        """The latest report for ``name`` that is not stale (rule 2)."""
+        report = self._reports.get(name)
+        if report is None:
+            return None
+        if self._clock() - report.at > STALE_INTERVALS * self._interval_s:
+            return None
+        return report
+
+    def combine(
+        self, name: str, in_flight: int, queued_tokens: int, mean_prompt_tokens: float
+    ) -> tuple[int, int]:
+        """(in flight, queued prompt tokens) of ``name`` for every router (rule 1)."""
+        report = self.report(name)
+        if report is None:
+            return in_flight, queued_tokens
+        others = max(0, round(report.running + report.waiting) - report.own_in_flight)
+        others_waiting = max(0, round(report.waiting) - report.own_queued)
+        return in_flight + others, queued_tokens + round(others_waiting * mean_prompt_tokens)
+
+    def statistics(self) -> Mapping[str, float]:
+        out = {"scrapes_total": float(self._scrapes),
+               "scrape_failures_total": float(self._failures)}
+        for name in (entry.name for entry in self._entries):
+            report = self.report(name)
+            if report is not None:
+                out[f"reported_requests:{name}"] = report.running + report.waiting
+        return out
+
+    async def scrape_once(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self._scrape(session, url) for url in self._urls))
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        """Scrape every ``interval_s`` until cancelled."""
+        while True:
+            await self.scrape_once(session)
+            await asyncio.sleep(self._interval_s)
+
+    async def _scrape(self, session: aiohttp.ClientSession, url: str) -> None:
+        self._scrapes += 1
+        entries = self._urls[url]
+        own = {entry.name: self._own(entry.name) for entry in entries}
+        try:
+            async with session.get(f"{url}/metrics", timeout=self._timeout) as response:
+                if response.status != 200:
+                    raise ValueError(f"/metrics answered {response.status}")
+                raw = await response.content.read(MAX_PAGE_BYTES)
+            by_engine = parse_reported(raw.decode("utf-8", errors="replace"))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            self._failures += 1
+            log.debug("engine load from %s: %s", url, exc)
+            return
+        at = self._clock()
+        for entry in entries:
+            if entry.dp_rank is None:
+                running = sum(pair[0] for pair in by_engine.values())
+                waiting = sum(pair[1] for pair in by_engine.values())
+            elif str(entry.dp_rank) in by_engine:
+                running, waiting = by_engine[str(entry.dp_rank)]
+            else:
+                continue
+            in_flight, queued = own[entry.name]
+            self._reports[entry.name] = Report(running, waiting, at, in_flight, queued)
