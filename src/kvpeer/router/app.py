@@ -45,6 +45,7 @@ from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
 from kvpeer.router.metrics import LiveCollector, RouterMetrics
+from kvpeer.router.peeraddr import PeerAddresses
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
 from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
@@ -160,6 +161,8 @@ class Router:
             witness=FeedWitness(self.subscribers),  # down -> up: a flap only if proven
             on_flap=lambda name: self._metrics.flaps.inc(),
         )
+        # Engines dial each other's tiers by IP address: peer names resolved (peeraddr).
+        self.peers = PeerAddresses(config.specs, timeout_s=config.health_timeout_s)
         self._loads = {entry.name: _Load() for entry in config.engines}
         self._timeout = aiohttp.ClientTimeout(
             total=None,
@@ -168,6 +171,7 @@ class Router:
         )
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._peers_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._counts = {"requests": 0, "retries": 0, "fallbacks": 0, "policy_errors": 0,
                         "stripped": 0}
@@ -192,8 +196,9 @@ class Router:
             asyncio.create_task(sub.run(self._events_stop), name=f"kv-events-{name}")
             for name, sub in self.subscribers.items()
         ]
-        await self.health.check_once(self._session)
+        await asyncio.gather(self.health.check_once(self._session), self.peers.refresh())
         self._health_task = asyncio.create_task(self.health.run(self._session))
+        self._peers_task = asyncio.create_task(self.peers.run(self.config.health_interval_s))
         self._runner = web.AppRunner(
             self.app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0
         )
@@ -208,9 +213,10 @@ class Router:
     async def stop(self) -> None:
         self._events_stop.set()
         await asyncio.gather(*self._event_tasks, return_exceptions=True)
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        tasks = [t for t in (self._health_task, self._peers_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -288,6 +294,14 @@ class Router:
                         "prefill engine" if pd else "source")
             self._policy_error("invalid_peer")
             plan = replace(plan, prefill_engine=None, source=None)
+        elif other is not None and self.peers.dialable(self.config.entry(other).spec) is None:
+            # Its peer name never resolved: an engine must not be told to dial a name.
+            log.debug("plan for %s: %s has no peer address yet, computing locally",
+                      ctx.request_id, other)
+            plan = replace(
+                plan, prefill_engine=None, source=None, predicted_pulled_tokens=0,
+                predicted_cached_tokens=plan.predicted_cached_tokens - plan.predicted_pulled_tokens,
+            )
         return replace(plan, source=None) if pd else replace(plan, prefill_engine=None)
 
     def _sent(self, ctx: _Request, plan: Plan) -> None:
@@ -447,9 +461,10 @@ class Router:
             entry = self.config.entry(plan.engine)
             if self.config.mode is Mode.PD:
                 named = prefill if prefill is not None and prefill.name != entry.name else None
-                leg = params.decode_leg(ctx.body, ctx.request_id, named)
+                leg = params.decode_leg(ctx.body, ctx.request_id, self.peers.dialable(named))
             else:
                 source = self.config.entry(plan.source).spec if plan.source else None
+                source = self.peers.dialable(source)
                 leg = params.shared_leg(
                     ctx.body, ctx.request_id, source, plan.predicted_cached_tokens
                 )
