@@ -60,6 +60,7 @@ trace_log = logging.getLogger("kvpeer.trace")
 FORWARDED_HEADERS = ("Authorization",)
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
 SOURCE_HEADER = "X-Kvpeer-Source"  # likewise; answers carry it too (the peer named)
+DNS_CACHE_S = 10  # seconds an answer for an engine URL's host name is reused
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -189,7 +190,9 @@ class Router:
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         """Check every engine once, then listen; returns ``http://host:port``."""
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            # Engine URLs may be names whose address changes (a rescheduled Kubernetes
+            # pod): a cached answer may keep an engine down for its whole lifetime.
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=DNS_CACHE_S),
             timeout=self._timeout,
         )
         self._event_tasks = [
