@@ -255,6 +255,39 @@ def test_a_client_cannot_make_an_engine_dial_a_host_of_its_choosing(
             assert new[key] == old[key], key
 
 
+def test_a_second_router_sees_the_load_the_first_put_on_an_engine(
+    fleet: ServeFleet, shared: BackgroundRouter
+) -> None:
+    """Router replicas: the shared router keeps three long generations running on ``a``;
+    a second router, which sent none of them, reads them from ``a``'s own /metrics
+    (vllm:num_requests_running) and places its requests on ``b``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = RouterConfig(
+        Mode.SHARED, entries(fleet, (Role.BOTH, Role.BOTH)), listen_port=0,
+        health_interval_s=0.5, load_scrape_interval_s=0.25,
+    )
+    long_body = {**greedy(fresh(64)), "max_tokens": 400}
+    with BackgroundRouter(config) as second, ThreadPoolExecutor(3) as pool:
+        feed = second.router.engine_load
+        assert feed is not None
+        held = [pool.submit(post, shared.url, {**long_body, "prompt": fresh(64)},
+                            {PIN: "a"}) for _ in range(3)]  # fmt: skip
+
+        def reported_on_a() -> float:
+            report = second.call(lambda: feed.report("a"))
+            return 0.0 if report is None else report.running + report.waiting
+
+        wait_for(lambda: reported_on_a() >= 3, 60, "a's /metrics to report 3 requests")
+        in_flight, _ = second.call(lambda: feed.combine("a", 0, 0, 64.0))
+        assert in_flight >= 3  # the second router's view of a: the first one's requests
+        served = [post(second.url, greedy(fresh(64)))[1]["x-kvpeer-engine"] for _ in range(2)]
+        assert all(not done.done() for done in held), "the long generations ended too soon"
+        assert served == ["b", "b"]
+        for done in held:
+            assert done.result()[1]["x-kvpeer-engine"] == "a"
+
+
 def test_a_killed_engine_is_routed_around_and_relearned_after_its_restart(
     fleet: ServeFleet, shared: BackgroundRouter, pd: BackgroundRouter
 ) -> None:

