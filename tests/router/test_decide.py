@@ -459,3 +459,41 @@ def test_a_learned_busy_source_cost_relaxes_toward_its_prior_without_new_evidenc
     assert cost.rates()["source_busy_s"] == pytest.approx(prior + (learned - prior) / 2)
     cost.relax(10.0 + 20 * cost.priors.stale_half_life_s)
     assert cost.rates()["source_busy_s"] == pytest.approx(prior, abs=1e-4)
+
+
+def test_a_pull_costs_a_busy_consumer_two_of_its_steps_and_an_idle_one_nothing() -> None:
+    """The trace of real chat turns: pulls were predicted well on idle consumers and
+    under-predicted on busy ones, whose extra engine steps (promote, then load) are each
+    a step of someone else's prefill. Those steps are now part of the prediction."""
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 1024, MEDIUM_CPU)
+    cost = policy.cost
+    idle_plan = policy.plan("r0", PROMPT, {"e0": idle(), "e1": idle()}, 0.0, serve_on="e0")
+    assert cost.consumer_steps_s("e0", idle()) == 0.0
+    assert (idle_plan.source, idle_plan.reason) == ("e1", REASON_PULL)
+    busy_consumer = busy(queued=1500, in_flight=2)
+    steps = cost.consumer_steps_s("e0", busy_consumer)
+    assert steps == pytest.approx(2 * cost.serve_wait_s("e0", busy_consumer))
+    assert steps > 0.2  # two steps of a 1,500-token queue at the prior rates
+    plan = policy.plan("r1", PROMPT, {"e0": busy_consumer, "e1": idle()}, 0.0,
+                       serve_on="e0", pull_from="e1")  # fmt: skip
+    computed = cost.compute_s("e0", 1024 - USABLE, busy_consumer)
+    pulled = cost.pull_s("e0", "e1", USABLE, idle())
+    assert plan.predicted_ttft_s == pytest.approx(computed + pulled + steps)
+    # Learning takes the steps out again, so the pull line keeps the transfer's cost. The
+    # engines' first outcomes are their warm-up and the pair's first pull its cold start:
+    # neither teaches the line.
+    for i in range(2):
+        warm = policy.plan(f"w{i}", PROMPT, {"e0": idle(), "e1": idle()}, 0.0, serve_on="e0")
+        assert warm.predicted_ttft_s is not None
+        policy.on_outcome(Outcome(f"w{i}", "e0", True, 1024, USABLE, warm.predicted_ttft_s),
+                          0.0)  # fmt: skip
+    heavy = busy(queued=4000, in_flight=2)
+    steps = cost.consumer_steps_s("e0", heavy)
+    assert steps > 0.5
+    plan = policy.plan("r2", PROMPT, {"e0": heavy, "e1": idle()}, 0.0, serve_on="e0",
+                       pull_from="e1")  # fmt: skip
+    assert plan.predicted_ttft_s is not None
+    before = cost.rates()["pull_base_s:e1"]
+    policy.on_outcome(Outcome("r2", "e0", True, 1024, USABLE, plan.predicted_ttft_s), 1.0)
+    assert abs(cost.rates()["pull_base_s:e1"] - before) < 0.05  # not +steps/5 (0.1 s)

@@ -16,6 +16,14 @@ The model (all terms in seconds):
   serve wait, from the ``source_busy_s`` prior. Plus ``cold_session_s`` for the first
   pull between the pair (handshake, data-plane registration).
 
+A pull also costs the *consumer* engine steps that computing would not: vLLM's tiered
+manager starts the promotion in the step that sees the hit, learns it finished in a later
+one, and loads into the KV cache in the next (:data:`CONSUMER_PULL_STEPS`). On an idle
+consumer those steps are nearly free; on a busy one each is a step of someone else's
+prefill, up to one step's budget: :meth:`CostModel.consumer_steps_s` is that many of the
+consumer's steps at its queue, zero when it runs nothing. It is added to every pull's
+prediction and taken out of a pull's residual before the pull line learns it.
+
 The busy-source cost is only learned from pulls from busy sources, which the model stops
 planning once it has learned that they are slow; so it relaxes toward its prior with a
 half-life of ``stale_half_life_s`` seconds without such a pull (:meth:`CostModel.relax`):
@@ -44,7 +52,9 @@ from dataclasses import dataclass
 
 from kvpeer.router.policy import EngineLoad
 
-__all__ = ["CostModel", "CostPriors", "Line"]
+__all__ = ["CONSUMER_PULL_STEPS", "CostModel", "CostPriors", "Line"]
+
+CONSUMER_PULL_STEPS = 2  # engine steps a pull adds on the consumer: promote, then load
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +165,10 @@ class CostModel:
         if (engine, source) not in self._warm:
             seconds += self._cold_s
         return seconds
+
+    def consumer_steps_s(self, engine: str, load: EngineLoad) -> float:
+        """What a pull's extra steps cost ``engine`` itself, given its load (zero idle)."""
+        return CONSUMER_PULL_STEPS * self.serve_wait_s(engine, load)
 
     def serve_wait_s(self, source: str, source_load: EngineLoad) -> float:
         """How long a busy ``source``'s engine takes to reach its next serve window."""

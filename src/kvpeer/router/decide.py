@@ -348,7 +348,7 @@ class RouterPolicy:
             pulled = source_cpu - local
             ttft = self.cost.compute_s(engine, prompt_tokens - source_cpu, load) + (
                 self.cost.pull_s(engine, source, pulled, healthy[source])
-            )
+            ) + self.cost.consumer_steps_s(engine, load)
             option = _Option(ttft, source_cpu, source, pulled)
             if source == pull_from or ttft + self._config.pull_margin_s < best.ttft_s:
                 best = option
@@ -462,6 +462,8 @@ class RouterPolicy:
             self.cost.observe_compute(plan.engine, computed, engine_load, ttft)
             return
         residual = ttft - self.cost.compute_s(plan.engine, computed, engine_load)
+        if plan.prefill_engine is None:  # shared mode: the consumer's own extra steps
+            residual -= self.cost.consumer_steps_s(plan.engine, engine_load)
         self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
                                parked=plan.prefill_engine is not None)  # fmt: skip
         self._stats.add("pulled_tokens_observed_total", pulled)
