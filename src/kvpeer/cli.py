@@ -280,6 +280,26 @@ def _cmd_bench_idle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_held(args: argparse.Namespace) -> int:
+    from kvpeer.bench import held
+    from kvpeer.demo import default_model_dir
+
+    def progress(message: str) -> None:
+        print(f"kvpeer bench held: {message}", file=sys.stderr, flush=True)
+
+    spec = held.HeldSpec(
+        prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=args.held_mib << 20
+    )
+    result = held.run(
+        spec,
+        Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
+        progress,
+        Path(args.log_dir) if args.log_dir else None,
+    )
+    print(json.dumps(result) if args.json else held.render(result))
+    return 0
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     try:
         loaded = json.loads(Path(args.file).read_text())
@@ -422,6 +442,17 @@ def build_parser() -> argparse.ArgumentParser:
     idle.add_argument("--log-dir", help="keep the engines' logs here")
     idle.add_argument("--json", action="store_true", help="print one JSON object")
     idle.set_defaults(func=_cmd_bench_idle)
+
+    held = benches.add_parser(
+        "held", help="a pull from an idle producer: held blocks vs the serve window"
+    )
+    held.add_argument("--prompts", type=int, default=5, help="fresh prompts per path")
+    held.add_argument("--idle-seconds", type=float, default=1.0, help="idle before each pull")
+    held.add_argument("--held-mib", type=int, default=128, help="held_bytes of engine a, MiB")
+    held.add_argument("--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)")
+    held.add_argument("--log-dir", help="keep the engines' logs here")
+    held.add_argument("--json", action="store_true", help="print one JSON object")
+    held.set_defaults(func=_cmd_bench_held)
 
     from kvpeer.bench.faults import add_arguments as add_bench_faults_arguments
 
