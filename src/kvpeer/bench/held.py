@@ -35,6 +35,7 @@ __all__ = ["HeldSpec", "render", "run"]
 
 Progress = Callable[[str], None]
 HELD, WINDOW = "held", "serve-window"
+METRICS_FLUSH_S = 3.0  # vLLM publishes a tier's stats with its next stats flush
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ def run(
                     client.complete(warm, 2, _pin(producer))
                     _wait_indexed(router, producer, warm)
                     client.complete(warm, 2, _pin(consumer))
+                urls = {"a": a.url, "b": b.url}
+                waits = {p: _serve_waits(url) for p, url in urls.items()}
                 for n in range(spec.prompts):
                     for path, producer, consumer in ((HELD, "a", "b"), (WINDOW, "b", "a")):
                         prompt = fresh()
@@ -102,6 +105,11 @@ def run(
                             f"prompt {n + 1}/{spec.prompts} {path}: pulled "
                             f"{pulled.ttft_s * 1000:.0f} ms from {sources[path][-1]}"
                         )
+                time.sleep(METRICS_FLUSH_S)
+                windows = {
+                    HELD: _serve_waits(urls["a"]) - waits["a"],
+                    WINDOW: _serve_waits(urls["b"]) - waits["b"],
+                }
             finally:
                 client.close()
         ok = True
@@ -109,17 +117,29 @@ def run(
         fleet.close()
         if ok and log_dir is None:
             shutil.rmtree(logs, ignore_errors=True)
-    return summarize(spec, samples, sources)
+    return summarize(spec, samples, sources, windows)
+
+
+def _serve_waits(url: str) -> float:
+    """Serve windows in which the engine at ``url`` answered peer work, since start
+    (``peer_step_wait_seconds`` observes one per window that served a waiting peer)."""
+    from kvpeer.integrations.vllm.serving import kvpeer_samples
+
+    return kvpeer_samples(url).get("peer_step_wait_seconds_count", 0.0)
 
 
 def summarize(
-    spec: HeldSpec, samples: dict[str, dict[str, list[float]]], sources: dict[str, list[str | None]]
+    spec: HeldSpec,
+    samples: dict[str, dict[str, list[float]]],
+    sources: dict[str, list[str | None]],
+    windows: dict[str, float],
 ) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for path, got in samples.items():
         row = {name: statistics.median(values) if values else None for name, values in got.items()}
         expected = "a" if path == HELD else "b"
         row["pulled_from_producer"] = sum(1 for s in sources[path] if s == expected)
+        row["producer_serve_windows"] = windows[path]
         row["pulled_over_local"] = (
             row["pulled"] / row["local"] if row["pulled"] and row["local"] else None
         )
@@ -139,15 +159,19 @@ def render(result: dict[str, Any]) -> str:
         f"kvpeer bench held: {spec['prompts']} fresh {spec['prompt_tokens']}-token prompts per "
         f"path, idle {spec['idle_s']:g} s before each pull; TTFT medians (ms)",
         f"{'producer path':<14} {'computed':>9} {'local hit':>10} {'pulled':>8} "
-        f"{'pulled/local':>13} {'from producer':>14}",
+        f"{'pulled/local':>13} {'from producer':>14} {'serve windows':>14}",
     ]
     for path, row in result["rows"].items():
         lines.append(
             f"{path:<14} {_ms(row['computed']):>9} {_ms(row['local']):>10} "
             f"{_ms(row['pulled']):>8} {_x(row['pulled_over_local']):>13} "
-            f"{row['pulled_from_producer']:>14}"
+            f"{row['pulled_from_producer']:>14} {row['producer_serve_windows']:>14.0f}"
         )
     lines.append(f"pulled, held / serve-window: {_x(result['held_over_window'])}")
+    lines.append(
+        "serve windows: the producer's engine steps that answered a peer during the "
+        "measured pulls (0: every pull was served from held blocks)"
+    )
     return "\n".join(lines)
 
 

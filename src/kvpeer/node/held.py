@@ -81,7 +81,8 @@ class HeldBlocks:
         read held rows."""
         if primary.nbytes != num_blocks * block_len:
             raise ValueError(f"primary of {primary.nbytes} bytes, need {num_blocks} x {block_len}")
-        self._primary = primary.cast("B") if primary.format != "B" else primary
+        self._cast = primary.format != "B"  # a view of ours, released at close
+        self._primary = primary.cast("B") if self._cast else primary
         self._num_blocks = num_blocks
         self._block_len = block_len
         self._rows = held_bytes // block_len
@@ -193,6 +194,8 @@ class HeldBlocks:
         self._pins = [0] * self._rows
         self._pinned = 0
         self.view.release()
+        if self._cast:
+            self._primary.release()
         self._memory.close()
         self._memory = None
 
