@@ -49,7 +49,7 @@ class HeldSpec:
 def run(
     spec: HeldSpec, model_dir: Path, progress: Progress, log_dir: Path | None = None
 ) -> dict[str, Any]:
-    from kvpeer.demo import MODEL_NAME, VOCAB, _entry, _pin, _wait_indexed
+    from kvpeer.demo import LOGPROB_TOLERANCE, MODEL_NAME, VOCAB, _entry, _pin, _wait_indexed
     from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
     from kvpeer.integrations.vllm.openai_client import OpenAIClient
     from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec
@@ -70,6 +70,7 @@ def run(
         path: {"computed": [], "local": [], "pulled": []} for path in (HELD, WINDOW)
     }
     sources: dict[str, list[str | None]] = {HELD: [], WINDOW: []}
+    same = {HELD: 0, WINDOW: 0}  # pulls whose output equals the producer's own
     fleet = ServeFleet(logs, progress)
     ok = False
     try:
@@ -96,11 +97,15 @@ def run(
                         got = samples[path]
                         got["computed"].append(client.complete(prompt, 2, _pin(producer)).ttft_s)
                         _wait_indexed(router, producer, prompt)
-                        got["local"].append(client.complete(prompt, 2, _pin(producer)).ttft_s)
+                        local = client.complete(prompt, 2, _pin(producer))
+                        got["local"].append(local.ttft_s)
                         time.sleep(spec.idle_s)
                         pulled = client.complete(prompt, 2, _pin(consumer))
                         got["pulled"].append(pulled.ttft_s)
                         sources[path].append(pulled.headers.get("x-kvpeer-source"))
+                        same[path] += pulled.tokens == local.tokens and (
+                            pulled.max_logprob_delta(local) <= LOGPROB_TOLERANCE
+                        )
                         progress(
                             f"prompt {n + 1}/{spec.prompts} {path}: pulled "
                             f"{pulled.ttft_s * 1000:.0f} ms from {sources[path][-1]}"
@@ -117,7 +122,7 @@ def run(
         fleet.close()
         if ok and log_dir is None:
             shutil.rmtree(logs, ignore_errors=True)
-    return summarize(spec, samples, sources, windows)
+    return summarize(spec, samples, sources, windows, same)
 
 
 def _serve_waits(url: str) -> float:
@@ -133,6 +138,7 @@ def summarize(
     samples: dict[str, dict[str, list[float]]],
     sources: dict[str, list[str | None]],
     windows: dict[str, float],
+    same: dict[str, int],
 ) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for path, got in samples.items():
@@ -140,6 +146,7 @@ def summarize(
         expected = "a" if path == HELD else "b"
         row["pulled_from_producer"] = sum(1 for s in sources[path] if s == expected)
         row["producer_serve_windows"] = windows[path]
+        row["same_output"] = same[path]
         row["pulled_over_local"] = (
             row["pulled"] / row["local"] if row["pulled"] and row["local"] else None
         )
@@ -159,17 +166,19 @@ def render(result: dict[str, Any]) -> str:
         f"kvpeer bench held: {spec['prompts']} fresh {spec['prompt_tokens']}-token prompts per "
         f"path, idle {spec['idle_s']:g} s before each pull; TTFT medians (ms)",
         f"{'producer path':<14} {'computed':>9} {'local hit':>10} {'pulled':>8} "
-        f"{'pulled/local':>13} {'from producer':>14} {'serve windows':>14}",
+        f"{'pulled/local':>13} {'from producer':>14} {'serve windows':>14} {'same output':>12}",
     ]
     for path, row in result["rows"].items():
         lines.append(
             f"{path:<14} {_ms(row['computed']):>9} {_ms(row['local']):>10} "
             f"{_ms(row['pulled']):>8} {_x(row['pulled_over_local']):>13} "
-            f"{row['pulled_from_producer']:>14} {row['producer_serve_windows']:>14.0f}"
+            f"{row['pulled_from_producer']:>14} {row['producer_serve_windows']:>14.0f} "
+            f"{row['same_output']:>12}"
         )
     lines.append(f"pulled, held / serve-window: {_x(result['held_over_window'])}")
     lines.append(
-        "serve windows: the producer's engine steps that answered a peer during the "
+        "same output: pulls whose tokens and logprobs equal the producer's local hit; "
+        + "serve windows: the producer's engine steps that answered a peer during the "
         "measured pulls (0: every pull was served from held blocks)"
     )
     return "\n".join(lines)
