@@ -59,6 +59,18 @@ def probe(a: TierNode, b: TierNode, req_id: str = "c", kv_id: str = "kv1") -> Re
     return ctx
 
 
+def load_originals(a: TierNode, b: TierNode, ctx: RequestContext) -> None:
+    """``a``'s probes of KEYS were answered: all hit, and the load brings ``b``'s
+    original blocks (driver polls only on ``b``)."""
+    a.step()
+    assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3
+    job_id, dest = a.load(ctx, KEYS)
+    poll(a, b)
+    a.step()
+    assert a.outcome(job_id) is True
+    assert [a.block(s) for s in dest] == [b.parent.expected(k) for k in KEYS]
+
+
 def pull_without_producer_steps(a: TierNode, b: TierNode, wanted: tuple[bytes, ...]) -> int:
     """``a`` probes ``b`` for ``wanted`` and loads the hits while ``b`` never calls
     ``serve_external_requests``. Returns the load's job id (reported or not)."""
@@ -99,13 +111,7 @@ class TestServedWithoutTheEngine:
         for slot in where.values():  # store jobs reported: the engine may reuse them
             b.region.write(slot, b"\xee" * BLOCK_LEN)
         ctx = probe(a, b)
-        a.step()
-        assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3
-        job_id, dest = a.load(ctx, KEYS)
-        poll(a, b)
-        a.step()
-        assert a.outcome(job_id) is True
-        assert [a.block(s) for s in dest] == [b.parent.expected(k) for k in KEYS]
+        load_originals(a, b, ctx)
 
     def test_a_lookup_not_all_held_waits_for_the_serve_window(self) -> None:
         _, a, b = cluster_with(8)
@@ -149,12 +155,7 @@ class TestResolveFetch:
         poll(a, b)
         a.step()
         poll(a, b)
-        assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3
-        job_id, dest = a.load(ctx, KEYS)
-        poll(a, b)
-        a.step()
-        assert a.outcome(job_id) is True
-        assert [a.block(s) for s in dest] == [b.parent.expected(k) for k in KEYS]
+        load_originals(a, b, ctx)
         assert b.parent.requests_seen == 0  # no serve window, no parent
         assert b.sent_of(LookupResponse, a) == []
 
@@ -191,13 +192,7 @@ class TestBound:
         assert held is not None
         assert held.statistics().skipped == 2
         assert all(held.holds(k) for k in KEYS)
-        a.step()
-        assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3
-        job_id, dest = a.load(ctx, KEYS)
-        poll(a, b)
-        a.step()
-        assert a.outcome(job_id) is True
-        assert [a.block(s) for s in dest] == [b.parent.expected(k) for k in KEYS]
+        load_originals(a, b, ctx)
         assert held.statistics().pinned_blocks == 0  # the write finished: unpinned
 
 
