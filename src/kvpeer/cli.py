@@ -19,6 +19,7 @@ from types import ModuleType
 
 from kvpeer.commands import (
     bench_faults,
+    bench_held,
     bench_idle,
     bench_router,
     bench_serve,
@@ -50,6 +51,7 @@ BENCHES: dict[str, ModuleType] = {
     "tier": bench_tier,
     "transport": bench_transport,
     "idle": bench_idle,
+    "held": bench_held,
     "faults": bench_faults,
     "router": bench_router,
     "serve": bench_serve,

@@ -384,6 +384,7 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "max_queued_messages": _count(1),
         "max_handshakes_per_source": _count(1),
         "max_peer_bytes": _count(1 << 20),
+        "held_bytes": _count(0),
         "trust_peer_addresses": _flag,
         "data_transports": _transports,
         "allowed_peers": _allowed_peers,
@@ -463,6 +464,9 @@ class TierConfig:
     max_queued_messages: int = 4096
     max_handshakes_per_source: int = 8
     max_peer_bytes: int = 64 << 20
+    #: bytes of blocks the tier keeps a copy of, to serve peers without a serve
+    #: window (kvpeer.node.held); 0: off, every peer request waits for one
+    held_bytes: int = 0
     trust_peer_addresses: bool = False
     data_transports: tuple[str, ...] = DATA_TRANSPORTS
     allowed_peers: AllowList = field(default_factory=AllowList.allow_all)

@@ -22,7 +22,7 @@ def planes(config: TierConfig) -> list[type]:
     try:
         region = PrimaryRegion(pool.view, 4, 4096, pool.shm_path)
         backends = _backends(config, region, lambda: None, local_id=config.peer_id,
-                             shm_same_process=True)  # fmt: skip
+                             shm_same_process=True, held=None)  # fmt: skip
         try:
             return [type(backend) for backend in backends]
         finally:

@@ -6,7 +6,9 @@ third engine, see 3.):
 - ``vllm-to-kvpeer``: producer A runs vLLM's ``p2p`` tier, consumer B kvpeer's
   ``KVPeerTier`` with ``data_transports: ["tcp", "nixl"]`` (kvpeer peers would get
   tcp; vLLM speaks only NIXL, so this pair uses nixl).
-- ``kvpeer-to-vllm``: producer A runs ``KVPeerTier`` with ``["nixl"]``, consumer B
+- ``kvpeer-to-vllm``: producer A runs ``KVPeerTier`` with ``["shm", "nixl"]`` and
+  ``held_bytes`` (it keeps held copies, ``kvpeer.node.held``, which only shm reads: a
+  vLLM peer is still served from the primary, through serve windows), consumer B
   vLLM's ``p2p`` tier.
 
 Producers run in vLLM's multiprocessing mode: vLLM's tier answers peers only in serve
@@ -114,9 +116,14 @@ def kvpeer_tcp_then_nixl(port: int) -> dict[str, Any]:
     return {**kvpeer_nixl(port), "data_transports": ["tcp", "nixl"]}
 
 
+def kvpeer_holding(port: int) -> dict[str, Any]:
+    """A producer keeping held copies: a vLLM peer must not notice them."""
+    return {**kvpeer_nixl(port), "data_transports": ["shm", "nixl"], "held_bytes": 32 << 20}
+
+
 TIERS: dict[str, tuple[Tier, Tier]] = {  # direction -> (producer's tier, consumer's tier)
     "vllm-to-kvpeer": (vllm_p2p_tier, kvpeer_tcp_then_nixl),
-    "kvpeer-to-vllm": (kvpeer_nixl, vllm_p2p_tier),
+    "kvpeer-to-vllm": (kvpeer_holding, vllm_p2p_tier),
 }
 
 

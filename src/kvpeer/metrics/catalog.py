@@ -181,6 +181,10 @@ CATALOG: tuple[Metric, ...] = (
     Metric("loads_in_flight", MetricType.GAUGE, "loads", "Loads waiting for a peer now."),
     Metric("transfers_in_flight", MetricType.GAUGE, "transfers", "Writes to peers running now."),
     Metric("pinned_blocks", MetricType.GAUGE, "blocks", "Blocks pinned for peers now."),
+    Metric(
+        "held_blocks", MetricType.GAUGE, "blocks", "Blocks kvpeer holds a copy of (held_bytes)."
+    ),
+    Metric("held_bytes", MetricType.GAUGE, "bytes", "Bytes of held blocks now (<= held_bytes)."),
     Metric("parked_stores", MetricType.GAUGE, "jobs", "PD store jobs waiting for their fetch now."),
     Metric(
         "protocol_errors_total",

@@ -130,6 +130,8 @@ def values(reading: NodeReading) -> dict[str, dict[tuple[str, ...], Value]]:
         "loads_in_flight": _one(s.loads_in_flight),
         "transfers_in_flight": _one(s.transfers_in_flight),
         "pinned_blocks": _one(s.pinned_blocks),
+        "held_blocks": _one(s.held_blocks),
+        "held_bytes": _one(s.held_bytes),
         "parked_stores": _one(s.parked_batches),
         "protocol_errors_total": _by(PROTOCOL_ERROR_REASONS, errors),
         "idle_wakeups_total": _one(reading.wakeups),

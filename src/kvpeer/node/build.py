@@ -11,6 +11,7 @@ from kvpeer.config import AllowList, TierConfig
 from kvpeer.errors import ConfigError, DataPlaneError
 from kvpeer.host.claims import sweep
 from kvpeer.node.driver import DrivenTier
+from kvpeer.node.held import HeldBlocks
 from kvpeer.node.params import split_peer_id
 from kvpeer.node.tier import Tier
 from kvpeer.transport.data.base import Backend, PrimaryRegion
@@ -50,6 +51,7 @@ def _backends(
     *,
     local_id: str,
     shm_same_process: bool,
+    held: HeldBlocks | None,
 ) -> list[Backend]:
     backends: list[Backend] = []
     for name in config.data_transports:
@@ -60,7 +62,13 @@ def _backends(
             from kvpeer.transport.data.shm import ShmBackend
 
             backends.append(
-                ShmBackend(region, completions, local_id=local_id, same_process=shm_same_process)
+                ShmBackend(
+                    region,
+                    completions,
+                    local_id=local_id,
+                    same_process=shm_same_process,
+                    held=(held.base_addr, held.rows) if held is not None else None,
+                )
             )
         elif name == "tcp":
             from kvpeer.transport.data.tcp import TcpBackend
@@ -89,6 +97,21 @@ def _backends(
     if not backends:
         raise ConfigError(f"data_transports: none of {list(config.data_transports)!r} can run here")
     return backends
+
+
+def _held_blocks(
+    config: TierConfig, region: PrimaryRegion, serves: Callable[[str], bool]
+) -> HeldBlocks | None:
+    """The held copy (``held_bytes``), read by the shm plane only: ``serves`` says
+    whether a peer's session writes with it."""
+    if config.held_bytes < region.block_len:
+        return None
+    if region.shm_path is None or "shm" not in config.data_transports:
+        log.info("held_bytes ignored: only the shm data plane serves held blocks")
+        return None
+    return HeldBlocks(
+        region.view, region.num_blocks, region.block_len, config.held_bytes, serves=serves
+    )
 
 
 def open_node(
@@ -127,6 +150,7 @@ def open_node(
     )
     completions = _Completions()
     prepared = _Completions()  # a registration made off the lock: wake the loop
+    held = _held_blocks(config, region, lambda peer_id: data.chosen(peer_id) == "shm")
     try:
         backends = _backends(
             config,
@@ -134,14 +158,20 @@ def open_node(
             completions,
             local_id=control.local_id,
             shm_same_process=shm_same_process,
+            held=held,
         )
-        data = DataPlaneSet(region, backends, notify=prepared)
+        data = DataPlaneSet(
+            region, backends, notify=prepared, held_rows=held.rows if held is not None else 0
+        )
     except (ConfigError, DataPlaneError):
         control.close()
+        if held is not None:
+            held.close()
         raise
     tier = Tier(
-        config, control, data, clock=clock, sleep=time.sleep, hash_seed=hash_seed, trace=trace
-    )
+        config, control, data, clock=clock, sleep=time.sleep, hash_seed=hash_seed, trace=trace,
+        held=held,
+    )  # fmt: skip
     log.info(
         "kvpeer node %s: %d blocks x %d bytes, data planes %s",
         control.local_id,

@@ -95,6 +95,7 @@ from kvpeer.node.params import split_peer_id
 from kvpeer.node.trace import Trace
 from kvpeer.protocol import PROTOCOL_VERSION, Codec, Connect, ConnectExtension, Disconnect
 from kvpeer.session import CloseKind, PeerSession, PollResult, SessionClosed
+from kvpeer.session.ports import HeldSupply
 from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame, NodeDataPlane
 from kvpeer.types import StoreJob, TransferJob
 
@@ -178,11 +179,13 @@ class PeerTable:
         hash_seed: str | Callable[[], str] | None = None,
         boot_id: bytes | None = None,
         trace: Trace | None = None,
+        held: HeldSupply | None = None,
     ) -> None:
         """``pulled_from`` names the peers live requests pull from (eviction spares
         them); ``hash_seed`` may be a callable, resolved when the first session
         opens (vLLM knows its prefix-hash seed only after the tier was built)."""
         self._config = config
+        self._held_blocks = held
         self._settings = config.session_settings()
         self._control = control
         self._data = data_plane
@@ -256,7 +259,9 @@ class PeerTable:
         link = self._control.connect(peer_id)
         self._data.grant(peer_id)
         send = self._trace.wrap_send(peer_id, link.transmit)
-        session = PeerSession(peer_id, self._hello(), self._session_data, send, self._settings)
+        session = PeerSession(
+            peer_id, self._hello(), self._session_data, send, self._settings, held=self._held_blocks
+        )
         peer = Peer(session, link, now, source, opened_at=now)
         self._peers[peer_id] = peer
         self._counters.sessions_opened += 1

@@ -28,7 +28,11 @@ Invariants:
    session held state for do; a request that had not yet used the session
    goes on in the fresh one.
 5. After :meth:`Tier.shutdown` nothing is held: every job still pending was
-   failed, and the results stay readable through ``get_finished_jobs``.
+   failed, the held blocks were released, and the results stay readable
+   through ``get_finished_jobs``.
+6. With held blocks (``held_bytes``, :mod:`kvpeer.node.held`), every block a
+   store job names is copied before that job can be reported (held invariant
+   2); the held copies never hold an engine job open.
 
 :meth:`Tier.poll` receives and runs timers; :meth:`Tier.get_finished_jobs`
 polls first, so an engine that drives a tier by itself needs nothing else. A
@@ -48,6 +52,7 @@ from kvpeer.config import TierConfig
 from kvpeer.errors import ProtocolError
 from kvpeer.node.bindings import Bindings
 from kvpeer.node.counters import CounterSnapshot, TierCounters
+from kvpeer.node.held import HeldBlocks
 from kvpeer.node.params import LOCAL, Routing, Source, parse_transfer_params
 from kvpeer.node.peertable import Peer, PeerTable, PeerView
 from kvpeer.node.trace import Trace
@@ -98,6 +103,8 @@ class TierStatistics:
     blocks_loaded: int  # since start: blocks successful loads brought from peers
     #: since start: sessions ended, by :class:`CloseKind` value
     sessions_ended: dict[str, int] = field(default_factory=dict)
+    held_blocks: int = 0  # blocks held now (kvpeer.node.held)
+    held_bytes: int = 0
 
 
 class Tier:
@@ -114,11 +121,15 @@ class Tier:
         hash_seed: str | Callable[[], str] | None = None,
         boot_id: bytes | None = None,
         trace: bool = False,
+        held: HeldBlocks | None = None,
     ) -> None:
         """``hash_seed`` may be a callable: resolved when the first session opens
         (vLLM knows its prefix-hash seed only after the tier was built). ``trace``:
-        log every step of each pull on ``kvpeer.trace`` (:mod:`kvpeer.node.trace`)."""
+        log every step of each pull on ``kvpeer.trace`` (:mod:`kvpeer.node.trace`).
+        ``held``: a copy of stored blocks to serve peers from without a serve
+        window (:mod:`kvpeer.node.held`; the tier owns and closes it)."""
         self._config = config
+        self._held = held
         self._trace = Trace(control.local_id, enabled=trace, block_len=lambda: self.block_len)
         self._control = control
         self._data = data_plane
@@ -136,6 +147,7 @@ class Tier:
             hash_seed=hash_seed,
             boot_id=boot_id,
             trace=self._trace,
+            held=held,
         )
         self._bindings = Bindings(
             self._peers,
@@ -275,6 +287,8 @@ class Tier:
             self._fail_id(source.kv_request_id)
 
     def submit_store(self, job: TransferJob) -> None:
+        if self._held is not None and not self._shut_down:
+            self._held.keep(job.keys, job.slots)  # before the job can be reported (inv. 6)
         destination = self._requests.get(job.request.req_id, LOCAL).destination
         if destination is None:
             self._results.append(JobResult(job.job_id, True))  # nobody will fetch it
@@ -398,6 +412,8 @@ class Tier:
         self._results.extend(self._bindings.fail_parked())
         self._control.close()
         self._data.close()
+        if self._held is not None:
+            self._held.close()  # after the planes: nothing reads a held row any more
         self._shut_down = True
 
     # -- statistics --------------------------------------------------------------
@@ -413,6 +429,7 @@ class Tier:
             pins += stats.producer.pinned_blocks
         table = self._peers.statistics()
         bindings = self._bindings.statistics()
+        held = self._held.statistics() if self._held is not None else None
         return TierStatistics(
             sessions=table.sessions,
             requests=len(self._requests),
@@ -432,7 +449,13 @@ class Tier:
             stray_frames=table.stray_frames + stale,
             blocks_loaded=self._blocks_loaded,
             sessions_ended=dict(self._ended),
+            held_blocks=held.blocks if held is not None else 0,
+            held_bytes=held.bytes if held is not None else 0,
         )
+
+    def held(self) -> HeldBlocks | None:
+        """The held blocks, if ``held_bytes`` > 0 (for inspection, under the lock)."""
+        return self._held
 
     def activity(self) -> int:
         """Grows with every counted event; safe to read without the lock

@@ -118,7 +118,7 @@ from kvpeer.protocol import (
 )
 from kvpeer.session.consumer import ConsumerRole, ConsumerStatistics
 from kvpeer.session.greeting import incompatibility, later_session, session_number
-from kvpeer.session.ports import DataPlane, Parent
+from kvpeer.session.ports import DataPlane, HeldSupply, Parent
 from kvpeer.session.producer import ProducerRole, ProducerStatistics
 from kvpeer.session.results import (
     CloseKind,
@@ -165,7 +165,10 @@ class PeerSession:
         settings: SessionSettings | None = None,
         *,
         admit: Admit | None = None,
+        held: HeldSupply | None = None,
     ) -> None:
+        """``held``: blocks the node keeps a copy of, served at once (producer
+        invariant 9)."""
         self.peer_id = peer_id
         self._hello = hello
         self._data = data_plane
@@ -176,7 +179,7 @@ class PeerSession:
         self._consumer = ConsumerRole(
             peer_id, self._send, data_plane, self._settings, hello.num_blocks
         )
-        self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings)
+        self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings, held)
         self._started_at: float | None = None
         self._peer_hello: Connect | None = None
         self._acked = False  # the peer acknowledged our connect

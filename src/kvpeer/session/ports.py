@@ -14,7 +14,7 @@ from typing import Protocol
 from kvpeer.protocol import Connect, TransportChoice
 from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
 
-__all__ = ["DataPlane", "Parent", "TransferEvent"]
+__all__ = ["DataPlane", "HeldSupply", "Parent", "TransferEvent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +78,18 @@ class Parent(Protocol):
     def create_store_job(self, keys: Sequence[Key], request: ServeRequest) -> StoreJob: ...
 
     def on_request_finished(self, request: ServeRequest) -> None: ...
+
+
+class HeldSupply(Protocol):
+    """Blocks the node keeps its own copy of, servable without the parent.
+
+    Contract: ``pin`` returns one local slot per key (in order) that the data plane
+    reads that key's block from, or None when any key is not held or the peer's
+    data plane cannot read held copies (then nothing was pinned). A pinned slot's
+    bytes do not change until it is unpinned; ``unpin`` is owed once per slot
+    ``pin`` returned.
+    """
+
+    def pin(self, peer_id: str, keys: Sequence[Key]) -> list[int] | None: ...
+
+    def unpin(self, slots: Sequence[int]) -> None: ...

@@ -35,6 +35,13 @@ Invariants (per ``kv_request_id``):
    one entry per ``kv_request_id`` it named - is charged in bytes against
    ``max_peer_bytes``; a lookup or fetch that would go over raises
    :class:`~kvpeer.errors.BudgetExceeded` (the session ends).
+9. With a :class:`~kvpeer.session.ports.HeldSupply` (the node's held blocks,
+   ``kvpeer.node.held``), a lookup whose keys are all held is answered at once,
+   on arrival, every key a hit: they are pinned as its round's supply, without
+   the parent or a serve window. A resolve fetch whose demanded keys are all
+   held is matched the same way, without its lookup. Held supply is a pinned
+   job of its own that is never reported to the engine: settling it unpins
+   its slots (once each) instead. Anything else goes the way of invariant 1.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from kvpeer.protocol import (
     Message,
     TransferDone,
 )
-from kvpeer.session.ports import DataPlane, Parent
+from kvpeer.session.ports import DataPlane, HeldSupply, Parent
 from kvpeer.session.producer_state import (
     ANSWER_SHARE,
     KEY_ENTRY_BYTES,
@@ -76,6 +83,7 @@ from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
 
 __all__ = ["MAX_QUEUED_LOOKUP_KEYS", "ProducerRole", "ProducerStatistics"]
 
+
 class ProducerRole:
     """Serves a peer's lookups and fetches out of our pinned primary slots."""
 
@@ -85,8 +93,11 @@ class ProducerRole:
         send: Callable[[Message], None],
         data_plane: DataPlane,
         settings: SessionSettings,
+        held: HeldSupply | None = None,
     ) -> None:
         self._peer_id = peer_id
+        self._held_supply = held
+        self._held_jobs = 0  # ids of held supply's jobs: negative, never the engine's
         self._send = send
         self._data = data_plane
         self._settings = settings
@@ -107,6 +118,7 @@ class ProducerRole:
         self._results: list[StoreFinished] = []
         self._fetched: list[tuple[str, bool]] = []  # (id, the fetch's prefill_done)
         self._lookups_answered = 0
+        self._held_answers = 0
         self._blocks_written = 0
         self._rounds_ok = 0
         self._rounds_failed = 0
@@ -132,6 +144,9 @@ class ProducerRole:
                          "a lookup")  # fmt: skip
             self._prune(message.kv_request_id)
             return  # the consumer already closed that round
+        if self._answer_held(message.kv_request_id, message.round_seq, message.keys, now):
+            self._prune(message.kv_request_id)
+            return
         self._queue_lookup(message.kv_request_id, request, message.round_seq, message.keys, now)
 
     def _queue_lookup(
@@ -194,7 +209,9 @@ class ProducerRole:
         self._held += charge
         round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
         round_.demanded = len(message.keys)
-        if message.resolve:
+        held = message.resolve and self._pin_held(kv_request_id, message.round_seq,
+                                                  message.keys, now)  # fmt: skip
+        if message.resolve and not held:  # held keys need no lookup (invariant 9)
             round_.looked_up = round_.resolving = True
             self._queue_lookup(
                 kv_request_id, request, message.round_seq, message.keys, now, implicit=True
@@ -226,6 +243,44 @@ class ProducerRole:
             AbortAck(kv_request_id=message.kv_request_id, round_seq=message.round_seq),
         )
 
+    def _answer_held(
+        self, kv_request_id: str, round_seq: int, keys: tuple[Key, ...], now: float
+    ) -> bool:
+        """Answer a lookup from held blocks at once (invariant 9); False: not held."""
+        if not self._pin_held(kv_request_id, round_seq, keys, now):
+            return False
+        self._send(
+            LookupResponse(
+                kv_request_id=kv_request_id,
+                keys=keys,
+                hits=(True,) * len(keys),
+                round_seq=round_seq,
+            )
+        )
+        self._lookups_answered += 1
+        self._held_answers += 1
+        return True
+
+    def _pin_held(
+        self, kv_request_id: str, round_seq: int, keys: tuple[Key, ...], now: float
+    ) -> bool:
+        """Pin ``keys`` from held blocks as the round's supply; False if not all held."""
+        if self._held_supply is None or not keys:
+            return False
+        charge = _keys_cost(keys) + ROUND_BYTES  # the round holds these pins (invariant 8)
+        self._charge(charge, kv_request_id, "a lookup")
+        slots = self._held_supply.pin(self._peer_id, keys)
+        if slots is None:
+            return False
+        request = self._requests.setdefault(kv_request_id, ProducerRequest())
+        round_ = request.rounds.setdefault(round_seq, Round(round_seq))
+        round_.charge += charge
+        self._held += charge
+        self._held_jobs -= 1
+        job = StoreJob(self._held_jobs, keys, tuple(slots))
+        self.add_supply(kv_request_id, job, now, round_seq, held=True)
+        return True
+
     # -- engine-facing ---------------------------------------------------------
 
     def serve(self, parent: Parent, now: float) -> None:
@@ -243,14 +298,22 @@ class ProducerRole:
             self._prune(kv_request_id)
 
     def add_supply(
-        self, kv_request_id: str, job: StoreJob, now: float, round_seq: int | None = None
+        self,
+        kv_request_id: str,
+        job: StoreJob,
+        now: float,
+        round_seq: int | None = None,
+        *,
+        held: bool = False,
     ) -> None:
-        """Pinned blocks to serve: pool supply, or one round's lookup supply."""
+        """Pinned blocks to serve: pool supply, or one round's lookup supply
+        (``held``: pinned from held blocks, invariant 9)."""
         request = self._requests.setdefault(kv_request_id, ProducerRequest())
-        tracked = PinnedJob(job.job_id, kv_request_id, now, len(job.keys))
+        tracked = PinnedJob(job.job_id, kv_request_id, now, len(job.keys), held=held)
         self._jobs_by_age[job.job_id] = tracked
         self._unreported[job.job_id] = tracked
-        self._jobs_open += 1
+        if not held:
+            self._jobs_open += 1
         if round_seq is None:
             home = request.pool
         else:
@@ -431,6 +494,7 @@ class ProducerRole:
             store_jobs_open=self._jobs_open,
             lookups_queued=self._queued_lookup_keys,
             lookups_answered=self._lookups_answered,
+            lookups_held=self._held_answers,
             blocks_written=self._blocks_written,
             rounds_succeeded=self._rounds_ok,
             rounds_failed=self._rounds_failed,
@@ -589,9 +653,7 @@ class ProducerRole:
         elif not round_.demand and not round_.inflight:
             self._succeed_round(transfer.kv_request_id, round_)
 
-    def _forget_transfer(
-        self, round_: Round, transfer_id: int, success: bool, reason: str
-    ) -> None:
+    def _forget_transfer(self, round_: Round, transfer_id: int, success: bool, reason: str) -> None:
         transfer = self._transfers.pop(transfer_id)
         assert transfer is not None
         round_.inflight.discard(transfer_id)
@@ -682,9 +744,13 @@ class ProducerRole:
         if job.reported:
             return
         job.reported = True
-        self._jobs_open -= 1
         self._jobs_by_age.pop(job.job_id, None)
         self._unreported.pop(job.job_id, None)
+        if job.held:
+            assert self._held_supply is not None
+            self._held_supply.unpin([supply.slot for supply in job.supplies])
+            return
+        self._jobs_open -= 1
         self._results.append(StoreFinished(job.job_id, not job.failed, job.reason))
 
     def _prune(self, kv_request_id: str) -> None:

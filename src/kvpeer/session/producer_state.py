@@ -58,6 +58,7 @@ class PinnedJob:
     failed: bool = False
     reason: str = ""
     reported: bool = False
+    held: bool = False  # pinned from held blocks: unpinned, never reported (invariant 9)
 
 
 @dataclass(slots=True, eq=False)
@@ -126,6 +127,7 @@ class ProducerStatistics:
     store_jobs_open: int
     lookups_queued: int
     lookups_answered: int
+    lookups_held: int  # of those, answered at once from held blocks (invariant 9)
     blocks_written: int
     rounds_succeeded: int
     rounds_failed: int

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvpeer.config import TierConfig
+from kvpeer.node.held import HeldBlocks
 from kvpeer.node.tier import Tier, TierStatistics
 from kvpeer.protocol import Codec, Message, UnknownMessage
 from kvpeer.session import PeerSession, StoreFinished
@@ -274,9 +275,15 @@ class Cluster:
         plane = FakeDataPlane(self.fabric, cfg.peer_id, region, auto_complete=auto_complete)
         parent = FakeParent(region, self.job_ids)
         control = RecordingControl(self.net.attach(cfg.peer_id))
+        held = None
+        if cfg.held_bytes >= BLOCK_LEN:  # the fake plane reads held rows for every peer
+            held = HeldBlocks(memoryview(region.memory), NUM_BLOCKS, BLOCK_LEN, cfg.held_bytes,
+                              serves=lambda peer_id: True)  # fmt: skip
+            plane.held = held.view
         tier = Tier(
-            cfg, control, plane, clock=self.clock, sleep=self._sleep if fake_sleep else None
-        )
+            cfg, control, plane, clock=self.clock, sleep=self._sleep if fake_sleep else None,
+            held=held,
+        )  # fmt: skip
         node = TierNode(cfg, region, plane, parent, control, tier, self.job_ids)
         self.nodes[cfg.peer_id] = node
         return node

@@ -112,6 +112,8 @@ class FakeDataPlane:
         self._open: dict[str, dict[int, int]] = {}  # peer id -> slots opened for its writes
         self._events: dict[str, list[TransferEvent]] = {}
         self.granted: set[str] = set()  # peer ids granted and not revoked
+        #: the node's held copies (kvpeer.node.held), read as local slots num_blocks..
+        self.held: memoryview | None = None
         fabric.planes[node_id] = self
 
     # -- DataPlane --------------------------------------------------------------
@@ -149,9 +151,10 @@ class FakeDataPlane:
         if len(local_slots) != len(remote_slots):
             raise DataPlaneError("local and remote slot counts differ")
         target = self._peers[peer_id].region
+        local_limit = self.region.num_blocks + self._held_rows()
         for slot in local_slots:
-            if not 0 <= slot < self.region.num_blocks:
-                raise DataPlaneError(f"local slot {slot} outside our {self.region.num_blocks}")
+            if not 0 <= slot < local_limit:
+                raise DataPlaneError(f"local slot {slot} outside our {local_limit}")
         for slot in remote_slots:
             if not 0 <= slot < target.num_blocks:
                 raise DataPlaneError(
@@ -244,8 +247,18 @@ class FakeDataPlane:
                 self.violations.append(
                     f"write {transfer_id} into {target.node_id} slot {remote}, not opened for us"
                 )
-            peer.region.write(remote, self.region.block(local))
+            peer.region.write(remote, self._read(local))
         self._events.setdefault(write.peer_id, []).append(TransferEvent(transfer_id, True))
+
+    def _held_rows(self) -> int:
+        return 0 if self.held is None else self.held.nbytes // self.region.block_len
+
+    def _read(self, slot: int) -> bytes:
+        """The block a write reads from local ``slot``: a primary row or a held row."""
+        if slot < self.region.num_blocks or self.held is None:
+            return self.region.block(slot)
+        start = (slot - self.region.num_blocks) * self.region.block_len
+        return bytes(self.held[start : start + self.region.block_len])
 
     def fail(self, transfer_id: int, reason: str = "injected failure") -> None:
         write = self.pending.pop(transfer_id)

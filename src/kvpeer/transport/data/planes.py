@@ -149,13 +149,18 @@ class DataPlaneSet:
         region: PrimaryRegion,
         backends: Sequence[Backend],
         notify: Callable[[], None] | None = None,
+        *,
+        held_rows: int = 0,
     ) -> None:
+        """``held_rows``: local slots ``num_blocks ..`` + ``held_rows`` are the node's
+        held copies (kvpeer.node.held); only the backends given them read them."""
         if not backends:
             raise DataPlaneError("a node needs at least one data plane")
         names = [b.name for b in backends]
         if len(set(names)) != len(names):
             raise DataPlaneError(f"data planes listed twice: {names}")
         self.region = region
+        self._local_slots = region.num_blocks + held_rows
         self._backends = list(backends)
         self._by_name = {b.name: b for b in backends}
         self._writers: dict[str, Backend] = {}  # peer -> backend we write into it with
@@ -276,8 +281,8 @@ class DataPlaneSet:
         if backend is None:
             raise DataPlaneError(f"peer {peer_id!r} is not registered")
         for slot in local_slots:
-            if not 0 <= slot < self.region.num_blocks:
-                raise DataPlaneError(f"local slot {slot} outside our {self.region.num_blocks}")
+            if not 0 <= slot < self._local_slots:
+                raise DataPlaneError(f"local slot {slot} outside our {self._local_slots}")
         local_id = backend.write_blocks(peer_id, local_slots, remote_slots)
         transfer_id = next(self._ids)
         self._global[transfer_id] = (backend, local_id, peer_id)

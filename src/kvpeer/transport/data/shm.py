@@ -156,13 +156,16 @@ class _Counters:
     events: dict[str, list[TransferEvent]] = field(default_factory=dict)
 
 
-def _runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Coalesce pairs into runs of consecutive local and remote slots."""
+def _runs(
+    local: Sequence[int], remote: Sequence[int], split: int | None = None
+) -> list[tuple[int, int, int]]:
+    """Coalesce pairs into runs of consecutive local and remote slots (no run
+    crosses local slot ``split``: the primary's rows end there, held rows begin)."""
     runs: list[tuple[int, int, int]] = []
     for src, dst in zip(local, remote, strict=True):
         if runs:
             first_src, first_dst, count = runs[-1]
-            if src == first_src + count and dst == first_dst + count:
+            if src == first_src + count and dst == first_dst + count and src != split:
                 runs[-1] = (first_src, first_dst, count + 1)
                 continue
         runs.append((src, dst, 1))
@@ -188,6 +191,7 @@ class ShmBackend:
         local_id: str,
         allowed_uids: frozenset[int] | None = None,
         same_process: bool = False,
+        held: tuple[int, int] | None = None,
     ) -> None:
         """``local_id``: our node's control identity (its peer id), which we name when we
         ask a peer for its region. ``allowed_uids``: users whose processes may exchange
@@ -204,6 +208,9 @@ class ShmBackend:
         self._host_id = host_identity()
         self._size = region.num_blocks * region.block_len
         self._base = region.base_addr
+        # Held rows (kvpeer.node.held): (address of row 0, rows), read as local slots
+        # num_blocks.. ; the node keeps them pinned while a transfer reads them.
+        self._held_base, self._held_rows = held if held is not None else (0, 0)
         self._policy = CredentialPolicy(
             frozenset({os.getuid()}) if allowed_uids is None else frozenset(allowed_uids),
             same_process,
@@ -349,10 +356,11 @@ class ShmBackend:
             mapping = self._peers.get(peer_id)
             if mapping is None:
                 raise DataPlaneError(f"shm: peer {peer_id!r} is not registered")
-            _check_slots(local_slots, self._region.num_blocks, "local")
+            num_blocks = self._region.num_blocks
+            _check_slots(local_slots, num_blocks + self._held_rows, "local")
             _check_slots(remote_slots, mapping.num_blocks, f"remote ({peer_id!r})")
             transfer = _Transfer(
-                next(self._ids), peer_id, mapping, _runs(local_slots, remote_slots)
+                next(self._ids), peer_id, mapping, _runs(local_slots, remote_slots, num_blocks)
             )
             self._transfers[transfer.transfer_id] = transfer
             inline = not self._queue and len(local_slots) * self._region.block_len <= INLINE_BYTES
@@ -520,14 +528,19 @@ class ShmBackend:
         block_len = self._region.block_len
         step = max(1, CHUNK_BYTES // block_len)
         copied = 0
+        num_blocks = self._region.num_blocks
         for src, dst, count in transfer.runs:
+            if src < num_blocks:
+                source = self._base + src * block_len
+            else:  # a held row (runs never cross num_blocks)
+                source = self._held_base + (src - num_blocks) * block_len
             for offset in range(0, count, step):
                 if transfer.abandoned:
                     return copied
                 size = min(step, count - offset) * block_len
                 ctypes.memmove(
                     transfer.mapping.base + (dst + offset) * block_len,
-                    self._base + (src + offset) * block_len,
+                    source + offset * block_len,
                     size,
                 )
                 copied += size

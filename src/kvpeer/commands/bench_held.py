@@ -1,0 +1,42 @@
+"""``kvpeer bench held``: a pull from an idle producer, held blocks vs the serve window."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+HELP = "a pull from an idle producer: held blocks vs the serve window"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=5, help="fresh prompts per path")
+    parser.add_argument("--idle-seconds", type=float, default=1.0, help="idle before each pull")
+    parser.add_argument("--held-mib", type=int, default=128, help="held_bytes of engine a, MiB")
+    parser.add_argument(
+        "--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)"
+    )
+    parser.add_argument("--log-dir", help="keep the engines' logs here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpeer.bench import held
+    from kvpeer.demo import default_model_dir
+
+    def progress(message: str) -> None:
+        print(f"kvpeer bench held: {message}", file=sys.stderr, flush=True)
+
+    spec = held.HeldSpec(
+        prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=args.held_mib << 20
+    )
+    result = held.run(
+        spec,
+        Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
+        progress,
+        Path(args.log_dir) if args.log_dir else None,
+    )
+    print(json.dumps(result) if args.json else held.render(result))
+    return 0
