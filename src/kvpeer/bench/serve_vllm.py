@@ -44,6 +44,7 @@ COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats 
 # spin and starve the API servers past the router's default 1 s, which would charge the
 # router's forgetting to that arm: the bench gives every arm the same generous timeout.
 HEALTH_TIMEOUT_S = 10.0
+HELD_SHARE = 4  # the kvpeer arm holds copies of up to a quarter of the CPU tier's bytes
 HIT_SERIES = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
 Progress = Callable[[str], None]
@@ -98,10 +99,15 @@ class VllmArms:
         reason = unavailable(arm, self.data_plane)
         if reason is not None:
             raise ArmUnavailable(reason)
+        # kvpeer serves held blocks without its engine (a copy of a quarter of the CPU
+        # tier); the held rows are read by the shm plane only.
+        held = ({"held_bytes": self.cpu_bytes // HELD_SHARE}
+                if arm == "kvpeer" and self.data_plane == "shm" else {})  # fmt: skip
         specs = [
             ServeSpec(name, self.model, tier=ARM_TIERS[arm],  # type: ignore[arg-type]
                       data_plane=self.data_plane, cpu_bytes=self.cpu_bytes,
-                      env={TRACE_ENV: "1"} if self.trace else {}, extra_args=self.engine_args)
+                      env={TRACE_ENV: "1"} if self.trace else {}, extra_args=self.engine_args,
+                      tier_options=held)
             for name in ENGINES
         ]
         self.peer_names.update({f"{HOST}:{s.tier_port}": s.name for s in specs})
