@@ -3,10 +3,11 @@
 It speaks the subset of vLLM's API the router uses — ``/v1/completions`` and
 ``/v1/chat/completions`` (streamed as SSE ``data:`` events ending in ``[DONE]``, a final
 ``choices: []`` usage chunk only when ``stream_options.include_usage``), ``usage`` with
-``prompt_tokens_details.cached_tokens``, ``/tokenize``, ``/health``, ``/v1/models`` —
+``prompt_tokens_details.cached_tokens``, ``/tokenize``, ``/health``, ``/v1/models``,
+``/metrics`` (``process_start_time_seconds``: when this fake started) —
 records what it received (bodies and headers, so tests check ``kv_transfer_params``), and
 can be told to misbehave: answer an error status, hang before answering, hold the last
-stream chunk until released, or drop the connection mid-stream.
+stream chunk until released, drop the connection mid-stream, or answer ``/health`` late.
 
 In-process (tests): :class:`FakeEngine` on the test's event loop, steered through its
 ``behaviour`` and ``release_last``. As a process (the bench, process-death tests):
@@ -47,6 +48,8 @@ class Behaviour:
     drop_after_chunks: int | None = None  # stream: close the connection after N chunks
     cached_tokens: int = 0
     health_status: int = 200
+    health_delay_s: float = 0.0  # answer /health this late (a loaded API server)
+    start_time: bool = True  # /metrics has process_start_time_seconds (when it started)
     tokenize_status: int = 200
     record: bool = True
     answer_kv_params: dict[str, Any] | None = None  # put in whole answers, as vLLM may
@@ -89,12 +92,14 @@ class FakeEngine:
         self._runner: web.AppRunner | None = None
         self._transports: set[asyncio.Transport] = set()
         self.port = 0
+        self.started_at = 0.0  # wall clock of start(): this fake's process identity
         app = web.Application()
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/_fake/behaviour", self._set_behaviour)
         app.router.add_post("/_fake/release", self._release)
         app.router.add_get("/_fake/received", self._received)
@@ -110,6 +115,7 @@ class FakeEngine:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=0.2)
         await self._runner.setup()
+        self.started_at = time.time()
         sock = bind(host, port)
         self.port = sock.getsockname()[1]
         await web.SockSite(self._runner, sock).start()
@@ -225,7 +231,16 @@ class FakeEngine:
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.behaviour.health_delay_s > 0:
+            await asyncio.sleep(self.behaviour.health_delay_s)
         return web.Response(status=self.behaviour.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = ["# TYPE vllm:num_requests_running gauge", "vllm:num_requests_running 0.0"]
+        if self.behaviour.start_time:
+            lines += ["# TYPE process_start_time_seconds gauge",
+                      f"process_start_time_seconds {self.started_at!r}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
