@@ -215,7 +215,8 @@ class TestFailures:
                 await f.router.health.wait_for(lambda h: h.healthy("a"), 5)
                 assert (await f.post("/v1/completions", completion()))[0] == 200
                 assert len(f.engines["a"].generation_bodies()) == 1
-                assert f.policy.restarts == ["a"]  # up, down, up: its cache may be gone
+                # Up, down, up, with the same start time: a flap, what it holds is kept.
+                assert f.policy.restarts == []
 
         run(scenario())
 

@@ -185,22 +185,25 @@ def test_a_proof_that_times_out_is_unknown() -> None:
 
 
 class Witness:
-    def __init__(self, answer: Callable[[str], Awaitable[bool]]) -> None:
+    def __init__(self, answer: Callable[[str], Awaitable[Continuity]]) -> None:
         self.answer = answer
         self.down: list[str] = []
         self.asked: list[tuple[str, bool]] = []  # (name, was it routable when asked)
         self.health: EngineHealth | None = None
 
+    async def came_up(self, name: str) -> None:
+        return None
+
     def went_down(self, name: str) -> None:
         self.down.append(name)
 
-    async def same_process(self, name: str) -> bool:
+    async def same_process(self, name: str) -> Continuity:
         assert self.health is not None
         self.asked.append((name, self.health.healthy(name)))
         return await self.answer(name)
 
 
-async def returns(answer: Callable[[str], Awaitable[bool]]) -> tuple[Witness, list[str],
+async def returns(answer: Callable[[str], Awaitable[Continuity]]) -> tuple[Witness, list[str],
                                                                        list[str], EngineHealth]:
     """An engine checked up, down, up again, with ``answer`` as the witness's verdict."""
     engine = FakeEngine("a")
@@ -211,7 +214,8 @@ async def returns(answer: Callable[[str], Awaitable[bool]]) -> tuple[Witness, li
     restarts: list[str] = []
     flaps: list[str] = []
     health = EngineHealth(entries, restarts.append, interval_s=60, timeout_s=0.5,
-                          witness=witness, on_flap=flaps.append)
+                          restart_failures=1, witnesses={"scripted": witness},
+                          on_flap=flaps.append)
     witness.health = health
     try:
         async with aiohttp.ClientSession() as session:
@@ -229,8 +233,8 @@ async def returns(answer: Callable[[str], Awaitable[bool]]) -> tuple[Witness, li
 
 
 def test_a_proven_flap_keeps_the_engine_and_it_stays_down_until_proven() -> None:
-    async def same(name: str) -> bool:
-        return True
+    async def same(name: str) -> Continuity:
+        return Continuity.SAME
 
     witness, restarts, flaps, health = run(returns(same))
     assert witness.asked == [("a", False)]
@@ -238,18 +242,23 @@ def test_a_proven_flap_keeps_the_engine_and_it_stays_down_until_proven() -> None
     assert (health.statistics().restarts, health.statistics().flaps) == (0, 1)
 
 
-def test_no_proof_an_error_or_a_silent_witness_is_a_restart() -> None:
-    async def different(name: str) -> bool:
-        return False
+def test_strictly_no_proof_an_error_or_a_silent_witness_is_a_restart() -> None:
+    """With ``restart_failures = 1`` (the strict judgment) one failed check without proof
+    of the same process is a restart; a proof of another process always is."""
+    async def different(name: str) -> Continuity:
+        return Continuity.NEW
 
-    async def broken(name: str) -> bool:
+    async def unknown(name: str) -> Continuity:
+        return Continuity.UNKNOWN
+
+    async def broken(name: str) -> Continuity:
         raise RuntimeError("witness bug")
 
-    async def silent(name: str) -> bool:
+    async def silent(name: str) -> Continuity:
         await asyncio.Event().wait()  # never answers: the check's timeout decides
-        return True
+        return Continuity.SAME
 
-    for answer in (different, broken, silent):
+    for answer in (different, unknown, broken, silent):
         _, restarts, flaps, health = run(returns(answer))
         assert (restarts, flaps) == (["a"], []), answer.__name__
         assert (health.statistics().restarts, health.statistics().flaps) == (1, 0)
@@ -290,16 +299,19 @@ class Publisher:
 Body = Callable[[Router, FakeEngine, Publisher, FakeEngine], Awaitable[None]]
 
 
-async def router_scenario(body: Body, health_timeout_s: float = 2.0) -> None:
-    """Engine ``a`` with an event feed (three blocks learned), ``b`` without one."""
+async def router_scenario(body: Body, health_timeout_s: float = 2.0,
+                          restart_failures: int = 3, start_time: bool = True) -> None:
+    """Engine ``a`` with an event feed (three blocks learned), ``b`` without one;
+    ``start_time``: whether the engines' ``/metrics`` tell their start time."""
     ctx = zmq.asyncio.Context()
     publisher = Publisher(ctx)
     engine, other = FakeEngine("a"), FakeEngine("b")
-    await engine.start()
-    await other.start()
+    for fake in (engine, other):
+        fake.behaviour.start_time = start_time
+        await fake.start()
     config = from_mapping({
         "mode": "shared", "listen": "127.0.0.1:0", "health_interval_s": 0.05,
-        "health_timeout_s": health_timeout_s,
+        "health_timeout_s": health_timeout_s, "health_restart_failures": restart_failures,
         "engine": [{"name": "a", "url": engine.url, "peer": "127.0.0.1:5710",
                     **publisher.endpoints()},
                    {"name": "b", "url": other.url, "peer": "127.0.0.2:5710"}]})
@@ -367,9 +379,9 @@ async def sent(replay_endpoint: str, batches: int, timeout: float = 10.0) -> Non
         context.destroy(linger=0)
 
 
-async def flap_down(router: Router, engine: FakeEngine) -> None:
+async def flap_down(router: Router, engine: FakeEngine, name: str = "a") -> None:
     engine.behaviour.health_status = 503
-    await router.health.wait_for(lambda h: not h.healthy("a"), 10)
+    await router.health.wait_for(lambda h: not h.healthy(name), 10)
     engine.behaviour.health_status = 200
 
 
@@ -422,7 +434,7 @@ def test_router_a_restart_forgets_at_once_and_relearns_from_zero() -> None:
     run(router_scenario(body))
 
 
-def test_router_an_unanswered_proof_is_a_restart_within_the_health_timeout() -> None:
+def test_router_strictly_an_unanswered_proof_is_a_restart_within_the_health_timeout() -> None:
     async def body(router: Router, engine: FakeEngine, publisher: Publisher,
                    b: FakeEngine) -> None:
         await flap_down(router, engine)
@@ -432,21 +444,47 @@ def test_router_an_unanswered_proof_is_a_restart_within_the_health_timeout() -> 
         assert held(router) == 0
         assert counts(router) == (0.0, 1.0)
 
-    run(router_scenario(body, health_timeout_s=0.3))
+    run(router_scenario(body, health_timeout_s=0.3, restart_failures=1, start_time=False))
 
 
-def test_router_an_engine_without_an_event_feed_is_restarted_as_before() -> None:
+def test_router_an_unanswered_proof_after_one_failure_is_a_flap_by_default() -> None:
+    """Nothing proves either (no start time, the replay unanswered): one failed check is
+    not enough to call it restarted (health rule 3e)."""
     async def body(router: Router, engine: FakeEngine, publisher: Publisher,
                    b: FakeEngine) -> None:
-        assert "b" not in router.subscribers  # no kv_events: nothing can prove a flap
-        b.behaviour.health_status = 503
-        await router.health.wait_for(lambda h: not h.healthy("b"), 10)
-        b.behaviour.health_status = 200
+        await flap_down(router, engine)
+        _, start = await publisher.replay_request()  # ...and never answered
+        assert start == 2
+        await router.health.wait_for(lambda h: h.healthy("a"), 10)
+        assert held(router) == 3 * BS
+        assert counts(router) == (1.0, 0.0)
+        assert router.health.statistics().verdicts == (("none", 1),)
+
+    run(router_scenario(body, health_timeout_s=0.3, start_time=False))
+
+
+def test_router_an_engine_without_an_event_feed_is_told_by_its_start_time() -> None:
+    async def body(router: Router, engine: FakeEngine, publisher: Publisher,
+                   b: FakeEngine) -> None:
+        assert "b" not in router.subscribers  # no kv_events: the feed proves nothing
+        await flap_down(router, b, "b")
         await router.health.wait_for(lambda h: h.healthy("b"), 10)
-        assert counts(router) == (0.0, 1.0)
+        assert counts(router) == (1.0, 0.0)
+        assert router.health.statistics().verdicts == (("witness_same", 1),)
         assert held(router) == 3 * BS  # a is untouched
 
     run(router_scenario(body))
+
+
+def test_router_strictly_an_engine_without_an_event_feed_or_start_time_is_restarted() -> None:
+    async def body(router: Router, engine: FakeEngine, publisher: Publisher,
+                   b: FakeEngine) -> None:
+        await flap_down(router, b, "b")
+        await router.health.wait_for(lambda h: h.healthy("b"), 10)
+        assert counts(router) == (0.0, 1.0)
+        assert router.health.statistics().verdicts == (("failures", 1),)
+
+    run(router_scenario(body, restart_failures=1, start_time=False))
 
 
 # --- vLLM's own publisher ------------------------------------------------------------------

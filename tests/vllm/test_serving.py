@@ -288,6 +288,34 @@ def test_a_second_router_sees_the_load_the_first_put_on_an_engine(
             assert done.result()[1]["x-kvpeer-engine"] == "a"
 
 
+def process_start(pid: int) -> float:
+    """When ``pid`` started (seconds since the epoch), from /proc."""
+    import os
+
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_engines_metrics_tell_its_api_servers_start_time(fleet: ServeFleet) -> None:
+    """What the router's start-time witness reads (health rule 3) is the API server's."""
+    import asyncio
+
+    import aiohttp
+
+    from kvpeer.router.witness import start_time
+
+    async def read(url: str) -> float | None:
+        async with aiohttp.ClientSession() as session:
+            return await start_time(session, url)
+
+    for engine in fleet.engines.values():
+        reading = asyncio.run(read(engine.spec.url))
+        assert reading is not None
+        assert abs(reading - process_start(engine.process.pid)) < 1.0
+
+
 def test_a_killed_engine_is_routed_around_and_relearned_after_its_restart(
     fleet: ServeFleet, shared: BackgroundRouter, pd: BackgroundRouter
 ) -> None:
@@ -311,6 +339,11 @@ def test_a_killed_engine_is_routed_around_and_relearned_after_its_restart(
     fleet.restart("a")
     wait_for(lambda: shared.call(lambda: shared.router.health.healthy("a")), 30,
              "the router to see engine a again")
+    # Judged restarted (its connections refused, its start time new), not a flap.
+    judged = shared.call(shared.router.health.statistics)
+    verdicts = dict(judged.verdicts)
+    assert judged.restarts == 1, judged
+    assert verdicts.get("witness_new", 0) + verdicts.get("refused", 0) == 1, judged
     client = OpenAIClient(shared.url, MODEL)
     # Long enough that a pull clearly pays even on the pair's first (cold) session.
     prompt = fresh(1536)

@@ -39,11 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["VllmArms", "router_plans", "run", "unavailable"]
 
 COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats flush
-# An engine that misses a health check is routed around and, when back, treated as
-# restarted (its index entries dropped). On this 2-core machine vLLM's p2p EngineCores
-# spin and starve the API servers past the router's default 1 s, which would charge the
-# router's forgetting to that arm: the bench gives every arm the same generous timeout.
-HEALTH_TIMEOUT_S = 10.0
 HELD_SHARE = 4  # the kvpeer arm holds copies of up to a quarter of the CPU tier's bytes
 HIT_SERIES = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
@@ -122,7 +117,7 @@ class VllmArms:
                 raise ArmUnavailable(f"{first} (logs in {self.log_dir / arm})") from exc
             shared = BackgroundRouter(RouterConfig(
                 Mode.SHARED, (EngineEntry(a.router_engine()), EngineEntry(b.router_engine())),
-                listen_port=0, allow_pinning=True, health_timeout_s=HEALTH_TIMEOUT_S,
+                listen_port=0, allow_pinning=True,
                 engine_step_tokens=self._step(), policy=ARM_POLICIES[arm],
             ))  # fmt: skip
             pd: BackgroundRouter | None = None
@@ -131,7 +126,7 @@ class VllmArms:
                     pd = BackgroundRouter(RouterConfig(
                         Mode.PD, (EngineEntry(a.router_engine(Role.PREFILL)),
                                   EngineEntry(b.router_engine(Role.DECODE))),
-                        listen_port=0, health_timeout_s=HEALTH_TIMEOUT_S,
+                        listen_port=0,
                         engine_step_tokens=self._step(),
                     ))  # fmt: skip
                 live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")

@@ -42,7 +42,7 @@ from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
 from kvpeer.router.engineload import EngineLoadFeed
-from kvpeer.router.health import EngineHealth
+from kvpeer.router.health import EngineHealth, is_refused
 from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
 from kvpeer.router.metrics import LiveCollector, RouterMetrics
@@ -50,7 +50,7 @@ from kvpeer.router.peeraddr import PeerAddresses
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
 from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
-from kvpeer.router.witness import FeedWitness
+from kvpeer.router.witness import FeedWitness, StartTimeWitness
 
 __all__ = ["PIN_HEADER", "Router", "RouterStatistics"]
 
@@ -177,7 +177,12 @@ class Router:
             self._on_restart,
             interval_s=config.health_interval_s,
             timeout_s=config.health_timeout_s,
-            witness=FeedWitness(self.subscribers),  # down -> up: a flap only if proven
+            restart_failures=config.health_restart_failures,
+            witnesses={  # down -> up: restarted or a flap (health rule 3)
+                "feed": FeedWitness(self.subscribers),
+                "start_time": StartTimeWitness(
+                    {e.name: e.spec.url for e in config.engines}, lambda: self.session),
+            },
             on_flap=lambda name: self._metrics.flaps.inc(),
         )
         # Engines dial each other's tiers by IP address: peer names resolved (peeraddr).
@@ -546,7 +551,7 @@ class Router:
         except (aiohttp.ClientError, TimeoutError) as exc:
             reason = _reason(exc)
             if reason == "connect":
-                self.health.mark_down(name, str(exc))
+                self.health.mark_down(name, str(exc), refused=is_refused(exc))
         finally:
             load.in_flight -= 1
             load.answering(len(ctx.tokens))
@@ -582,7 +587,7 @@ class Router:
                 )
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if isinstance(exc, aiohttp.ClientConnectorError):
-                    self.health.mark_down(entry.name, str(exc))
+                    self.health.mark_down(entry.name, str(exc), refused=is_refused(exc))
                 raise _BeforeFirstByte(_reason(exc)) from exc
             content_type = upstream.headers.get("Content-Type", "application/json")
             if upstream.status >= 500:

@@ -68,6 +68,8 @@ ENGINE_STEP_TOKENS = 2048
 #: ``affinity`` (the same without pulls: engines without a peer tier, as a prefix-aware
 #: router such as llm-d's runs them) and ``load`` (load only, no KV events).
 POLICIES = ("pull", "affinity", "load")
+#: How long an engine's ``/health`` may take before the check counts as failed.
+DEFAULT_HEALTH_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +82,10 @@ class RouterConfig:
     listen_port: int = 8000
     retries: int = 2  # extra attempts on another engine, only before the client's first byte
     health_interval_s: float = 2.0
-    health_timeout_s: float = 1.0
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    # Consecutive failed checks after which an engine that returns without proof of the
+    # same process counts as restarted (health rule 3d); fewer are a flap.
+    health_restart_failures: int = 3
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 600.0  # longest silence from an engine (a non-streamed answer
     # arrives whole, so this bounds a whole generation)
@@ -120,6 +125,7 @@ SCALARS: dict[str, type] = {
     "retries": int,
     "health_interval_s": float,
     "health_timeout_s": float,
+    "health_restart_failures": int,
     "connect_timeout_s": float,
     "read_timeout_s": float,
     "prefill_timeout_s": float,
@@ -144,6 +150,12 @@ def _validate(config: RouterConfig) -> None:
         value = getattr(config, key)
         if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{key}: {value!r} must be a positive number of seconds")
+    failures = config.health_restart_failures
+    if isinstance(failures, bool) or not isinstance(failures, int) or not 1 <= failures <= 1000:
+        raise ConfigError(
+            f"health_restart_failures: {failures!r} must be an integer within "
+            "1..1000 (consecutive failed checks; 1: any return without proof is a restart)"
+        )
     if not 1 <= config.engine_step_tokens <= 1 << 20:
         raise ConfigError(
             f"engine_step_tokens: {config.engine_step_tokens!r} must be within 1..{1 << 20} "
@@ -396,6 +408,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", help="attempts on another engine before the first byte")
     parser.add_argument("--health-interval", dest="health_interval_s", help="seconds")
     parser.add_argument("--health-timeout", dest="health_timeout_s", help="seconds")
+    parser.add_argument(
+        "--health-restart-failures", dest="health_restart_failures",
+        help="consecutive failed checks after which a returning engine without proof of the "
+        "same process counts as restarted (default 3; 1: any)",
+    )
     parser.add_argument("--read-timeout", dest="read_timeout_s", help="seconds")
     parser.add_argument(
         "--prefill-timeout", dest="prefill_timeout_s",
@@ -429,6 +446,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     mapping: dict[str, Any] = load_file(Path(args.config)) if args.config else {}
     source = args.config or "flags"
     for key in ("mode", "listen", "retries", "health_interval_s", "health_timeout_s",
+                "health_restart_failures",
                 "read_timeout_s", "prefill_timeout_s", "allow_pinning", "engine_step_tokens",
                 "policy", "load_scrape_interval_s"):
         value = getattr(args, key, None)

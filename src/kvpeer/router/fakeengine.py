@@ -3,10 +3,11 @@
 It speaks the subset of vLLM's API the router uses — ``/v1/completions`` and
 ``/v1/chat/completions`` (streamed as SSE ``data:`` events ending in ``[DONE]``, a final
 ``choices: []`` usage chunk only when ``stream_options.include_usage``), ``usage`` with
-``prompt_tokens_details.cached_tokens``, ``/tokenize``, ``/health``, ``/v1/models`` —
+``prompt_tokens_details.cached_tokens``, ``/tokenize``, ``/health``, ``/v1/models``,
+``/metrics`` (``process_start_time_seconds``: when this fake started) —
 records what it received (bodies and headers, so tests check ``kv_transfer_params``), and
 can be told to misbehave: answer an error status, hang before answering, hold the last
-stream chunk until released, or drop the connection mid-stream.
+stream chunk until released, drop the connection mid-stream, or answer ``/health`` late.
 
 In-process (tests): :class:`FakeEngine` on the test's event loop, steered through its
 ``behaviour`` and ``release_last``. As a process (the bench, process-death tests):
@@ -47,6 +48,8 @@ class Behaviour:
     drop_after_chunks: int | None = None  # stream: close the connection after N chunks
     cached_tokens: int = 0
     health_status: int = 200
+    health_delay_s: float = 0.0  # answer /health this late (a loaded API server)
+    start_time: bool = True  # /metrics has process_start_time_seconds (when it started)
     tokenize_status: int = 200
     record: bool = True
     answer_kv_params: dict[str, Any] | None = None  # put in whole answers, as vLLM may
@@ -90,6 +93,7 @@ class FakeEngine:
         self._transports: set[asyncio.Transport] = set()
         self.port = 0
         self.running = 0  # generations in progress (reported on /metrics as vLLM does)
+        self.started_at = 0.0  # wall clock of start(): this fake's process identity
         app = web.Application()
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -112,6 +116,7 @@ class FakeEngine:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=0.2)
         await self._runner.setup()
+        self.started_at = time.time()
         sock = bind(host, port)
         self.port = sock.getsockname()[1]
         await web.SockSite(self._runner, sock).start()
@@ -229,20 +234,27 @@ class FakeEngine:
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.behaviour.health_delay_s > 0:
+            await asyncio.sleep(self.behaviour.health_delay_s)
         return web.Response(status=self.behaviour.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """The two scheduler gauges of vLLM's ``/metrics``, in its exposition format."""
+        """vLLM's ``/metrics`` as the router reads it: the two scheduler gauges (running:
+        this fake's generations in progress) and, with ``start_time``, the API server's
+        ``process_start_time_seconds``."""
         labels = f'engine="0",model_name="{MODEL}"'
-        text = (
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-            "# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
-        )
-        return web.Response(text=text, content_type="text/plain")
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {float(self.running)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} 0.0",
+        ]
+        if self.behaviour.start_time:
+            lines += ["# TYPE process_start_time_seconds gauge",
+                      f"process_start_time_seconds {self.started_at!r}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

@@ -66,9 +66,10 @@ class RouterMetrics:
                                          "Prompts routed by load because /tokenize failed")
         self.policy_errors = counter("policy_errors", "Plans replaced by load-only", ["kind"])
         self.restarts = counter("engine_restarts",
-                                "Engines seen down then up again, taken for restarted")
-        self.flaps = counter("engine_flaps", "Engines seen down then up again, proven the "
-                             "same process by their KV-event feed (index kept)")
+                                "Engines seen down then up again, judged restarted (index "
+                                "forgotten)")
+        self.flaps = counter("engine_flaps", "Engines seen down then up again, judged the "
+                             "same process (index kept)")
         self.predicted_cached = counter(
             "predicted_cached_tokens", "Cached prompt tokens the plan predicted "
             "(requests whose engine reported cached_tokens)")
@@ -118,8 +119,16 @@ class LiveCollector(Collector):
                                       "for their load", value=stats["scrapes_total"])
             yield CounterMetricFamily(PREFIX + "load_scrape_failures", "Scrapes of engines' "
                                       "/metrics that failed", value=stats["scrape_failures_total"])
+        health = router.health.statistics()
         yield GaugeMetricFamily(PREFIX + "engines_healthy", "Routable engines",
-                                value=float(len(router.health.statistics().up)))
+                                value=float(len(health.up)))
+        returns = CounterMetricFamily(
+            PREFIX + "engine_returns", "Engines seen down then up again, by the evidence "
+            "that decided (witness_new, refused, failures: restarted; witness_same, "
+            "none: a flap)", labels=["evidence"])
+        for evidence, count in health.verdicts:
+            returns.add_metric([evidence], float(count))
+        yield returns
         if router.index is not None:
             yield from _index_metrics(router.index)
         families: dict[str, GaugeMetricFamily] = {}
