@@ -26,7 +26,8 @@ carries ours. Socket rules:
    queue. What a peer that stopped reading makes us hold - our queue plus the
    last ``LINK_HWM + 1`` frames handed to libzmq (all it can still hold) - is
    checked against ``max_link_bytes`` whenever a frame has to wait; over it,
-   or over ``max_queued_frames``, the peer is declared dead.
+   or over ``max_queued_frames``, the peer is declared dead, and the link's
+   ``unread`` says why (its session ends ``over_budget``, not ``unreachable``).
 3. A DEALER that loses its connection after it was established (heartbeat
    timeout, peer closed), or whose first connect fails (refused, unreachable),
    is dead; ZMQ's reconnect is not trusted to bring the same peer incarnation
@@ -180,6 +181,7 @@ class ZmqLink:
         self.fds: tuple[int, ...] = ()  # ZMQ_FD of socket and monitor, for wait()
         self.connected_once = False
         self.dead_reason: str | None = None
+        self.unread: str | None = None  # dead because the peer does not read (rule 2)
         self.closed = False
         self.parked = False  # closed, its connection kept for the peer's next link (rule 6)
         self.parkable = True  # the owner's word when it closed the link
@@ -199,20 +201,28 @@ class ZmqLink:
         if not self.queue and self.socket is not None and self._owner.send_now(self, frame):
             return self.alive
         if len(self.queue) >= self._max_queued:
-            self._owner.lose(self, f"more than {self._max_queued} frames waiting to be sent")
+            self._give_up_unread(
+                f"the peer does not read: more than {self._max_queued} frames wait for it "
+                "(max_queued_messages)"
+            )
             return False
         held = self.queued_bytes + len(frame) + sum(self.recent)
         if held > self._max_bytes:
-            self._owner.lose(
-                self,
-                f"the peer stopped reading: {held} bytes would wait for it "
-                f"(more than max_peer_bytes {self._max_bytes})",
+            self._give_up_unread(
+                f"the peer does not read: {held} bytes would wait for it "
+                f"(more than max_peer_bytes {self._max_bytes})"
             )
             return False
         self.queue.append(frame)
         self.queued_bytes += len(frame)
         self._owner.mark_dirty()
         return True
+
+    def _give_up_unread(self, reason: str) -> None:
+        """What the peer does not read outgrew its bounds (rule 2): the link dies,
+        and :attr:`unread` says so (``ControlLink`` rule 6)."""
+        self.unread = reason
+        self._owner.lose(self, reason)
 
     def sent(self, frame: bytes) -> None:
         """``frame`` was handed to libzmq (owner's lock held)."""
