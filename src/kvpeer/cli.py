@@ -110,7 +110,13 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvpeer.node.serve import serve
+    from kvpeer.node.trim import cap_malloc_arenas
 
+    if args.malloc_arenas < 0:
+        raise KVPeerError(f"--malloc-arenas: must be >= 0, got {args.malloc_arenas}")
+    if args.malloc_arenas:
+        # The node owns this process: before its threads start (issue 30, item 3).
+        cap_malloc_arenas(args.malloc_arenas)
     config = _tier_config(args)
     return serve(
         config,
@@ -120,6 +126,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         ready_file=args.ready_file,
         attach=_metrics_server(config.host, args.metrics_port),
+        trim_heap=not args.no_heap_trim,
         out=sys.stdout,
     )
 
@@ -364,6 +371,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--duration", type=float, help="stop after this many seconds")
     serve.add_argument("--ready-file", help="write the node's peer id here once it listens")
+    serve.add_argument(
+        "--malloc-arenas",
+        type=int,
+        default=1,
+        help="cap glibc's malloc arenas in this process (default 1; 0: glibc's default, "
+        "8 per core; kvpeer.node.trim)",
+    )
+    serve.add_argument(
+        "--no-heap-trim",
+        action="store_true",
+        help="keep freed heap memory in the process (default: the driver hands it back "
+        "once resident memory grew 8 MiB; kvpeer.node.trim)",
+    )
     serve.add_argument(
         "--metrics-port",
         type=int,
