@@ -255,7 +255,8 @@ def test_a_peer_that_stops_reading_is_declared_dead(
     assert sent < 20_000, "the link never pushed back"
     assert not link.alive
     assert link.dead_reason is not None
-    assert "frames waiting to be sent" in link.dead_reason
+    assert "more than 8 frames wait for it" in link.dead_reason
+    assert link.unread == link.dead_reason  # ControlLink rule 6: its session is over budget
     assert not link.transmit(b"more"), "a dead link takes no frames"
 
 

@@ -12,15 +12,17 @@ identity is never read, in the gap between two sessions too.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 
 from kvpeer.node.loop import poll_block
 from kvpeer.transport.base import InboundFrame
-from kvpeer.transport.zmq_control import ZmqControl, ZmqLink
+from kvpeer.transport.zmq_control import CurveKeys, ZmqControl, ZmqLink
 
 TRIES = 20
 READ_WITHIN_S = 1.0
@@ -310,3 +312,53 @@ def test_a_parked_link_closes_when_its_time_is_up() -> None:
     finally:
         a.close()
         b.close()
+
+
+# -- links that are not parked (rule 7) -------------------------------------------------------
+
+QUICK_REOPENS = 10
+
+
+@pytest.fixture
+def curve_pair(tmp_path: Path) -> Iterator[tuple[ZmqControl, ZmqControl]]:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    public, secret = zmq.auth.create_certificates(tmp_path, "fleet")
+    os.link(public, allowed / "fleet.key")
+    keys = CurveKeys.load(secret, public, str(allowed))
+    a, b = ZmqControl("127.0.0.1", 0, curve=keys), ZmqControl("127.0.0.1", 0, curve=keys)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_with_curve_every_fresh_link_is_read_at_once(
+    curve_pair: tuple[ZmqControl, ZmqControl],
+) -> None:
+    """Issue 30, item 1: ten quick reopens in a row that cannot reuse the last link's
+    connection (closed without parking: the peer fell silent, a goodbye's link), each
+    a fresh connection under the same identity while the peer may still hold the
+    last. Between authenticated peers the newest connection takes the identity over,
+    so the peer reads every one of them within READ_WITHIN_S (plain peers: 6 of 10)."""
+    a, b = curve_pair
+    got: dict[int, list[InboundFrame]] = {}
+    link = a.connect(b.local_id)
+    assert link.transmit(b"first")
+    assert _pump_until((a, b), got, lambda: len(got.get(id(b), [])) == 1, 10.0)
+    read = []
+    for n in range(QUICK_REOPENS):
+        link.close(park=False)
+        a.receive()
+        assert a.statistics().links_parked == 0
+        link = a.connect(b.local_id)
+        frame = b"reopen %d" % n
+        assert link.transmit(frame)
+        arrived = functools.partial(_arrived, got, id(b), frame)
+        read.append(_pump_until((a, b), got, arrived, READ_WITHIN_S))
+
+    assert read == [True] * QUICK_REOPENS
+    assert [f.frame for f in got[id(b)]] == [b"first"] + [
+        b"reopen %d" % n for n in range(QUICK_REOPENS)
+    ]

@@ -54,6 +54,7 @@ class FakeLink:
         self.alive = True
         self.closed = False
         self.parked: bool | None = None  # how it was closed
+        self.unread: str | None = None
         self.sent: list[Message | UnknownMessage] = []
 
     def transmit(self, frame: bytes) -> bool:

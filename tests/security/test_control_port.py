@@ -19,12 +19,14 @@ import zmq
 
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
+    AbortFetch,
     AckExtension,
     Codec,
     Connect,
     ConnectAck,
     ConnectExtension,
     Disconnect,
+    Fetch,
     Lookup,
     TransportChoice,
 )
@@ -45,6 +47,14 @@ def assert_pull_works(consumer: LocalNode, peer_id: str, slots: range = range(16
     result = consumer.pull(peer_id, keys_of(indexes), slots)
     assert (result.hits, result.loaded) == (len(slots), True)
     consumer.assert_blocks(slots, indexes)
+
+
+def handshaken(peer: RawPeer) -> RawPeer:
+    """``peer`` after it sent its connect, read the node's and acknowledged it."""
+    peer.send(peer.hello())
+    assert peer.wait_for(Connect) is not None
+    peer.send(peer.ack())
+    return peer
 
 
 def answers_on_dealer(dealer: zmq.Socket[bytes], timeout_s: float) -> list[object]:
@@ -223,12 +233,9 @@ def test_a_peer_that_sends_big_lookups_and_never_reads_is_cut_off_at_its_budget(
     budget = 4 << 20
     with ServingNode("tcp", max_peer_bytes=budget) as node, LocalNode("tcp") as legit:
         assert_pull_works(legit, node.peer_id)
-        attacker = RawPeer(zmq_context, node.peer_id)
+        attacker = handshaken(RawPeer(zmq_context, node.peer_id))
         assert attacker.router is not None
         try:
-            attacker.send(attacker.hello())
-            assert attacker.wait_for(Connect) is not None
-            attacker.send(attacker.ack())
             attacker.router.setsockopt(zmq.RCVHWM, 1)  # and from now on it never reads
             keys = tuple(os.urandom(32) for _ in range(4000))  # ~128 KiB per lookup
             for seq in range(400):  # 50 MiB of asks: far past the budget
@@ -237,8 +244,41 @@ def test_a_peer_that_sends_big_lookups_and_never_reads_is_cut_off_at_its_budget(
                     break
             assert wait_until(lambda: not node.has_session(attacker.peer_id), 20.0)
             ended = node.statistics().sessions_ended
-            assert ended.get("over_budget", 0) + ended.get("unreachable", 0) >= 1, ended
+            assert ended == {"over_budget": 1}  # its asks, or its unread answers
             assert node.has_session(legit.peer_id)
+            assert_pull_works(legit, node.peer_id, range(16, 48))
+        finally:
+            attacker.close()
+
+
+def test_a_peer_that_bursts_and_reads_none_of_our_answers_is_cut_as_over_budget(
+    zmq_context: ZmqContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30, item 4: 500 fetch rounds aborted at once, then aborts for rounds that
+    do not exist, and never a read of the answers. The node cuts the peer once what
+    waits for it outgrows its bounds, and says why: ``over_budget`` (the peer does
+    not read), in the log and in the counts, not ``unreachable``."""
+    with ServingNode("tcp") as node, LocalNode("tcp") as legit:
+        assert_pull_works(legit, node.peer_id)
+        attacker = handshaken(RawPeer(zmq_context, node.peer_id))  # then it reads nothing
+        try:
+            for seq in range(500):
+                kv_id = f"burst-{seq}"
+                fetch = Fetch(kv_request_id=kv_id, keys=(b"k",), block_indexes=(0,), round_seq=0)
+                attacker.send(fetch)
+                attacker.send(AbortFetch(kv_request_id=kv_id, round_seq=0))
+            sent = 0
+            while node.has_session(attacker.peer_id) and sent < 400_000:
+                for _ in range(10_000):  # aborts for rounds that never existed
+                    attacker.send(AbortFetch(kv_request_id="nothing", round_seq=sent))
+                    sent += 1
+            assert wait_until(lambda: not node.has_session(attacker.peer_id), 20.0), sent
+            assert node.statistics().sessions_ended == {"over_budget": 1}
+            ended = [r.getMessage() for r in caplog.records if " ended (" in r.getMessage()]
+            assert ended == [
+                f"session {attacker.peer_id} ended (over_budget): the peer does not read: "
+                "more than 4096 frames wait for it (max_queued_messages)"
+            ]
             assert_pull_works(legit, node.peer_id, range(16, 48))
         finally:
             attacker.close()
@@ -329,7 +369,10 @@ def _forged_metadata(ours: bytes) -> bytes:
 def test_an_untrusted_peer_s_nixl_metadata_is_never_loaded(
     serve: StartNode, zmq_context: ZmqContext, extension: bool
 ) -> None:
-    node = serve(plane="tcp,nixl", trust_local_nixl=False)  # trusts nobody with nixl
+    # Trusts only another network with nixl: the plane is loaded (a node that trusts
+    # nobody with nixl does not load it at all: test_a_node_trusting_nobody_offers_no_nixl)
+    # and the local attacker is not trusted.
+    node = serve(plane="tcp,nixl", trust_local_nixl=False, args=["--nixl-peer", "10.99.0.0/16"])
     attacker = RawPeer(zmq_context, node.peer_id)
     try:
         attacker.send(attacker.hello())
@@ -358,6 +401,24 @@ def test_an_untrusted_peer_s_nixl_metadata_is_never_loaded(
         assert node.alive()
         with LocalNode("tcp") as legit:
             assert_pull_works(legit, node.peer_id)
+        assert node.alive()
+    finally:
+        attacker.close()
+
+
+@pytest.mark.slow  # a node process
+def test_a_node_trusting_nobody_offers_no_nixl(serve: StartNode, zmq_context: ZmqContext) -> None:
+    """Nobody trusted with nixl: the plane is not loaded, so its connect offers no NIXL
+    metadata and a peer that offers only nixl finds no plane in common."""
+    node = serve(plane="tcp,nixl", trust_local_nixl=False)
+    attacker = RawPeer(zmq_context, node.peer_id)
+    try:
+        attacker.send(attacker.hello())
+        theirs = attacker.wait_for(Connect)
+        assert theirs is not None
+        assert theirs.agent_metadata == b""
+        assert theirs.kvpeer is not None
+        assert "nixl" not in theirs.kvpeer.transports
         assert node.alive()
     finally:
         attacker.close()

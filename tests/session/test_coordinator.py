@@ -411,6 +411,26 @@ class TestClose:
         assert not pair.a.loads[first].success
         assert not pair.a.loads[second].success
 
+    def test_a_link_that_gave_up_on_an_unread_peer_ends_the_session_over_budget(
+        self,
+    ) -> None:
+        """The link refuses a frame because the peer does not read what we send (its
+        ``unread`` says so): the peer broke its budget, and the session says that,
+        not that the peer is unreachable (issue 30, item 4)."""
+        pair = connected()
+        load = pair.next_job_id()
+        pair.a.session.request_blocks(load, "one", [b"k1"], [1], pair.clock.now)
+        pair.pump()
+        pair.link.a_to_b.refuse = True
+        pair.link.a_to_b.unread = "the peer does not read: more than 4 frames wait for it"
+        second = pair.next_job_id()
+        pair.a.session.request_blocks(second, "two", [b"k2"], [2], pair.clock.now)
+        pair.poll()
+        result = closed(pair.a)
+        assert result.kind is CloseKind.OVER_BUDGET
+        assert result.reason == "the peer does not read: more than 4 frames wait for it"
+        assert sorted(job.job_id for job in result.loads) == [load, second]
+
     def test_refused_timer_frame_ends_session_unreachable(self) -> None:
         """An abort_fetch the link refuses at the load timeout ends the session at once."""
         pair = connected()

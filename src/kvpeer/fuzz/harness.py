@@ -44,6 +44,7 @@ from kvpeer.fuzz.results import (
     Progress,
     available_planes,
 )
+from kvpeer.node.trim import TRIM_EVERY_S
 
 __all__ = [
     "STALL_S",
@@ -126,6 +127,7 @@ class _Run:
             block_len=spec.block_len,
             log_level=spec.node_log_level,
             name=f"node-{self.starts}",
+            extra_args=spec.node_args,
         )
         node.start()
         self.node = node
@@ -430,10 +432,19 @@ class _Run:
                 break
             time.sleep(0.25)
             usage = node.usage()
-        time.sleep(1.0)  # a node that dies of the goodbyes dies now (see the report)
+        # A node that dies of the goodbyes dies now (see the report); and its driver has
+        # looked at its heap once since the fuzzing stopped (kvpeer.node.trim).
+        time.sleep(max(1.0, TRIM_EVERY_S + 0.5))
         if not node.alive():
             return
         usage = result.usage_end = node.usage()
+        warm = result.usage_warm
+        if warm is not None and usage.rss_bytes > warm.rss_bytes + spec.rss_end_growth_bytes:
+            result.problems.append(
+                f"after the goodbyes the node's RSS is {usage.rss_bytes / MiB:.0f} MiB, "
+                f"more than {spec.rss_end_growth_bytes / MiB:.0f} MiB over the "
+                f"{warm.rss_bytes / MiB:.0f} MiB it had after the warm-up"
+            )
         if usage.fds > limit_fds:
             result.problems.append(
                 f"after the goodbyes the node still holds {usage.fds} fds "

@@ -143,8 +143,10 @@ class NodeProcess:
         block_len: int,
         log_level: str = "WARNING",
         name: str = "node",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.workdir = workdir
+        self._extra_args = extra_args
         self.planes = planes
         self.blocks = blocks
         self.block_len = block_len
@@ -185,6 +187,7 @@ class NodeProcess:
             "--ready-file",
             str(self._ready),
         ]
+        command += self._extra_args
         # UCX's own default: its errors belong in the node's log (the fuzzer may have
         # silenced them for itself, where they would corrupt --json on stdout).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

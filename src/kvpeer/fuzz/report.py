@@ -96,6 +96,19 @@ def _usage_row(name: str, usage: Usage | None) -> str:
     return f"  {name:24} {usage.rss_bytes / MiB:>5.0f} MiB {usage.fds:>6} {usage.threads:>8}"
 
 
+def memory_line(result: FuzzResult) -> str:
+    """Warmed-up RSS, RSS after the run and the difference (issue 30, item 3)."""
+    warm, end = result.usage_warm, result.usage_end
+    if warm is None or end is None:
+        return "  memory: not measured (the node did not live to the end)"
+    grown = (end.rss_bytes - warm.rss_bytes) / MiB
+    return (
+        f"  memory: RSS {warm.rss_bytes / MiB:.1f} MiB after warm-up, "
+        f"{end.rss_bytes / MiB:.1f} MiB after {result.frames_sent:,} frames "
+        f"and the goodbyes: {grown:+.1f} MiB"
+    )
+
+
 def render(result: FuzzResult) -> str:
     lines = [
         f"kvpeer fuzz: {result.frames_sent:,} frames in {result.elapsed_s:.0f} s "
@@ -133,6 +146,7 @@ def render(result: FuzzResult) -> str:
         _usage_row("peak at checkpoints", result.usage_peak),
         _usage_row("after the goodbyes", result.usage_end),
         f"  bounds: RSS <= {result.rss_bound / MiB:.0f} MiB, fds <= {result.fd_bound}",
+        memory_line(result),
         "",
     ]
     planes = _by_plane(result.pulls)

@@ -66,6 +66,10 @@ class FuzzSpec:
     keep_going: bool = True
     exclude: tuple[str, ...] = ()  # case label prefixes not to send
     node_log_level: str = "WARNING"
+    node_args: tuple[str, ...] = ()  # more ``kvpeer serve`` options for the node
+    #: resident memory after the run (the goodbyes) may exceed the post-warm-up
+    #: figure by this much (issue 30, item 3)
+    rss_end_growth_bytes: int = 64 * MiB
     workdir: Path | None = None  # default: a temporary directory, kept only on problems
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@ from kvpeer.errors import KVPeerError
 from kvpeer.node.counters import CounterSnapshot
 from kvpeer.node.loop import Block, NodeLoop, Polled, Source, poll_block
 from kvpeer.node.tier import Tier, TierStatistics
+from kvpeer.node.trim import HeapTrimmer, glibc_malloc_trim
 from kvpeer.session.ports import Parent
 from kvpeer.types import JobResult, Key, LookupResult, OffloadPolicy, RequestContext, TransferJob
 
@@ -69,11 +70,15 @@ class DrivenTier:
         name: str = "kvpeer-driver",
         wake_host: Callable[[], None] | None = None,
         block: Block = poll_block,
+        trim_heap: bool = False,
     ) -> None:
         """``source``: the control transport the loop watches. ``wake_host`` is
         called (from the driver thread) when peer work starts waiting for a serve
         window, so a host that sleeps while idle steps again. ``block``: how a
-        watcher sleeps on descriptors (tests give a recording one)."""
+        watcher sleeps on descriptors (tests give a recording one). ``trim_heap``:
+        the driver hands the process's freed heap memory back to the system
+        (:mod:`kvpeer.node.trim`; a no-op without glibc): for a node that owns its
+        process."""
         self._tier = tier
         self._clock = clock
         self._crash: BaseException | None = None
@@ -88,6 +93,7 @@ class DrivenTier:
             wake_host=wake_host,
             broke=self._crashed,
             block=block,
+            trimmer=HeapTrimmer(glibc_malloc_trim(), clock=clock) if trim_heap else None,
         )
         self._loop.start()
 

@@ -88,6 +88,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from kvpeer.node.trim import HeapTrimmer, TrimStatistics
+
 __all__ = ["COMPLETION_LOCK_WAIT_S", "Block", "NodeLoop", "Polled", "Source"]
 
 log = logging.getLogger("kvpeer.loop")
@@ -148,10 +150,13 @@ class NodeLoop:
         wake_host: Callable[[], None] | None = None,
         broke: Callable[[BaseException], None] | None = None,
         block: Block = poll_block,
+        trimmer: HeapTrimmer | None = None,
     ) -> None:
         """``poll`` polls the tier (lock held) and may raise after recording a crash
         (then the loop stops driving, see :meth:`halt`); ``broke`` is told, under the
-        lock, when the driver thread itself fails outside a poll."""
+        lock, when the driver thread itself fails outside a poll. ``trimmer``: the
+        driver hands freed heap memory back when it is due, outside the lock, before
+        it sleeps on the poll set (:mod:`kvpeer.node.trim`)."""
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
         self._source = source
@@ -161,6 +166,7 @@ class NodeLoop:
         self._wake_host = wake_host
         self._broke = broke
         self._block = block
+        self._trimmer = trimmer
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fds = source.descriptors
         self._stopping = False
@@ -290,6 +296,11 @@ class NodeLoop:
             self._wake_fd = -1
 
     @property
+    def heap_trims(self) -> TrimStatistics | None:
+        """What the driver's heap trims did (None: it does not trim)."""
+        return self._trimmer.statistics() if self._trimmer is not None else None
+
+    @property
     def wakeups(self) -> int:
         """Times the driver asked an idle host to step."""
         return self._wakeups
@@ -344,6 +355,9 @@ class NodeLoop:
             assert self._wake_host is not None
             self._wake_host()  # once per wait for a serve window
             return True  # the sleep is decided under the lock again
+        trimmer = self._trimmer
+        if trimmer is not None and trimmer.due(now):
+            trimmer.look(now)  # outside the lock: no frame or engine call waits on it
         self._block(fds, wait)
         self._fresh = True
         return True

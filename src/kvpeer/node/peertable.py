@@ -20,7 +20,8 @@ Invariants:
    heartbeat timeouts - and would wait out the timeouts of every request it
    sends: it gets a ``disconnect`` on its own connection (never a dial). At
    most ``4 * max_peers`` end times are remembered.
-2. A session that ended because our link to the peer broke says goodbye on a
+2. A session that ended because our link to the peer broke (or gave the peer
+   up for not reading: ``over_budget``) says goodbye on a
    fresh link (best effort, once): the peer's link to us may still work, and a
    vLLM peer, which never reads answers on its own connection, would otherwise
    keep the session, wait out each load it sends us and take our next
@@ -260,7 +261,13 @@ class PeerTable:
         self._data.grant(peer_id)
         send = self._trace.wrap_send(peer_id, link.transmit)
         session = PeerSession(
-            peer_id, self._hello(), self._session_data, send, self._settings, held=self._held_blocks
+            peer_id,
+            self._hello(),
+            self._session_data,
+            send,
+            self._settings,
+            held=self._held_blocks,
+            unread=lambda: link.unread,
         )
         peer = Peer(session, link, now, source, opened_at=now)
         self._peers[peer_id] = peer
@@ -536,7 +543,7 @@ class PeerTable:
         peer.link.close(park=not unreachable and closed.kind is not CloseKind.RESTARTED)
         if unreachable and not peer.session.answered:
             self._back_off(peer_id, self._clock())  # and no goodbye: nobody to hear it
-        elif closed.kind is CloseKind.UNREACHABLE:
+        elif closed.kind is CloseKind.UNREACHABLE or peer.link.unread is not None:
             self._say_goodbye(peer_id, closed.reason)
 
     def _say_goodbye(self, peer_id: str, reason: str) -> None:

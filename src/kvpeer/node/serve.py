@@ -52,11 +52,14 @@ def serve(
     ready_file: str | None = None,
     attach: Callable[[DrivenTier], Callable[[], None]] | None = None,
     out: TextIO,
+    trim_heap: bool = True,
 ) -> int:
     """Run until interrupted (or ``duration_s``); returns the exit status.
 
     ``attach`` is called with the node once it listens (e.g. to serve its
-    metrics, a layer above this one); what it returns is called at the end."""
+    metrics, a layer above this one); what it returns is called at the end.
+    ``trim_heap``: the node owns this process, so its driver hands freed heap
+    memory back to the system (:mod:`kvpeer.node.trim`)."""
     shm_path = None
     if "shm" in config.data_transports:
         shm_path = f"/dev/shm/kvpeer-serve-{os.getpid()}-{config.port}"
@@ -65,7 +68,7 @@ def serve(
     try:
         preload_synthetic(pool, synthetic_blocks)
         region = PrimaryRegion(pool.view, num_blocks, block_len, pool.shm_path)
-        node = open_node(config, region)
+        node = open_node(config, region, trim_heap=trim_heap)
         host = TieringHost(pool, [node])
         peer_id = node.tier.peer_id
         print(

@@ -9,7 +9,10 @@ Invariants:
 
 1. Our ``connect`` is the first frame we send. Everything else waits in a
    bounded queue until the peer's ``connect_ack``; the queue overflowing, or
-   ``transmit`` refusing a frame, ends the session.
+   ``transmit`` refusing a frame, ends the session: ``OVER_BUDGET`` when the
+   injected ``unread`` says the link gave up because the peer does not read
+   what we send (a budget the peer broke, named so in the log and the
+   metrics), ``UNREACHABLE`` otherwise.
 2. The peer's ``connect`` is checked (block length, fingerprint, hash seed,
    the admit callback), its region is registered with the data plane, and
    only then is it acknowledged: our ack promises that we can write into the
@@ -166,6 +169,7 @@ class PeerSession:
         *,
         admit: Admit | None = None,
         held: HeldSupply | None = None,
+        unread: Callable[[], str | None] | None = None,
     ) -> None:
         """``held``: blocks the node keeps a copy of, served at once (producer
         invariant 9)."""
@@ -173,6 +177,7 @@ class PeerSession:
         self._hello = hello
         self._data = data_plane
         self._transmit = transmit
+        self._unread = unread  # after a refused frame: why, if the peer does not read
         self._settings = settings or SessionSettings()
         self._admit = admit
         self._codec = Codec()
@@ -630,7 +635,12 @@ class PeerSession:
         if self._deferred_close is not None:
             return
         if not self._transmit(self._codec.encode(message)):
-            self._deferred_close = (CloseKind.UNREACHABLE, "control link refused a frame")
+            unread = self._unread() if self._unread is not None else None
+            self._deferred_close = (
+                (CloseKind.OVER_BUDGET, unread)
+                if unread is not None
+                else (CloseKind.UNREACHABLE, "control link refused a frame")
+            )
             return
         self._frames_out += 1
 

@@ -298,6 +298,7 @@ class SimLink:
         self.last_due = 0.0
         self.closed = False
         self.dead: str | None = None
+        self.unread: str | None = None  # a simulated peer always reads
 
     @property
     def peer_id(self) -> str:

@@ -86,6 +86,10 @@ class RecordingLink:
     def alive(self) -> bool:
         return self._inner.alive
 
+    @property
+    def unread(self) -> str | None:
+        return self._inner.unread
+
     def transmit(self, frame: bytes) -> bool:
         accepted = self._inner.transmit(frame)
         if accepted:

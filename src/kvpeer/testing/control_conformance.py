@@ -258,6 +258,7 @@ def check_a_closed_peer_is_a_dead_link(make: ControlNetFactory) -> None:
         b.close()
         inbox.until(lambda: not link.alive, "the link to a closed peer dies")
         assert link.transmit(b"anyone?") is False
+        assert link.unread is None  # gone, not a peer that does not read (rule 6)
 
 
 def check_a_closed_endpoint_is_inert(make: ControlNetFactory) -> None:

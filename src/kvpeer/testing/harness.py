@@ -175,7 +175,15 @@ class SessionPair:
         plane = FakeDataPlane(self.fabric, node_id, region, auto_complete=auto_complete)
         parent = FakeParent(region, job_ids)
         connect = hello(region) if hello is not None else make_hello(node_id, region)
-        session = PeerSession(peer_id, connect, plane, outbox.transmit, self.settings, admit=admit)
+        session = PeerSession(
+            peer_id,
+            connect,
+            plane,
+            outbox.transmit,
+            self.settings,
+            admit=admit,
+            unread=lambda: outbox.unread,
+        )
         return Node(node_id, region, plane, parent, session, outbox)
 
     def next_job_id(self) -> int:

@@ -16,7 +16,8 @@ class LinkEnd:
         self.name = name
         self.in_transit: deque[bytes] = deque()
         self.log: list[bytes] = []  # every frame ever accepted, for assertions
-        self.refuse = False  # simulate a peer that stopped reading
+        self.refuse = False  # the link refuses frames (down, or it gave the peer up)
+        self.unread: str | None = None  # why it gave the peer up for not reading
         self.capacity: int | None = None
 
     def transmit(self, frame: bytes) -> bool:

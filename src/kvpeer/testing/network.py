@@ -77,6 +77,7 @@ class MemoryControlLink:
         self.last_due = 0.0
         self.closed = False
         self.refuse = False  # a peer that stopped reading
+        self.unread: str | None = None  # set once ``refuse`` turned a frame away
 
     @property
     def peer_id(self) -> str:
@@ -94,7 +95,10 @@ class MemoryControlLink:
         return current is self._peer_incarnation and not current.closed
 
     def transmit(self, frame: bytes) -> bool:
-        if not self.alive or self.refuse:
+        if not self.alive:
+            return False
+        if self.refuse:
+            self.unread = "the peer does not read (the test's refuse)"
             return False
         self._network._send(self, frame)
         return True

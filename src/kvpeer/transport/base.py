@@ -18,6 +18,10 @@ ends); ``alive`` turns False when the transport decides the peer is gone
 5. After ``close`` (idempotent) an endpoint is inert: its links are dead,
    ``receive`` returns nothing, ``flush`` and ``refuse`` do nothing, and
    ``connect`` raises :class:`~kvpeer.errors.PeerLost`.
+6. A link gives its peer up when what it holds for a peer that does not read
+   outgrows its bounds; ``transmit`` then says False and ``unread`` says why
+   (for a link that is dead or closed for any other reason, ``unread`` is None):
+   the session ends ``over_budget``, not ``unreachable``.
 
 Data planes are the session core's
 :class:`~kvpeer.session.ports.DataPlane` plus what a node needs to describe
@@ -55,6 +59,11 @@ class ControlLink(Protocol):
     def alive(self) -> bool: ...
 
     def transmit(self, frame: bytes) -> bool: ...
+
+    @property
+    def unread(self) -> str | None:
+        """Why the link gave its peer up for not reading what we sent (rule 6), or None."""
+        ...
 
     def close(self, *, park: bool = True) -> None:
         """Close the link (frames it queued still go out). ``park``: its connection may

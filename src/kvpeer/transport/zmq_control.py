@@ -26,7 +26,8 @@ carries ours. Socket rules:
    queue. What a peer that stopped reading makes us hold - our queue plus the
    last ``LINK_HWM + 1`` frames handed to libzmq (all it can still hold) - is
    checked against ``max_link_bytes`` whenever a frame has to wait; over it,
-   or over ``max_queued_frames``, the peer is declared dead.
+   or over ``max_queued_frames``, the peer is declared dead, and the link's
+   ``unread`` says why (its session ends ``over_budget``, not ``unreachable``).
 3. A DEALER that loses its connection after it was established (heartbeat
    timeout, peer closed), or whose first connect fails (refused, unreachable),
    is dead; ZMQ's reconnect is not trusted to bring the same peer incarnation
@@ -47,6 +48,14 @@ carries ours. Socket rules:
    peer is parked, when more than ``max_parked_links`` are (oldest first), and
    with the control. Between sessions our identity stays held at the peer by our
    own connection, so nobody else can claim it there either.
+7. Links that are not parked (the peer fell silent or restarted, a goodbye's link,
+   a link that died) leave the next link a fresh connection, which a peer's ROUTER
+   with ``ROUTER_HANDOVER`` off may not read while it still holds the old one (6 of
+   10 immediate reopens were read within 1 s). With CURVE our ROUTER has handover
+   on: only holders of an allowed client key connect at all, and a fresh
+   connection under an identity replaces the old one at once (10 of 10). Without
+   CURVE it stays off: anyone who reaches the port could then cut a live peer's
+   connection at will.
 """
 
 from __future__ import annotations
@@ -180,6 +189,7 @@ class ZmqLink:
         self.fds: tuple[int, ...] = ()  # ZMQ_FD of socket and monitor, for wait()
         self.connected_once = False
         self.dead_reason: str | None = None
+        self.unread: str | None = None  # dead because the peer does not read (rule 2)
         self.closed = False
         self.parked = False  # closed, its connection kept for the peer's next link (rule 6)
         self.parkable = True  # the owner's word when it closed the link
@@ -199,20 +209,28 @@ class ZmqLink:
         if not self.queue and self.socket is not None and self._owner.send_now(self, frame):
             return self.alive
         if len(self.queue) >= self._max_queued:
-            self._owner.lose(self, f"more than {self._max_queued} frames waiting to be sent")
+            self._give_up_unread(
+                f"the peer does not read: more than {self._max_queued} frames wait for it "
+                "(max_queued_messages)"
+            )
             return False
         held = self.queued_bytes + len(frame) + sum(self.recent)
         if held > self._max_bytes:
-            self._owner.lose(
-                self,
-                f"the peer stopped reading: {held} bytes would wait for it "
-                f"(more than max_peer_bytes {self._max_bytes})",
+            self._give_up_unread(
+                f"the peer does not read: {held} bytes would wait for it "
+                f"(more than max_peer_bytes {self._max_bytes})"
             )
             return False
         self.queue.append(frame)
         self.queued_bytes += len(frame)
         self._owner.mark_dirty()
         return True
+
+    def _give_up_unread(self, reason: str) -> None:
+        """What the peer does not read outgrew its bounds (rule 2): the link dies,
+        and :attr:`unread` says so (``ControlLink`` rule 6)."""
+        self.unread = reason
+        self._owner.lose(self, reason)
 
     def sent(self, frame: bytes) -> None:
         """``frame`` was handed to libzmq (owner's lock held)."""
@@ -256,13 +274,16 @@ class ZmqControl:
         self._configure(self._router)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
-        # A second connection claiming an identity that is connected already is not
-        # let in (ZMQ leaves it unread for good) while the first one is held: no
-        # process can take a live peer's identity over. A restarted peer's old
+        # Without CURVE, a second connection claiming an identity that is connected
+        # already is not let in (ZMQ leaves it unread for good) while the first one is
+        # held: no process can take a live peer's identity over. A restarted peer's old
         # connection closes with its process, so its new one is let in (after a host
         # crash: once the old connection's heartbeats expire). A live peer's next
-        # session reuses its connection (rule 6).
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        # session reuses its connection (rule 6). With CURVE every connection is an
+        # allowed key's: the newest connection under an identity takes it over, so a
+        # peer's fresh link is read at once even while we still hold its last one
+        # (rule 7).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1 if curve is not None else 0)
         # A connection that never completes the ZMQ handshake is closed after this.
         self._router.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)
         if curve is not None:
