@@ -179,6 +179,30 @@ def _cmd_bench_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_of(bench: str) -> Callable[[str], None]:
+    def progress(message: str) -> None:
+        print(f"kvpeer bench {bench}: {message}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _cmd_bench_router_scale(args: argparse.Namespace) -> int:
+    from kvpeer.bench import router_scale
+
+    spec = router_scale.RouterScaleSpec.from_args(args)
+    result = router_scale.run(spec, _progress_of("router-scale"))
+    print(json.dumps(result) if args.json else router_scale.render(result))
+    return 0
+
+
+def _cmd_bench_node_scale(args: argparse.Namespace) -> int:
+    from kvpeer.bench import node_scale
+
+    result = node_scale.run(node_scale.NodeScaleSpec.from_args(args), _progress_of("node-scale"))
+    print(json.dumps(result) if args.json else node_scale.render(result))
+    return 0
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from kvpeer.bench import serve, serve_vllm
     from kvpeer.bench.serve_stats import render
@@ -438,6 +462,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_router_arguments(bench_router)
     bench_router.set_defaults(func=_cmd_bench_router)
+
+    from kvpeer.bench.router_scale import add_arguments as add_router_scale_arguments
+
+    router_scale = benches.add_parser(
+        "router-scale",
+        help="router data layer vs fleet size: event intake CPU, index memory, decision time",
+    )
+    add_router_scale_arguments(router_scale)
+    router_scale.set_defaults(func=_cmd_bench_router_scale)
+
+    from kvpeer.bench.node_scale import add_arguments as add_node_scale_arguments
+
+    node_scale = benches.add_parser(
+        "node-scale",
+        help="one node with 127 peer sessions: idle CPU and memory per session, lookups at once",
+    )
+    add_node_scale_arguments(node_scale)
+    node_scale.set_defaults(func=_cmd_bench_node_scale)
 
     from kvpeer.bench.serve import add_arguments as add_bench_serve_arguments
 
