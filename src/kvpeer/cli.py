@@ -21,7 +21,9 @@ from kvpeer.commands import (
     bench_faults,
     bench_held,
     bench_idle,
+    bench_node_scale,
     bench_router,
+    bench_router_scale,
     bench_serve,
     bench_tier,
     bench_transport,
@@ -54,6 +56,8 @@ BENCHES: dict[str, ModuleType] = {
     "held": bench_held,
     "faults": bench_faults,
     "router": bench_router,
+    "router-scale": bench_router_scale,
+    "node-scale": bench_node_scale,
     "serve": bench_serve,
 }
 

@@ -137,6 +137,22 @@ class TestCli:
             "seeds=2 violations=0 jobs=8 loads_ok=2 loads_failed=0"
         )
 
+    def test_time_per_seed_goes_to_stderr(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        def fake_run(seed: int, nodes: int, ticks: int, *, soak: bool) -> SeedResult:
+            return SeedResult(seed, nodes, ticks, (), 4, 1, 0, 0, 2, 0)
+
+        monkeypatch.setattr(cli, "run_seed", fake_run)
+        assert cli.main(["--seeds", "2", "--nodes", "5"]) == 0
+        captured = capsys.readouterr()
+        assert "ms" not in captured.out  # stdout stays what CI parses
+        assert re.search(
+            r"kvpeer.sim: 2 seeds of 5 nodes in [\d.]+ s wall, [\d.]+ s CPU: \d+ ms wall, "
+            r"\d+ ms CPU per seed",
+            captured.err,
+        ), captured.err
+
     def test_one_node_is_refused(self) -> None:
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["--nodes", "1"])
@@ -353,3 +369,20 @@ class TestHalfOpenSessionRegression:
     def test_without_the_fix_the_seed_fails(self) -> None:
         out = run_variant(WITHOUT_THE_STRAY_ANSWER, HALF_OPEN_SEED)
         assert "reunion: request reunion-1-n1-n0 toward n0:5710 still open" in out, out
+
+
+class TestLargeWorlds:
+    """A world of 32 nodes: its reunion pulls between all 992 ordered pairs in one
+    tick, which a storm budget linear in nodes called a storm (and stopped the run)."""
+
+    def test_a_32_node_reunion_is_not_a_storm(self) -> None:
+        result = run_seed(0, nodes=32, ticks=20)
+        assert result.violations == ()
+        assert result.loads_ok_sym >= 32 * 31  # every ordered pair was served
+
+    def test_a_storm_is_still_caught_in_a_large_world(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(world_module, "STORM_FRAMES_PER_REUNION_PAIR", 0)
+        found = run_seed(0, nodes=32, ticks=20).violations
+        assert any("control-frame storm" in v for v in found), found

@@ -70,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     violations = jobs = loads_ok = loads_failed = 0
     faults = {"deaths": 0, "partitions": 0, "freezes": 0, "restarts": 0}
     started = time.monotonic()
+    cpu_started = _cpu_seconds()
     every = max(1, args.seeds // 10)
     for done, result in enumerate(_results(args), 1):
         seed = result.seed
@@ -97,11 +98,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         sys.stdout.flush()
     print("faults: " + " ".join(f"{name}={count}" for name, count in faults.items()))
+    print(_timing(args, time.monotonic() - started, _cpu_seconds() - cpu_started), file=sys.stderr)
     print(
         f"seeds={args.seeds} violations={violations} jobs={jobs} "
         f"loads_ok={loads_ok} loads_failed={loads_failed}"
     )
     return 1 if violations else 0
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished workers (--jobs)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _timing(args: argparse.Namespace, wall_s: float, cpu_s: float) -> str:
+    """The stderr line with the time per seed (CPU is what a loaded machine cannot
+    inflate; wall is what a run waits)."""
+    per = max(1, args.seeds)
+    return (
+        f"kvpeer.sim: {args.seeds} seeds of {args.nodes} nodes in {wall_s:.2f} s wall, "
+        f"{cpu_s:.2f} s CPU: {wall_s / per * 1e3:.0f} ms wall, {cpu_s / per * 1e3:.0f} ms CPU "
+        f"per seed"
+    )
 
 
 def _results(args: argparse.Namespace) -> Iterator[SeedResult]:

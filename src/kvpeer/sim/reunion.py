@@ -44,6 +44,7 @@ def reunite(world: World, tick: int) -> int:
         assert node.live is not None
         node.live.plane.fail_next_writes = 0
     pairs = [(c, p) for c in live for p in live if c is not p]
+    world.reunion_pairs = len(pairs)  # the storm budget allows their pulls
     half_open = [(c, p) for c, p in pairs if _half_open(c, p)]
     for pair in half_open:
         tick = _pull(world, tick, [pair])

@@ -65,6 +65,11 @@ FULL_CHECK_EVERY = 8  # ticks between the (costlier) tier-statistics checks
 SETTLE_TICKS = 10  # after the reunion: its last jobs report
 # A healthy world sends at most ~2 control frames per node and tick, over 20 ticks.
 STORM_WINDOW, STORM_FRAMES_PER_NODE_AND_TICK = 20, 5
+# ...plus, while the reunion runs, one pull per ordered pair of live nodes at once:
+# connect, connect_ack, lookup, lookup_resp, fetch, transfer_done and a ping/pong each.
+# Pairs grow as nodes squared, so a per-node budget alone called a 32-node reunion
+# (992 pulls in one tick) a storm.
+STORM_FRAMES_PER_REUNION_PAIR = 8
 
 
 class _Stopped(Exception):
@@ -199,6 +204,7 @@ class World:
         self._restarts: dict[int, int] = {}  # node index -> tick it boots again
         self._leaked = False
         self._frames: deque[int] = deque()  # frames sent per tick, last STORM_WINDOW ticks
+        self.reunion_pairs = 0  # ordered pairs the reunion pulls between (set by it)
         self.requests = 0
         self.deaths = 0
         self.partitions = 0
@@ -268,7 +274,9 @@ class World:
         window.append(self.net.frames_sent - frames)
         if len(window) > STORM_WINDOW:
             window.popleft()
-        if sum(window) > STORM_WINDOW * STORM_FRAMES_PER_NODE_AND_TICK * len(self.nodes):
+        budget = STORM_WINDOW * STORM_FRAMES_PER_NODE_AND_TICK * len(self.nodes)
+        budget += STORM_FRAMES_PER_REUNION_PAIR * self.reunion_pairs
+        if sum(window) > budget:
             self.ctx.violate(
                 "network",
                 f"control-frame storm: {sum(window)} frames in {len(window)} ticks, "

@@ -1,0 +1,25 @@
+"""``kvpeer bench router-scale``: the router's data layer as the fleet grows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpeer.bench import router_scale
+
+HELP = "router data layer vs fleet size: event intake CPU, index memory, decision time"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    router_scale.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    def progress(message: str) -> None:
+        print(f"kvpeer bench router-scale: {message}", file=sys.stderr, flush=True)
+
+    spec = router_scale.RouterScaleSpec.from_args(args)
+    result = router_scale.run(spec, progress)
+    print(json.dumps(result) if args.json else router_scale.render(result))
+    return 0
