@@ -92,7 +92,7 @@ def test_the_slowest_measured_request_of_each_workload_is_picked() -> None:
 
 
 def test_the_router_logs_one_line_per_request_named_by_its_request_id() -> None:
-    spec = ServeBenchSpec(arms=("kvpeer",), shape=TINY, workloads=("chat",), trace=True)
+    spec = ServeBenchSpec(arms=("kvpeer",), shape=TINY, workloads=("pinned-chat",), trace=True)
     slowest = Slowest("kvpeer")
     capture = RouterCapture().install()
     try:
@@ -100,7 +100,7 @@ def test_the_router_logs_one_line_per_request_named_by_its_request_id() -> None:
     finally:
         capture.remove()
     assert result.ok
-    picked = slowest.picked["chat"]
+    picked = slowest.picked["pinned-chat"]
     sent = [e for e in capture.events() if e.kv_request_id == picked.request_id]
     assert [(e.node, e.event) for e in sent] == [("router", "sent")]
     assert sent[0].fields["engine"] == picked.engine
@@ -110,7 +110,7 @@ def test_the_router_logs_one_line_per_request_named_by_its_request_id() -> None:
 
 
 def test_the_router_logs_nothing_untraced() -> None:
-    spec = ServeBenchSpec(arms=("kvpeer",), shape=TINY, workloads=("chat",))
+    spec = ServeBenchSpec(arms=("kvpeer",), shape=TINY, workloads=("pinned-chat",))
     capture = RouterCapture()
     logger = logging.getLogger("kvpeer.trace")
     level = logger.level
