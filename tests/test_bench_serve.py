@@ -687,6 +687,29 @@ def test_an_arm_that_stops_after_one_repeat_is_still_compared_pooled_with_pooled
     assert result.errors[0].reason == "engine b died"
 
 
+def test_an_arm_that_fails_unexpectedly_costs_only_its_own_cells() -> None:
+    """Seen for real: vLLM p2p engines starved the router's thread and a call into it
+    timed out during that arm's warm-up; the whole run ended and the arms already
+    measured were lost. Now the arm is reported and the others' cells are kept."""
+
+    class Arms(FakeArms):
+        @contextlib.contextmanager
+        def __call__(self, arm: str) -> Iterator[ArmFleet]:
+            if arm == "vllm-p2p":
+                raise TimeoutError()
+            with super().__call__(arm) as fleet:
+                yield fleet
+
+    spec = ServeBenchSpec(shape=TINY, workloads=("pd",))
+    progress: list[str] = []
+    result = run_matrix(spec, Arms(), progress.append)
+    assert [c.arm for c in result.cells] == ["none", "kvpeer"]
+    assert [(e.arm, e.reason) for e in result.errors] == [("vllm-p2p", "failed: TimeoutError")]
+    assert "arm vllm-p2p failed: TimeoutError" in progress
+    assert not result.ok
+    assert "kvpeer/none" in render(result.cells, result.errors, result.seconds)
+
+
 def test_an_arm_that_cannot_run_is_named_and_the_others_still_run() -> None:
     spec = ServeBenchSpec(shape=TINY, workloads=("system-prompt",))
     arms = FakeArms({"vllm-p2p": "vLLM's p2p tier runs on NIXL, which is not usable here"})

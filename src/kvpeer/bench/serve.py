@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -107,6 +108,7 @@ INDEX_WAIT_S = 15.0  # a setup phase's prefixes must reach the router's index by
 KV_BYTES_PER_TOKEN = 24 * 1024  # the serving model's KV per token (float32)
 
 Progress = Callable[[str], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +382,11 @@ def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
         except ArmUnavailable as exc:
             progress(f"arm {arm} did not run: {exc}")
             errors.append(ArmError(arm, str(exc)))
+        except Exception as exc:  # one arm's failure must not lose the others' results
+            log.exception("arm %s failed", arm)
+            reason = f"failed: {type(exc).__name__}: {exc}".rstrip(": ")
+            progress(f"arm {arm} {reason}")
+            errors.append(ArmError(arm, reason))
     seconds = time.monotonic() - started
     if spec.repeats == 1:
         return BenchResult(spec, cells, errors, seconds, setup_errors=setup_errors,

@@ -212,7 +212,11 @@ class _LiveArm:
                 return index.longest_prefix(engine, keys, MEDIUM_CPU, time.monotonic())
 
             while time.monotonic() < deadline:
-                if self.shared.call(known) >= full - BLOCK_TOKENS:
+                try:
+                    indexed = self.shared.call(known)
+                except TimeoutError:  # the router's thread starved (vLLM p2p engines spin)
+                    indexed = 0
+                if indexed >= full - BLOCK_TOKENS:
                     break
                 time.sleep(0.05)
 
