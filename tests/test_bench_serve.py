@@ -740,3 +740,18 @@ def test_shape_chat_tokens_counts_every_turn() -> None:
     shape = Shape(requests=1, rate=1.0, prompt_tokens=100, suffix_tokens=10, output_tokens=5,
                   turns=3, background_tokens=64, think_s=0.0)  # fmt: skip
     assert shape.chat_tokens() == 100 + 2 * 15 + 5
+
+
+def test_a_kvpeer_engine_with_held_blocks_is_named_so_to_the_router() -> None:
+    """The kvpeer arm's engines hold blocks; the router must know, or it predicts a wait
+    for the source's engine that the pull no longer has (and flags carry it too)."""
+    from kvpeer.bench.routerproc import engine_flag
+    from kvpeer.integrations.vllm.serving import ServeSpec
+    from kvpeer.router.config import parse_engine_flag
+
+    held = ServeSpec("a", Path("/m"), tier_options={"held_bytes": 1 << 20}).router_engine()
+    assert held.serves_held
+    assert not ServeSpec("a", Path("/m")).router_engine().serves_held
+    assert not ServeSpec("a", Path("/m"), tier="none",
+                         tier_options={"held_bytes": 1 << 20}).router_engine().serves_held
+    assert parse_engine_flag(engine_flag(held))["held"] == "true"

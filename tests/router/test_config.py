@@ -119,6 +119,8 @@ def test_engine_flag_parses() -> None:
         ({**engines(engine()), "engine_step_tokens": 1.5}, "engine_step_tokens: 1.5 is not"),
         ({**engines(engine()), "policy": "nearest"}, "policy: 'nearest' is not one of pull"),
         ({**engines(engine()), "policy": 1}, "policy: 1 is not a string"),
+        (engines(engine(held="yes")), "held: 'yes' is not true/false"),
+        (engines(engine(held=1)), "held: 1 is not true/false"),
         ({"mode": "pd", "policy": "affinity", "engine": [engine("a", role="prefill"), engine(
             "b", role="decode", url="http://h:2", peer="h:3")]}, "'affinity' never pulls"),
     ],
@@ -181,3 +183,12 @@ def test_the_policy_chooses_the_decision_core() -> None:
     assert load.index is None
     assert load.subscribers == {}
     assert from_mapping(engines(engine())).policy == "pull"
+
+
+def test_an_engine_that_serves_held_blocks_is_named_in_the_file_or_the_flag() -> None:
+    assert from_mapping(engines(engine(held=True))).engines[0].spec.serves_held
+    assert not from_mapping(engines(engine())).engines[0].spec.serves_held
+    by_flag = from_args(build_parser().parse_args(
+        ["router", "--engine", "a=http://h:1,peer=h:2,held=true",
+         "--engine", "b=http://h:3,peer=h:4,held=false"]))  # fmt: skip
+    assert [e.spec.serves_held for e in by_flag.engines] == [True, False]

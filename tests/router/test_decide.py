@@ -25,7 +25,7 @@ from kvpeer.router.decide import (
 from kvpeer.router.events import BlocksStored
 from kvpeer.router.feed import StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
-from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Policy, Role
+from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy, Role
 
 BS = 16
 PROMPT = [(7 * i) % 500 for i in range(1024)]
@@ -497,3 +497,24 @@ def test_a_pull_costs_a_busy_consumer_two_of_its_steps_and_an_idle_one_nothing()
     before = cost.rates()["pull_base_s:e1"]
     policy.on_outcome(Outcome("r2", "e0", True, 1024, USABLE, plan.predicted_ttft_s), 1.0)
     assert abs(cost.rates()["pull_base_s:e1"] - before) < 0.05  # not +steps/5 (0.1 s)
+
+
+def test_a_source_that_serves_held_blocks_makes_no_pull_wait_for_its_engine() -> None:
+    """Issue 27: a kvpeer tier with held blocks answers a peer from its own thread, so a
+    pull from it waits for no engine step however busy it is; the same source without
+    held blocks costs a pull one of its steps."""
+    def plan_with(held: bool) -> Plan:
+        specs = [spec("e0"), EngineSpec("e1", "http://e1", "10.0.0.2", 5710, serves_held=held)]
+        index = PrefixIndex()
+        policy = RouterPolicy(specs, Mode.SHARED, index)
+        hold(index, "e1", 1024, MEDIUM_CPU)
+        loads = {"e0": idle(), "e1": busy(queued=2000, in_flight=2)}
+        return policy.plan("r", PROMPT, loads, 0.0, serve_on="e0", pull_from="e1")
+
+    cost = CostModel()
+    wait = cost.serve_wait_s("e1", busy(queued=2000, in_flight=2))
+    held, waits = plan_with(True), plan_with(False)
+    assert held.predicted_ttft_s is not None
+    assert waits.predicted_ttft_s is not None
+    assert wait > 0.3
+    assert waits.predicted_ttft_s - held.predicted_ttft_s == pytest.approx(wait)

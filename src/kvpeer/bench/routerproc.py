@@ -37,6 +37,8 @@ def engine_flag(spec: EngineSpec) -> str:
         parts.append(f"kv_events={spec.kv_events}")
     if spec.kv_events_replay is not None:
         parts.append(f"kv_events_replay={spec.kv_events_replay}")
+    if spec.serves_held:
+        parts.append("held=true")
     return ",".join(parts)
 
 

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 ENGINE_KEYS = frozenset(
-    {"name", "url", "peer", "role", "kv_events", "kv_events_replay", "dp_size"}
+    {"name", "url", "peer", "role", "kv_events", "kv_events_replay", "dp_size", "held"}
 )
 DP_RANK_HEADER = "X-data-parallel-rank"
 
@@ -317,6 +317,7 @@ def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
     for key, value in (("kv_events", kv_events), ("kv_events_replay", replay)):
         if value is not None and not (isinstance(value, str) and "://" in value):
             raise ConfigError(f"{where}: {key} {value!r} is not an endpoint like tcp://h:p")
+    held = _number(f"{where}: held", _flag_text(table.get("held", False)), bool)
     entries = []
     for rank in range(dp_size):
         spec = EngineSpec(
@@ -327,9 +328,17 @@ def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
             role=role,
             kv_events=kv_events,
             kv_events_replay=replay,
+            serves_held=held,
         )
         entries.append(EngineEntry(spec, rank if shared_url else None))
     return entries
+
+
+def _flag_text(value: object) -> object:
+    """``true`` / ``false`` as an ``--engine`` flag spells a boolean; anything else as is."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
 
 
 def parse_engine_flag(text: str) -> dict[str, Any]:
@@ -403,7 +412,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="NAME=URL,peer=HOST:PORT[,role=prefill|decode|both][,dp_size=N]"
-        "[,kv_events=tcp://H:P] (repeatable; adds to the file's engines)",
+        "[,kv_events=tcp://H:P][,held=true] (repeatable; adds to the file's engines; "
+        "held: its kvpeer tier serves held blocks without waiting for its engine)",
     )
     parser.add_argument("--retries", help="attempts on another engine before the first byte")
     parser.add_argument("--health-interval", dest="health_interval_s", help="seconds")

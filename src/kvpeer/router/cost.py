@@ -151,16 +151,17 @@ class CostModel:
 
     def pull_s(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, *,
-        parked: bool = False,
+        parked: bool = False, held: bool = False,
     ) -> float:
         """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier.
 
         ``parked``: a PD pull, served from what the prefill leg stored for it without
-        waiting for the source's engine (no serve wait)."""
+        waiting for the source's engine (no serve wait); ``held``: the source serves held
+        blocks from its node's thread (no serve wait either)."""
         seconds = self._pull_line(source).predict(max(0, tokens))
         if source_load.in_flight > 0:
             seconds += self._busy_s
-            if not parked:
+            if not parked and not held:
                 seconds += self.serve_wait_s(source, source_load)
         if (engine, source) not in self._warm:
             seconds += self._cold_s
@@ -204,11 +205,11 @@ class CostModel:
 
     def observe_pull(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float,
-        *, parked: bool = False,
+        *, parked: bool = False, held: bool = False,
     ) -> None:
         """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT)."""
         line = self._pull_line(source)
-        wait = 0.0 if parked else self.serve_wait_s(source, source_load)
+        wait = 0.0 if parked or held else self.serve_wait_s(source, source_load)
         if source_load.in_flight > 0 and (engine, source) in self._warm:
             # What a busy source costs beyond an idle one's pull (the line learns only
             # from idle sources, so the two stay apart).

@@ -381,7 +381,8 @@ class RouterPolicy:
                 continue
             pulled = source_cpu - local
             ttft = self.cost.compute_s(engine, prompt_tokens - source_cpu, load) + (
-                self.cost.pull_s(engine, source, pulled, healthy[source])
+                self.cost.pull_s(engine, source, pulled, healthy[source],
+                                 held=self._specs[source].serves_held)
             ) + self.cost.consumer_steps_s(engine, load)
             option = _Option(ttft, source_cpu, source, pulled)
             if source == pull_from or ttft + self._config.pull_margin_s < best.ttft_s:
@@ -499,7 +500,8 @@ class RouterPolicy:
         if plan.prefill_engine is None:  # shared mode: the consumer's own extra steps
             residual -= self.cost.consumer_steps_s(plan.engine, engine_load)
         self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
-                               parked=plan.prefill_engine is not None)  # fmt: skip
+                               parked=plan.prefill_engine is not None,
+                               held=self._specs[source].serves_held)  # fmt: skip
         self._stats.add("pulled_tokens_observed_total", pulled)
 
 

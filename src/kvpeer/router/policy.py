@@ -39,6 +39,9 @@ class EngineSpec:
     role: Role = Role.BOTH
     kv_events: str | None = None  # its vLLM KV-event publisher, "tcp://host:port"
     kv_events_replay: str | None = None  # its replay endpoint, if configured
+    #: its kvpeer tier serves held blocks (``held_bytes``) without its engine's serve
+    #: window: a pull from it waits for no engine step, busy or not
+    serves_held: bool = False
 
     @property
     def peer(self) -> str:

@@ -139,7 +139,8 @@ class ServeSpec:
         ]  # fmt: skip
 
     def router_engine(self, role: Role = Role.BOTH) -> EngineSpec:
-        """This engine as ``kvpeer router`` names it."""
+        """This engine as ``kvpeer router`` names it (``held`` if its kvpeer tier keeps
+        held blocks, which it serves without its engine)."""
         return EngineSpec(
             name=self.name,
             url=self.url,
@@ -148,6 +149,7 @@ class ServeSpec:
             role=role,
             kv_events=f"tcp://{HOST}:{self.events_port}",
             kv_events_replay=f"tcp://{HOST}:{self.replay_port}",
+            serves_held=self.tier == "kvpeer" and int(self.tier_options.get("held_bytes", 0)) > 0,
         )
 
 
