@@ -235,34 +235,6 @@ def test_a_router_started_later_relearns_what_the_engines_hold(
     assert pulled.cached_tokens >= 1024 - BLOCK
 
 
-def test_a_router_started_after_the_engines_learns_what_they_stored_from_their_replay(
-    fleet: ServeFleet,
-) -> None:
-    """Issue 30, item 2: the engines compute prompts first, with no router of this test
-    running; then a router starts. Nothing new happens on the engines, so no live event
-    can teach it: what its index knows it learned from each engine's replay endpoint
-    (the feed asks for every batch from 0 as it subscribes). It routes by that at once:
-    a request pinned to ``b`` pulls the prefix ``a`` computed before the router existed."""
-    stored = {"a": fresh(1024), "b": fresh(512)}
-    for name, prompt in stored.items():
-        direct = OpenAIClient(fleet.engines[name].spec.url, MODEL)
-        direct.complete(prompt, OUT)
-        direct.close()
-    config = RouterConfig(Mode.SHARED, entries(fleet, (Role.BOTH, Role.BOTH)), listen_port=0,
-                          allow_pinning=True)
-    with BackgroundRouter(config) as late:
-        for name, prompt in stored.items():
-            wait_indexed(late, name, prompt)
-            feed = late.call(late.router.subscribers[name].statistics)
-            assert feed.replays_completed >= 1, feed
-            assert feed.batches_applied >= 1, feed
-        client = OpenAIClient(late.url, MODEL)
-        pulled = client.complete(stored["a"], OUT, {PIN: "b"})
-        client.close()
-    assert pulled.headers.get("x-kvpeer-source") == "a"
-    assert pulled.cached_tokens >= 1024 - BLOCK
-
-
 def test_a_client_cannot_make_an_engine_dial_a_host_of_its_choosing(
     fleet: ServeFleet, shared: BackgroundRouter
 ) -> None:

@@ -237,7 +237,7 @@ class Router:
         self._health_task = asyncio.create_task(self.health.run(self._session))
         self._peers_task = asyncio.create_task(self.peers.run(self.config.health_interval_s))
         if self.engine_load is not None:
-            self._load_task = asyncio.create_task(self.engine_load.run(self._session))
+            self._load_task = asyncio.create_task(self.engine_load.run())
         self._runner = web.AppRunner(
             self.app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0
         )

@@ -142,11 +142,15 @@ class EngineLoadFeed:
     async def scrape_once(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self._scrape(session, url) for url in self._urls))
 
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        """Scrape every ``interval_s`` until cancelled."""
-        while True:
-            await self.scrape_once(session)
-            await asyncio.sleep(self._interval_s)
+    async def run(self) -> None:
+        """Scrape every ``interval_s`` until cancelled, on a session of its own that keeps
+        no idle connection: the router's pool (requests, health checks) is not widened by
+        a scrape that overlaps them, and between scrapes nothing is held open."""
+        connector = aiohttp.TCPConnector(force_close=True, limit=len(self._urls) or 1)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            while True:
+                await self.scrape_once(session)
+                await asyncio.sleep(self._interval_s)
 
     async def _scrape(self, session: aiohttp.ClientSession, url: str) -> None:
         self._scrapes += 1
