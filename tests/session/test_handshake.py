@@ -578,7 +578,7 @@ class TestRepeatedHandshake:
     @pytest.mark.parametrize("numbered", [True, False], ids=["numbered", "unnumbered"])
     def test_the_same_session_number_again_is_a_duplicate(self, numbered: bool) -> None:
         """The same connect after the handshake (numbered or from an older kvpeer peer
-        that numbers nothing): a protocol error, with a disconnect and failed jobs."""
+        that numbers nothing): acknowledged again, nothing ends."""
         pair = SessionPair(
             hello_a=lambda r: make_hello("a", r, boot_id=BOOT_A, session=1 if numbered else None),
             hello_b=lambda r: make_hello("b", r, boot_id=BOOT_B, session=1 if numbered else None),
@@ -657,15 +657,15 @@ class TestRepeatedHandshake:
         assert a.session.ready
 
     def test_a_connect_without_boot_id_after_the_handshake_is_a_duplicate(self) -> None:
-        """vLLM's connect carries no boot id: a second one after the handshake stays a
-        protocol error (docs/protocol.md §3.4), with a disconnect and failed jobs."""
+        """vLLM's connect carries no boot id: the same one again after the handshake (its
+        ack came late) is acknowledged again and nothing ends (docs/protocol.md §3.4)."""
         pair = SessionPair(
             hello_a=lambda r: make_hello("a", r, kvpeer=False),
             hello_b=lambda r: make_hello("b", r, kvpeer=False),
         )
         _a_duplicate_connect_ends_the_session(pair, make_hello("b", pair.b.region, kvpeer=False))
         pair.pump()
-        assert closed(pair.b).kind is CloseKind.DISCONNECTED
+        assert pair.b.session.ready
 
     @pytest.mark.parametrize("kvpeer", [True, False], ids=["kvpeer", "vllm"])
     def test_same_connect_before_our_ack_is_acked_again(self, kvpeer: bool) -> None:
@@ -716,16 +716,16 @@ class TestRepeatedHandshake:
 
 
 def _a_duplicate_connect_ends_the_session(pair: SessionPair, again: Connect) -> None:
-    """With a PD load in flight, ``again`` reaches a's session: a protocol error that
-    says goodbye and fails the load."""
+    """With a PD load in flight, the very same connect reaches a's session again after
+    the handshake (a peer whose ack came late re-sends it; vLLM's p2p tier does under
+    load): the same ack again, the session and its load go on."""
     load = pair.next_job_id()
     pair.a.session.request_blocks(load, "pd", [b"wanted"], [4], pair.clock.now)
     pair.pump()
+    acks_before = len(sent(pair.a, ConnectAck))
     pair.a.session.receive(CODEC.encode(again), pair.clock.now)
     pair.poll()
-    result = closed(pair.a)
-    assert result.kind is CloseKind.PROTOCOL_ERROR
-    assert "duplicate connect" in result.reason
-    (goodbye,) = sent(pair.a, Disconnect)
-    assert "duplicate connect" in goodbye.reason
-    assert not pair.a.loads[load].success
+    assert pair.a.session.ready
+    assert not sent(pair.a, Disconnect)
+    assert len(sent(pair.a, ConnectAck)) == acks_before + 1
+    assert load not in pair.a.loads or pair.a.loads[load].success

@@ -580,8 +580,11 @@ class PeerSession:
                 self._transmit_now(self._hello)  # its session never got ours (seed 25008)
                 self._on_connect(hello)
                 return
-            if hello == previous and not self._acked and self._ack is not None:
-                self._transmit_now(self._ack)  # invariant 3: the same grant again
+            if hello == previous and self._ack is not None:
+                # invariant 3: the same grant again. Also after the handshake: a peer
+                # whose ack came late re-sends the very same connect (vLLM's p2p tier
+                # does under load); answering it is idempotent, ending the session is not.
+                self._transmit_now(self._ack)
                 return
             raise ProtocolError("duplicate connect")
         self._peer_hello = hello
