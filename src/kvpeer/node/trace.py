@@ -141,6 +141,13 @@ class Trace:
         if job is not None:
             self.emit(job[0], "load_reported", peer=job[1], ok=int(success), step=step)
 
+    def promotion(self, kv_request_id: str, peer_id: str, *, waited_s: float, done: bool,
+                  step: int) -> None:  # fmt: skip
+        """The engine's scheduler waited ``waited_s`` inside its lookup for a load it
+        submitted at once (kvpeer.integrations.vllm.manager); ``done``: it landed."""
+        self.emit(kv_request_id, "promotion", peer=peer_id, waited_ms=round(waited_s * 1000, 3),
+                  landed=int(done), step=step)  # fmt: skip
+
     def forget(self, kv_request_id: str, peer_id: str, step: int) -> None:
         """The engine's request for the id (pulling from ``peer_id``) finished."""
         if kv_request_id in self._asked or kv_request_id in self._hit:

@@ -81,7 +81,8 @@ def build_llm(scenario: dict[str, Any]) -> Any:
         max_num_seqs=4,
         disable_log_stats=False,  # per-request metrics: the time to first token
         kv_transfer_config={
-            "kv_connector": "OffloadingConnector",
+            "kv_connector": "KVPeerOffloadingConnector",
+            "kv_connector_module_path": "kvpeer.integrations.vllm.connector",
             "kv_role": "kv_both",
             "engine_id": scenario["engine_id"],
             "kv_connector_extra_config": extra_config,

@@ -104,7 +104,8 @@ class ServeSpec:
         if entry is not None:
             extra["secondary_tiers"] = [entry]
         transfer = {
-            "kv_connector": "OffloadingConnector",
+            "kv_connector": "KVPeerOffloadingConnector",
+            "kv_connector_module_path": "kvpeer.integrations.vllm.connector",
             "kv_role": "kv_both",
             "engine_id": self.engine_id,
             "kv_connector_extra_config": extra,
