@@ -35,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,9 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from kvpeer.node.params import parse_transfer_params
+from kvpeer.node.trace import TRACE_LOGGER
+
 __all__ = ["SYNC_LOAD_KEY", "KVPeerConnectorMetadata", "KVPeerOffloadingConnector"]
 
 log = logging.getLogger("kvpeer.vllm")
@@ -69,6 +73,20 @@ class KVPeerConnectorMetadata(OffloadingConnectorMetadata):
     """The parent's metadata plus which of this step's load jobs are synchronous."""
 
     sync_load_jobs: frozenset[int] = field(default_factory=frozenset)
+
+
+def _trace(request: Request, event: str, **values: object) -> None:
+    """A kvpeer.trace line for a request pulling from a peer (kvpeer.node.trace's format,
+    under the pull's id), when the tier enabled tracing (``KVPEER_TRACE``)."""
+    logger = logging.getLogger(TRACE_LOGGER)
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    source = parse_transfer_params(request.kv_transfer_params).source
+    if source is None:
+        return
+    fields = " ".join(f"{name}={value}" for name, value in values.items())
+    logger.info("kvpeer.trace t=%.6f node=connector id=%s event=%s %s",
+                time.time(), source.kv_request_id, event, fields)  # fmt: skip
 
 
 def _sync_load_setting(vllm_config: VllmConfig) -> bool:
@@ -141,6 +159,7 @@ class KVPeerOffloadingConnector(OffloadingConnector):
         (job_id,) = status.transfer_jobs  # a load is issued only when nothing is in flight
         status.transfer_jobs.discard(job_id)
         self._sync_jobs[job_id] = status.req_context
+        _trace(request, "sync_load_scheduled", tokens=request.num_computed_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -163,10 +182,12 @@ class KVPeerOffloadingConnector(OffloadingConnector):
             return
         req_context = self._sync_jobs.pop(job_id)
         scheduler.manager.complete_load(status.keys, req_context)
+        request = scheduler._req_status.get(status.req_id)
+        if request is not None:
+            _trace(request.req, "sync_load_step_done")  # the step that loaded it has run
         if scheduler._chunks_being_loaded:
             scheduler._chunks_being_loaded.difference_update(status.keys)
         del scheduler._jobs[job_id]
-        request = scheduler._req_status.get(status.req_id)
         if request is not None and request.finished_signaled and not request.transfer_jobs:
             del scheduler._req_status[status.req_id]
 
