@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import idle
-    from kvpeer.demo import default_model_dir
+    from kvpeer.lab.bench import idle
+    from kvpeer.lab.demo_run import default_model_dir
     from kvpeer.transport.data.nixl import NixlBackend
 
     if not NixlBackend.available():  # vLLM's p2p tier, the comparison, needs it

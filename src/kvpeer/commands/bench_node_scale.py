@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvpeer.bench import node_scale
+from kvpeer.lab.bench import node_scale
 
 HELP = "one node with 127 peer sessions: idle CPU and memory per session, lookups at once"
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvpeer.bench import router_scale
+from kvpeer.lab.bench import router_scale
 
 HELP = "router data layer vs fleet size: event intake CPU, index memory, decision time"
 

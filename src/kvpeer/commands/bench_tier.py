@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import tier
+    from kvpeer.lab.bench import tier_bench
 
     print("kvpeer bench tier: measuring (in memory, no sockets)...", file=sys.stderr, flush=True)
     scraper = None
@@ -28,6 +28,6 @@ def run(args: argparse.Namespace) -> int:
         from kvpeer.metrics.prom import tier_scraper
 
         scraper = tier_scraper
-    result = tier.run(quick=args.quick, scraper=scraper)
-    print(json.dumps(result) if args.json else tier.render(result))
+    result = tier_bench.run(quick=args.quick, scraper=scraper)
+    print(json.dumps(result) if args.json else tier_bench.render(result))
     return 0

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import transport
+    from kvpeer.lab.bench import transport
     from kvpeer.transport.data.nixl import NixlBackend
 
     planes = tuple(args.planes or (["shm", "tcp"] + (["nixl"] if NixlBackend.available() else [])))

@@ -50,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     # The legitimate consumers' UCX writes its errors to stdout (an interface that
     # another test on the machine removed, say): that would corrupt the report.
     os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
-    from kvpeer.fuzz import harness, report
+    from kvpeer.lab.fuzz import fuzz_run, report
 
-    planes = tuple(args.data_planes or harness.available_planes())
+    planes = tuple(args.data_planes or fuzz_run.available_planes())
     try:
-        spec = harness.FuzzSpec(
+        spec = fuzz_run.FuzzSpec(
             frames=args.frames,
             seed=args.seed,
             planes=planes,
@@ -76,6 +76,6 @@ def run(args: argparse.Namespace) -> int:
         f"{spec.frames:,} frames, seed {spec.seed}, data planes {','.join(planes)}; "
         "starting the node"
     )
-    result = harness.run_fuzz(spec, progress, minimize=args.minimize)
+    result = fuzz_run.run_fuzz(spec, progress, minimize=args.minimize)
     print(json.dumps(report.to_json(result)) if args.json else report.render(result))
     return 0 if result.ok else 1

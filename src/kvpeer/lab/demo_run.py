@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpeer.integrations.vllm.openai_client import Completion
+    from kvpeer.lab.engines.openai_client import Completion
     from kvpeer.router.background import BackgroundRouter
 
 __all__ = [
@@ -164,8 +164,8 @@ def run_demo(
             f"prompt tokens {prompt_tokens}: must be {BLOCK_TOKENS * 2}..{MAX_PROMPT_TOKENS}"
         )
     _require(data_plane)
-    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
-    from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec
+    from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
+    from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
 
     started = time.monotonic()
     progress(f"model: {model_dir} (created on first use)")
@@ -190,8 +190,8 @@ def run_demo(
 def _run_scenarios(
     specs: list[Any], data_plane: str, prompt_tokens: int, progress: Progress
 ) -> list[ScenarioResult]:
-    from kvpeer.integrations.vllm.model import token_text
-    from kvpeer.integrations.vllm.openai_client import OpenAIClient
+    from kvpeer.lab.engines.model import token_text
+    from kvpeer.lab.engines.openai_client import OpenAIClient
     from kvpeer.router.background import BackgroundRouter
     from kvpeer.router.config import RouterConfig
     from kvpeer.router.policy import Mode, Role
@@ -324,7 +324,7 @@ def _settled_counters(url: str, before: PeerCounters) -> PeerCounters:
 
 
 def _peer_counters(url: str) -> PeerCounters:
-    from kvpeer.integrations.vllm.serving import kvpeer_samples
+    from kvpeer.lab.engines.serving import kvpeer_samples
 
     found = kvpeer_samples(url)
     return PeerCounters(

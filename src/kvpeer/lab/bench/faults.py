@@ -6,7 +6,7 @@ the producer runs the PD prefill leg, then a fault hits it and the consumer's
 less the same request computed locally by the same consumer in the same run (a
 ``cache_salt`` keeps the local run from sharing blocks with it); the local run's tokens
 are the reference every output must equal. This module is the pure part: faults and
-their bounds, samples, statistics, the judge, the table. :mod:`kvpeer.bench.faults_run`
+their bounds, samples, statistics, the judge, the table. :mod:`kvpeer.lab.bench.faults_run`
 drives the engines.
 
 Bounds (issue 11, item 1): a producer that is gone before the request (SIGKILL, its

@@ -42,8 +42,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvpeer.bench.faults import FaultsSpec, Renewal, Sample, render, to_json
-from kvpeer.integrations.vllm.serving import (
+from kvpeer.lab.bench.faults import FaultsSpec, Renewal, Sample, render, to_json
+from kvpeer.lab.engines.serving import (
     EngineFailed,
     ServeFleet,
     ServeSpec,
@@ -432,8 +432,8 @@ def run(
 
 def main(args: argparse.Namespace) -> int:
     """``kvpeer bench faults``: run, print the table (or JSON); 1 if a cell failed."""
-    from kvpeer.demo import default_model_dir
-    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama, ensure_tiny_llama
+    from kvpeer.lab.demo_run import default_model_dir
+    from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama, ensure_tiny_llama
     from kvpeer.transport.data.nixl import NixlBackend
 
     def progress(message: str) -> None:

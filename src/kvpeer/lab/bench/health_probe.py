@@ -1,6 +1,6 @@
 """How fast ``vllm serve`` engines answer ``/health`` under light chat load, per tier.
 
-``python -m kvpeer.bench.health_probe [--arms kvpeer,none] [--seconds 60] [--rate 0.5]``
+``python -m kvpeer.lab.bench.health_probe [--arms kvpeer,none] [--seconds 60] [--rate 0.5]``
 
 Per arm (the tier every engine runs: ``kvpeer`` or ``none``), two fresh engines behind a
 ``shared`` :class:`~kvpeer.router.background.BackgroundRouter` with the router's default
@@ -41,8 +41,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvpeer.bench.serve_client import run_phase
-from kvpeer.bench.serve_workloads import Shape, build
+from kvpeer.lab.bench.serve_client import run_phase
+from kvpeer.lab.bench.serve_workloads import Shape, build
 
 __all__ = ["ArmResult", "main", "probe_arm"]
 
@@ -158,7 +158,7 @@ def _spy(pids: dict[str, int], path: Path) -> None:
 
 def probe_arm(arm: str, model: Path, log_dir: Path, *, seconds: float, rate: float,
               every: float, spy_after: float | None, seed: int = 0) -> ArmResult:
-    from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec
+    from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
     from kvpeer.router.background import BackgroundRouter
     from kvpeer.router.config import EngineEntry, RouterConfig
     from kvpeer.router.policy import Mode
@@ -243,8 +243,8 @@ def _row(arm: str, name: str, times: list[float], failed: int, limit: float) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvpeer.demo import default_model_dir
-    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
+    from kvpeer.lab.demo_run import default_model_dir
+    from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
     from kvpeer.router.config import DEFAULT_HEALTH_TIMEOUT_S
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

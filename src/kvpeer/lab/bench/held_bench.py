@@ -49,10 +49,17 @@ class HeldSpec:
 def run(
     spec: HeldSpec, model_dir: Path, progress: Progress, log_dir: Path | None = None
 ) -> dict[str, Any]:
-    from kvpeer.demo import LOGPROB_TOLERANCE, MODEL_NAME, VOCAB, _entry, _pin, _wait_indexed
-    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
-    from kvpeer.integrations.vllm.openai_client import OpenAIClient
-    from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec
+    from kvpeer.lab.demo_run import (
+        LOGPROB_TOLERANCE,
+        MODEL_NAME,
+        VOCAB,
+        _entry,
+        _pin,
+        _wait_indexed,
+    )
+    from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
+    from kvpeer.lab.engines.openai_client import OpenAIClient
+    from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
     from kvpeer.router.background import BackgroundRouter
     from kvpeer.router.config import RouterConfig
     from kvpeer.router.policy import Mode
@@ -128,7 +135,7 @@ def run(
 def _serve_waits(url: str) -> float:
     """Serve windows in which the engine at ``url`` answered peer work, since start
     (``peer_step_wait_seconds`` observes one per window that served a waiting peer)."""
-    from kvpeer.integrations.vllm.serving import kvpeer_samples
+    from kvpeer.lab.engines.serving import kvpeer_samples
 
     return kvpeer_samples(url).get("peer_step_wait_seconds_count", 0.0)
 

@@ -4,7 +4,7 @@ vLLM's own ``p2p`` tier reports pending work forever, so an idle engine that has
 keeps stepping. kvpeer's tier reports work only while it has some and wakes the idle
 engine loop when a peer's lookup needs a serve window. Both are measured in one run,
 side by side, with engines in vLLM's default multiprocessing mode (the tiny random
-Llama of :mod:`kvpeer.integrations.vllm.model`), all started together:
+Llama of :mod:`kvpeer.lab.engines.model`), all started together:
 
 - ``none``: the offloading connector with no secondary tier (the baseline),
 - ``vllm-p2p``: vLLM's built-in ``p2p`` tier,
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome
+    from kvpeer.lab.engines.launcher import EngineLauncher, EngineOutcome
 
 __all__ = ["IdleSpec", "LookupTiming", "idle_row", "lookup_row", "render", "run", "summarize"]
 
@@ -120,7 +120,7 @@ def block_keys(tokens: Sequence[int]) -> tuple[list[bytes], str]:
 
 
 def _tiers(name: str, port: int) -> list[dict[str, Any]]:
-    from kvpeer.integrations.vllm import scenario as sc
+    from kvpeer.lab.engines import scenario as sc
 
     if name == BASELINE:
         return []
@@ -133,7 +133,7 @@ def _tiers(name: str, port: int) -> list[dict[str, Any]]:
 def _scenario(
     launcher: EngineLauncher, name: str, port: int, spec: IdleSpec, signals: Path
 ) -> dict[str, Any]:
-    from kvpeer.integrations.vllm import scenario as sc
+    from kvpeer.lab.engines import scenario as sc
 
     def until(label: str, file: Path) -> dict[str, Any]:
         return sc.hold_until(label, file, SIGNAL_TIMEOUT_S)
@@ -364,9 +364,9 @@ def run(
     progress: Progress = lambda _: None,
 ) -> dict[str, Any]:
     """Start the engines together, measure, stop them; the result as one dict."""
-    from kvpeer.integrations.vllm.launcher import EngineLauncher, free_port
-    from kvpeer.integrations.vllm.model import ensure_tiny_llama
-    from kvpeer.integrations.vllm.runner import RESULT_MARKER
+    from kvpeer.lab.engines.launcher import EngineLauncher, free_port
+    from kvpeer.lab.engines.model import ensure_tiny_llama
+    from kvpeer.lab.engines.runner import RESULT_MARKER
 
     started = time.monotonic()
     model = ensure_tiny_llama(model_dir)

@@ -151,7 +151,7 @@ def sessions_gauge(metrics_url: str) -> int:
 @contextlib.contextmanager
 def peers(count: int, blocks: int) -> Iterator[list[Any]]:
     """``count`` kvpeer nodes with no engine, on tcp."""
-    from kvpeer.bench.idle import consumer
+    from kvpeer.lab.bench.idle import consumer
 
     with contextlib.ExitStack() as stack:
         yield [
@@ -162,7 +162,7 @@ def peers(count: int, blocks: int) -> Iterator[list[Any]]:
 
 def lookups_at_once(nodes: Sequence[Any], port: int, keys: Sequence[bytes]) -> list[Any]:
     """Every node looks ``keys`` up at the hub at the same moment; their timings."""
-    from kvpeer.bench.idle import LookupTiming, lookup_once
+    from kvpeer.lab.bench.idle import LookupTiming, lookup_once
 
     barrier = threading.Barrier(len(nodes))
     timings: list[LookupTiming | None] = [None] * len(nodes)
@@ -202,7 +202,7 @@ def latency_row(name: str, timings: Sequence[Any], blocks: int) -> dict[str, Any
 
 
 def run(spec: NodeScaleSpec, progress: Progress) -> dict[str, Any]:
-    from kvpeer.bench.idle import lookup_once
+    from kvpeer.lab.bench.idle import lookup_once
 
     keys = [synthetic_key(i) for i in range(spec.blocks)]
     with hub(spec) as (process, port, metrics_url):

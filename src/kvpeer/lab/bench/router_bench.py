@@ -1,6 +1,6 @@
 """``kvpeer bench router``: what the router costs a request, against the same backend direct.
 
-A fake engine (``kvpeer.router.fakeengine``) runs in one process and ``kvpeer router`` in
+A fake engine (``kvpeer.lab.engines.fakeengine``) runs in one process and ``kvpeer router`` in
 another; this process is the client. Each repeat measures, back to back and in
 alternating order (so drift on a shared machine hits both sides alike):
 
@@ -239,7 +239,7 @@ def run(spec: RouterBenchSpec, progress: Callable[[str], None]) -> dict[str, Any
     try:
         with tempfile.TemporaryDirectory(prefix="kvpeer-bench-router-") as tmp:
             ready = Path(tmp)
-            fake = _spawn(["-m", "kvpeer.router.fakeengine", "--no-record", "--chunks",
+            fake = _spawn(["-m", "kvpeer.lab.engines.fakeengine", "--no-record", "--chunks",
                            str(spec.max_tokens), "--ready-file", str(ready / "fake")], others)
             processes.append(fake)
             fake_url = _wait_ready(ready / "fake", fake, "fake engine")

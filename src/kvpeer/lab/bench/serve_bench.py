@@ -13,24 +13,24 @@ kvpeer     kvpeer                            pull: KV events, pulls when faster
 vllm-p2p   vLLM 0.32's own ``p2p`` tier      pull
 ========== ================================= =========================================
 
-Every chosen workload (:mod:`kvpeer.bench.serve_workloads`) is driven through the
-routers' OpenAI API (:mod:`kvpeer.bench.serve_client`). *Unpinned* workloads (``prefix``,
+Every chosen workload (:mod:`kvpeer.lab.bench.serve_workloads`) is driven through the
+routers' OpenAI API (:mod:`kvpeer.lab.bench.serve_client`). *Unpinned* workloads (``prefix``,
 ``chat``, ``chat-skewed``: the router places every request, as for users) are sent with
 vLLM's benchmark request function at two offered loads, one below saturation and one near
 it, found by a short probe on the first arm (:func:`probe_loads`) or given with
 ``--loads``; they run on every arm but ``none``. *Pinned* workloads place each request
 themselves (a pull's cost per tier, not the router's choice) and run on ``none``,
 ``kvpeer`` and ``vllm-p2p``. The same seed gives every arm the same requests. Numbers per
-arm x workload and the ratios between arms come from :mod:`kvpeer.bench.serve_stats`.
+arm x workload and the ratios between arms come from :mod:`kvpeer.lab.bench.serve_stats`.
 
 The matrix runner (:func:`run_matrix`) only needs an :data:`OpenArm`: a context manager
 per arm yielding the routers' URLs and the fleet's counters.
-:class:`~kvpeer.bench.serve_vllm.VllmArms` is the real one; tests pass fakes (fake
+:class:`~kvpeer.lab.bench.serve_vllm.VllmArms` is the real one; tests pass fakes (fake
 engines behind the real router), so everything but ``vllm serve`` itself is tested fast.
 
 An arm that cannot run here (vLLM's tier needs NIXL; engines that fail to start) is
 reported with its reason and the other arms still run. The real arms live in
-:mod:`kvpeer.bench.serve_vllm`.
+:mod:`kvpeer.lab.bench.serve_vllm`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-from kvpeer.bench.serve_client import run_phase
-from kvpeer.bench.serve_stats import (
+from kvpeer.errors import ConfigError
+from kvpeer.lab.bench.serve_client import run_phase
+from kvpeer.lab.bench.serve_stats import (
     ArmError,
     Cell,
     FleetCounters,
@@ -57,7 +58,7 @@ from kvpeer.bench.serve_stats import (
     ratios,
     summarize,
 )
-from kvpeer.bench.serve_workloads import (
+from kvpeer.lab.bench.serve_workloads import (
     BLOCK_TOKENS,
     MAX_CONTEXT,
     UNPINNED,
@@ -66,7 +67,6 @@ from kvpeer.bench.serve_workloads import (
     Workload,
     build,
 )
-from kvpeer.errors import ConfigError
 
 __all__ = [
     "ARMS",
@@ -120,7 +120,7 @@ class ServeBenchSpec:
     shape: Shape = FULL_SHAPE
     seed: int = 0
     data_plane: str = "shm"
-    trace: bool = False  # engines and routers trace requests (kvpeer.bench.serve_trace)
+    trace: bool = False  # engines and routers trace requests (kvpeer.lab.bench.serve_trace)
     #: every engine's ``--max-num-batched-tokens`` (None: vLLM's default, 2,048 on CPU)
     step_tokens: int | None = None
     #: each workload runs this many times per arm, repeat ``k`` with seed ``seed + k``

@@ -33,9 +33,9 @@ from typing import Any, Literal
 
 import aiohttp
 
-from kvpeer.bench.serve_stats import RequestRecord
-from kvpeer.bench.serve_workloads import BenchRequest
-from kvpeer.integrations.vllm.model import token_text
+from kvpeer.lab.bench.serve_stats import RequestRecord
+from kvpeer.lab.bench.serve_workloads import BenchRequest
+from kvpeer.lab.engines.model import token_text
 
 __all__ = ["MODEL_NAME", "PIN_HEADER", "Sender", "run_phase", "send", "send_like_vllm"]
 

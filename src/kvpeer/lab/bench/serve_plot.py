@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpeer.bench.serve_stats import Cell
 from kvpeer.errors import ConfigError
+from kvpeer.lab.bench.serve_stats import Cell
 
 __all__ = ["plot"]
 

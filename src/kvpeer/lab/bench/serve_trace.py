@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpeer.bench.serve_stats import RequestRecord
+from kvpeer.lab.bench.serve_stats import RequestRecord
 from kvpeer.node.trace import TRACE_ENV, TRACE_LOGGER
 
 __all__ = [

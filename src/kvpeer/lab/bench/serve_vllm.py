@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpeer.bench.serve import (
+from kvpeer.lab.bench.serve_bench import (
     ARM_POLICIES,
     ARM_TIERS,
     INDEX_WAIT_S,
@@ -28,10 +28,10 @@ from kvpeer.bench.serve import (
     ServeBenchSpec,
     run_matrix,
 )
-from kvpeer.bench.serve_client import run_phase
-from kvpeer.bench.serve_stats import FleetCounters, PeerCounters
-from kvpeer.bench.serve_trace import TRACE_ENV, RouterCapture, Slowest, read_logs
-from kvpeer.bench.serve_workloads import BLOCK_TOKENS, ENGINES, BenchRequest
+from kvpeer.lab.bench.serve_client import run_phase
+from kvpeer.lab.bench.serve_stats import FleetCounters, PeerCounters
+from kvpeer.lab.bench.serve_trace import TRACE_ENV, RouterCapture, Slowest, read_logs
+from kvpeer.lab.bench.serve_workloads import BLOCK_TOKENS, ENGINES, BenchRequest
 
 if TYPE_CHECKING:
     from kvpeer.router.background import BackgroundRouter
@@ -85,8 +85,8 @@ class VllmArms:
 
     @contextlib.contextmanager
     def __call__(self, arm: str) -> Iterator[ArmFleet]:
-        from kvpeer.integrations.vllm.scenario import HOST
-        from kvpeer.integrations.vllm.serving import EngineFailed, ServeFleet, ServeSpec
+        from kvpeer.lab.engines.scenario import HOST
+        from kvpeer.lab.engines.serving import EngineFailed, ServeFleet, ServeSpec
         from kvpeer.router.background import BackgroundRouter
         from kvpeer.router.config import EngineEntry, RouterConfig
         from kvpeer.router.policy import Mode, Role
@@ -187,7 +187,7 @@ class _LiveArm:
         return previous
 
     def fleet_counters(self) -> FleetCounters:
-        from kvpeer.integrations.vllm.serving import vllm_samples
+        from kvpeer.lab.engines.serving import vllm_samples
 
         local = external = 0.0
         for url in self.engine_urls:
@@ -238,7 +238,7 @@ def router_plans(router: BackgroundRouter) -> tuple[tuple[str, float], ...]:
 
 
 def _read_counters(urls: Sequence[str]) -> PeerCounters:
-    from kvpeer.integrations.vllm.serving import kvpeer_samples
+    from kvpeer.lab.engines.serving import kvpeer_samples
 
     blocks = bytes_ = failed = pulls = 0.0
     for url in urls:
@@ -258,7 +258,7 @@ def run(
     progress: Progress,
 ) -> BenchResult:
     """The real benchmark: says at once which arms cannot run, then runs the matrix."""
-    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
+    from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
 
     for arm in spec.arms:
         reason = unavailable(arm, spec.data_plane)

@@ -1,4 +1,4 @@
-"""Drive ``kvpeer soak`` (see :mod:`kvpeer.bench.soak` for what is judged and why).
+"""Drive ``kvpeer soak`` (see :mod:`kvpeer.lab.bench.soak_verdict` for what is judged and why).
 
 Two ``vllm serve`` engines (``a``, ``b``; kvpeer tier over shm) behind two routers run on
 threads of this process: ``pd`` (``a`` prefills, ``b`` pulls and decodes) and ``shared``
@@ -38,8 +38,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpeer.bench.routerproc import RouterProcess
-from kvpeer.bench.soak import (
+from kvpeer.host.claims import CLAIM_PREFIX
+from kvpeer.lab.bench.routerproc import RouterProcess
+from kvpeer.lab.bench.soak_events import SOAK_EVENT_BUFFER_STEPS, event_history
+from kvpeer.lab.bench.soak_memory import MemoryTrace, router_index
+from kvpeer.lab.bench.soak_verdict import (
     DRIVER,
     ENGINES,
     FAULT_GRACE_S,
@@ -57,10 +60,7 @@ from kvpeer.bench.soak import (
     schedule,
     summary,
 )
-from kvpeer.bench.soak_events import SOAK_EVENT_BUFFER_STEPS, event_history
-from kvpeer.bench.soak_memory import MemoryTrace, router_index
-from kvpeer.host.claims import CLAIM_PREFIX
-from kvpeer.integrations.vllm.procs import (
+from kvpeer.lab.engines.procs import (
     ProcessInfo,
     group_pids,
     process_info,
@@ -118,7 +118,7 @@ class Soak:
     # -- traffic ---------------------------------------------------------------------
 
     def clients(self, router: str) -> tuple[Any, dict[str, Any]]:
-        from kvpeer.integrations.vllm.openai_client import OpenAIClient
+        from kvpeer.lab.engines.openai_client import OpenAIClient
 
         direct = {
             name: OpenAIClient(e.spec.url, MODEL_NAME, 120.0)
@@ -278,7 +278,7 @@ class Soak:
         """Blocks pulled, from each engine's ``vllm:kvpeer_pulled_blocks_total``, read
         every progress report and before each fault (a new incarnation starts from zero;
         what one pulled between its last scrape and a SIGKILL or SIGTERM is not seen)."""
-        from kvpeer.integrations.vllm.serving import kvpeer_samples
+        from kvpeer.lab.engines.serving import kvpeer_samples
 
         for name, engine in list(self.fleet.engines.items()):
             try:
@@ -433,7 +433,8 @@ class Soak:
             self.router_index.setdefault(router, {})[when] = held
 
     def sample_event_history(self, when: str) -> None:
-        """What each engine's vLLM event publisher holds for replay (kvpeer.bench.soak_events)."""
+        """What each engine's vLLM event publisher holds for replay
+        (kvpeer.lab.bench.soak_events)."""
         for name, endpoint in self.replay.items():
             history = event_history(endpoint)
             self.event_history.setdefault(name, {})[when] = (
@@ -468,7 +469,7 @@ def fresh(rng: random.Random, n: int) -> list[int]:
 
 def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[str, Any]:
     """The whole soak; the engines are stopped whatever happens."""
-    from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec
+    from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
     from kvpeer.router.policy import Mode, Role
 
     started = time.monotonic()
@@ -527,8 +528,8 @@ def run(spec: SoakSpec, model: Path, log_dir: Path, progress: Progress) -> dict[
 
 def main(args: argparse.Namespace) -> int:
     """``kvpeer soak``: run, print the summary (or JSON); 1 if a check failed."""
-    from kvpeer.demo import default_model_dir
-    from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama
+    from kvpeer.lab.demo_run import default_model_dir
+    from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
 
     def progress(message: str) -> None:
         print(f"kvpeer soak: {message}", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 This module is the pure part: the arguments, the seeded fault schedule, what one request's
 outcome is, the tallies, the resource comparison and the verdict, the summary. The
-engines, routers, traffic and faults are driven by :mod:`kvpeer.bench.soak_run`.
+engines, routers, traffic and faults are driven by :mod:`kvpeer.lab.bench.soak_run`.
 
 **Faults.** After warm-up, every ``--fault-every`` seconds on average (drawn uniformly
 from 2/3 to 4/3 of it, seeded by ``--seed``; the gap runs from the end of the previous

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpeer.bench.rawnixl import raw_nixl_gbps
-from kvpeer.bench.tier import SCRAPE_HZ, scraping
 from kvpeer.config import TierConfig
 from kvpeer.host import BlockPool
+from kvpeer.lab.bench.rawnixl import raw_nixl_gbps
+from kvpeer.lab.bench.tier_bench import SCRAPE_HZ, scraping
+from kvpeer.lab.pull import Puller
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
-from kvpeer.node.pull import Puller
 from kvpeer.node.synthetic import synthetic_index, synthetic_key
 from kvpeer.transport.data.base import PrimaryRegion
 

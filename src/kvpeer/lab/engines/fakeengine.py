@@ -11,7 +11,7 @@ stream chunk until released, drop the connection mid-stream, or answer ``/health
 
 In-process (tests): :class:`FakeEngine` on the test's event loop, steered through its
 ``behaviour`` and ``release_last``. As a process (the bench, process-death tests):
-``python -m kvpeer.router.fakeengine --ready-file F``, steered through ``POST
+``python -m kvpeer.lab.engines.fakeengine --ready-file F``, steered through ``POST
 /_fake/behaviour`` and ``POST /_fake/release``, read through ``GET /_fake/received``.
 """
 

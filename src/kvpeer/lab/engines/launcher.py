@@ -1,6 +1,6 @@
 """Run vLLM engine scenarios as subprocesses, several at once, and clean up after them.
 
-Each scenario (see :mod:`kvpeer.integrations.vllm.runner`) runs in its own process
+Each scenario (see :mod:`kvpeer.lab.engines.runner`) runs in its own process
 group (vLLM on CPU forces ``spawn`` and keeps process-wide state; the group also
 holds the EngineCore and worker processes vLLM spawns). Engines that talk to each
 other run at the same time: :meth:`EngineLauncher.run_together` starts them together
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvpeer.host.claims import CLAIM_PREFIX
-from kvpeer.integrations.vllm.runner import RESULT_MARKER, STEP_MARKER
+from kvpeer.lab.engines.runner import RESULT_MARKER, STEP_MARKER
 
-RUNNER = "kvpeer.integrations.vllm.runner"
+RUNNER = "kvpeer.lab.engines.runner"
 SHM_DIR = Path("/dev/shm")
 ENGINE_TIMEOUT_S = 600.0
 LOG_TAIL_CHARS = 6000
@@ -49,7 +49,7 @@ class Generation:
     """One ``generate`` of a scenario: greedy tokens, their logprobs, cached prompt
     tokens, the wall and CPU seconds (of the engine's processes) the call took, vLLM's
     time to first token, and the blocks and bytes kvpeer loaded from peers meanwhile
-    (``None`` where unknown: see :mod:`kvpeer.integrations.vllm.runner`)."""
+    (``None`` where unknown: see :mod:`kvpeer.lab.engines.runner`)."""
 
     tokens: list[int]
     logprobs: list[float]

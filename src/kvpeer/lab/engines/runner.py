@@ -1,7 +1,7 @@
 """Run one vLLM engine scenario and print its outcome as one JSON line.
 
-Usage: ``python -m kvpeer.integrations.vllm.runner '<scenario json>'``. ``kvpeer demo``
-and the real-vLLM tests run it as a subprocess (:mod:`kvpeer.integrations.vllm.launcher`)
+Usage: ``python -m kvpeer.lab.engines.runner '<scenario json>'``. ``kvpeer demo``
+and the real-vLLM tests run it as a subprocess (:mod:`kvpeer.lab.engines.launcher`)
 because vLLM on CPU forces the ``spawn`` start method and keeps process-wide state.
 The scenario is a JSON object:
 

@@ -1,4 +1,4 @@
-"""Building blocks of engine scenarios for :mod:`kvpeer.integrations.vllm.runner`.
+"""Building blocks of engine scenarios for :mod:`kvpeer.lab.engines.runner`.
 
 A scenario is a JSON object: the engine's model, its ``secondary_tiers`` entry and a
 list of steps. ``kvpeer demo``, ``kvpeer bench idle`` and the real-vLLM tests build

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpeer.integrations.vllm.launcher import engine_env, free_port, shm_files
-from kvpeer.integrations.vllm.procs import shm_in_use, shm_names
-from kvpeer.integrations.vllm.scenario import HOST, kvpeer_tier, vllm_p2p_tier
+from kvpeer.lab.engines.launcher import engine_env, free_port, shm_files
+from kvpeer.lab.engines.procs import shm_in_use, shm_names
+from kvpeer.lab.engines.scenario import HOST, kvpeer_tier, vllm_p2p_tier
 from kvpeer.router.policy import EngineSpec, Role
 
 __all__ = [

@@ -31,7 +31,7 @@ from typing import TypeVar
 import zmq
 
 from kvpeer.errors import ProtocolError
-from kvpeer.fuzz.generator import Case
+from kvpeer.lab.fuzz.generator import Case
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
     AbortAck,

@@ -1,5 +1,5 @@
 """What a fuzz run is asked to do and what it found: ``FuzzSpec``, ``FuzzResult``,
-``CrashRecord`` (the harness in :mod:`kvpeer.fuzz.harness` fills them in)."""
+``CrashRecord`` (the harness in :mod:`kvpeer.lab.fuzz.fuzz_run` fills them in)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpeer.fuzz.generator import Case
-from kvpeer.fuzz.legit import PullOutcome
-from kvpeer.fuzz.process import Usage
+from kvpeer.lab.fuzz.generator import Case
+from kvpeer.lab.fuzz.legit import PullOutcome
+from kvpeer.lab.fuzz.process import Usage
 
 __all__ = ["CrashRecord", "FuzzResult", "FuzzSpec", "available_planes", "describe_case"]
 

@@ -30,11 +30,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from kvpeer.fuzz.generator import Case, FrameGenerator, Target
-from kvpeer.fuzz.legit import LegitConsumer, PullOutcome
-from kvpeer.fuzz.peers import FuzzPeers, NodeHello, Sinks
-from kvpeer.fuzz.process import CRASH_MARKERS, Death, NodeProcess, Usage, deaths_in
-from kvpeer.fuzz.results import (
+from kvpeer.lab.fuzz.fuzz_peers import FuzzPeers, NodeHello, Sinks
+from kvpeer.lab.fuzz.fuzz_results import (
     HASH_SEED,
     STALL_S,
     CrashRecord,
@@ -44,6 +41,9 @@ from kvpeer.fuzz.results import (
     Progress,
     available_planes,
 )
+from kvpeer.lab.fuzz.generator import Case, FrameGenerator, Target
+from kvpeer.lab.fuzz.legit import LegitConsumer, PullOutcome
+from kvpeer.lab.fuzz.process import CRASH_MARKERS, Death, NodeProcess, Usage, deaths_in
 from kvpeer.node.trim import TRIM_EVERY_S
 
 __all__ = [

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvpeer.fuzz import wire
-from kvpeer.fuzz.cases import Case, Target
-from kvpeer.fuzz.hostile import HOSTILE_ACKS, HOSTILE_CONNECTS
-from kvpeer.fuzz.mutations import UNKNOWN_TYPES, Bulk, Payload, mutate
+from kvpeer.lab.fuzz import wire
+from kvpeer.lab.fuzz.cases import Case, Target
+from kvpeer.lab.fuzz.hostile import HOSTILE_ACKS, HOSTILE_CONNECTS
+from kvpeer.lab.fuzz.mutations import UNKNOWN_TYPES, Bulk, Payload, mutate
 from kvpeer.node.synthetic import synthetic_key
 from kvpeer.protocol import PROTOCOL_VERSION
 from kvpeer.protocol import limits as L

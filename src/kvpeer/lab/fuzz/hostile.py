@@ -12,9 +12,9 @@ import random
 from collections.abc import Callable
 from typing import Final, Protocol
 
-from kvpeer.fuzz import wire
-from kvpeer.fuzz.cases import Target
-from kvpeer.fuzz.mutations import Payload
+from kvpeer.lab.fuzz import wire
+from kvpeer.lab.fuzz.cases import Target
+from kvpeer.lab.fuzz.mutations import Payload
 from kvpeer.protocol import limits as L
 
 __all__ = [

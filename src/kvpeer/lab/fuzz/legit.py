@@ -2,7 +2,7 @@
 
 Each :class:`LegitConsumer` is a node on one data plane (so the node under test
 must write into it over that plane), over its own block pool, driven the way an
-engine would through :class:`~kvpeer.node.pull.Puller`.
+engine would through :class:`~kvpeer.lab.pull.Puller`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from kvpeer.config import TierConfig
 from kvpeer.host import BlockPool
+from kvpeer.lab.pull import Puller
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
-from kvpeer.node.pull import Puller
 from kvpeer.node.synthetic import synthetic_block, synthetic_key
 from kvpeer.transport.data.base import PrimaryRegion
 

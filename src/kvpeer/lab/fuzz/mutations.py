@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from typing import Final
 
-from kvpeer.fuzz import wire
+from kvpeer.lab.fuzz import wire
 from kvpeer.protocol import limits as L
 
 __all__ = ["SCHEMAS", "UNKNOWN_TYPES", "Bulk", "Field", "mutate"]

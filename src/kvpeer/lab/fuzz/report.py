@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from kvpeer.fuzz.harness import STALL_S, FuzzResult
-from kvpeer.fuzz.legit import PullOutcome
-from kvpeer.fuzz.process import Usage
+from kvpeer.lab.fuzz.fuzz_run import STALL_S, FuzzResult
+from kvpeer.lab.fuzz.legit import PullOutcome
+from kvpeer.lab.fuzz.process import Usage
 
 __all__ = ["render", "to_json"]
 

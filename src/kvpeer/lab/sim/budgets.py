@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvpeer.lab.sim.sim_network import SimNetwork
+from kvpeer.lab.sim.timeouts import SimContext
 from kvpeer.node.tier import Tier
-from kvpeer.sim.config import SimContext
-from kvpeer.sim.network import SimNetwork
 
 __all__ = ["REFUSED", "SILENT", "Reach"]
 

@@ -2,7 +2,7 @@
 
 During the run (:meth:`Checker.running`):
 
-1. Every open job is reported within its bound (:class:`~kvpeer.sim.config.Bounds`):
+1. Every open job is reported within its bound (:class:`~kvpeer.lab.sim.timeouts.Bounds`):
    a load within the load and abort_ack timeouts, a pin through the parent
    within the store timeout plus a fetched transfer's abort and drain, a
    producer's store within that plus the unbound-store timeout.
@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from kvpeer.host import SlotState
-from kvpeer.sim.config import SimContext
-from kvpeer.sim.node import LOAD, STORE, Incarnation, OpenJob, SimNode
+from kvpeer.lab.sim.node import LOAD, STORE, Incarnation, OpenJob, SimNode
+from kvpeer.lab.sim.timeouts import SimContext
 
 __all__ = ["Checker", "unexplained_consumer_entries"]
 
@@ -250,7 +250,7 @@ class Checker:
     def quiet(self, node: SimNode, peers: list[str], stale: frozenset[str] = frozenset()) -> None:
         """``stale``: peers toward which ``node`` holds a half-open session (the peer
         forgot it): what such a session holds is judged after the reunion, which
-        must mend it (kvpeer.sim.reunion)."""
+        must mend it (kvpeer.lab.sim.reunion)."""
         live = node.live
         assert live is not None
         where = node.name

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvpeer.host import BlockPool, TieringHost
+from kvpeer.lab.sim.sim_network import SimNetwork
+from kvpeer.lab.sim.timeouts import SimContext, Timeouts
 from kvpeer.node.params import Routing, parse_transfer_params
 from kvpeer.node.tier import Tier
 from kvpeer.session.ports import Parent, TransferEvent
-from kvpeer.sim.config import SimContext, Timeouts
-from kvpeer.sim.network import SimNetwork
 from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
 from kvpeer.types import (
     JobResult,

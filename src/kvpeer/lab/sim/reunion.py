@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpeer.sim.config import PORT
-from kvpeer.sim.node import SimNode, SimRequest
-from kvpeer.sim.prompts import chain
+from kvpeer.lab.sim.node import SimNode, SimRequest
+from kvpeer.lab.sim.prompts import chain
+from kvpeer.lab.sim.timeouts import PORT
 from kvpeer.types import RequestContext
 
 if TYPE_CHECKING:
-    from kvpeer.sim.world import World
+    from kvpeer.lab.sim.world import World
 
 __all__ = ["ATTEMPTS", "ATTEMPT_TICKS", "reunite"]
 

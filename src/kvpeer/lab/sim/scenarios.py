@@ -26,9 +26,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpeer.sim.config import PORT
-from kvpeer.sim.node import SimNode, SimRequest
-from kvpeer.sim.prompts import PromptBook
+from kvpeer.lab.sim.node import SimNode, SimRequest
+from kvpeer.lab.sim.prompts import PromptBook
+from kvpeer.lab.sim.timeouts import PORT
 from kvpeer.types import Key, RequestContext
 
 __all__ = ["GHOST_PEER", "KINDS", "Planned", "Router"]

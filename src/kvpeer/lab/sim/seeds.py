@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
-from kvpeer.sim.world import SeedResult, run_seed
+from kvpeer.lab.sim.world import SeedResult, run_seed
 
 DEFAULT_TICKS = 200
 
@@ -143,6 +143,11 @@ def _pin_hash_seed() -> None:
         os.execve(sys.executable, argv, env)
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """``python -m kvpeer.sim``: run under a fixed hash seed, exit with :func:`main`'s status."""
     _pin_hash_seed()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    command()

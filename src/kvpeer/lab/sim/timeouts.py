@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvpeer.config import TierConfig
-from kvpeer.sim.prompts import Blocks
+from kvpeer.lab.sim.prompts import Blocks
 from kvpeer.testing.clock import FakeClock
 
 if TYPE_CHECKING:
-    from kvpeer.sim.budgets import Reach
+    from kvpeer.lab.sim.budgets import Reach
 
 __all__ = ["Bounds", "SimContext", "Timeouts"]
 
@@ -159,7 +159,7 @@ class Bounds:
         t = self.timeouts
         return t.handshake + t.load + t.abort_ack + self.slack
 
-    # -- request budgets toward unreachable peers (kvpeer.sim.budgets) ---------------
+    # -- request budgets toward unreachable peers (kvpeer.lab.sim.budgets) ---------------
 
     @property
     def budget_slack(self) -> float:

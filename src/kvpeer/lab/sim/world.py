@@ -2,7 +2,7 @@
 
 One :class:`World` per seed. ``random.Random(seed)`` decides everything (no
 other randomness, no real time, no threads): the pool geometry, the fault
-profile, which requests arrive when and where (:mod:`kvpeer.sim.scenarios`),
+profile, which requests arrive when and where (:mod:`kvpeer.lab.sim.scenarios`),
 when requests finish, which transfers complete, fail or hang.
 
 Each seed also draws the request budgets the tiers get (``peer_wait_s``,
@@ -17,16 +17,16 @@ same address (a restart) or never; engines that stall (take no step, their
 transport answers) for up to 24 ticks; partitions of one direction or both
 between two nodes, for 1-40 ticks; frozen processes (SIGSTOP: no step and
 no transport answer) for 1-30 ticks. What each network fault shows a node is
-:mod:`kvpeer.sim.network`; the budgets it must keep, :mod:`kvpeer.sim.budgets`.
+:mod:`kvpeer.lab.sim.sim_network`; the budgets it must keep, :mod:`kvpeer.lab.sim.budgets`.
 
 Each tick advances the shared fake clock by 0.05-0.5 s, applies faults,
 starts the requests due, then steps every live node in a random order (the
 scheduler's lookups, computes and finishes, then ``TieringHost.step``), and
-runs the checks of :mod:`kvpeer.sim.checks`. After the last tick every fault
+runs the checks of :mod:`kvpeer.lab.sim.checks`. After the last tick every fault
 heals, every open request finishes and time runs on, in ticks, past every
 timeout; then every live node must be empty (a session left half-open by a
 partition is judged after the next phase), every live node must pull from
-every other one again (:mod:`kvpeer.sim.reunion`), and every session left
+every other one again (:mod:`kvpeer.lab.sim.reunion`), and every session left
 must be ready at both ends. Any exception a node raises, or ERROR it logs, is a
 violation (a raising node is treated as crashed). A control-frame storm (far
 more frames than a healthy world sends) is a violation that ends the run.
@@ -46,14 +46,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvpeer.host import SlotState
-from kvpeer.sim.budgets import Reach
-from kvpeer.sim.checks import Checker
-from kvpeer.sim.config import Bounds, SimContext, Timeouts
-from kvpeer.sim.network import Heartbeat, SimNetwork
-from kvpeer.sim.node import SimNode, TierProbe
-from kvpeer.sim.prompts import Blocks, PromptBook
-from kvpeer.sim.reunion import reunite
-from kvpeer.sim.scenarios import GHOST_PEER, Planned, Router
+from kvpeer.lab.sim.budgets import Reach
+from kvpeer.lab.sim.checks import Checker
+from kvpeer.lab.sim.node import SimNode, TierProbe
+from kvpeer.lab.sim.prompts import Blocks, PromptBook
+from kvpeer.lab.sim.reunion import reunite
+from kvpeer.lab.sim.scenarios import GHOST_PEER, Planned, Router
+from kvpeer.lab.sim.sim_network import Heartbeat, SimNetwork
+from kvpeer.lab.sim.timeouts import Bounds, SimContext, Timeouts
 from kvpeer.testing.clock import FakeClock
 from kvpeer.testing.dataplane import Fabric
 
