@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
+
+from kvpeer.commands.progress import progress_printer
 
 HELP = "a pull from an idle producer: held blocks vs the serve window"
 
@@ -26,8 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpeer.lab.bench import held_bench
     from kvpeer.lab.demo_run import default_model_dir
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench held: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench held")
 
     spec = held_bench.HeldSpec(
         prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=args.held_mib << 20

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
+from kvpeer.commands.progress import progress_printer
 from kvpeer.errors import KVPeerError
 
 HELP = "idle engines' CPU and lookup answer time: kvpeer vs vLLM's p2p tier"
@@ -35,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     make = idle.IdleSpec.quick if args.quick else idle.IdleSpec.full
     spec = make() if args.seconds is None else make(idle_s=args.seconds)
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench idle: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench idle")
 
     result = idle.run(
         spec,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from kvpeer.commands.progress import progress_printer
 from kvpeer.lab.bench import router_bench
 
 HELP = "router overhead: added latency and requests/s vs a direct baseline"
@@ -16,8 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(message: str) -> None:
-        print(f"kvpeer bench router: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench router")
 
     spec = router_bench.RouterBenchSpec.from_args(args)
     result = router_bench.run(spec, progress)

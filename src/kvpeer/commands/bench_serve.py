@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
+from kvpeer.commands.progress import progress_printer
 from kvpeer.lab.bench import serve_bench
 
 HELP = ("TTFT through kvpeer router: kvpeer vs a prefix-aware router with no tier, load only, "
@@ -25,8 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec = serve_bench.ServeBenchSpec.from_args(args)  # bad values fail before any engine starts
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench serve: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench serve")
 
     result = serve_vllm.run(
         spec,

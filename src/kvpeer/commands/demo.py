@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
+
+from kvpeer.commands.progress import progress_printer
 
 HELP = "two vllm serve engines behind kvpeer router share KV over HTTP (pd, shared, chat)"
 
@@ -30,8 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpeer.lab import demo_run
 
-    def progress(message: str) -> None:
-        print(f"kvpeer demo: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("demo")
 
     result = demo_run.run_demo(
         data_plane=args.data_plane,

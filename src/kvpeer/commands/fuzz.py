@@ -6,10 +6,10 @@ import argparse
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 from kvpeer.commands.options import csv
+from kvpeer.commands.progress import progress_printer
 from kvpeer.errors import KVPeerError
 
 HELP = "drive a real node with generated hostile frames and watch it"
@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.log_level.upper() == "WARNING":  # the legitimate consumers' goodbyes are noise
         logging.getLogger("kvpeer").setLevel(logging.ERROR)
 
-    def progress(message: str) -> None:
-        print(f"kvpeer fuzz: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("fuzz")
 
     progress(
         f"{spec.frames:,} frames, seed {spec.seed}, data planes {','.join(planes)}; "
