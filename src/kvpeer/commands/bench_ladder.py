@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
+
+from kvpeer.commands.progress import progress_printer
 
 HELP = "a fresh prompt: computed, local hit, pulled from an idle and from a busy producer"
 
@@ -36,12 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import ladder
-    from kvpeer.demo import default_model_dir
+    from kvpeer.lab.bench import ladder
+    from kvpeer.lab.demo_run import default_model_dir
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench ladder: {message}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("bench ladder")
     spec = ladder.LadderSpec(
         prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=args.held_mib << 20
     )

@@ -10,7 +10,7 @@ When enabled, a node writes every event of a pull on logger ``kvpeer.trace``
 
 ``t`` is wall-clock time (``time.time()``), deliberately not the tier's clock:
 lines of the router and of both engines, in different processes, merge into one
-timeline by it. :func:`kvpeer.bench.serve_trace.parse_line` reads the lines back.
+timeline by it. :func:`kvpeer.lab.bench.serve_trace.parse_line` reads the lines back.
 
 Events. Consumer: ``lookup_asked`` (the engine's first probe of an id),
 ``lookup_sent`` (a lookup round on the wire), ``lookup_answered`` (its answer:
