@@ -523,6 +523,11 @@ class Tier:
         c.retired_timeouts.update(stats.producer.timeouts)
 
     @property
+    def steps(self) -> int:
+        """The engine's scheduler steps so far (``on_schedule_end`` calls)."""
+        return self._steps
+
+    @property
     def blocks_loaded(self) -> int:
         """Blocks successful loads brought from peers since start (one int: safe to
         read from any thread, unlike :meth:`statistics`)."""

@@ -111,11 +111,13 @@ def generate(
     )
     cpu_before = group_cpu_seconds()
     loaded_before = blocks_loaded()
+    sync_before = sync_counts(llm)
     started = time.monotonic()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     seconds = time.monotonic() - started
     cpu_seconds = group_cpu_seconds() - cpu_before
     loaded_after = blocks_loaded()
+    sync_after = sync_counts(llm)
     completion = output.outputs[0]
     tokens = [int(token) for token in completion.token_ids]
     logprobs = [
@@ -131,6 +133,37 @@ def generate(
         "blocks_from_peer": _delta(loaded_after, loaded_before, 0),
         "bytes_from_peer": _delta(loaded_after, loaded_before, 1),
         "load_seconds": _delta(loaded_after, loaded_before, 2),
+        **{
+            name: None if sync_after is None or sync_before is None
+            else sync_after[name] - sync_before[name]
+            for name in SYNC_COUNTS
+        },
+    }
+
+
+SYNC_COUNTS = ("engine_steps", "sync_promotions", "late_promotions", "sync_loads")
+
+
+def sync_counts(llm: Any) -> dict[str, int] | None:
+    """Scheduler steps, and the promotions and loads kvpeer's manager and connector made
+    without extra steps, so far; ``None`` unless the scheduler runs in this process."""
+    from kvpeer.integrations.vllm.connector import KVPeerOffloadingConnector
+    from kvpeer.integrations.vllm.manager import KVPeerTieringManager
+    from kvpeer.integrations.vllm.tier import live_tiers
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    tiers = live_tiers()
+    if not isinstance(connector, KVPeerOffloadingConnector) or len(tiers) != 1:
+        return None
+    assert connector.connector_scheduler is not None
+    manager = connector.connector_scheduler.manager
+    assert isinstance(manager, KVPeerTieringManager)
+    return {
+        "engine_steps": tiers[0].node.tier.steps,
+        "sync_promotions": manager.sync_promotions,
+        "late_promotions": manager.late_promotions,
+        "sync_loads": connector.sync_loads,
     }
 
 
