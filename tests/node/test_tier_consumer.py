@@ -497,3 +497,36 @@ class TestHeldTokens:
         cluster.run()
         req = self.hinted(a, b, "c", held=64)
         assert a.lookup(req, key(9)) == [RETRY]
+
+
+class TestPullConfirmed:
+    """Which pulls the engine's scheduler may wait for inside its lookup (issue 27,
+    kvpeer.integrations.vllm.manager): those whose source holds the blocks now."""
+
+    def test_a_symmetric_pull_and_a_pd_pull_after_its_prefill_answered(
+        self, cluster: Cluster
+    ) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        symmetric = a.request("s", kv_source("kv1", b))
+        after_prefill = a.request("d", {"remote_prefiller": {**b.source("kv2"),
+                                                             "prefill_done": True}})  # fmt: skip
+        assert a.tier.pull_confirmed(symmetric)
+        assert a.tier.pull_confirmed(after_prefill)
+
+    def test_not_a_pd_pull_whose_prefill_may_still_run_nor_a_local_request(
+        self, cluster: Cluster
+    ) -> None:
+        a, b = cluster.add("a", 1), cluster.add("b", 2)
+        assert not a.tier.pull_confirmed(a.request("p", prefiller("kv1", b)))
+        assert not a.tier.pull_confirmed(a.request("l"))
+        assert not a.tier.pull_confirmed(RequestContext("never-started", None))
+
+    def test_not_once_the_pull_failed(self, cluster: Cluster) -> None:
+        a = cluster.add("a", 1)
+        req = a.request("g", {"remote_kv_source": ghost("kv9", port=9)})
+        assert a.tier.pull_confirmed(req)
+        a.load(req, KEYS)
+        cluster.advance(a.config.load_timeout_s + a.config.abort_ack_timeout_s + 1)
+        cluster.run()
+        assert a.lookup(req, KEYS[0]) == [MISS]
+        assert not a.tier.pull_confirmed(req)

@@ -260,11 +260,14 @@ class Tier:
         return _HIT
 
     def pull_confirmed(self, request: RequestContext) -> bool:
-        """Whether ``request`` pulls blocks its source already holds (confirmed by a
-        probe or named by the router), so a load is worth waiting for on the engine
-        thread; a PD consumer's source may still be computing its prefill."""
+        """Whether ``request`` pulls blocks its source already holds, so a load is worth
+        waiting for on the engine thread: confirmed by a probe or named by the router
+        (symmetric), or a PD prefill the orchestrator saw answer (``prefill_done``); a
+        PD consumer sent before that may wait for a prefill still being computed."""
         source = self._requests.get(request.req_id, LOCAL).source
-        return source is not None and source.probe and source.kv_request_id not in self._failed
+        if source is None or source.kv_request_id in self._failed:
+            return False
+        return source.probe or source.prefill_done
 
     def promotion_waited(self, request: RequestContext, waited_s: float, done: bool) -> None:
         """Trace how long the engine waited in a lookup for a load it submitted at once."""

@@ -27,7 +27,8 @@ Invariants:
    (``complete_write``); a failed or partial job frees its keys as vLLM's would.
 3. The engine thread never waits longer than ``sync_pull_wait_s`` per promotion, and
    not at all for tiers that are not kvpeer's or for requests whose source has not
-   confirmed its blocks (PD consumers wait for a prefill that may take seconds).
+   confirmed its blocks (a PD consumer sent before its prefill answered may wait for
+   a prefill that takes seconds).
 """
 
 from __future__ import annotations

@@ -60,7 +60,9 @@ FLOAT32_SIZE = 4
 
 
 def build_llm(scenario: dict[str, Any]) -> Any:
-    """An in-process ``vllm.LLM`` with the OffloadingConnector on kvpeer's CPU spec."""
+    """An in-process ``vllm.LLM`` with the offloading connector on kvpeer's CPU spec:
+    kvpeer's own connector when a kvpeer tier is configured, vLLM's otherwise (vLLM's
+    p2p tier and the CPU tier alone run as vLLM ships them)."""
     from vllm import LLM
 
     extra_config: dict[str, Any] = {
@@ -69,6 +71,13 @@ def build_llm(scenario: dict[str, Any]) -> Any:
         "cpu_bytes_to_use": scenario["cpu_bytes_to_use"],
     }
     extra_config.update(scenario.get("extra_config", {}))
+    tiers = extra_config.get("secondary_tiers", ())
+    kvpeer = any(tier.get("type") in ("KVPeerTier", "kvpeer") for tier in tiers)
+    connector: dict[str, Any] = (
+        {"kv_connector": "KVPeerOffloadingConnector",
+         "kv_connector_module_path": "kvpeer.integrations.vllm.connector"}
+        if kvpeer else {"kv_connector": "OffloadingConnector"}
+    )  # fmt: skip
     return LLM(
         model=scenario["model"],
         skip_tokenizer_init=True,
@@ -81,8 +90,7 @@ def build_llm(scenario: dict[str, Any]) -> Any:
         max_num_seqs=4,
         disable_log_stats=False,  # per-request metrics: the time to first token
         kv_transfer_config={
-            "kv_connector": "KVPeerOffloadingConnector",
-            "kv_connector_module_path": "kvpeer.integrations.vllm.connector",
+            **connector,
             "kv_role": "kv_both",
             "engine_id": scenario["engine_id"],
             "kv_connector_extra_config": extra_config,
