@@ -18,12 +18,14 @@ first token at the client (streamed) of:
     the part of (d) that is the pull's.
 
 The ratios are the issue's goals: (c) <= 1.5x (b), (d) <= 2x (b), (c) <= 0.1x (a). The
-step timeline of the slowest pulled request is read from the consumer's trace
-(``KVPEER_TRACE=1``, kvpeer.node.trace), with the router's own trace of it.
+step timeline of the slowest pulled request is read from both engines' traces
+(``KVPEER_TRACE=1``, kvpeer.node.trace), the router's trace of it, and the client's own
+times (sent, first token), so it spans the whole request.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import shutil
@@ -35,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvpeer.node.trace import TRACE_LOGGER
 
 __all__ = ["LadderSpec", "render", "run", "timeline"]
 
@@ -62,6 +66,36 @@ class _Pull:
     request_id: str
     source: str | None
     same: bool
+
+
+class _ClientLog:
+    """The client's side of each pull, as trace lines: when it was sent, when its first
+    token came (the timeline then spans client, router and both engines)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("w", encoding="utf-8")
+
+    def complete(self, client: Any, prompt: list[int], headers: dict[str, str]) -> Any:
+        sent = time.time()
+        got = client.complete(prompt, 2, headers)
+        request = got.headers.get("x-kvpeer-request-id", "")
+        for t, event in ((sent, "sent"), (sent + got.ttft_s, "first_token")):
+            self._file.write(f"kvpeer.trace t={t:.6f} node=client id={request} event={event}\n")
+        self._file.flush()
+        return got
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _router_trace(path: Path) -> logging.Handler:
+    """The in-process router's trace lines (``kvpeer.trace``, event ``sent``) to ``path``."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(TRACE_LOGGER)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
 
 
 class _Background:
@@ -117,6 +151,8 @@ def run(
     pulls: list[_Pull] = []
     busy_overlapped = 0
     fleet = ServeFleet(logs, progress)
+    client_log = _ClientLog(logs / "client.log")
+    router_log = _router_trace(logs / "router.log")
     ok = False
     try:
         progress("starting two vllm serve engines with the kvpeer tier (held blocks, shm)")
@@ -143,12 +179,12 @@ def run(
                     local = client.complete(p, 2, _pin("a"))
                     samples["local"].append(local.ttft_s)
                     time.sleep(spec.idle_s)
-                    pulled = client.complete(p, 2, _pin("b"))
+                    pulled = client_log.complete(client, p, _pin("b"))
                     reference_q = client.complete(q, 2, _pin("a"))  # a local hit: the reference
                     time.sleep(spec.idle_s)
                     long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
                     time.sleep(BUSY_START_S)
-                    busy = client.complete(q, 2, _pin("b"))
+                    busy = client_log.complete(client, q, _pin("b"))
                     busy_overlapped += not long_prefill.done.is_set()
                     long_prefill.join()
                     time.sleep(spec.idle_s)
@@ -178,6 +214,9 @@ def run(
         ok = True
     finally:
         fleet.close()
+        logging.getLogger(TRACE_LOGGER).removeHandler(router_log)
+        router_log.close()
+        client_log.close()
     slowest = max(pulls, key=lambda pull: pull.ttft_s, default=None)
     steps = timeline(fleet_logs(logs), slowest.request_id) if slowest is not None else []
     if ok and log_dir is None:
