@@ -80,6 +80,13 @@ class TestSweep:
         assert sum(result.loads_failed for result in sweep) > 0  # faults really happen
         assert sum(result.deaths for result in sweep) > 0
 
+    def test_held_blocks_serve_release_and_fill_up(self, sweep: list[SeedResult]) -> None:
+        held = [result.held for result in sweep if result.held is not None]
+        assert len(held) > len(sweep) // 3  # half of the worlds draw held blocks
+        assert sum(h.written > 0 for h in held) > len(held) * 3 // 4  # engine-less serving
+        assert sum(h.released > 0 for h in held) > len(held) // 2  # the copy is full
+        assert sum(h.skipped > 0 for h in held) > 3  # every row pinned: a block not kept
+
     def test_every_network_fault_kind_happens(self, sweep: list[SeedResult]) -> None:
         assert sum(result.partitions for result in sweep) > 100
         assert sum(result.freezes for result in sweep) > 30

@@ -247,14 +247,15 @@ class FakeDataPlane:
                 self.violations.append(
                     f"write {transfer_id} into {target.node_id} slot {remote}, not opened for us"
                 )
-            peer.region.write(remote, self._read(local))
+            peer.region.write(remote, self.read_block(local))
         self._events.setdefault(write.peer_id, []).append(TransferEvent(transfer_id, True))
 
     def _held_rows(self) -> int:
         return 0 if self.held is None else self.held.nbytes // self.region.block_len
 
-    def _read(self, slot: int) -> bytes:
-        """The block a write reads from local ``slot``: a primary row or a held row."""
+    def read_block(self, slot: int) -> bytes:
+        """The block a write reads from local ``slot`` as it completes: a primary row,
+        or a row of :attr:`held` (``num_blocks`` ..)."""
         if slot < self.region.num_blocks or self.held is None:
             return self.region.block(slot)
         start = (slot - self.region.num_blocks) * self.region.block_len

@@ -14,10 +14,13 @@ During the run (:meth:`Checker.running`):
    and producer ids; parked batches, tombstones, early fetches and consumer
    session entries never exceed what their timeouts allow to be alive (consumer
    entries per session: each peer's session keeps its own entry per id).
+5. Held blocks (:mod:`kvpeer.lab.sim.held`, whose watcher checks each promise as
+   it is made, kept and read): the copy never holds more bytes than its
+   ``held_bytes``, and its pinned rows are exactly those promised to peers.
 
 After the quiet phase (:meth:`Checker.quiet`): no job, request, pin, WRITING
-slot, parked batch, tombstone, early fetch, session entry or pending write is
-left anywhere, and every READY slot holds its key's bytes.
+slot, parked batch, tombstone, early fetch, session entry, pending write or
+pinned held row is left anywhere, and every READY slot holds its key's bytes.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class Checker:
         self._jobs(node.name, live)
         self._budgets(node.name, live)
         self._pins(node.name, live, full)
+        self._held(node.name, live)
         self._written(node.name, live)
         if full:
             self._tier_counts(node, live, peers)
@@ -129,6 +133,26 @@ class Checker:
                     f"slot {slot} is pinned {actual} times but open jobs hold it {wanted} times"
                     + (" (a pin outlived its job)" if actual > wanted else ""),
                 )
+
+    def _held(self, where: str, live: Incarnation) -> None:
+        held = live.held
+        if held is None:
+            return
+        stats = held.statistics()
+        if stats.bytes > held.bound or stats.capacity_bytes > held.bound:
+            self.once(
+                where,
+                "held bound",
+                f"held blocks hold {stats.bytes} bytes (capacity {stats.capacity_bytes}), "
+                f"over their held_bytes of {held.bound}",
+            )
+        if stats.pinned_blocks != len(held.promised):
+            self.once(
+                where,
+                "held pins",
+                f"held blocks count {stats.pinned_blocks} pinned rows, but peers were "
+                f"promised {len(held.promised)} rows and hold them",
+            )
 
     def _written(self, where: str, live: Incarnation) -> None:
         pool, region = live.pool, live.region
@@ -239,11 +263,21 @@ class Checker:
         for problem in unexplained_consumer_entries(entries, pulling | finished.keys()):
             expect("consumer_entries", False, problem)
         pins = sum(len(job.slots) for job in probe.open_jobs.values() if job.kind != LOAD)
+        if live.held is not None:
+            pins += live.held.promised_pins  # supply pinned from held rows
         expect(
             "supply",
             supplies <= pins and stats.pinned_blocks <= pins,
-            f"{stats.pinned_blocks} blocks of supply, open jobs pin {pins}",
+            f"{stats.pinned_blocks} blocks of supply, open jobs and held rows pin {pins}",
         )
+        if live.held is not None:
+            held = live.held.statistics()
+            expect(
+                "held",
+                (stats.held_blocks, stats.held_bytes) == (held.blocks, held.bytes),
+                f"{stats.held_blocks} held blocks of {stats.held_bytes} bytes, the copy "
+                f"holds {held.blocks} of {held.bytes}",
+            )
 
     # -- after the quiet phase ---------------------------------------------------------
 
@@ -300,6 +334,9 @@ class Checker:
                 live.plane.open_slots_for(peer_id)
             )
         leftovers["data plane pending writes"] = len(live.plane.pending)
+        if live.held is not None:
+            leftovers["pinned held rows"] = live.held.statistics().pinned_blocks
+            leftovers["held pins promised to peers"] = live.held.promised_pins
         leftovers["host pending work"] = int(live.host.has_pending_work())
         for name, count in leftovers.items():
             if count:

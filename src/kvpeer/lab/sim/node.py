@@ -2,7 +2,8 @@
 
 A :class:`SimNode` keeps its identity (``n<i>:5710``) across deaths; each
 boot builds a fresh :class:`Incarnation` (pool, region, fake data plane,
-tier, host) with a new boot id. Between the host and the tier sits a
+tier, host, and its held blocks if it has any: :mod:`kvpeer.lab.sim.held`) with a
+new boot id. Between the host and the tier sits a
 :class:`TierProbe` that sees every job in both directions, so the checker
 knows, without reading the tier's internals:
 
@@ -20,10 +21,11 @@ request finishes a few steps after its last stage (or earlier, at random).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 from kvpeer.host import BlockPool, TieringHost
+from kvpeer.lab.sim.held import HeldProfile, WatchedHeld
 from kvpeer.lab.sim.sim_network import SimNetwork
 from kvpeer.lab.sim.timeouts import SimContext, Timeouts
 from kvpeer.node.params import Routing, parse_transfer_params
@@ -80,13 +82,45 @@ class SimDataPlane(FakeDataPlane):
     One-sided planes (shm, nixl) cannot refuse it; that residual risk is a
     property of those transports, documented in docs/behaviour.md, not of the logic
     under test here.
+
+    With ``held`` it reads local slots ``num_blocks ..`` from the node's held copy,
+    toward the peers whose planes read held rows (``HeldProfile.serves``), and tells
+    the copy's watcher of every such read.
     """
 
     def __init__(
-        self, network: SimNetwork, fabric: Fabric, node_id: str, region: Region, *, slow: bool
+        self,
+        network: SimNetwork,
+        fabric: Fabric,
+        node_id: str,
+        region: Region,
+        *,
+        slow: bool,
+        held: WatchedHeld | None = None,
     ) -> None:
         super().__init__(fabric, node_id, region, auto_complete=not slow, enforce_windows=True)
         self.network = network
+        self.watched = held
+        if held is not None:
+            self.held = held.view
+
+    def write_blocks(
+        self, peer_id: str, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> int:
+        held = self.watched
+        if held is not None and not held.serves_peer(peer_id):
+            for slot in local_slots:
+                if slot >= self.region.num_blocks:
+                    self.violations.append(
+                        f"a write toward {peer_id} reads held slot {slot}, but its plane "
+                        "does not read held rows"
+                    )
+        return super().write_blocks(peer_id, local_slots, remote_slots)
+
+    def read_block(self, slot: int) -> bytes:
+        if self.watched is not None and slot >= self.region.num_blocks:
+            self.watched.read(slot)
+        return super().read_block(slot)
 
     def poll(self, peer_id: str) -> list[TransferEvent]:
         if self.auto_complete and not self.network.carries(self.node_id, peer_id):
@@ -350,6 +384,7 @@ class Incarnation:
     tier: Tier
     probe: TierProbe
     host: TieringHost
+    held: WatchedHeld | None = None
     plane_violations_seen: int = 0
 
 
@@ -368,6 +403,8 @@ class SimNode:
     complete_p: float = 1.0
     fail_p: float = 0.0
     busy_p: float = 0.0
+    held: HeldProfile | None = None  # its tier keeps held blocks (kvpeer.lab.sim.held)
+    held_type: type[WatchedHeld] = WatchedHeld  # another one: a negative control
     live: Incarnation | None = None
     boots: int = 0
     requests: dict[str, SimRequest] = field(default_factory=dict)
@@ -388,11 +425,16 @@ class SimNode:
         assert config.peer_id == self.peer_id
         pool = BlockPool(self.num_blocks, self.block_len)
         region = SimRegion(pool, self.ctx)
-        plane = SimDataPlane(self.net, self.fabric, self.peer_id, region, slow=self.slow)
+        held = None
+        if self.held is not None:
+            config = replace(config, held_bytes=self.held.held_bytes)
+            held = self.held_type(pool, self.held, self.ctx, self.name)
+        plane = SimDataPlane(self.net, self.fabric, self.peer_id, region, slow=self.slow, held=held)
         control = self.net.attach(self.peer_id)
-        tier = Tier(config, control, plane, clock=self.ctx.clock, boot_id=boot_id)
+        tier = Tier(config, control, plane, clock=self.ctx.clock, boot_id=boot_id, held=held)
         probe = TierProbe(tier, self.name, pool, self.ctx)
-        self.live = Incarnation(pool, region, plane, tier, probe, TieringHost(pool, [probe]))
+        host = TieringHost(pool, [probe])
+        self.live = Incarnation(pool, region, plane, tier, probe, host, held)
         self.boots += 1
         self.stalled_until = -1
         self.frozen = False

@@ -6,7 +6,9 @@ profile, which requests arrive when and where (:mod:`kvpeer.lab.sim.scenarios`),
 when requests finish, which transfers complete, fail or hang.
 
 Each seed also draws the request budgets the tiers get (``peer_wait_s``,
-``peer_retry_max_s``) and the transport's heartbeat (:meth:`Timeouts.drawn`).
+``peer_retry_max_s``) and the transport's heartbeat (:meth:`Timeouts.drawn`),
+and, from a generator of its own, which nodes keep held blocks and how many
+(:mod:`kvpeer.lab.sim.held`).
 
 Faults, each present in a seed or not, at a rate the seed picks: control
 delays per link (0-0.3 s, with hiccups); slow producers, whose writes
@@ -43,11 +45,12 @@ import traceback
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 
 from kvpeer.host import SlotState
 from kvpeer.lab.sim.budgets import Reach
 from kvpeer.lab.sim.checks import Checker
+from kvpeer.lab.sim.held import WatchedHeld, draw_held
 from kvpeer.lab.sim.node import SimNode, TierProbe
 from kvpeer.lab.sim.prompts import Blocks, PromptBook
 from kvpeer.lab.sim.reunion import reunite
@@ -57,7 +60,7 @@ from kvpeer.lab.sim.timeouts import Bounds, SimContext, Timeouts
 from kvpeer.testing.clock import FakeClock
 from kvpeer.testing.dataplane import Fabric
 
-__all__ = ["SeedResult", "World", "run_seed"]
+__all__ = ["HeldCounts", "SeedResult", "World", "run_seed"]
 
 MIN_TICK, MAX_TICK = 0.05, 0.5
 LONG_QUIET_TICK = 2.0  # once every job is past its deadline, only expiries are left
@@ -91,18 +94,41 @@ class SeedResult:
     partitions: int = 0
     freezes: int = 0
     restarts: int = 0
+    held: HeldCounts | None = None  # the world's nodes kept held blocks
 
     @property
     def loads_ok(self) -> int:
         return self.loads_ok_pd + self.loads_ok_sym
 
     def summary(self) -> str:
-        return (
+        line = (
             f"seed={self.seed} violations={len(self.violations)} jobs={self.jobs} "
             f"loads_ok={self.loads_ok} (pd={self.loads_ok_pd} sym={self.loads_ok_sym}) "
             f"loads_failed={self.loads_failed} requests={self.requests} deaths={self.deaths} "
             f"partitions={self.partitions} freezes={self.freezes} restarts={self.restarts}"
         )
+        return line if self.held is None else f"{line} held: {self.held.summary()}"
+
+
+@dataclass(frozen=True, slots=True)
+class HeldCounts:
+    """What the held copies of one world did (``HeldStatistics``, summed over every
+    incarnation of its held nodes), and the blocks written to peers from them."""
+
+    nodes: int = 0
+    kept: int = 0
+    released: int = 0
+    skipped: int = 0
+    served: int = 0  # held rows pinned for a peer's lookup or resolve fetch
+    written: int = 0  # blocks a peer received from held rows
+
+    def __add__(self, other: HeldCounts) -> HeldCounts:
+        return HeldCounts(
+            *(a + b for a, b in zip(astuple(self), astuple(other), strict=True))
+        )
+
+    def summary(self) -> str:
+        return " ".join(f"{name}={value}" for name, value in asdict(self).items())
 
 
 class _ErrorLog(logging.Handler):
@@ -144,9 +170,13 @@ class World:
         leak_pin: bool = False,
         timeouts: Timeouts | None = None,
         tier_overrides: dict[str, float] | None = None,
+        held: bool | None = None,
+        held_type: type[WatchedHeld] = WatchedHeld,
     ) -> None:
         """``tier_overrides``: config keys the tiers get instead of the seed's (a
-        negative control: the checker still expects the seed's budgets)."""
+        negative control: the checker still expects the seed's budgets). ``held``:
+        the world keeps held blocks (True), not (False), or as its seed draws it
+        (None); ``held_type``: what its nodes keep them in (a negative control)."""
         if nodes < 2:
             raise ValueError(f"a world needs at least 2 nodes, got {nodes}")
         self.seed = seed
@@ -193,6 +223,13 @@ class World:
                 node.complete_p = rng.uniform(0.15, 0.8)
                 node.busy_p = rng.choice((0.0, 0.0, 0.1))
             node.fail_p = self.fail_rate * rng.random()
+        if held is not False:
+            peer_ids = [node.peer_id for node in self.nodes]
+            profiles = draw_held(seed, peer_ids, block_len, always=held is True)
+            for node in self.nodes:
+                node.held = profiles.get(node.peer_id)
+                node.held_type = held_type
+        self.held_copies: list[WatchedHeld] = []  # of every incarnation
         self.peer_ids = [node.peer_id for node in self.nodes] + [GHOST_PEER]
         self.reach = Reach(self.ctx, self.net, self.peer_ids[:-1], GHOST_PEER)
         self.ctx.reach = self.reach
@@ -244,7 +281,20 @@ class World:
             partitions=self.partitions,
             freezes=self.freezes,
             restarts=self.restarts,
+            held=self._held_counts(),
         )
+
+    def _held_counts(self) -> HeldCounts | None:
+        nodes = sum(node.held is not None for node in self.nodes)
+        if not nodes:
+            return None
+        counts = HeldCounts(nodes=nodes)
+        for copy in self.held_copies:
+            stats = copy.statistics()
+            counts += HeldCounts(
+                0, stats.kept, stats.released, stats.skipped, stats.served, copy.written
+            )
+        return counts
 
     def step(self, tick: int, full_check: bool) -> None:
         self.net.update()
@@ -340,6 +390,8 @@ class World:
     def _boot(self, node: SimNode) -> None:
         live = node.boot(self.rng.getrandbits(128).to_bytes(16, "big"))
         self.probes.append(live.probe)
+        if live.held is not None:
+            self.held_copies.append(live.held)
         self.reach.disturb(node.peer_id)
 
     def _kill(self, node: SimNode) -> None:
@@ -497,6 +549,8 @@ def run_seed(
     leak_pin: bool = False,
     timeouts: Timeouts | None = None,
     tier_overrides: dict[str, float] | None = None,
+    held: bool | None = None,
+    held_type: type[WatchedHeld] = WatchedHeld,
 ) -> SeedResult:
     """Build the world of ``seed``, run it, return what the checker found."""
     world = World(
@@ -508,5 +562,7 @@ def run_seed(
         leak_pin=leak_pin,
         timeouts=timeouts,
         tier_overrides=tier_overrides,
+        held=held,
+        held_type=held_type,
     )
     return world.run()
