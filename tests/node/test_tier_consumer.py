@@ -571,3 +571,16 @@ class TestSlowSources:
             cluster.run()
             assert len(a.tier._slow_until) <= 2
         assert "p3:13" in a.tier._slow_until  # the newest is kept; the oldest gave way
+
+
+def test_the_engines_waits_for_pulls_are_counted_by_outcome() -> None:
+    cluster = Cluster()
+    a, b = cluster.add("a", 1), cluster.add("b", 2)
+    first = a.request("s1", kv_source("kv1", b))
+    a.tier.promotion_waited(first, 0.004, done=True)
+    a.tier.promotion_waited(first, 0.05, done=False)
+    a.tier.promotion_waited(a.request("l"), 0.05, done=False)  # not a pull: not counted
+    counters = a.tier.counters()
+    assert counters.pull_waits == {"landed": 1, "missed": 1}
+    assert counters.pull_wait_seconds.count == 2
+    assert counters.pull_wait_seconds.total == pytest.approx(0.054)

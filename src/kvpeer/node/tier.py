@@ -287,6 +287,8 @@ class Tier:
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None:
             return
+        self._counters.pull_waits["landed" if done else "missed"] += 1
+        self._counters.pull_wait_seconds.observe(waited_s)
         if self._trace.enabled:
             self._trace.promotion(source.kv_request_id, source.peer_id, waited_s=waited_s,
                                   done=done, step=self._steps)  # fmt: skip
@@ -533,6 +535,8 @@ class Tier:
             load_seconds=c.load_seconds.snapshot(),
             load_bytes=c.load_bytes.snapshot(),
             step_wait_seconds=c.step_wait_seconds.snapshot(),
+            pull_waits=dict(c.pull_waits),
+            pull_wait_seconds=c.pull_wait_seconds.snapshot(),
         )
 
     def peers(self, limit: int = 256) -> tuple[list[PeerView], int]:
