@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 if TYPE_CHECKING:
-    from kvpeer.integrations.vllm.tier import KVPeerTier
+    from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
 __all__ = ["KVPeerTieringManager", "following_keys"]
 
@@ -72,7 +72,7 @@ class KVPeerTieringManager(TieringOffloadingManager):
         secondary_tiers: list[SecondaryTierManager] | None = None,
     ) -> None:
         super().__init__(primary_tier, secondary_tiers)
-        from kvpeer.integrations.vllm.tier import KVPeerTier
+        from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
         self._kvpeer: dict[int, KVPeerTier] = {
             index: tier

@@ -157,7 +157,7 @@ def sync_counts(llm: Any) -> dict[str, int] | None:
     without extra steps, so far; ``None`` unless the scheduler runs in this process."""
     from kvpeer.integrations.vllm.connector import KVPeerOffloadingConnector
     from kvpeer.integrations.vllm.manager import KVPeerTieringManager
-    from kvpeer.integrations.vllm.tier import live_tiers
+    from kvpeer.integrations.vllm.secondary_tier import live_tiers
 
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
     connector = getattr(getattr(core, "scheduler", None), "connector", None)
@@ -178,7 +178,7 @@ def sync_counts(llm: Any) -> dict[str, int] | None:
 def blocks_loaded() -> tuple[float, float, float] | None:
     """Blocks, bytes and load seconds of what the kvpeer tiers of this process loaded
     from peers so far; ``None`` if none lives here (multiprocessing mode, no kvpeer)."""
-    from kvpeer.integrations.vllm.tier import live_tiers
+    from kvpeer.integrations.vllm.secondary_tier import live_tiers
 
     tiers = live_tiers()
     if not tiers:
