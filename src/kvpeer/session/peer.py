@@ -109,6 +109,7 @@ from kvpeer.protocol import (
     ConnectAck,
     Disconnect,
     Fetch,
+    Inbound,
     Lookup,
     LookupResponse,
     Message,
@@ -116,6 +117,7 @@ from kvpeer.protocol import (
     Pong,
     TransferDone,
     TransportChoice,
+    Undecodable,
     UnknownMessage,
     limits,
 )
@@ -312,13 +314,19 @@ class PeerSession:
 
     def receive(self, frame: bytes | bytearray | memoryview, now: float) -> None:
         """Handle one control frame from the peer."""
+        self.deliver(self._codec.read(frame), now)
+
+    def deliver(self, message: Inbound, now: float) -> None:
+        """Handle one control frame from the peer that its owner decoded
+        (:meth:`Codec.read`): what :meth:`receive` does, without decoding again."""
         if self._started_at is None:
             raise ProtocolError(f"session {self.peer_id}: receive() before start()")
         if self._closed is not None:
             return
         self._frames_in += 1
         with self._guard():
-            message = self._codec.decode(frame)
+            if isinstance(message, Undecodable):
+                raise message.error
             if self._is_straggler(message):
                 self._stragglers += 1  # invariant 7: not heard, not an error
                 return
