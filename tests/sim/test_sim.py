@@ -303,14 +303,12 @@ class TestRequestBudgets:
 #: The session's silence rule before pings: only a peer never heard from is given up
 #: after peer_wait_s; one that spoke is left to the handshake deadline and heartbeat.
 OLD_SILENCE_RULE = """
-from kvpeer.session import peer
-def silence(self):
-    if self._started_at is None or not self._consumer.waits_on_peer():
-        return None
-    if self._heard_at is None:
-        return self._started_at + self._settings.peer_wait_s, None
+from kvpeer.session import liveness
+def silence(self, started_at, answers_pings, answered):
+    if not self.heard:
+        return liveness.Silence(started_at + self._wait_s, None)
     return None
-peer.PeerSession._silence = silence
+liveness.Liveness.silence = silence
 """
 
 
