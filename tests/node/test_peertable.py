@@ -18,7 +18,8 @@ import pytest
 from kvpeer.config import TierConfig
 from kvpeer.errors import PeerLost
 from kvpeer.node.counters import TierCounters
-from kvpeer.node.peertable import FIRST_RETRY_S, MAX_HELD_FRAMES, Peer, PeerTable, Polled
+from kvpeer.node.peertable import FIRST_RETRY_S, Peer, PeerTable, Polled
+from kvpeer.node.registering import MAX_HELD_FRAMES
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
     AckExtension,

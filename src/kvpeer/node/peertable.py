@@ -59,16 +59,16 @@ Invariants:
    session invariant 3), and a ``connect`` whose session ends ``UNREACHABLE`` as
    it takes it in (our own link to the peer died, seen when the answer could not
    be sent): the connect proves the peer is there, and a fresh session on a new
-   link answers it. Dropped, it left the peer's session waiting for a connect
-   that had gone to ours, and ours, opened after the back-off, waiting for the
-   peer's, until both gave up on a healthy path (seed 30771). Our connects
+   link answers it (dropped, both sides would wait for the other's connect until
+   their handshakes timed out). Our connects
    number our sessions in increasing order, from a start drawn from our boot id.
 9. A peer's ``connect`` that a session will register with the data plane (its
    first, or its next session's that an unacknowledged session adopts), when the
    registration may be slow (a NIXL metadata load, an shm region request), is
    registered off the node's lock (:meth:`NodeDataPlane.prepare_peer`): the frame,
-   and every later frame of that peer (at most :data:`MAX_HELD_FRAMES` frames and
-   ``max_peer_bytes`` bytes; the rest dropped as strays), is held, in order, and
+   and every later frame of that peer (at most ``MAX_HELD_FRAMES`` frames and
+   ``max_peer_bytes`` bytes; the rest dropped as strays), is held, in order
+   (:mod:`kvpeer.node.registering`), and
    routed again by the first poll after the registration is ready; after
    ``handshake_timeout_s`` they are dropped (the peer's handshake times out and it
    tries again). Frames of other peers flow meanwhile, and engine calls do not wait
@@ -79,7 +79,6 @@ Every method runs under the node's lock (it is called by the tier only).
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import itertools
 import logging
@@ -89,12 +88,12 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import msgspec
-
 from kvpeer.config import TierConfig
 from kvpeer.errors import PeerLost
 from kvpeer.node.counters import TierCounters
 from kvpeer.node.params import split_peer_id
+from kvpeer.node.peermemory import FIRST_RETRY_S, PeerMemory
+from kvpeer.node.registering import HeldFrames
 from kvpeer.node.trace import Trace
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
@@ -122,10 +121,6 @@ __all__ = [
 log = logging.getLogger("kvpeer.tier")  # the tier's log: operators grep one name
 
 DEFAULT_HASH_SEED = "vllm-none-hash"
-#: The first back-off after a peer could not be reached (invariant 7).
-FIRST_RETRY_S = 1.0
-#: Frames of one peer held while its registration runs off the lock (invariant 9).
-MAX_HELD_FRAMES = 64
 
 
 @dataclass(slots=True)
@@ -233,14 +228,8 @@ class PeerTable:
         self._peers: dict[str, Peer] = {}
         self._refused = 0
         self._stray = 0  # frames from peers without a live session (not a connect)
-        # peer -> (digest of the connect we refused, when that stops counting, why)
-        self._refused_hellos: dict[str, tuple[bytes, float, str]] = {}
-        # peer -> (no new session before this time, the back-off that set it)
-        self._backoff: dict[str, tuple[float, float]] = {}
-        # peer -> when its last session ended, oldest first (invariant 1)
-        self._sessions_ended_at: dict[str, float] = {}
-        # peer -> (since when, its frames in order) while it registers (invariant 9)
-        self._held: dict[str, tuple[float, list[tuple[InboundFrame, Inbound]]]] = {}
+        self._memory = PeerMemory(config)  # refused connects, back-offs, endings
+        self._held = HeldFrames(config.max_peer_bytes, config.handshake_timeout_s)
 
     # -- the table ------------------------------------------------------------------
 
@@ -260,8 +249,7 @@ class PeerTable:
 
     def next_deadline(self) -> float | None:
         sessions = (d for p in self._peers.values() if (d := p.session.next_deadline()) is not None)
-        timeout = self._config.handshake_timeout_s
-        held = (since + timeout for since, _ in self._held.values())
+        held = self._held.deadlines()
         return min((*sessions, *held), default=None)
 
     # -- opening ----------------------------------------------------------------------
@@ -371,13 +359,8 @@ class PeerTable:
         if peer_id == self._control.local_id:
             self._stray += 1  # someone using our own identity: never a session with us
             return
-        held = self._held.get(peer_id)
-        if held is not None:  # invariant 9: after its connect, in order
-            frames = held[1]
-            size = sum(len(f.frame) for f, _ in frames) + len(inbound.frame)
-            if len(frames) < MAX_HELD_FRAMES and size <= self._config.max_peer_bytes:
-                frames.append((inbound, message))
-            else:
+        if self._held.holds(peer_id):  # invariant 9: after its connect, in order
+            if not self._held.add(peer_id, inbound, message):
                 self._stray += 1
             return
         source = _canonical_ip(inbound.source)
@@ -405,15 +388,14 @@ class PeerTable:
             # sides open and fail sessions in a loop.
             if not isinstance(message, Connect):
                 self._stray += 1
-                ended = self._sessions_ended_at.get(peer_id)
+                ended = self._memory.ended_at(peer_id)
                 if ended is not None and now >= ended + self._config.peer_wait_s:
                     self._refuse(peer_id, message, "no session with you (it ended)", quiet=True)
                 return
-            refused = self._refused_hellos.get(peer_id)
-            digest = _hello_digest(message, inbound.frame) if refused is not None else b""
-            if refused is not None and refused[0] == digest and now < refused[1]:
+            refused = self._memory.refused_before(peer_id, message, inbound.frame, now)
+            if refused is not None:
                 self._refused += 1
-                self._refuse(peer_id, message, f"{refused[2]} (this connect was refused before)")
+                self._refuse(peer_id, message, f"{refused} (this connect was refused before)")
                 return
             problem = self._inbound_problem(peer_id, source)
             if problem is not None:
@@ -460,17 +442,13 @@ class PeerTable:
             return False
         if self._data.prepare_peer(peer_id, message):
             return False
-        self._held[peer_id] = (now, [(inbound, message)])
+        self._held.start(peer_id, inbound, message, now)
         return True
 
     def _release_held(self, now: float) -> Iterator[Polled]:
         """Route the frames of peers whose registration is ready (invariant 9)."""
-        for peer_id, (since, frames) in list(self._held.items()):
-            preparing = self._data.preparing(peer_id)
-            if preparing and now < since + self._config.handshake_timeout_s:
-                continue
-            del self._held[peer_id]
-            if preparing:
+        for peer_id, frames, timed_out in self._held.release(now, self._data.preparing):
+            if timed_out:
                 self._stray += len(frames)
                 log.warning(
                     "registering %s took over %.1f s (handshake_timeout_s): dropped its %d "
@@ -510,13 +488,8 @@ class PeerTable:
         self, peer_id: str, frame: bytes, message: Inbound, reason: str, now: float
     ) -> None:
         """Invariant 3: ``message`` (a connect) made us refuse ``peer_id``."""
-        if not isinstance(message, Connect):
-            return
-        self._refused_hellos.pop(peer_id, None)
-        expiry = now + self._config.handshake_timeout_s
-        self._refused_hellos[peer_id] = (_hello_digest(message, frame), expiry, reason)
-        while len(self._refused_hellos) > self._config.max_peers:
-            del self._refused_hellos[next(iter(self._refused_hellos))]
+        if isinstance(message, Connect):
+            self._memory.remember_refusal(peer_id, message, frame, reason, now)
 
     def _refuse(self, peer_id: str, message: Inbound, reason: str, *, quiet: bool = False) -> None:
         """Tell a peer we will not talk to it, on its own connection (never dial it)."""
@@ -578,10 +551,7 @@ class PeerTable:
         if self._peers.get(peer_id) is peer:
             del self._peers[peer_id]
             self._data.revoke(peer_id)
-        self._sessions_ended_at.pop(peer_id, None)
-        self._sessions_ended_at[peer_id] = now
-        while len(self._sessions_ended_at) > 4 * self._config.max_peers:  # bounded
-            del self._sessions_ended_at[next(iter(self._sessions_ended_at))]
+        self._memory.session_ended(peer_id, now)
         unreachable = closed.kind in (CloseKind.UNREACHABLE, CloseKind.TIMEOUT)
         # Keep the connection for our next link only toward the same, live process: not
         # toward a silent peer, nor one that restarted (its connection went with the
@@ -589,7 +559,7 @@ class PeerTable:
         # reconnect to the new one then ended that session too).
         peer.link.close(park=not unreachable and closed.kind is not CloseKind.RESTARTED)
         if unreachable and not peer.session.answered:
-            self._back_off(peer_id, now)  # and no goodbye: nobody to hear it
+            self._memory.back_off(peer_id, now)  # and no goodbye: nobody to hear it
         elif closed.kind is CloseKind.UNREACHABLE or peer.link.unread is not None:
             self._say_goodbye(peer_id, closed.reason)
 
@@ -605,33 +575,15 @@ class PeerTable:
 
     def expire(self, now: float) -> None:
         """Forget refused connects whose time is up (invariant 3)."""
-        while self._refused_hellos:  # in expiry order: one timeout for all of them
-            peer_id, (_, expiry, _) = next(iter(self._refused_hellos.items()))
-            if now < expiry:
-                break
-            del self._refused_hellos[peer_id]
+        self._memory.expire(now)
 
     # -- back-off ----------------------------------------------------------------------
 
     def backed_off(self, peer_id: str, now: float) -> bool:
         """Invariant 7: no new session toward ``peer_id`` yet."""
-        entry = self._backoff.get(peer_id)
-        if entry is None:
-            return False
         peer = self._peers.get(peer_id)
-        if peer is not None and peer.session.answered:
-            del self._backoff[peer_id]  # it came back
-            return False
-        return now < entry[0]
-
-    def _back_off(self, peer_id: str, now: float) -> None:
-        previous = self._backoff.pop(peer_id, None)
-        delay = FIRST_RETRY_S if previous is None else previous[1] * 2
-        delay = min(delay, self._config.peer_retry_max_s)
-        self._backoff[peer_id] = (now + delay, delay)
-        log.info("peer %s unreachable: no new session toward it for %gs", peer_id, delay)
-        while len(self._backoff) > 4 * self._config.max_peers:  # bounded, oldest first
-            del self._backoff[next(iter(self._backoff))]
+        answered = peer is not None and peer.session.answered
+        return self._memory.backed_off(peer_id, now, answered=answered)
 
     # -- Suppliers (the producer bindings reach sessions through these) ----------------
 
@@ -662,21 +614,22 @@ class PeerTable:
             sessions=len(self._peers),
             peers_refused=self._refused,
             stray_frames=self._stray,
-            refusals_remembered=len(self._refused_hellos),
-            backed_off=len(self._backoff),
+            refusals_remembered=self._memory.refusals,
+            backed_off=self._memory.backoffs,
         )
 
     def view(self, now: float, limit: int) -> tuple[list[PeerView], int]:
         """At most ``limit`` peers (sessions, then backed-off peers without one,
         each by peer id) and how many there are in all."""
         views: list[PeerView] = []
-        total = len(self._peers) + sum(1 for p in self._backoff if p not in self._peers)
+        backed_off = sorted(p for p in self._memory.backed_off_peers() if p not in self._peers)
+        total = len(self._peers) + len(backed_off)
         for peer_id in sorted(self._peers)[:limit]:
             peer = self._peers[peer_id]
             session = peer.session
             stats = session.statistics()
             state = "closed" if stats.closed else "ready" if stats.ready else "handshake"
-            entry = self._backoff.get(peer_id)
+            retry_at = self._memory.retry_at(peer_id)
             views.append(
                 PeerView(
                     peer_id=peer_id,
@@ -691,13 +644,14 @@ class PeerTable:
                     transfers_in_flight=stats.producer.transfers_in_flight,
                     blocks_pulled=peer.blocks_pulled,
                     blocks_served=stats.producer.blocks_written,
-                    retry_in_s=None if entry is None else max(0.0, entry[0] - now),
+                    retry_in_s=None if retry_at is None else max(0.0, retry_at - now),
                 )
             )
-        for peer_id in sorted(p for p in self._backoff if p not in self._peers):
+        for peer_id in backed_off:
             if len(views) >= limit:
                 break
-            until, _ = self._backoff[peer_id]
+            until = self._memory.retry_at(peer_id)
+            assert until is not None
             idle = (0,) * 8  # no session: no requests, work or blocks
             views.append(PeerView(peer_id, "backed_off", None, None, *idle, max(0.0, until - now)))
         return views, total
@@ -717,16 +671,3 @@ def _canonical_ip(text: str | None) -> str | None:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
     return str(address)
-
-
-def _hello_digest(hello: Connect, frame: bytes) -> bytes:
-    """Invariant 3: what makes two connects (``hello``, decoded from ``frame``) the
-    same - all but the session number, which a kvpeer peer's every new session raises."""
-    if hello.kvpeer is not None:
-        unnumbered = msgspec.structs.replace(hello.kvpeer, session=None)
-        frame = msgspec.msgpack.encode(msgspec.structs.replace(hello, kvpeer=unnumbered))
-    return _digest(frame)
-
-
-def _digest(frame: bytes) -> bytes:
-    return hashlib.blake2b(frame, digest_size=16).digest()
