@@ -46,7 +46,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, free_port
+from kvpeer.lab.engines.launcher import EngineLauncher, EngineOutcome, free_port
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 from tests.vllm.scenario import (
     BLOCK_TOKENS,

@@ -257,6 +257,20 @@ class Tier:
             self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
         return _HIT
 
+    def pull_confirmed(self, request: RequestContext) -> bool:
+        """Whether ``request`` pulls blocks its source already holds (confirmed by a
+        probe or named by the router), so a load is worth waiting for on the engine
+        thread; a PD consumer's source may still be computing its prefill."""
+        source = self._requests.get(request.req_id, LOCAL).source
+        return source is not None and source.probe and source.kv_request_id not in self._failed
+
+    def promotion_waited(self, request: RequestContext, waited_s: float, done: bool) -> None:
+        """Trace how long the engine waited in a lookup for a load it submitted at once."""
+        source = self._requests.get(request.req_id, LOCAL).source
+        if self._trace.enabled and source is not None:
+            self._trace.promotion(source.kv_request_id, source.peer_id, waited_s=waited_s,
+                                  done=done, step=self._steps)  # fmt: skip
+
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source
         if source is None or self._shut_down:

@@ -6,11 +6,10 @@
   "kvpeer.integrations.vllm.cpu_spec"``.
 - :class:`KVPeerTier`: the secondary tier, ``{"type": "KVPeerTier", "module_path":
   "kvpeer.integrations.vllm", ...kvpeer tier config keys}`` in ``secondary_tiers``.
-- :mod:`kvpeer.integrations.vllm.model`: a tiny random Llama checkpoint for tests.
-
-The names below are imported on first use, so importing this package (and
-:mod:`~kvpeer.integrations.vllm.model`) works without vLLM; using a name that needs
-vLLM without it raises an ``ImportError`` that says what to install.
+The names below are imported on first use, so importing this package works without
+vLLM; using a name that needs vLLM without it raises an ``ImportError`` that says what
+to install. (The harness that launches engines for tests and benchmarks is
+:mod:`kvpeer.lab.engines`.)
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import weakref
 from collections.abc import Collection, Iterable
 from types import FrameType
@@ -61,6 +62,7 @@ from kvpeer.node.driver import DrivenTier
 from kvpeer.node.trace import TRACE_ENV, TRACE_LOGGER
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.types import (
+    JobResult,
     Key,
     LookupResult,
     RequestContext,
@@ -265,6 +267,7 @@ class KVPeerTier(SecondaryTierManager):
             if claim is not None:
                 _drop_region_name(self._region.shm_path, claim)
         self._serve_contexts: dict[str, ReqContext] = {}
+        self._early: list[JobResult] = []  # collected while a promotion was waited for
         self._stats = StatsSource(self._node)
         _LIVE.add(self)
         log.warning(
@@ -325,6 +328,7 @@ class KVPeerTier(SecondaryTierManager):
         self._node.submit_load(self._job(job_metadata))
 
     def get_finished_jobs(self) -> Iterable[VllmJobResult]:
+        finished, self._early = [*self._early, *self._node.get_finished_jobs()], []
         return [
             VllmJobResult(
                 r.job_id,
@@ -332,8 +336,47 @@ class KVPeerTier(SecondaryTierManager):
                 transfer_time=r.transfer_seconds,
                 transfer_bytes=r.transfer_bytes,
             )
-            for r in self._node.get_finished_jobs()
+            for r in finished
         ]
+
+    # -- for KVPeerTieringManager (kvpeer.integrations.vllm.manager) --------------------
+
+    def batches_promotions(self, req_context: ReqContext) -> bool:
+        """Whether the request's source holds its blocks, so the manager may promote a
+        whole run of keys in one job and wait for it."""
+        return self._node.pull_confirmed(self._context(req_context))
+
+    def promote_now(self, job: VllmTransferJob) -> bool:
+        """Submit promotion ``job`` at once and wait up to ``sync_pull_wait_s`` for its
+        result (only when its source holds the blocks); True: the result is ready and
+        the next ``get_finished_jobs`` reports it."""
+        request = self._context(job.req_context)
+        self._node.submit_load(self._job(job))
+        wait_s = self._config.sync_pull_wait_s
+        if wait_s <= 0 or not self._node.pull_confirmed(request):
+            return self._collected(job.job_id)
+        start = time.monotonic()
+        done = self._wait_collected(job.job_id, start + wait_s)
+        self._node.promotion_waited(request, time.monotonic() - start, done)
+        return done
+
+    def _wait_collected(self, job_id: int, deadline: float) -> bool:
+        woken = False
+        while not self._collected(job_id):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if woken:
+                # Woken without our result: other jobs' results (now collected) or a
+                # peer waiting for our serve window, which cannot come while the engine
+                # thread is here; pace the loop rather than spin on that.
+                time.sleep(min(0.0005, remaining))
+            woken = self._node.wait_for_work(remaining)  # this thread polls meanwhile
+        return True
+
+    def _collected(self, job_id: int) -> bool:
+        self._early.extend(self._node.get_finished_jobs())
+        return any(result.job_id == job_id for result in self._early)
 
     def has_pending_work(self) -> bool:
         return self._node.has_pending_work()
