@@ -1,10 +1,12 @@
 """One session's handshake and renewal: its phase, what a peer's ``connect`` means. Sans-IO.
 
 The session's :class:`Phase` is one value: ``NEW`` until :meth:`Handshake.start`,
-then the two halves of the handshake - our ``connect`` acknowledged by the peer
-(``ANSWERED``), the peer's ``connect`` checked, registered and acknowledged by
-us (``GRANTED``) - until both are done (``READY``); ``CLOSED`` is the session's
-(:class:`kvpeer.session.peer.PeerSession` owns the ending). The session acts on
+``GREETING`` once our ``connect`` went, ``GRANTED`` once the peer's ``connect``
+was checked, registered and acknowledged by us, ``READY`` once the peer
+acknowledged ours, ``CLOSED`` at the end (:class:`kvpeer.session.peer.PeerSession`
+owns the ending). The peer's ack of ours cannot come first: its ``connect``
+precedes it on the link (an ack before it is a straggler, invariant 7). The
+session acts on
 what :meth:`Handshake.verdict` says of a peer's ``connect``; this module sends
 nothing itself.
 
@@ -62,8 +64,7 @@ class Phase(enum.Enum):
     """Where one session is in its life."""
 
     NEW = "new"  # not started: nothing sent
-    GREETING = "greeting"  # our connect sent; neither half done
-    ANSWERED = "answered"  # the peer acknowledged our connect; its own not granted yet
+    GREETING = "greeting"  # our connect sent; the peer's not granted yet
     GRANTED = "granted"  # we acknowledged the peer's connect; ours not acknowledged yet
     READY = "ready"  # both halves done
     CLOSED = "closed"
@@ -80,7 +81,6 @@ class Verdict(enum.Enum):
     DUPLICATE = "duplicate"  # a protocol error
 
 
-_ACKNOWLEDGED = frozenset((Phase.ANSWERED, Phase.READY))
 _GRANTED = frozenset((Phase.GRANTED, Phase.READY))
 
 
@@ -110,7 +110,7 @@ class Handshake:
     @property
     def acknowledged(self) -> bool:
         """The peer acknowledged our connect (this session is not closed)."""
-        return self.phase in _ACKNOWLEDGED
+        return self.phase is Phase.READY
 
     @property
     def granted(self) -> bool:
@@ -126,12 +126,13 @@ class Handshake:
     def grant(self, ack: ConnectAck) -> None:
         """The peer's connect passed and is registered: ``ack`` goes out."""
         self.ack = ack
-        self.phase = Phase.READY if self.phase is Phase.ANSWERED else Phase.GRANTED
+        self.phase = Phase.GRANTED
 
     def answer(self) -> list[Message]:
         """The peer acknowledged our connect: what waited for that, in order."""
+        assert self.phase is Phase.GRANTED, "an ack before the peer's connect is a straggler"
         self.answered = True
-        self.phase = Phase.READY if self.phase is Phase.GRANTED else Phase.ANSWERED
+        self.phase = Phase.READY
         queued, self._queue = self._queue, []
         return queued
 
