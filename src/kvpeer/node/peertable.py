@@ -2,9 +2,11 @@
 
 It admits peers (allow-list, our own identity, the source address a session is
 bound to, the peer cap with eviction, handshakes per source), routes each
-inbound frame to its session, remembers the connects it refused, backs off
-peers that could not be reached, opens a fresh session when a peer restarted
-and says goodbye on a fresh link when ours broke. Each inbound frame is decoded
+inbound frame to its session, remembers the connects it refused and backs off
+peers that could not be reached (:mod:`kvpeer.node.peermemory`), holds a
+registering peer's frames (:mod:`kvpeer.node.registering`), opens a fresh
+session when a peer restarted and says goodbye on a fresh link when ours
+broke. Each inbound frame is decoded
 once (:meth:`Codec.read`) and handed on as a value. What sessions' polls yield
 (results, a close) is returned as :class:`Polled` values for the tier to apply;
 a session whose poll says it closed has been dropped from the table by then.
