@@ -383,7 +383,7 @@ class RouterPolicy:
             ttft = self.cost.compute_s(engine, prompt_tokens - source_cpu, load) + (
                 self.cost.pull_s(engine, source, pulled, healthy[source],
                                  held=self._specs[source].serves_held)
-            ) + self.cost.consumer_steps_s(engine, load)
+            ) + self.cost.consumer_steps_s(engine, load, sync=self._specs[engine].sync_pulls)
             option = _Option(ttft, source_cpu, source, pulled)
             if source == pull_from or ttft + self._config.pull_margin_s < best.ttft_s:
                 best = option
@@ -498,7 +498,9 @@ class RouterPolicy:
             return
         residual = ttft - self.cost.compute_s(plan.engine, computed, engine_load)
         if plan.prefill_engine is None:  # shared mode: the consumer's own extra steps
-            residual -= self.cost.consumer_steps_s(plan.engine, engine_load)
+            residual -= self.cost.consumer_steps_s(
+                plan.engine, engine_load, sync=self._specs[plan.engine].sync_pulls
+            )
         self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
                                parked=plan.prefill_engine is not None,
                                held=self._specs[source].serves_held)  # fmt: skip

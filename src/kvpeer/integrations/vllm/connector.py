@@ -143,9 +143,9 @@ class KVPeerOffloadingConnector(OffloadingConnector):
             blocks = self._fresh_view(request, blocks, num_external_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if sync:
-            self._track_sync_load(request)
+            self._track_sync_load(request, num_external_tokens)
 
-    def _track_sync_load(self, request: Request) -> None:
+    def _track_sync_load(self, request: Request, tokens: int) -> None:
         """Take the request's new load job out of its in-flight set (invariant 4).
 
         The offloading scheduler refuses to store a request's chunks while a load of
@@ -159,7 +159,7 @@ class KVPeerOffloadingConnector(OffloadingConnector):
         (job_id,) = status.transfer_jobs  # a load is issued only when nothing is in flight
         status.transfer_jobs.discard(job_id)
         self._sync_jobs[job_id] = status.req_context
-        _trace(request, "sync_load_scheduled", tokens=request.num_computed_tokens)
+        _trace(request, "sync_load_scheduled", tokens=tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -27,7 +27,8 @@ Invariants:
    (``complete_write``); a failed or partial job frees its keys as vLLM's would.
 3. The engine thread never waits longer than ``sync_pull_wait_s`` per promotion, and
    not at all for tiers that are not kvpeer's or for requests whose source has not
-   confirmed its blocks (PD consumers wait for a prefill that may take seconds).
+   confirmed its blocks (a PD consumer sent before its prefill answered may wait for
+   a prefill that takes seconds).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 if TYPE_CHECKING:
-    from kvpeer.integrations.vllm.tier import KVPeerTier
+    from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
 __all__ = ["KVPeerTieringManager", "following_keys"]
 
@@ -71,7 +72,7 @@ class KVPeerTieringManager(TieringOffloadingManager):
         secondary_tiers: list[SecondaryTierManager] | None = None,
     ) -> None:
         super().__init__(primary_tier, secondary_tiers)
-        from kvpeer.integrations.vllm.tier import KVPeerTier
+        from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
         self._kvpeer: dict[int, KVPeerTier] = {
             index: tier

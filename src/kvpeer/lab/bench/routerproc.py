@@ -39,6 +39,8 @@ def engine_flag(spec: EngineSpec) -> str:
         parts.append(f"kv_events_replay={spec.kv_events_replay}")
     if spec.serves_held:
         parts.append("held=true")
+    if spec.sync_pulls:
+        parts.append("sync_pulls=true")
     return ",".join(parts)
 
 

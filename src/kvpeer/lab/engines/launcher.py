@@ -60,6 +60,12 @@ class Generation:
     blocks_from_peer: int | None = None
     bytes_from_peer: int | None = None
     load_seconds: float | None = None
+    #: the engine's scheduler steps during the call, and the kvpeer promotions and
+    #: host loads that took no extra step (kvpeer.integrations.vllm.manager, .connector)
+    engine_steps: int | None = None
+    sync_promotions: int | None = None
+    late_promotions: int | None = None
+    sync_loads: int | None = None
 
     def max_logprob_delta(self, other: Generation) -> float:
         return max(abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True))

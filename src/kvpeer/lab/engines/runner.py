@@ -60,7 +60,9 @@ FLOAT32_SIZE = 4
 
 
 def build_llm(scenario: dict[str, Any]) -> Any:
-    """An in-process ``vllm.LLM`` with the OffloadingConnector on kvpeer's CPU spec."""
+    """An in-process ``vllm.LLM`` with the offloading connector on kvpeer's CPU spec:
+    kvpeer's own connector when a kvpeer tier is configured, vLLM's otherwise (vLLM's
+    p2p tier and the CPU tier alone run as vLLM ships them)."""
     from vllm import LLM
 
     extra_config: dict[str, Any] = {
@@ -69,6 +71,13 @@ def build_llm(scenario: dict[str, Any]) -> Any:
         "cpu_bytes_to_use": scenario["cpu_bytes_to_use"],
     }
     extra_config.update(scenario.get("extra_config", {}))
+    tiers = extra_config.get("secondary_tiers", ())
+    kvpeer = any(tier.get("type") in ("KVPeerTier", "kvpeer") for tier in tiers)
+    connector: dict[str, Any] = (
+        {"kv_connector": "KVPeerOffloadingConnector",
+         "kv_connector_module_path": "kvpeer.integrations.vllm.connector"}
+        if kvpeer else {"kv_connector": "OffloadingConnector"}
+    )  # fmt: skip
     return LLM(
         model=scenario["model"],
         skip_tokenizer_init=True,
@@ -81,8 +90,7 @@ def build_llm(scenario: dict[str, Any]) -> Any:
         max_num_seqs=4,
         disable_log_stats=False,  # per-request metrics: the time to first token
         kv_transfer_config={
-            "kv_connector": "KVPeerOffloadingConnector",
-            "kv_connector_module_path": "kvpeer.integrations.vllm.connector",
+            **connector,
             "kv_role": "kv_both",
             "engine_id": scenario["engine_id"],
             "kv_connector_extra_config": extra_config,
@@ -111,11 +119,13 @@ def generate(
     )
     cpu_before = group_cpu_seconds()
     loaded_before = blocks_loaded()
+    sync_before = sync_counts(llm)
     started = time.monotonic()
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     seconds = time.monotonic() - started
     cpu_seconds = group_cpu_seconds() - cpu_before
     loaded_after = blocks_loaded()
+    sync_after = sync_counts(llm)
     completion = output.outputs[0]
     tokens = [int(token) for token in completion.token_ids]
     logprobs = [
@@ -131,13 +141,44 @@ def generate(
         "blocks_from_peer": _delta(loaded_after, loaded_before, 0),
         "bytes_from_peer": _delta(loaded_after, loaded_before, 1),
         "load_seconds": _delta(loaded_after, loaded_before, 2),
+        **{
+            name: None if sync_after is None or sync_before is None
+            else sync_after[name] - sync_before[name]
+            for name in SYNC_COUNTS
+        },
+    }
+
+
+SYNC_COUNTS = ("engine_steps", "sync_promotions", "late_promotions", "sync_loads")
+
+
+def sync_counts(llm: Any) -> dict[str, int] | None:
+    """Scheduler steps, and the promotions and loads kvpeer's manager and connector made
+    without extra steps, so far; ``None`` unless the scheduler runs in this process."""
+    from kvpeer.integrations.vllm.connector import KVPeerOffloadingConnector
+    from kvpeer.integrations.vllm.manager import KVPeerTieringManager
+    from kvpeer.integrations.vllm.secondary_tier import live_tiers
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    tiers = live_tiers()
+    if not isinstance(connector, KVPeerOffloadingConnector) or len(tiers) != 1:
+        return None
+    assert connector.connector_scheduler is not None
+    manager = connector.connector_scheduler.manager
+    assert isinstance(manager, KVPeerTieringManager)
+    return {
+        "engine_steps": tiers[0].node.tier.steps,
+        "sync_promotions": manager.sync_promotions,
+        "late_promotions": manager.late_promotions,
+        "sync_loads": connector.sync_loads,
     }
 
 
 def blocks_loaded() -> tuple[float, float, float] | None:
     """Blocks, bytes and load seconds of what the kvpeer tiers of this process loaded
     from peers so far; ``None`` if none lives here (multiprocessing mode, no kvpeer)."""
-    from kvpeer.integrations.vllm.tier import live_tiers
+    from kvpeer.integrations.vllm.secondary_tier import live_tiers
 
     tiers = live_tiers()
     if not tiers:

@@ -142,9 +142,16 @@ def remote_decoder(kv_request_id: str) -> dict[str, Any]:
     return {"remote_decoder": {"kv_request_id": kv_request_id}}
 
 
-def remote_source(role: str, kv_request_id: str, port: int, *, host: str = HOST) -> dict[str, Any]:
-    """``role`` (``remote_prefiller`` or ``remote_kv_source``) naming the peer at ``port``."""
-    return {role: {"kv_request_id": kv_request_id, "remote_host": host, "remote_port": port}}
+def remote_source(
+    role: str, kv_request_id: str, port: int, *, host: str = HOST, held_tokens: int | None = None
+) -> dict[str, Any]:
+    """``role`` (``remote_prefiller`` or ``remote_kv_source``) naming the peer at ``port``;
+    ``held_tokens``: what the router says the peer holds (the consumer then asks nothing)."""
+    source: dict[str, Any] = {"kv_request_id": kv_request_id, "remote_host": host,
+                              "remote_port": port}  # fmt: skip
+    if held_tokens is not None:
+        source["held_tokens"] = held_tokens
+    return {role: source}
 
 
 def request_id(tag: str) -> str:

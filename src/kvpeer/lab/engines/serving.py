@@ -103,9 +103,15 @@ class ServeSpec:
         entry = self.tier_entry()
         if entry is not None:
             extra["secondary_tiers"] = [entry]
+        # kvpeer engines load host hits in the step that finds them (kvpeer's connector);
+        # the baselines (vLLM's p2p tier, the CPU tier alone) run vLLM's own connector.
+        connector: dict[str, Any] = (
+            {"kv_connector": "KVPeerOffloadingConnector",
+             "kv_connector_module_path": "kvpeer.integrations.vllm.connector"}
+            if self.tier == "kvpeer" else {"kv_connector": "OffloadingConnector"}
+        )  # fmt: skip
         transfer = {
-            "kv_connector": "KVPeerOffloadingConnector",
-            "kv_connector_module_path": "kvpeer.integrations.vllm.connector",
+            **connector,
             "kv_role": "kv_both",
             "engine_id": self.engine_id,
             "kv_connector_extra_config": extra,
@@ -141,7 +147,8 @@ class ServeSpec:
 
     def router_engine(self, role: Role = Role.BOTH) -> EngineSpec:
         """This engine as ``kvpeer router`` names it (``held`` if its kvpeer tier keeps
-        held blocks, which it serves without its engine)."""
+        held blocks, which it serves without its engine; ``sync_pulls``: kvpeer engines
+        run kvpeer's connector and manager, so a pull costs them no extra step)."""
         return EngineSpec(
             name=self.name,
             url=self.url,
@@ -151,6 +158,7 @@ class ServeSpec:
             kv_events=f"tcp://{HOST}:{self.events_port}",
             kv_events_replay=f"tcp://{HOST}:{self.replay_port}",
             serves_held=self.tier == "kvpeer" and int(self.tier_options.get("held_bytes", 0)) > 0,
+            sync_pulls=self.tier == "kvpeer",
         )
 
 
