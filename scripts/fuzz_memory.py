@@ -17,9 +17,9 @@ import argparse
 import sys
 import time
 
-from kvpeer.fuzz.harness import FuzzSpec, run_fuzz
-from kvpeer.fuzz.report import memory_line
-from kvpeer.fuzz.results import MiB
+from kvpeer.lab.fuzz.fuzz_results import MiB
+from kvpeer.lab.fuzz.fuzz_run import FuzzSpec, run_fuzz
+from kvpeer.lab.fuzz.report import memory_line
 
 BOUND_MIB = 64
 GLIBC_DEFAULTS = ("--no-heap-trim", "--malloc-arenas", "0")

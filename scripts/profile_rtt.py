@@ -22,8 +22,8 @@ import os
 import statistics
 from pathlib import Path
 
-from kvpeer.bench.transport import _consumer, producer
-from kvpeer.node.pull import Puller
+from kvpeer.lab.bench.transport import _consumer, producer
+from kvpeer.lab.pull import Puller
 from kvpeer.node.synthetic import synthetic_key
 
 

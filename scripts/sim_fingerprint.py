@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import sys
 
-from kvpeer.sim import network
-from kvpeer.sim.world import World
+from kvpeer.lab.sim import sim_network
+from kvpeer.lab.sim.world import World
 from kvpeer.transport.base import InboundFrame
 
 
@@ -22,9 +22,9 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.digest = hashlib.sha256()
-        self._receive = network.SimControl.receive
+        self._receive = sim_network.SimControl.receive
 
-    def receive(self, control: network.SimControl) -> list[InboundFrame]:
+    def receive(self, control: sim_network.SimControl) -> list[InboundFrame]:
         frames = self._receive(control)
         if frames:
             self.digest.update(repr(control._network._clock()).encode())
@@ -50,10 +50,10 @@ def fingerprint(seed: int, recorder: _Recorder) -> str:
 def main(ranges: list[str]) -> None:
     recorder = _Recorder()
 
-    def receive(control: network.SimControl) -> list[InboundFrame]:
+    def receive(control: sim_network.SimControl) -> list[InboundFrame]:
         return recorder.receive(control)
 
-    network.SimControl.receive = receive  # type: ignore[method-assign,assignment]
+    sim_network.SimControl.receive = receive  # type: ignore[method-assign,assignment]
     for text in ranges:
         first, _, last = text.partition("-")
         for seed in range(int(first), int(last or first) + 1):

@@ -1,7 +1,7 @@
 """Where ``kvpeer soak``'s driver memory goes, without real engines.
 
 The soak's driver (its two routers on threads, its client threads, its bookkeeping) is
-run here as it is in ``kvpeer soak``: :class:`kvpeer.bench.soak_run.Soak` with its own
+run here as it is in ``kvpeer soak``: :class:`kvpeer.lab.bench.soak_run.Soak` with its own
 traffic threads, two :class:`BackgroundRouter` (pd and shared, the soak's configs) — but
 in front of two fake engines on a thread of this process. Each fake answers streamed
 completions with ``token_ids`` (a function of the prompt, so references match), keeps an
@@ -45,9 +45,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from kvpeer.bench.soak import SoakSpec
-from kvpeer.bench.soak_run import MODEL_NAME, Soak
-from kvpeer.integrations.vllm.procs import process_info
+from kvpeer.lab.bench.soak_run import MODEL_NAME, Soak
+from kvpeer.lab.bench.soak_verdict import SoakSpec
+from kvpeer.lab.engines.procs import process_info
 from kvpeer.router.background import BackgroundRouter
 from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.feed import REPLAY_END_SEQ
@@ -347,7 +347,7 @@ def main() -> None:
     soak = Soak(SoakSpec(minutes=1.0), FakeFleet(engines), log.append)
     import openai  # noqa: F401  (imported under tracemalloc it takes a minute)
 
-    from kvpeer.integrations.vllm.openai_client import OpenAIClient
+    from kvpeer.lab.engines.openai_client import OpenAIClient
 
     OpenAIClient("http://127.0.0.1:1", MODEL_NAME).close()  # its lazy imports too
     if not args.no_tracemalloc:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpeer.bench import faults_run
-from kvpeer.bench.faults import (
+from kvpeer.cli import build_parser
+from kvpeer.lab.bench import faults_run
+from kvpeer.lab.bench.faults import (
     BUDGET_S,
     FAULTS,
     REFUSED_BOUND_S,
@@ -21,8 +22,7 @@ from kvpeer.bench.faults import (
     render,
     to_json,
 )
-from kvpeer.bench.faults_run import Pair, Workload, phase
-from kvpeer.cli import build_parser
+from kvpeer.lab.bench.faults_run import Pair, Workload, phase
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from kvpeer.bench.health_probe import _by_role, _pids, _row, _slow_row, _threads
+from kvpeer.lab.bench.health_probe import _by_role, _pids, _row, _slow_row, _threads
 
 
 def test_a_row_counts_answers_over_the_limit_and_failed_probes() -> None:

@@ -3,7 +3,7 @@ columns (pulled from the right producer, same output, serve windows)."""
 
 from __future__ import annotations
 
-from kvpeer.bench.held import HELD, WINDOW, HeldSpec, render, summarize
+from kvpeer.lab.bench.held_bench import HELD, WINDOW, HeldSpec, render, summarize
 
 
 def test_medians_and_ratios_per_path() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvpeer.bench.idle import (
+from kvpeer.lab.bench.idle import (
     BASELINE,
     KVPEER_NIXL,
     KVPEER_TCP,
@@ -18,7 +18,7 @@ from kvpeer.bench.idle import (
     render,
     summarize,
 )
-from kvpeer.integrations.vllm.launcher import EngineOutcome, Hold
+from kvpeer.lab.engines.launcher import EngineOutcome, Hold
 
 ENGINE_CORE = "VLLM::EngineCor"
 

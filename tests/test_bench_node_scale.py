@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpeer.bench import node_scale as ns
-from kvpeer.bench.idle import LookupTiming
+from kvpeer.lab.bench import node_scale as ns
+from kvpeer.lab.bench.idle import LookupTiming
 
 
 def test_a_few_peers_are_all_live_and_every_lookup_is_answered_with_hits() -> None:

@@ -7,7 +7,7 @@ import random
 from dataclasses import replace
 from functools import partial
 
-from kvpeer.bench import router_scale as rs
+from kvpeer.lab.bench import router_scale as rs
 from kvpeer.router.events import BatchDecoded, BlocksRemoved, BlocksStored, decode_batch
 from kvpeer.router.feed import EventFeed
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex

@@ -1,5 +1,5 @@
 """``kvpeer soak`` runs its routers as ``kvpeer router`` processes
-(kvpeer.bench.routerproc): started from flags, ready when they listen, stopped by
+(kvpeer.lab.bench.routerproc): started from flags, ready when they listen, stopped by
 their process group, and a router that cannot start says why."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpeer.bench.routerproc import RouterFailed, RouterProcess, engine_flag
+from kvpeer.lab.bench.routerproc import RouterFailed, RouterProcess, engine_flag
 from kvpeer.router.config import from_mapping, parse_engine_flag
 from kvpeer.router.policy import EngineSpec, Mode, Role
 

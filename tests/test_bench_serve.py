@@ -22,7 +22,9 @@ from typing import Any
 import numpy
 import pytest
 
-from kvpeer.bench.serve import (
+from kvpeer.cli import build_parser, main
+from kvpeer.errors import ConfigError
+from kvpeer.lab.bench.serve_bench import (
     ARM_POLICIES,
     ARMS,
     QUICK_SHAPE,
@@ -31,9 +33,9 @@ from kvpeer.bench.serve import (
     ServeBenchSpec,
     run_matrix,
 )
-from kvpeer.bench.serve_client import run_phase
-from kvpeer.bench.serve_plot import plot
-from kvpeer.bench.serve_stats import (
+from kvpeer.lab.bench.serve_client import run_phase
+from kvpeer.lab.bench.serve_plot import plot
+from kvpeer.lab.bench.serve_stats import (
     Cell,
     FleetCounters,
     PeerCounters,
@@ -45,8 +47,8 @@ from kvpeer.bench.serve_stats import (
     render,
     summarize,
 )
-from kvpeer.bench.serve_vllm import router_plans
-from kvpeer.bench.serve_workloads import (
+from kvpeer.lab.bench.serve_vllm import router_plans
+from kvpeer.lab.bench.serve_workloads import (
     MAX_CONTEXT,
     PINNED,
     UNPINNED,
@@ -55,11 +57,9 @@ from kvpeer.bench.serve_workloads import (
     Shape,
     build,
 )
-from kvpeer.cli import build_parser, main
-from kvpeer.errors import ConfigError
+from kvpeer.lab.engines.fakeengine import Behaviour, FakeEngine
 from kvpeer.router.background import BackgroundRouter
 from kvpeer.router.config import EngineEntry, RouterConfig
-from kvpeer.router.fakeengine import Behaviour, FakeEngine
 from kvpeer.router.policy import EngineSpec, Mode, Role
 
 TINY = replace(QUICK_SHAPE, requests=4, rate=50.0, prompt_tokens=96, suffix_tokens=32,
@@ -73,7 +73,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The serving model's word-level tokenizer, loaded the way vLLM loads it."""
     from vllm.tokenizers import get_tokenizer
 
-    from kvpeer.integrations.vllm.model import write_tokenizer
+    from kvpeer.lab.engines.model import write_tokenizer
 
     directory = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer(directory, 512)
@@ -745,8 +745,8 @@ def test_shape_chat_tokens_counts_every_turn() -> None:
 def test_a_kvpeer_engine_with_held_blocks_is_named_so_to_the_router() -> None:
     """The kvpeer arm's engines hold blocks; the router must know, or it predicts a wait
     for the source's engine that the pull no longer has (and flags carry it too)."""
-    from kvpeer.bench.routerproc import engine_flag
-    from kvpeer.integrations.vllm.serving import ServeSpec
+    from kvpeer.lab.bench.routerproc import engine_flag
+    from kvpeer.lab.engines.serving import ServeSpec
     from kvpeer.router.config import parse_engine_flag
 
     held = ServeSpec("a", Path("/m"), tier_options={"held_bytes": 1 << 20}).router_engine()

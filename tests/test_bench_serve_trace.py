@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kvpeer.bench.serve import ServeBenchSpec, run_matrix
-from kvpeer.bench.serve_stats import RequestRecord
-from kvpeer.bench.serve_trace import (
+from kvpeer.lab.bench.serve_bench import ServeBenchSpec, run_matrix
+from kvpeer.lab.bench.serve_stats import RequestRecord
+from kvpeer.lab.bench.serve_trace import (
     RouterCapture,
     Slowest,
     TraceEvent,

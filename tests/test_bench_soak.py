@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpeer.bench.soak import (
+from kvpeer.cli import build_parser
+from kvpeer.lab.bench.soak_run import release_free_heap
+from kvpeer.lab.bench.soak_verdict import (
     FAULT_KINDS,
     RESOURCE_TOLERANCE,
     WARMUP_FAULT,
@@ -27,10 +29,8 @@ from kvpeer.bench.soak import (
     summary,
     verdict,
 )
-from kvpeer.bench.soak_run import release_free_heap
-from kvpeer.cli import build_parser
-from kvpeer.integrations.vllm.procs import group_pids, process_info, shm_in_use
-from kvpeer.integrations.vllm.serving import _remove_unused
+from kvpeer.lab.engines.procs import group_pids, process_info, shm_in_use
+from kvpeer.lab.engines.serving import _remove_unused
 
 MIB = 1 << 20
 
@@ -250,7 +250,7 @@ def test_release_free_heap_returns_freed_pages_of_a_fragmented_heap() -> None:
 
 
 def test_trace_memory_names_the_line_that_kept_memory() -> None:
-    from kvpeer.bench.soak_memory import MemoryTrace
+    from kvpeer.lab.bench.soak_memory import MemoryTrace
 
     trace = MemoryTrace(enabled=True)
     trace.start()
@@ -268,7 +268,7 @@ def test_trace_memory_names_the_line_that_kept_memory() -> None:
 
 
 def test_trace_memory_off_records_nothing() -> None:
-    from kvpeer.bench.soak_memory import MemoryTrace
+    from kvpeer.lab.bench.soak_memory import MemoryTrace
 
     trace = MemoryTrace()
     trace.start()
@@ -282,7 +282,7 @@ def test_router_index_reads_the_index_gauges_of_a_metrics_page() -> None:
     import http.server
     import threading
 
-    from kvpeer.bench.soak_memory import router_index
+    from kvpeer.lab.bench.soak_memory import router_index
 
     page = (
         b'kvpeer_router_index_blocks{engine="a",medium="GPU"} 2730.0\n'

@@ -1,4 +1,4 @@
-"""``kvpeer soak`` measures vLLM's KV-event replay buffer (kvpeer.bench.soak_events):
+"""``kvpeer soak`` measures vLLM's KV-event replay buffer (kvpeer.lab.bench.soak_events):
 against vLLM's own ``ZmqEventPublisher`` (in this process, on ipc sockets), the count is
 what it published, up to the ``buffer_steps`` the soak gives its engines."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvpeer.bench.soak_events import EventHistory, event_history
-from kvpeer.integrations.vllm.serving import ServeSpec
+from kvpeer.lab.bench.soak_events import EventHistory, event_history
+from kvpeer.lab.engines.serving import ServeSpec
 
 
 def publish(kv: Any, publisher: Any, n: int) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvpeer.bench.transport import render
+from kvpeer.lab.bench.transport import render
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -81,3 +81,30 @@ def test_cli_prints_problems_and_exits_non_zero(tmp_path: Path) -> None:
     crashed = subprocess.run([*run, str(broken)], capture_output=True, text=True, check=False)
     assert crashed.returncode == 2
     assert "broken.json" in crashed.stderr
+
+
+def kvpeer_connector_config(**extra: object) -> dict[str, Any]:
+    config = transfer_config()
+    config["kv_connector"] = "KVPeerOffloadingConnector"
+    config["kv_connector_module_path"] = "kvpeer.integrations.vllm.connector"
+    config["kv_connector_extra_config"].update(extra)
+    return config
+
+
+def test_kvpeers_connector_and_gpu_spec_are_accepted() -> None:
+    assert check_transfer_config(kvpeer_connector_config()) == []
+    gpu = kvpeer_connector_config(spec_name="KVPeerTieringOffloadingSpec", kvpeer_sync_load=False)
+    assert check_transfer_config(gpu) == []
+
+
+def test_kvpeers_connector_needs_its_module_and_a_boolean_sync_load() -> None:
+    config = kvpeer_connector_config(kvpeer_sync_load="yes")
+    del config["kv_connector_module_path"]
+    config["kv_connector_extra_config"]["spec_module_path"] = "vllm.somewhere"
+    problems = check_transfer_config(config)
+    assert [p.split(":")[0] for p in problems] == [
+        "kv_connector_module_path",
+        "kv_connector_extra_config.spec_module_path",
+        "kv_connector_extra_config.kvpeer_sync_load",
+    ]
+    assert "'yes'" in problems[-1]

@@ -769,3 +769,22 @@ class TestUntrustedPeerKeys:
             TierConfig.from_dict({"max_peer_bytes": 4096})
         with pytest.raises(ConfigError, match=r"max_handshakes_per_source"):
             TierConfig.from_dict({"max_handshakes_per_source": 0})
+
+
+# -- how long the engine may wait for a pull ------------------------------------------
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(0, 0.0), ("0", 0.0), (0.05, 0.05), ("1", 1.0)])
+def test_sync_pull_wait_accepts_zero_to_one_second(raw: object, expected: float) -> None:
+    assert TierConfig.from_dict({"sync_pull_wait_s": raw}).sync_pull_wait_s == expected
+
+
+def test_sync_pull_wait_defaults_to_fifty_milliseconds() -> None:
+    assert TierConfig().sync_pull_wait_s == 0.05
+
+
+@pytest.mark.parametrize("raw", [-0.01, 1.5, "2", True, None, "soon", math.nan, math.inf])
+def test_sync_pull_wait_rejects_what_would_stall_the_engine(raw: object) -> None:
+    assert only_problem({"sync_pull_wait_s": raw}) == (
+        f"sync_pull_wait_s: expected 0 to 1 seconds, got {raw!r}"
+    )

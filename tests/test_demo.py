@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kvpeer.demo import DemoResult, PeerCounters, Pulled, judge, render
-from kvpeer.integrations.vllm.openai_client import Completion
+from kvpeer.lab.demo_run import DemoResult, PeerCounters, Pulled, judge, render
+from kvpeer.lab.engines.openai_client import Completion
 
 PROMPT = 256
 BLOCK_LEN = 32 * 1024

@@ -41,38 +41,38 @@ ARCHITECTURE = SRC.parents[1] / "docs" / "architecture.md"
 # What each layer may import besides itself: module names under ``kvpeer.``, each
 # allowing itself and its submodules. A layer is a package under src/kvpeer or a
 # top-level module; ``kvpeer`` is the package's own ``__init__`` (``__version__``).
-# Derived from what the code imported when this list was written, with the one
-# cycle there was (host -> node.interface) removed: the host defines the tier
-# interface it drives (kvpeer.host.interface) and the node implements it.
+# Every entry of a product layer is one it uses (pinned below), with the one cycle
+# there was (host -> node.interface) removed: the host defines the tier interface it
+# drives (kvpeer.host.interface) and the node implements it.
 MAY_IMPORT: dict[str, frozenset[str]] = {
+    # Entry points: argv and environment come in here, and so may the lab.
     "__main__": frozenset({"cli"}),
     "cli": frozenset({"commands", "errors"}),
-    # One module per command: what each command runs.
+    # One module per command: what each command runs; a lab tool's command runs the lab.
     "commands": frozenset(
-        {"bench", "checkconfig", "config", "demo", "errors", "fuzz", "metrics", "node", "router",
-         "transport"}
+        {"checkconfig", "config", "errors", "lab", "metrics", "node", "router", "transport"}
     ),
-    "bench": frozenset(
-        {"config", "demo", "errors", "host", "integrations", "node", "router", "session",
-         "testing", "transport", "types"}
+    "sim": frozenset({"lab"}),  # python -m kvpeer.sim
+    # The lab (benches, fuzzer, simulation, engine harness) may import anything below
+    # the entry points; nothing but an entry point imports it.
+    "lab": frozenset(
+        {"checkconfig", "config", "errors", "host", "integrations", "kvpeer", "metrics", "node",
+         "protocol", "router", "session", "testing", "transport", "types"}
     ),
-    "demo": frozenset({"errors", "integrations", "router", "transport"}),
-    # The fuzzer drives a real node from outside: what a node is built of, never the
-    # sans-IO session core directly, nor test helpers.
-    "fuzz": frozenset({"config", "errors", "host", "node", "protocol", "transport", "types"}),
-    "integrations": frozenset(
-        {"config", "errors", "host", "metrics", "node", "router", "transport", "types"}
-    ),
-    "router": frozenset({"config", "errors", "metrics", "node.params", "types"}),
-    "metrics": frozenset({"kvpeer", "node", "protocol", "session"}),
-    "sim": frozenset({"config", "host", "node", "session", "testing", "transport", "types"}),
-    "node": frozenset({"config", "errors", "host", "protocol", "session", "transport", "types"}),
-    "host": frozenset({"session.ports", "types"}),
-    # testing.cluster builds whole tiers and testing.conformance data planes over a
-    # host's BlockPool: the kit sits above the node and the host.
+    # The test kit ships with the package (fake clock, in-memory network and data plane,
+    # conformance suites, whole tiers on one clock) and sits above the node and the host;
+    # no product layer imports it.
     "testing": frozenset(
         {"config", "errors", "host", "node", "protocol", "session", "transport", "types"}
     ),
+    # The product.
+    "integrations": frozenset(
+        {"config", "errors", "host", "metrics", "node", "transport", "types"}
+    ),
+    "router": frozenset({"errors"}),
+    "metrics": frozenset({"kvpeer", "node", "protocol", "session"}),
+    "node": frozenset({"config", "errors", "host", "protocol", "session", "transport", "types"}),
+    "host": frozenset({"session.ports", "types"}),
     "checkconfig": frozenset({"config"}),
     "config": frozenset({"errors", "protocol", "session.settings"}),
     "transport": frozenset({"errors", "protocol", "session.ports"}),
@@ -82,6 +82,10 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "types": frozenset(),
 }
+ENTRY_POINTS = frozenset({"__main__", "cli", "commands", "sim"})
+LAB = "lab"
+TEST_KIT = "testing"
+PRODUCT = frozenset(MAY_IMPORT) - ENTRY_POINTS - {LAB, TEST_KIT}
 
 
 def layer_of(path: Path) -> str:
@@ -309,6 +313,9 @@ class TestLayers:
         assert not allowed("transport", "kvpeer.session.peer")
         assert allowed("metrics", "kvpeer.__version__")
         assert not allowed("protocol", "kvpeer.__version__")
+        assert not allowed("router", "kvpeer.lab.engines.fakeengine")
+        assert not allowed("integrations", "kvpeer.lab.engines.serving")
+        assert allowed("commands", "kvpeer.lab.bench.serve_bench")
 
     def test_the_readme_draws_these_layers_top_down(self) -> None:
         drawn = readme_layers()
@@ -318,6 +325,74 @@ class TestLayers:
             above = set(order[:position])
             below_only = {target_layer(f"kvpeer.{entry}") for entry in entries} & above
             assert below_only == set(), f"{layer} imports {below_only}, drawn above it"
+
+
+def reachable(layer: str) -> set[str]:
+    """Every layer that ``layer`` may import, directly or through the layers it imports."""
+    seen: set[str] = set()
+    todo = [layer]
+    while todo:
+        for entry in MAY_IMPORT[todo.pop()]:
+            below = target_layer(f"kvpeer.{entry}")
+            if below not in seen:
+                seen.add(below)
+                todo.append(below)
+    return seen
+
+
+def importers_of(target: str) -> set[str]:
+    """The layers whose line names ``target``."""
+    return {
+        layer
+        for layer, entries in MAY_IMPORT.items()
+        if any(target_layer(f"kvpeer.{entry}") == target for entry in entries)
+    }
+
+
+def kvpeer_imports(layer: str) -> list[str]:
+    """Every ``kvpeer...`` name the modules of ``layer`` import."""
+    return [
+        name
+        for path in all_files()
+        if layer_of(path) == layer
+        for _, name in imported_modules(parse(path), package_of(path))
+        if name == "kvpeer" or name.startswith("kvpeer.")
+    ]
+
+
+class TestProductAndLab:
+    """Product and lab apart (docs/architecture.md): benches, the fuzzer, the simulation
+    and the engine harness live in ``kvpeer.lab``; the product never reaches it, nor the
+    test kit; the allow-list names only what each layer uses."""
+
+    @pytest.mark.parametrize("layer", sorted(PRODUCT))
+    def test_the_product_reaches_neither_lab_nor_test_kit(self, layer: str) -> None:
+        assert reachable(layer) & {LAB, TEST_KIT} == set()
+
+    def test_only_entry_points_import_the_lab(self) -> None:
+        assert importers_of(LAB) <= ENTRY_POINTS
+        assert importers_of(TEST_KIT) == {LAB}
+
+    def test_the_lab_may_import_everything_below_the_entry_points(self) -> None:
+        assert MAY_IMPORT[LAB] == frozenset(MAY_IMPORT) - ENTRY_POINTS - {LAB}
+
+    @pytest.mark.parametrize("layer", sorted(set(MAY_IMPORT) - {LAB}))
+    def test_every_entry_is_used(self, layer: str) -> None:
+        """A line names what its layer imports, no more: a dependency dropped from the
+        code is dropped from the table (the lab's line is everything, by design)."""
+        names = kvpeer_imports(layer)
+        unused = sorted(
+            entry
+            for entry in MAY_IMPORT[layer]
+            if not any(
+                target_layer(name) == "kvpeer"
+                if entry == "kvpeer"
+                else name.removeprefix("kvpeer.") == entry
+                or name.startswith(f"kvpeer.{entry}.")
+                for name in names
+            )
+        )
+        assert unused == []
 
 
 def readme_layers() -> list[tuple[str, set[str]]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpeer.errors import ConfigError
-from kvpeer.integrations.vllm.model import TINY_LLAMA_CONFIG, ensure_tiny_llama
+from kvpeer.lab.engines.model import TINY_LLAMA_CONFIG, ensure_tiny_llama
 
 
 def foreign_model(path: Path) -> dict[str, bytes]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpeer.integrations.vllm.serving import YIELD_NICE, ServeEngine, ServeFleet, ServeSpec
+from kvpeer.lab.engines.serving import YIELD_NICE, ServeEngine, ServeFleet, ServeSpec
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="restoring a priority needs root; the fleet does not yield without"
@@ -72,7 +72,7 @@ def test_running_engines_yield_while_another_starts_and_get_their_priority_back(
         return len(seen) >= 2
 
     monkeypatch.setattr(ServeEngine, "healthy", healthy)
-    monkeypatch.setattr("kvpeer.integrations.vllm.serving.POLL_S", 0.0)
+    monkeypatch.setattr("kvpeer.lab.engines.serving.POLL_S", 0.0)
     fleet.wait_ready(["starting"], timeout_s=30)
     assert seen == [[YIELD_NICE, YIELD_NICE]] * 2  # every thread, for the whole wait
     assert groups in ([YIELD_NICE] * 2, [None] * 2)  # None: this kernel has no autogroup
@@ -88,7 +88,7 @@ def test_priorities_come_back_when_the_wait_fails(
     running = add(fleet, "running", tmp_path)
     add(fleet, "starting", tmp_path)
     monkeypatch.setattr(ServeEngine, "healthy", lambda engine, timeout_s=2.0: engine is running)
-    monkeypatch.setattr("kvpeer.integrations.vllm.serving.POLL_S", 0.0)
+    monkeypatch.setattr("kvpeer.lab.engines.serving.POLL_S", 0.0)
     with pytest.raises(Exception, match="not ready after 0 s"):
         fleet.wait_ready(["starting"], timeout_s=0.0)
     assert thread_nices(running.process.pid) == [0, 0]
@@ -110,7 +110,7 @@ def test_engines_that_start_together_yield_to_the_slower_once_ready(
         return calls["slow"] >= 3
 
     monkeypatch.setattr(ServeEngine, "healthy", healthy)
-    monkeypatch.setattr("kvpeer.integrations.vllm.serving.POLL_S", 0.0)
+    monkeypatch.setattr("kvpeer.lab.engines.serving.POLL_S", 0.0)
     fleet.wait_ready(["fast", "slow"], timeout_s=30)
     # The first round asks slow before fast is known ready; from the next on fast yields.
     assert seen[1:] == [[YIELD_NICE, YIELD_NICE]] * 2

@@ -15,7 +15,11 @@ from kvpeer.config import validate_dict
 __all__ = ["check_transfer_config"]
 
 TIER_TYPES = ("KVPeerTier", "kvpeer")
-TIERING_SPECS = ("TieringOffloadingSpec", "CpuTieringOffloadingSpec")
+TIERING_SPECS = ("TieringOffloadingSpec", "CpuTieringOffloadingSpec", "KVPeerTieringOffloadingSpec")
+KVPEER_SPECS = ("CpuTieringOffloadingSpec", "KVPeerTieringOffloadingSpec")
+SPEC_MODULE = "kvpeer.integrations.vllm.cpu_spec"
+CONNECTORS = ("OffloadingConnector", "KVPeerOffloadingConnector")
+CONNECTOR_MODULE = "kvpeer.integrations.vllm.connector"
 _VLLM_TIER_KEYS = ("type", "module_path")
 
 
@@ -51,9 +55,17 @@ def check_transfer_config(config: object) -> list[str]:
         return _check_tier(config, "tier")  # a single tier entry
     problems: list[str] = []
     connector = config.get("kv_connector")
-    if connector != "OffloadingConnector":
+    if connector not in CONNECTORS:
         problems.append(
-            f"kv_connector: kvpeer is a secondary tier of 'OffloadingConnector', got {connector!r}"
+            f"kv_connector: kvpeer is a secondary tier of 'KVPeerOffloadingConnector' "
+            f"(or vLLM's 'OffloadingConnector'), got {connector!r}"
+        )
+    elif connector == "KVPeerOffloadingConnector" and (
+        config.get("kv_connector_module_path") != CONNECTOR_MODULE
+    ):
+        problems.append(
+            f"kv_connector_module_path: 'KVPeerOffloadingConnector' lives in "
+            f"{CONNECTOR_MODULE!r}, got {config.get('kv_connector_module_path')!r}"
         )
     extra = config.get("kv_connector_extra_config")
     if not isinstance(extra, Mapping):
@@ -65,10 +77,15 @@ def check_transfer_config(config: object) -> list[str]:
             f"kv_connector_extra_config.spec_name: secondary tiers need one of "
             f"{list(TIERING_SPECS)}, got {spec!r}"
         )
-    if spec == "CpuTieringOffloadingSpec" and extra.get("spec_module_path") is None:
+    if spec in KVPEER_SPECS and extra.get("spec_module_path") != SPEC_MODULE:
         problems.append(
-            "kv_connector_extra_config.spec_module_path: missing; 'CpuTieringOffloadingSpec' "
-            'lives in "kvpeer.integrations.vllm.cpu_spec"'
+            f"kv_connector_extra_config.spec_module_path: {spec!r} lives in "
+            f"{SPEC_MODULE!r}, got {extra.get('spec_module_path')!r}"
+        )
+    sync_load = extra.get("kvpeer_sync_load", True)
+    if not isinstance(sync_load, bool):
+        problems.append(
+            f"kv_connector_extra_config.kvpeer_sync_load: expected true or false, got {sync_load!r}"
         )
     tiers = extra.get("secondary_tiers")
     if not isinstance(tiers, list):

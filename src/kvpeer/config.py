@@ -39,6 +39,7 @@ __all__ = ["DATA_TRANSPORTS", "AllowList", "CurveConfig", "TierConfig", "validat
 
 DATA_TRANSPORTS: Final = ("shm", "tcp", "nixl")
 MAX_SECONDS: Final = 1e9  # ~31 years: "never" for any sane deployment, and finite when doubled
+MAX_ENGINE_WAIT_S: Final = 1.0  # an engine thread blocked longer stalls every running request
 _CURVE_KEYS: Final = ("server_secret_key_file", "server_public_key_file", "client_public_keys_dir")
 _LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
@@ -215,6 +216,17 @@ class CurveConfig:
 # -- value parsers: each returns the canonical value or raises _Invalid -------------------
 
 
+def _engine_wait(value: object) -> float:
+    """Seconds an engine thread may block on a pull: 0 (never) up to MAX_ENGINE_WAIT_S."""
+    seconds = math.nan
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        with suppress(ValueError, OverflowError):
+            seconds = float(value)
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_ENGINE_WAIT_S):
+        raise _Invalid(f"expected 0 to {MAX_ENGINE_WAIT_S:g} seconds, got {value!r}")
+    return seconds
+
+
 def _duration(limit: float = MAX_SECONDS) -> Callable[[object], float]:
     def parse(value: object) -> float:
         seconds = math.nan
@@ -385,6 +397,7 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "max_handshakes_per_source": _count(1),
         "max_peer_bytes": _count(1 << 20),
         "held_bytes": _count(0),
+        "sync_pull_wait_s": _engine_wait,
         "trust_peer_addresses": _flag,
         "data_transports": _transports,
         "allowed_peers": _allowed_peers,
@@ -467,6 +480,10 @@ class TierConfig:
     #: bytes of blocks the tier keeps a copy of, to serve peers without a serve
     #: window (kvpeer.node.held); 0: off, every peer request waits for one
     held_bytes: int = 0
+    #: how long the engine's scheduler may wait, inside the lookup that found a
+    #: peer's blocks, for the pull to land (kvpeer.integrations.vllm.manager); a pull
+    #: that takes longer completes a step later, as vLLM's own promotions do. 0: never
+    sync_pull_wait_s: float = 0.05
     trust_peer_addresses: bool = False
     data_transports: tuple[str, ...] = DATA_TRANSPORTS
     allowed_peers: AllowList = field(default_factory=AllowList.allow_all)

@@ -6,10 +6,10 @@ import threading
 import time
 
 from kvpeer.host import TieringHost
+from kvpeer.lab.pull import PullResult
 from kvpeer.metrics import ThreadCpu, read_node, values
 from kvpeer.node.counters import HistogramSnapshot
 from kvpeer.node.driver import DrivenTier
-from kvpeer.node.pull import PullResult
 from tests.net.common import BLOCK_LEN, keys_of
 from tests.net.localnode import LocalNode, open_pool_node
 

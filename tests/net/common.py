@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvpeer.config import TierConfig
-from kvpeer.integrations.vllm import launcher
+from kvpeer.lab.engines import launcher
 from kvpeer.node.synthetic import synthetic_key
 from kvpeer.types import Key
 

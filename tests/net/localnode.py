@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from kvpeer.host import BlockPool
+from kvpeer.lab.pull import Puller, PullResult
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.params import split_peer_id
-from kvpeer.node.pull import Puller, PullResult
 from kvpeer.node.serve import preload_synthetic
 from kvpeer.node.synthetic import synthetic_index
 from kvpeer.node.tier import TierStatistics

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpeer.node.pull import PullResult
+from kvpeer.lab.pull import PullResult
 from kvpeer.node.synthetic import synthetic_key
 from kvpeer.types import LookupResult
 from tests.net.common import DEADLINE_S, cpu_seconds, keys_of, plane_params, wait_until

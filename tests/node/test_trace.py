@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
-from kvpeer.bench.serve_trace import TraceEvent, parse_line
 from kvpeer.config import TierConfig
+from kvpeer.lab.bench.serve_trace import TraceEvent, parse_line
 from kvpeer.node.tier import Tier
 from kvpeer.node.trace import TRACE_LOGGER
 from kvpeer.testing import FakeDataPlane, FakeParent, Region

@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router.app import Router
 from kvpeer.router.config import RouterConfig, from_mapping
-from kvpeer.router.fakeengine import FakeEngine
 from kvpeer.router.loadonly import LoadOnlyPolicy
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan
 
@@ -203,7 +203,7 @@ class EngineProcess:
 async def spawn_engine() -> EngineProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvpeer.router.fakeengine", "--port", "0",
+        sys.executable, "-m", "kvpeer.lab.engines.fakeengine", "--port", "0",
         stdout=asyncio.subprocess.PIPE, start_new_session=True, env=env,
     )
     assert process.stdout is not None

@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router.app import Router
 from kvpeer.router.config import from_mapping
-from kvpeer.router.fakeengine import FakeEngine
 from kvpeer.router.policy import Plan
 from tests.router.conftest import (
     RecordingPolicy,

@@ -129,9 +129,9 @@ def test_a_prefill_leg_past_its_deadline_goes_decode_only() -> None:
 def test_the_default_policy_is_the_decision_core_and_its_numbers_are_scraped() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
+    from kvpeer.lab.engines.fakeengine import FakeEngine
     from kvpeer.router.app import Router
     from kvpeer.router.decide import RouterPolicy
-    from kvpeer.router.fakeengine import FakeEngine
     from tests.router.conftest import make_config
 
     async def scenario() -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvpeer.cli import build_parser
-from kvpeer.router.bench import RepeatResult, RouterBenchSpec, percentile, render, summarize
+from kvpeer.lab.bench.router_bench import (
+    RepeatResult,
+    RouterBenchSpec,
+    percentile,
+    render,
+    summarize,
+)
 
 
 def test_percentile_interpolates_between_ranks() -> None:

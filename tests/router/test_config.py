@@ -192,3 +192,14 @@ def test_an_engine_that_serves_held_blocks_is_named_in_the_file_or_the_flag() ->
         ["router", "--engine", "a=http://h:1,peer=h:2,held=true",
          "--engine", "b=http://h:3,peer=h:4,held=false"]))  # fmt: skip
     assert [e.spec.serves_held for e in by_flag.engines] == [True, False]
+
+
+def test_an_engine_running_kvpeers_connector_is_named_in_the_file_or_the_flag() -> None:
+    assert from_mapping(engines(engine(sync_pulls=True))).engines[0].spec.sync_pulls
+    assert not from_mapping(engines(engine())).engines[0].spec.sync_pulls
+    by_flag = from_args(build_parser().parse_args(
+        ["router", "--engine", "a=http://h:1,peer=h:2,sync_pulls=true",
+         "--engine", "b=http://h:3,peer=h:4"]))  # fmt: skip
+    assert [e.spec.sync_pulls for e in by_flag.engines] == [True, False]
+    with pytest.raises(ConfigError, match="sync_pulls"):
+        from_mapping(engines(engine(sync_pulls="often")))

@@ -518,3 +518,26 @@ def test_a_source_that_serves_held_blocks_makes_no_pull_wait_for_its_engine() ->
     assert waits.predicted_ttft_s is not None
     assert wait > 0.3
     assert waits.predicted_ttft_s - held.predicted_ttft_s == pytest.approx(wait)
+
+
+def test_a_consumer_running_kvpeers_connector_pays_no_extra_steps_for_a_pull() -> None:
+    """Issue 27 item 4: an engine with kvpeer's manager and connector (``sync_pulls``)
+    lands a pull in the step that looked it up, so a pull into it, busy or idle, is
+    predicted without the two steps; learning takes none out of the residual either."""
+
+    def plan_with(sync: bool) -> tuple[Plan, RouterPolicy]:
+        consumer = EngineSpec("e0", "http://e0", "10.0.0.1", 5710, sync_pulls=sync)
+        index = PrefixIndex()
+        policy = RouterPolicy([consumer, spec("e1")], Mode.SHARED, index)
+        hold(index, "e1", 1024, MEDIUM_CPU)
+        loads = {"e0": busy(queued=1500, in_flight=2), "e1": idle()}
+        return policy.plan("r", PROMPT, loads, 0.0, serve_on="e0", pull_from="e1"), policy
+
+    (sync_plan, policy), (steps_plan, _) = plan_with(True), plan_with(False)
+    busy_consumer = busy(queued=1500, in_flight=2)
+    steps = policy.cost.consumer_steps_s("e0", busy_consumer)
+    assert steps > 0.2
+    assert policy.cost.consumer_steps_s("e0", busy_consumer, sync=True) == 0.0
+    assert sync_plan.predicted_ttft_s is not None
+    assert steps_plan.predicted_ttft_s is not None
+    assert steps_plan.predicted_ttft_s - sync_plan.predicted_ttft_s == pytest.approx(steps)

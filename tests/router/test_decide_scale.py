@@ -191,7 +191,7 @@ def reference_plan(
                 continue
             ttft = cost.compute_s(engine, n - cpu, load) + cost.pull_s(
                 engine, source, cpu - local, healthy[source], held=specs[source].serves_held
-            ) + cost.consumer_steps_s(engine, load)
+            ) + cost.consumer_steps_s(engine, load, sync=specs[engine].sync_pulls)
             if source == pinned or ttft + config.pull_margin_s < best[0]:
                 best = (ttft, cpu, source)
             elif rejected is None or ttft < rejected[0]:
@@ -253,7 +253,8 @@ def test_plans_are_those_of_one_prediction_per_server_and_source(seed: int) -> N
     fleet = Fleet(rng, engines=rng.randrange(1, 48))
     fleet.churn(rng.randrange(20, 400))
     specs = {name: EngineSpec(name, f"http://{name}", "127.0.0.1", 5710,
-                              serves_held=rng.random() < 0.3)
+                              serves_held=rng.random() < 0.3,
+                              sync_pulls=rng.random() < 0.3)
              for name in fleet.names}  # fmt: skip
     explore_every = rng.choice((0, 1))
     config = DecideConfig(pulls=rng.random() < 0.9, explore_every=explore_every,

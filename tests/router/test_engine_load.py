@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from kvpeer.lab.engines.fakeengine import Behaviour, FakeEngine
 from kvpeer.router.app import Router
 from kvpeer.router.config import EngineEntry, from_mapping
 from kvpeer.router.engineload import EngineLoadFeed, parse_reported
-from kvpeer.router.fakeengine import Behaviour, FakeEngine
 from kvpeer.router.policy import EngineSpec
 from tests.router.conftest import engine_table
 

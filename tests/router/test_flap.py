@@ -18,9 +18,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router.app import Router
 from kvpeer.router.config import EngineEntry, from_mapping
-from kvpeer.router.fakeengine import FakeEngine
 from kvpeer.router.feed import (
     REPLAY_END_SEQ,
     Anchor,

@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from kvpeer.errors import ConfigError
+from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router.app import Router
 from kvpeer.router.config import EngineEntry, RouterConfig, from_mapping
-from kvpeer.router.fakeengine import FakeEngine
 from kvpeer.router.feed import Continuity
 from kvpeer.router.health import EngineHealth, Evidence, is_refused, judge
 from kvpeer.router.server_socket import bind

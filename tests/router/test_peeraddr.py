@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 
 from kvpeer.config import AllowList
+from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router.app import Router
 from kvpeer.router.config import from_mapping
-from kvpeer.router.fakeengine import FakeEngine
 from kvpeer.router.peeraddr import PeerAddresses, system_resolver
 from kvpeer.router.policy import EngineSpec, Mode, Plan
 from tests.router.conftest import RecordingPolicy, run

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 
 from kvpeer.errors import ProtocolError
-from kvpeer.fuzz import wire
-from kvpeer.fuzz.generator import MESSAGE_TYPES, SCENARIOS, Case, FrameGenerator, Target
-from kvpeer.fuzz.hostile import HOSTILE_ACKS, HOSTILE_CONNECTS
-from kvpeer.fuzz.mutations import SCHEMAS
-from kvpeer.fuzz.peers import normalize_reason
-from kvpeer.fuzz.process import deaths_in
+from kvpeer.lab.fuzz import wire
+from kvpeer.lab.fuzz.fuzz_peers import normalize_reason
+from kvpeer.lab.fuzz.generator import MESSAGE_TYPES, SCENARIOS, Case, FrameGenerator, Target
+from kvpeer.lab.fuzz.hostile import HOSTILE_ACKS, HOSTILE_CONNECTS
+from kvpeer.lab.fuzz.mutations import SCHEMAS
+from kvpeer.lab.fuzz.process import deaths_in
 from kvpeer.protocol import Codec, Connect, ConnectAck, UnknownMessage, limits
 
 CODEC = Codec()

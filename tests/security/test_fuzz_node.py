@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpeer.fuzz.generator import MESSAGE_TYPES
-from kvpeer.fuzz.harness import FuzzResult, FuzzSpec, available_planes, run_fuzz
-from kvpeer.fuzz.report import render
+from kvpeer.lab.fuzz.fuzz_run import FuzzResult, FuzzSpec, available_planes, run_fuzz
+from kvpeer.lab.fuzz.generator import MESSAGE_TYPES
+from kvpeer.lab.fuzz.report import render
 
 pytestmark = pytest.mark.slow  # a live node under 100,000 frames
 

@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 
 from kvpeer.cli import build_parser, main
-from kvpeer.fuzz.generator import Case
-from kvpeer.fuzz.harness import CrashRecord, FuzzResult, FuzzSpec
-from kvpeer.fuzz.legit import PullOutcome
-from kvpeer.fuzz.process import Usage
-from kvpeer.fuzz.report import render, to_json
+from kvpeer.lab.fuzz.fuzz_run import CrashRecord, FuzzResult, FuzzSpec
+from kvpeer.lab.fuzz.generator import Case
+from kvpeer.lab.fuzz.legit import PullOutcome
+from kvpeer.lab.fuzz.process import Usage
+from kvpeer.lab.fuzz.report import render, to_json
 
 MiB = 1 << 20
 

@@ -7,12 +7,12 @@ aborted, so the session toward n1 kept ``kv8``'s entry for the ack owed (consume
 invariant 8); the router then reused ``kv8`` for a request pulling from n0, whose
 session opened its own entry. Two sessions, one entry each, both within their
 timeouts: the rule counted entries over all sessions against distinct ids. It now
-counts per session (:func:`~kvpeer.sim.checks.unexplained_consumer_entries`).
+counts per session (:func:`~kvpeer.lab.sim.checks.unexplained_consumer_entries`).
 """
 
 from __future__ import annotations
 
-from kvpeer.sim.checks import unexplained_consumer_entries
+from kvpeer.lab.sim.checks import unexplained_consumer_entries
 from kvpeer.testing.cluster import Cluster, TierNode, decoder, keys, prefiller
 
 KEYS = keys(1, 2, 3)

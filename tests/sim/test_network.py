@@ -1,6 +1,6 @@
 """The simulation's network: each fault kind shows a node what ZMQ over TCP would.
 
-Rules as numbered in :mod:`kvpeer.sim.network`: death and refused connects (1),
+Rules as numbered in :mod:`kvpeer.lab.sim.sim_network`: death and refused connects (1),
 a host that does not exist (2), partitions (3), frozen processes (4).
 """
 
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvpeer.sim.network import ZMQ_HANDSHAKE_S, Heartbeat, SimControl, SimNetwork
+from kvpeer.lab.sim.sim_network import ZMQ_HANDSHAKE_S, Heartbeat, SimControl, SimNetwork
 from kvpeer.testing.clock import FakeClock
 
 HEARTBEAT = Heartbeat(interval=0.2, timeout=1.0)

@@ -18,12 +18,12 @@ from collections.abc import Iterator
 import pytest
 
 from kvpeer.host import TieringHost
+from kvpeer.lab.sim import SeedResult, World, run_seed
+from kvpeer.lab.sim import seeds as cli
+from kvpeer.lab.sim import world as world_module
+from kvpeer.lab.sim.scenarios import GHOST_PEER
+from kvpeer.lab.sim.timeouts import Bounds
 from kvpeer.node import peertable as peertable_module
-from kvpeer.sim import SeedResult, World, run_seed
-from kvpeer.sim import __main__ as cli
-from kvpeer.sim import world as world_module
-from kvpeer.sim.config import Bounds
-from kvpeer.sim.scenarios import GHOST_PEER
 
 SWEEP = [(seed, 3) for seed in range(200)] + [(seed, 4) for seed in range(200, 260)]
 LAST_LINE = re.compile(r"seeds=(\d+) violations=(\d+) jobs=(\d+) loads_ok=(\d+) loads_failed=(\d+)")
@@ -238,7 +238,7 @@ BACKED_OFF_SEEDS = (8, 40, 61, 69)
 
 
 class TestRequestBudgets:
-    """Budgets toward unreachable peers (kvpeer.sim.budgets) are checked, not assumed."""
+    """Budgets toward unreachable peers (kvpeer.lab.sim.budgets) are checked, not assumed."""
 
     def test_a_request_that_waits_out_a_session_timeout_is_reported(self) -> None:
         # The tiers wait 5.5 s on a peer that never answered; the checker expects the
@@ -332,7 +332,7 @@ def run_variant(template: str, seed: int) -> str:
     return proc.stdout
 
 WITHOUT_THE_SILENCE_RULE = """
-%(old_silence_rule)sfrom kvpeer.sim import run_seed
+%(old_silence_rule)sfrom kvpeer.lab.sim import run_seed
 for violation in run_seed(%(seed)d).violations:
     print(violation)
 """
@@ -346,7 +346,7 @@ def refuse(self, peer_id, frame, reason, *, quiet=False):
     if not quiet:  # strays go unanswered again, as before the fix
         answer(self, peer_id, frame, reason)
 peertable.PeerTable._refuse = refuse
-%(old_silence_rule)sfrom kvpeer.sim import run_seed
+%(old_silence_rule)sfrom kvpeer.lab.sim import run_seed
 for violation in run_seed(%(seed)d).violations:
     print(violation)
 """

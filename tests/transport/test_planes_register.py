@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from kvpeer.errors import DataPlaneError
-from kvpeer.node.pull import PullResult
+from kvpeer.lab.pull import PullResult
 from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportOffer
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion

@@ -1,6 +1,6 @@
 """Fixtures of the real-vLLM tests: the tiny checkpoint and the engine launcher.
 
-Engines run as subprocesses through :class:`kvpeer.integrations.vllm.launcher.EngineLauncher`
+Engines run as subprocesses through :class:`kvpeer.lab.engines.launcher.EngineLauncher`
 (the code ``kvpeer demo`` uses too). Independent scenarios start together so their
 imports and start-up overlap on the machine's cores; ``KVPEER_VLLM_JOBS`` caps how many
 scenarios run at once (default: the number of cores, at most 3; ``1`` runs them one
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpeer.integrations.vllm.launcher import MAX_JOBS, EngineLauncher
-from kvpeer.integrations.vllm.model import SERVE_LLAMA_CONFIG, ensure_llama, ensure_tiny_llama
+from kvpeer.lab.engines.launcher import MAX_JOBS, EngineLauncher
+from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama, ensure_tiny_llama
 
 
 @pytest.fixture(scope="session")

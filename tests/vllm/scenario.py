@@ -1,5 +1,5 @@
 """The two-engine vLLM tests' constants and checks, over the scenario builders of
-:mod:`kvpeer.integrations.vllm.scenario` (re-exported here with the tests' defaults).
+:mod:`kvpeer.lab.engines.scenario` (re-exported here with the tests' defaults).
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpeer.integrations.vllm import scenario
-from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, Generation
-from kvpeer.integrations.vllm.runner import FreezeWatch
-from kvpeer.integrations.vllm.scenario import (
+from kvpeer.lab.engines import scenario
+from kvpeer.lab.engines.launcher import EngineLauncher, EngineOutcome, Generation
+from kvpeer.lab.engines.runner import FreezeWatch
+from kvpeer.lab.engines.scenario import (
     CPU_BYTES,
     GENERATED_TOKENS,
     HOST,

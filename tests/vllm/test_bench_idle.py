@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.bench.idle import KVPEER_TCP, LOOKUP_TIMEOUT_S, VLLM_P2P
-from kvpeer.integrations.vllm.launcher import SHM_DIR
+from kvpeer.lab.bench.idle import KVPEER_TCP, LOOKUP_TIMEOUT_S, VLLM_P2P
+from kvpeer.lab.engines.launcher import SHM_DIR
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 
 pytestmark = [  # real engines, ~2 minutes

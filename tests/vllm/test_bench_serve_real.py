@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.bench.serve import QUICK_SHAPE
-from kvpeer.integrations.vllm.procs import shm_names
+from kvpeer.lab.bench.serve_bench import QUICK_SHAPE
+from kvpeer.lab.engines.procs import shm_names
 
 pytestmark = pytest.mark.slow  # real engines, ~3 minutes
 

@@ -44,8 +44,8 @@ from kvpeer.integrations.vllm import (
     CpuOffloadingSpec,
     CpuTieringOffloadingSpec,
 )
-from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome
-from kvpeer.integrations.vllm.model import ensure_tiny_llama
+from kvpeer.lab.engines.launcher import EngineLauncher, EngineOutcome
+from kvpeer.lab.engines.model import ensure_tiny_llama
 
 PROMPT_TOKENS = 256
 GENERATED_TOKENS = 16

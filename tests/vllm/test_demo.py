@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.demo import BLOCK_TOKENS
-from kvpeer.integrations.vllm.launcher import SHM_DIR
+from kvpeer.lab.demo_run import BLOCK_TOKENS
+from kvpeer.lab.engines.launcher import SHM_DIR
 
 pytestmark = pytest.mark.slow  # real vllm serve engines
 

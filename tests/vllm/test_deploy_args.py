@@ -36,7 +36,8 @@ def test_vllm_serve_reads_the_engine_args_with_the_kvpeer_tier() -> None:
     parsed = engine_args(args)
     transfer = parsed.kv_transfer_config
     assert transfer is not None
-    assert transfer.kv_connector == "OffloadingConnector"
+    assert transfer.kv_connector == "KVPeerOffloadingConnector"
+    assert transfer.kv_connector_module_path == "kvpeer.integrations.vllm.connector"
     assert transfer.engine_id == SAMPLE_FIELDS["metadata.name"]
     (entry,) = transfer.kv_connector_extra_config["secondary_tiers"]
     assert entry["host"] == SAMPLE_FIELDS["status.podIP"]

@@ -1,7 +1,7 @@
 """Producer faults in two real ``vllm serve`` engines (issue 11, item 3), kvpeer tier.
 
 One producer/consumer pair on the tiny model runs every fault of ``kvpeer bench faults``
-once (the same driver, :func:`kvpeer.bench.faults_run.measure_tier`): the consumer's
+once (the same driver, :func:`kvpeer.lab.bench.faults_run.measure_tier`): the consumer's
 output must equal its local run of the same prompt, and each fallback (request latency
 less that local run) must be within the fault's bound: 0.25 s when the producer is gone
 before the request (refused) or backed off, the 2 s request budget otherwise (frozen,
@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.bench.faults import FAULTS, FaultsSpec, Sample, judge
-from kvpeer.bench.faults_run import Pair, Workload, measure_tier
+from kvpeer.lab.bench.faults import FAULTS, FaultsSpec, Sample, judge
+from kvpeer.lab.bench.faults_run import Pair, Workload, measure_tier
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_the_pair_never_had_to_be_started_afresh(measured: Pair) -> None:
 
 # Issue 11 item 3: every fault within its bound, strictly. Past over-bound rows, now
 # judged by the request budget for what the kernel and a fresh process cost
-# (kvpeer.bench.faults): the two killed rows (a killed producer's sockets close only
+# (kvpeer.lab.bench.faults): the two killed rows (a killed producer's sockets close only
 # after the kernel tore its memory down: 150-432 ms) and restarted (a fresh process's
 # first contact: 30-780 ms in eight runs, 621 ms in a CI run, median ~120 ms).
 

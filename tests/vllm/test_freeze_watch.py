@@ -6,7 +6,7 @@ import os
 import subprocess
 import time
 
-from kvpeer.integrations.vllm.runner import FreezeWatch
+from kvpeer.lab.engines.runner import FreezeWatch
 
 
 def test_a_stopped_process_is_seen_frozen() -> None:

@@ -46,7 +46,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, free_port
+from kvpeer.lab.engines.launcher import EngineLauncher, EngineOutcome, free_port
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 from tests.vllm.scenario import (
     BLOCK_TOKENS,
@@ -338,7 +338,7 @@ def test_kvpeer_fingerprints_a_run_config_as_vllms_p2p_tier_does(
     from vllm.v1.kv_offload.file_mapper import FileMapper
     from vllm.v1.kv_offload.tiering.p2p.data.base import DataTransport
 
-    from kvpeer.integrations.vllm.tier import _fingerprint
+    from kvpeer.integrations.vllm.secondary_tier import _fingerprint
 
     run_config: dict[str, Any] = {
         "model_name": "/models/tiny-llama-\u00e9",  # not ASCII: both escape it alike

@@ -2,7 +2,7 @@
 
 Each scenario runs real engines in subprocesses (``EngineLauncher``); the two engines
 of a pair run at the same time and meet through signal files (``signal`` and ``hold``
-steps of :mod:`kvpeer.integrations.vllm.runner`). Producer A always computes the
+steps of :mod:`kvpeer.lab.engines.runner`). Producer A always computes the
 prompt itself, on a fresh engine (``num_cached_tokens == 0``): its tokens and logprobs are the local
 reference consumer B must match. Local runs agree across engines (pinned below; in
 practice bit for bit), so one engine's reference also serves an engine without one.
@@ -42,7 +42,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, free_port
+from kvpeer.lab.engines.launcher import EngineLauncher, EngineOutcome, free_port
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 from tests.vllm.scenario import (
     CORRUPT_PRIMARY,

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpeer.host.claims import CLAIM_PREFIX
-from kvpeer.integrations.vllm.serving import TRACKED_SHM_PREFIXES, ServeFleet, ServeSpec
+from kvpeer.lab.engines.serving import TRACKED_SHM_PREFIXES, ServeFleet, ServeSpec
 
 pytestmark = pytest.mark.slow  # real vllm serve engines
 

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec, TierKind
+from kvpeer.lab.engines.serving import ServeFleet, ServeSpec, TierKind
 from kvpeer.transport.data.nixl import NixlBackend
 
 DELAY = "vllm:kv_offload_tiering_lookup_async_delay_seconds"

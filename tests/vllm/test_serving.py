@@ -24,10 +24,10 @@ pytest.importorskip("vllm")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpeer.integrations.vllm.launcher import shm_files
-from kvpeer.integrations.vllm.model import token_text
-from kvpeer.integrations.vllm.openai_client import OpenAIClient
-from kvpeer.integrations.vllm.serving import ServeFleet, ServeSpec
+from kvpeer.lab.engines.launcher import shm_files
+from kvpeer.lab.engines.model import token_text
+from kvpeer.lab.engines.openai_client import OpenAIClient
+from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
 from kvpeer.router.background import BackgroundRouter
 from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.index import MEDIUM_CPU

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.bench.soak import SoakSpec, render
-from kvpeer.bench.soak_run import run
+from kvpeer.lab.bench.soak_run import run
+from kvpeer.lab.bench.soak_verdict import SoakSpec, render
 
 pytestmark = pytest.mark.slow  # real vllm serve engines
 

@@ -6,7 +6,9 @@ served nothing then, and the consumer waited out its timeout to compute locally)
 Two shapes: the prompt still in the producer's device prefix cache (``gpu-warm``),
 and only in its primary CPU region after ``reset_prefix_cache`` (``primary-warm``).
 The same pair then shares a third prompt symmetrically (``remote_kv_source``), so
-symmetric pulls run on these planes too (test_kvpeer_tier covers tcp).
+symmetric pulls run on these planes too, sent as the router sends them (``held_tokens``:
+the consumer asks the producer nothing before it fetches); test_kvpeer_tier covers
+symmetric pulls that probe first, over tcp.
 
 Producer A runs in vLLM's multiprocessing mode (it must answer lookups while idle);
 consumer B in-process, so its kvpeer counters say how many blocks came from A.
@@ -22,10 +24,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpeer.integrations.vllm.launcher import EngineLauncher, EngineOutcome, free_port
+from kvpeer.lab.engines.launcher import EngineLauncher, EngineOutcome, free_port
 from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
 from tests.vllm.scenario import (
     BLOCK_TOKENS,
+    GENERATED_TOKENS,
     LOGPROB_TOLERANCE,
     MIN_PEER_TOKENS,
     WARMUP,
@@ -79,14 +82,19 @@ def run_pair(launcher: EngineLauncher, plane: str, signals: Path) -> tuple[Engin
     ]
     consumer_steps = [WARMUP]
     for shape in SHAPES:
-        role = "remote_kv_source" if shape == "symmetric" else "remote_prefiller"
+        # the symmetric pull as the router sends it: naming how much the producer holds
+        role, held = (
+            ("remote_kv_source", len(symmetric)) if shape == "symmetric"
+            else ("remote_prefiller", None)
+        )  # fmt: skip
+        source = remote_source(role, ids[shape], producer_port, held_tokens=held)
         consumer_steps += [
             hold_until(f"waiting-{shape}", ready[shape]),
-            generate(
-                f"pulled-{shape}", PROMPTS[shape], remote_source(role, ids[shape], producer_port)
-            ),
+            generate(f"pulled-{shape}", PROMPTS[shape], source),
             signal(pulled[shape]),
         ]
+    # the symmetric prompt once more on the consumer: a local prefix-cache hit
+    consumer_steps.append(generate("again-symmetric", symmetric))
     producer = engine(launcher, kvpeer_tier(producer_port, plane, PEER_TIMEOUT_S), producer_steps)
     consumer = engine(launcher, kvpeer_tier(consumer_port, plane, PEER_TIMEOUT_S), consumer_steps)
     return tuple(launcher.run_together([(producer, True), (consumer, False)]))
@@ -120,6 +128,24 @@ def test_every_block_comes_from_the_producer(
     assert pulled.tokens == local.tokens
     assert pulled.max_logprob_delta(local) <= LOGPROB_TOLERANCE
     assert pulled.seconds < PEER_TIMEOUT_S, "the consumer waited for a timeout"
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_symmetric_pull_takes_no_more_engine_steps_than_a_local_hit(
+    pairs: dict[str, Future[tuple[EngineOutcome, ...]]], plane: str
+) -> None:
+    """Issue 27 item 3: the pulled prefix is promoted inside the lookup that found it
+    (kvpeer's manager) and loaded before that step's forward pass (kvpeer's connector),
+    so the request samples its first token in the step that looked it up."""
+    _, consumer = pairs[plane].result()
+    pulled, again = consumer.runs["pulled-symmetric"], consumer.runs["again-symmetric"]
+    assert pulled.sync_promotions is not None, "the consumer's scheduler is not in-process"
+    assert pulled.sync_promotions >= 1
+    assert pulled.late_promotions == 0
+    assert pulled.sync_loads == 1
+    assert again.num_cached_tokens >= MIN_PEER_TOKENS  # a local hit: nothing pulled
+    assert again.blocks_from_peer == 0
+    assert pulled.engine_steps == again.engine_steps == GENERATED_TOKENS
 
 
 @pytest.mark.parametrize("plane", PLANES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvpeer.bench import faults
+from kvpeer.lab.bench import faults
 
 HELP = "producer faults in real engines: consumer fallback time, kvpeer vs p2p"
 
@@ -14,6 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import faults_run
+    from kvpeer.lab.bench import faults_run
 
     return faults_run.main(args)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
+
+from kvpeer.commands.progress import progress_printer
 
 HELP = "a pull from an idle producer: held blocks vs the serve window"
 
@@ -23,20 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import held
-    from kvpeer.demo import default_model_dir
+    from kvpeer.lab.bench import held_bench
+    from kvpeer.lab.demo_run import default_model_dir
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench held: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench held")
 
-    spec = held.HeldSpec(
+    spec = held_bench.HeldSpec(
         prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=args.held_mib << 20
     )
-    result = held.run(
+    result = held_bench.run(
         spec,
         Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
         progress,
         Path(args.log_dir) if args.log_dir else None,
     )
-    print(json.dumps(result) if args.json else held.render(result))
+    print(json.dumps(result) if args.json else held_bench.render(result))
     return 0

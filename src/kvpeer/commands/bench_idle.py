@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
+from kvpeer.commands.progress import progress_printer
 from kvpeer.errors import KVPeerError
 
 HELP = "idle engines' CPU and lookup answer time: kvpeer vs vLLM's p2p tier"
@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import idle
-    from kvpeer.demo import default_model_dir
+    from kvpeer.lab.bench import idle
+    from kvpeer.lab.demo_run import default_model_dir
     from kvpeer.transport.data.nixl import NixlBackend
 
     if not NixlBackend.available():  # vLLM's p2p tier, the comparison, needs it
@@ -35,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     make = idle.IdleSpec.quick if args.quick else idle.IdleSpec.full
     spec = make() if args.seconds is None else make(idle_s=args.seconds)
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench idle: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench idle")
 
     result = idle.run(
         spec,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from kvpeer.bench import node_scale
+from kvpeer.commands.progress import progress_printer
+from kvpeer.lab.bench import node_scale
 
 HELP = "one node with 127 peer sessions: idle CPU and memory per session, lookups at once"
 
@@ -16,8 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(message: str) -> None:
-        print(f"kvpeer bench node-scale: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench node-scale")
 
     result = node_scale.run(node_scale.NodeScaleSpec.from_args(args), progress)
     print(json.dumps(result) if args.json else node_scale.render(result))

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from kvpeer.router import bench
+from kvpeer.commands.progress import progress_printer
+from kvpeer.lab.bench import router_bench
 
 HELP = "router overhead: added latency and requests/s vs a direct baseline"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    bench.add_arguments(parser)
+    router_bench.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(message: str) -> None:
-        print(f"kvpeer bench router: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench router")
 
-    spec = bench.RouterBenchSpec.from_args(args)
-    result = bench.run(spec, progress)
-    print(json.dumps(result) if args.json else bench.render(result))
+    spec = router_bench.RouterBenchSpec.from_args(args)
+    result = router_bench.run(spec, progress)
+    print(json.dumps(result) if args.json else router_bench.render(result))
     return 0

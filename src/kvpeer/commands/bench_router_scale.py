@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from kvpeer.bench import router_scale
+from kvpeer.commands.progress import progress_printer
+from kvpeer.lab.bench import router_scale
 
 HELP = "router data layer vs fleet size: event intake CPU, index memory, decision time"
 
@@ -16,8 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(message: str) -> None:
-        print(f"kvpeer bench router-scale: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench router-scale")
 
     spec = router_scale.RouterScaleSpec.from_args(args)
     result = router_scale.run(spec, progress)

@@ -5,28 +5,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-from kvpeer.bench import serve
+from kvpeer.commands.progress import progress_printer
+from kvpeer.lab.bench import serve_bench
 
 HELP = ("TTFT through kvpeer router: kvpeer vs a prefix-aware router with no tier, load only, "
         "vLLM's p2p tier")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    serve.add_arguments(parser)
+    serve_bench.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import serve_vllm
-    from kvpeer.bench.serve_stats import render
-    from kvpeer.demo import default_model_dir
+    from kvpeer.lab.bench import serve_vllm
+    from kvpeer.lab.bench.serve_stats import render
+    from kvpeer.lab.demo_run import default_model_dir
 
-    spec = serve.ServeBenchSpec.from_args(args)  # bad values fail before any engine starts
+    spec = serve_bench.ServeBenchSpec.from_args(args)  # bad values fail before any engine starts
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench serve: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench serve")
 
     result = serve_vllm.run(
         spec,
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
     )
     if args.plot:
-        from kvpeer.bench.serve_plot import plot
+        from kvpeer.lab.bench.serve_plot import plot
 
         plot(result.cells, Path(args.plot))
         progress(f"TTFT CDFs written to {args.plot}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from kvpeer.commands.progress import progress_printer
 
 HELP = "tier step overhead and memory (in memory)"
 
@@ -20,14 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import tier
+    from kvpeer.lab.bench import tier_bench
 
-    print("kvpeer bench tier: measuring (in memory, no sockets)...", file=sys.stderr, flush=True)
+    progress_printer("bench tier")("measuring (in memory, no sockets)...")
     scraper = None
     if args.metrics:
         from kvpeer.metrics.prom import tier_scraper
 
         scraper = tier_scraper
-    result = tier.run(quick=args.quick, scraper=scraper)
-    print(json.dumps(result) if args.json else tier.render(result))
+    result = tier_bench.run(quick=args.quick, scraper=scraper)
+    print(json.dumps(result) if args.json else tier_bench.render(result))
     return 0

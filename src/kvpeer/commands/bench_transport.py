@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvpeer.commands.options import csv
+from kvpeer.commands.progress import progress_printer
 from kvpeer.errors import KVPeerError
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import transport
+    from kvpeer.lab.bench import transport
     from kvpeer.transport.data.nixl import NixlBackend
 
     planes = tuple(args.planes or (["shm", "tcp"] + (["nixl"] if NixlBackend.available() else [])))
@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise KVPeerError(f"--planes: unknown data plane(s) {unknown}; choose from shm,tcp,nixl")
     spec = (transport.BenchSpec.quick if args.quick else transport.BenchSpec.full)(planes)
 
-    def progress(message: str) -> None:
-        print(f"kvpeer bench transport: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("bench transport")
 
     serve_metrics = None
     if args.metrics:

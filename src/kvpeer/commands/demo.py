@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
+
+from kvpeer.commands.progress import progress_printer
 
 HELP = "two vllm serve engines behind kvpeer router share KV over HTTP (pd, shared, chat)"
 
@@ -28,17 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer import demo
+    from kvpeer.lab import demo_run
 
-    def progress(message: str) -> None:
-        print(f"kvpeer demo: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("demo")
 
-    result = demo.run_demo(
+    result = demo_run.run_demo(
         data_plane=args.data_plane,
         prompt_tokens=args.prompt_tokens,
-        model_dir=Path(args.model or demo.default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
+        model_dir=Path(args.model or demo_run.default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         progress=progress,
     )
-    print(json.dumps(result.to_json()) if args.json else demo.render(result))
+    print(json.dumps(result.to_json()) if args.json else demo_run.render(result))
     return 0 if result.ok else 1

@@ -6,10 +6,10 @@ import argparse
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 from kvpeer.commands.options import csv
+from kvpeer.commands.progress import progress_printer
 from kvpeer.errors import KVPeerError
 
 HELP = "drive a real node with generated hostile frames and watch it"
@@ -50,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     # The legitimate consumers' UCX writes its errors to stdout (an interface that
     # another test on the machine removed, say): that would corrupt the report.
     os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
-    from kvpeer.fuzz import harness, report
+    from kvpeer.lab.fuzz import fuzz_run, report
 
-    planes = tuple(args.data_planes or harness.available_planes())
+    planes = tuple(args.data_planes or fuzz_run.available_planes())
     try:
-        spec = harness.FuzzSpec(
+        spec = fuzz_run.FuzzSpec(
             frames=args.frames,
             seed=args.seed,
             planes=planes,
@@ -69,13 +69,12 @@ def run(args: argparse.Namespace) -> int:
     if args.log_level.upper() == "WARNING":  # the legitimate consumers' goodbyes are noise
         logging.getLogger("kvpeer").setLevel(logging.ERROR)
 
-    def progress(message: str) -> None:
-        print(f"kvpeer fuzz: {message}", file=sys.stderr, flush=True)
+    progress = progress_printer("fuzz")
 
     progress(
         f"{spec.frames:,} frames, seed {spec.seed}, data planes {','.join(planes)}; "
         "starting the node"
     )
-    result = harness.run_fuzz(spec, progress, minimize=args.minimize)
+    result = fuzz_run.run_fuzz(spec, progress, minimize=args.minimize)
     print(json.dumps(report.to_json(result)) if args.json else report.render(result))
     return 0 if result.ok else 1

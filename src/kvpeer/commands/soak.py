@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from kvpeer.bench import soak
+from kvpeer.lab.bench import soak_verdict
 
 HELP = ("two vllm serve engines under mixed traffic and injected faults: outputs, leaks, "
         "leftover files")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    soak.add_arguments(parser)
+    soak_verdict.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.bench import soak_run
+    from kvpeer.lab.bench import soak_run
 
     return soak_run.main(args)

@@ -22,6 +22,8 @@ from kvpeer.node.counters import (
     FETCH_SECONDS_BUCKETS,
     FETCH_SIZE_BUCKETS,
     LOOKUP_SECONDS_BUCKETS,
+    PULL_WAIT_OUTCOMES,
+    PULL_WAIT_SECONDS_BUCKETS,
     STEP_WAIT_SECONDS_BUCKETS,
 )
 from kvpeer.session import CloseKind
@@ -139,6 +141,22 @@ CATALOG: tuple[Metric, ...] = (
         "Peer lookups and releases waiting for an engine step: from the oldest one "
         "reaching the tier to the step that served it, per peer and step.",
         buckets=STEP_WAIT_SECONDS_BUCKETS,
+    ),
+    Metric(
+        "pull_waits_total",
+        MetricType.COUNTER,
+        "pulls",
+        "Pulls the engine's scheduler waited for inside the lookup that found them "
+        "(sync_pull_wait_s): landed in that step, or missed the wait and landed later.",
+        ("outcome",),
+        _one_label(*PULL_WAIT_OUTCOMES),
+    ),
+    Metric(
+        "pull_wait_seconds",
+        MetricType.HISTOGRAM,
+        "seconds",
+        "How long the engine's scheduler waited, inside a lookup, for a pull.",
+        buckets=PULL_WAIT_SECONDS_BUCKETS,
     ),
     Metric("sessions", MetricType.GAUGE, "sessions", "Peer sessions open now."),
     Metric(

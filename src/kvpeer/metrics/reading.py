@@ -21,7 +21,7 @@ from kvpeer.metrics.catalog import (
     TIMEOUT_KINDS,
     MetricType,
 )
-from kvpeer.node.counters import CounterSnapshot, HistogramSnapshot
+from kvpeer.node.counters import PULL_WAIT_OUTCOMES, CounterSnapshot, HistogramSnapshot
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.tier import Tier, TierStatistics
 from kvpeer.protocol import PROTOCOL_VERSION
@@ -116,6 +116,8 @@ def values(reading: NodeReading) -> dict[str, dict[tuple[str, ...], Value]]:
         "served_blocks_total": _one(c.blocks_served),
         "served_bytes_total": _one(c.blocks_served * reading.block_len),
         "peer_step_wait_seconds": {(): c.step_wait_seconds},
+        "pull_waits_total": _by(PULL_WAIT_OUTCOMES, c.pull_waits),
+        "pull_wait_seconds": {(): c.pull_wait_seconds},
         "sessions": _one(s.sessions),
         "session_events_total": {
             ("opened",): float(c.sessions_opened),

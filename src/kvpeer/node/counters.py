@@ -23,6 +23,8 @@ __all__ = [
     "FETCH_SECONDS_BUCKETS",
     "FETCH_SIZE_BUCKETS",
     "LOOKUP_SECONDS_BUCKETS",
+    "PULL_WAIT_OUTCOMES",
+    "PULL_WAIT_SECONDS_BUCKETS",
     "STEP_WAIT_SECONDS_BUCKETS",
     "CounterSnapshot",
     "Histogram",
@@ -36,6 +38,8 @@ LOOKUP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 
                           2.5, 5.0, 10.0, 30.0)  # fmt: skip
 FETCH_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 STEP_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
+PULL_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
+PULL_WAIT_OUTCOMES = ("landed", "missed")  # the engine's wait in a lookup for a pull
 FETCH_SIZE_BUCKETS = tuple(float(4096 * 4**i) for i in range(10))  # 4 KiB .. 1 GiB
 
 
@@ -103,6 +107,11 @@ class TierCounters:
     step_wait_seconds: Histogram = field(
         default_factory=lambda: Histogram(STEP_WAIT_SECONDS_BUCKETS)
     )
+    #: the engine's scheduler waiting, in a lookup, for a pull it submitted at once
+    pull_waits: Counter[str] = field(default_factory=Counter)  # by PULL_WAIT_OUTCOMES
+    pull_wait_seconds: Histogram = field(
+        default_factory=lambda: Histogram(PULL_WAIT_SECONDS_BUCKETS)
+    )
 
     def activity(self) -> int:
         """A number that grows whenever a load, lookup answer or session event is counted.
@@ -133,3 +142,5 @@ class CounterSnapshot:
     load_seconds: HistogramSnapshot
     load_bytes: HistogramSnapshot
     step_wait_seconds: HistogramSnapshot
+    pull_waits: dict[str, int]
+    pull_wait_seconds: HistogramSnapshot

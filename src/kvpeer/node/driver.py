@@ -195,6 +195,12 @@ class DrivenTier:
     def lookup(self, key: Key, request: RequestContext) -> LookupResult:
         return self._call(lambda t: t.lookup(key, request), _constant(LookupResult.MISS))
 
+    def pull_confirmed(self, request: RequestContext) -> bool:
+        return self._call(lambda t: t.pull_confirmed(request), _constant(False))
+
+    def promotion_waited(self, request: RequestContext, waited_s: float, done: bool) -> None:
+        self._call(lambda t: t.promotion_waited(request, waited_s, done), _constant(None))
+
     def submit_store(self, job: TransferJob) -> None:
         self._call(lambda t: t.submit_store(job), lambda t: t.fail_job(job.job_id))
         self._loop.wake()

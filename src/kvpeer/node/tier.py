@@ -33,6 +33,10 @@ Invariants:
 6. With held blocks (``held_bytes``, :mod:`kvpeer.node.held`), every block a
    store job names is copied before that job can be reported (held invariant
    2); the held copies never hold an engine job open.
+7. The engine waits in a lookup (``pull_confirmed``) only for a source that holds
+   the blocks and did not make it wait in vain in the last
+   :data:`SLOW_PULL_BACKOFF_S`; the set of such sources is bounded by
+   ``max_peers`` entries (expired ones are dropped first).
 
 :meth:`Tier.poll` receives and runs timers; :meth:`Tier.get_finished_jobs`
 polls first, so an engine that drives a tier by itself needs nothing else. A
@@ -78,6 +82,9 @@ log = logging.getLogger("kvpeer.tier")
 _HIT: Final = LookupResult.HIT
 _MISS: Final = LookupResult.MISS
 _RETRY: Final = LookupResult.RETRY
+#: after a pull from a peer missed the engine's wait (``sync_pull_wait_s``), how long
+#: the engine does not wait for pulls from that peer (they land a step later instead)
+SLOW_PULL_BACKOFF_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +175,7 @@ class Tier:
         self._block_len: int | None = None
         self._shut_down = False
         self._steps = 0  # on_schedule_end calls: the engine's scheduler steps
+        self._slow_until: dict[str, float] = {}  # peer -> no waiting for it before then
 
     # -- SecondaryTier -----------------------------------------------------------
 
@@ -258,6 +266,42 @@ class Tier:
         if self._trace.enabled:
             self._trace.lookup_hit(source.kv_request_id, source.peer_id, self._steps)
         return _HIT
+
+    def pull_confirmed(self, request: RequestContext) -> bool:
+        """Whether ``request`` pulls blocks its source already holds, so a load is worth
+        waiting for on the engine thread: confirmed by a probe or named by the router
+        (symmetric), or a PD prefill the orchestrator saw answer (``prefill_done``); a
+        PD consumer sent before that may wait for a prefill still being computed."""
+        source = self._requests.get(request.req_id, LOCAL).source
+        if source is None or source.kv_request_id in self._failed:
+            return False
+        if self._slow_until.get(source.peer_id, 0.0) > self._clock():
+            return False  # it missed the last wait: the engine does not wait for it now
+        return source.probe or source.prefill_done
+
+    def promotion_waited(self, request: RequestContext, waited_s: float, done: bool) -> None:
+        """The engine waited ``waited_s`` in a lookup for a load it submitted at once;
+        ``done``: it landed. A source that made it wait in vain is not waited for again
+        for :data:`SLOW_PULL_BACKOFF_S` (invariant 7): a slow or hostile peer costs the
+        engine's scheduler one bounded wait, not one per request."""
+        source = self._requests.get(request.req_id, LOCAL).source
+        if source is None:
+            return
+        self._counters.pull_waits["landed" if done else "missed"] += 1
+        self._counters.pull_wait_seconds.observe(waited_s)
+        if self._trace.enabled:
+            self._trace.promotion(source.kv_request_id, source.peer_id, waited_s=waited_s,
+                                  done=done, step=self._steps)  # fmt: skip
+        if done:
+            self._slow_until.pop(source.peer_id, None)
+            return
+        now = self._clock()
+        slow = self._slow_until
+        if source.peer_id not in slow and len(slow) >= self._config.max_peers:
+            slow = self._slow_until = {p: t for p, t in slow.items() if t > now}  # expired
+            if len(slow) >= self._config.max_peers:
+                del slow[min(slow, key=slow.__getitem__)]  # the one that ends first
+        slow[source.peer_id] = now + SLOW_PULL_BACKOFF_S
 
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source
@@ -491,6 +535,8 @@ class Tier:
             load_seconds=c.load_seconds.snapshot(),
             load_bytes=c.load_bytes.snapshot(),
             step_wait_seconds=c.step_wait_seconds.snapshot(),
+            pull_waits=dict(c.pull_waits),
+            pull_wait_seconds=c.pull_wait_seconds.snapshot(),
         )
 
     def peers(self, limit: int = 256) -> tuple[list[PeerView], int]:
@@ -507,6 +553,11 @@ class Tier:
         c.retired_stale_frames += stats.stale_frames
         c.retired_timeouts.update(stats.consumer.timeouts)
         c.retired_timeouts.update(stats.producer.timeouts)
+
+    @property
+    def steps(self) -> int:
+        """The engine's scheduler steps so far (``on_schedule_end`` calls)."""
+        return self._steps
 
     @property
     def blocks_loaded(self) -> int:

@@ -10,7 +10,7 @@ When enabled, a node writes every event of a pull on logger ``kvpeer.trace``
 
 ``t`` is wall-clock time (``time.time()``), deliberately not the tier's clock:
 lines of the router and of both engines, in different processes, merge into one
-timeline by it. :func:`kvpeer.bench.serve_trace.parse_line` reads the lines back.
+timeline by it. :func:`kvpeer.lab.bench.serve_trace.parse_line` reads the lines back.
 
 Events. Consumer: ``lookup_asked`` (the engine's first probe of an id),
 ``lookup_sent`` (a lookup round on the wire), ``lookup_answered`` (its answer:
@@ -140,6 +140,13 @@ class Trace:
         job = self._jobs.pop(job_id, None)
         if job is not None:
             self.emit(job[0], "load_reported", peer=job[1], ok=int(success), step=step)
+
+    def promotion(self, kv_request_id: str, peer_id: str, *, waited_s: float, done: bool,
+                  step: int) -> None:  # fmt: skip
+        """The engine's scheduler waited ``waited_s`` inside its lookup for a load it
+        submitted at once (kvpeer.integrations.vllm.manager); ``done``: it landed."""
+        self.emit(kv_request_id, "promotion", peer=peer_id, waited_ms=round(waited_s * 1000, 3),
+                  landed=int(done), step=step)  # fmt: skip
 
     def forget(self, kv_request_id: str, peer_id: str, step: int) -> None:
         """The engine's request for the id (pulling from ``peer_id``) finished."""

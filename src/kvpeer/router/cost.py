@@ -18,7 +18,8 @@ The model (all terms in seconds):
 
 A pull also costs the *consumer* engine steps that computing would not: vLLM's tiered
 manager starts the promotion in the step that sees the hit, learns it finished in a later
-one, and loads into the KV cache in the next (:data:`CONSUMER_PULL_STEPS`). On an idle
+one, and loads into the KV cache in the next (:data:`CONSUMER_PULL_STEPS`); an engine
+running kvpeer's connector and manager (engine key ``sync_pulls``) takes none. On an idle
 consumer those steps are nearly free; on a busy one each is a step of someone else's
 prefill, up to one step's budget: :meth:`CostModel.consumer_steps_s` is that many of the
 consumer's steps at its queue, zero when it runs nothing. It is added to every pull's
@@ -198,9 +199,11 @@ class CostModel:
             self._floor_s = min([self.priors.pull_base_s, *bases])
         return self._floor_s
 
-    def consumer_steps_s(self, engine: str, load: EngineLoad) -> float:
-        """What a pull's extra steps cost ``engine`` itself, given its load (zero idle)."""
-        return CONSUMER_PULL_STEPS * self.serve_wait_s(engine, load)
+    def consumer_steps_s(self, engine: str, load: EngineLoad, *, sync: bool = False) -> float:
+        """What a pull's extra steps cost ``engine`` itself, given its load (zero idle);
+        ``sync``: the engine runs kvpeer's connector and manager, which land a pull in
+        the step that looked it up (no extra step)."""
+        return 0.0 if sync else CONSUMER_PULL_STEPS * self.serve_wait_s(engine, load)
 
     def serve_wait_s(self, source: str, source_load: EngineLoad) -> float:
         """How long a busy ``source``'s engine takes to reach its next serve window."""

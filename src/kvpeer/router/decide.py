@@ -405,7 +405,7 @@ class RouterPolicy:
         cannot beat ``best`` (a lower bound per prefix length the sources hold says so)."""
         cost = self.cost
         load = healthy[engine]
-        steps = cost.consumer_steps_s(engine, load)
+        steps = cost.consumer_steps_s(engine, load, sync=self._specs[engine].sync_pulls)
         predicted: dict[str, float] = {}
         least = alone
         # A group's pulls take at least its compute of the rest + the floor: longest
@@ -581,7 +581,9 @@ class RouterPolicy:
             return
         residual = ttft - self.cost.compute_s(plan.engine, computed, engine_load)
         if plan.prefill_engine is None:  # shared mode: the consumer's own extra steps
-            residual -= self.cost.consumer_steps_s(plan.engine, engine_load)
+            residual -= self.cost.consumer_steps_s(
+                plan.engine, engine_load, sync=self._specs[plan.engine].sync_pulls
+            )
         self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
                                parked=plan.prefill_engine is not None,
                                held=self._specs[source].serves_held)  # fmt: skip

@@ -42,6 +42,9 @@ class EngineSpec:
     #: its kvpeer tier serves held blocks (``held_bytes``) without its engine's serve
     #: window: a pull from it waits for no engine step, busy or not
     serves_held: bool = False
+    #: it runs kvpeer's connector and manager (docs/vllm.md): a pull into it lands in
+    #: the step that looked it up, so it costs no extra engine step of its own
+    sync_pulls: bool = False
 
     @property
     def peer(self) -> str:

@@ -1,11 +1,5 @@
-"""Deterministic multi-node simulation of kvpeer tiers behind reference hosts.
+"""``python -m kvpeer.sim``: the command line of the deterministic simulation.
 
-``python -m kvpeer.sim --seeds N`` runs N seeded worlds (see
-:mod:`kvpeer.sim.world`) and checks the invariants of :mod:`kvpeer.sim.checks`,
-:mod:`kvpeer.sim.budgets` and :mod:`kvpeer.sim.reunion`; a failing seed prints
-a one-line reproduction command.
+Only the entry point lives here; the simulation is lab code, :mod:`kvpeer.lab.sim`
+(its command line: :mod:`kvpeer.lab.sim.seeds`).
 """
-
-from kvpeer.sim.world import SeedResult, World, run_seed
-
-__all__ = ["SeedResult", "World", "run_seed"]

@@ -38,7 +38,7 @@ def main(out: Path) -> None:
     )
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from kvpeer.integrations.vllm.model import ensure_tiny_llama
+    from kvpeer.lab.engines.model import ensure_tiny_llama
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

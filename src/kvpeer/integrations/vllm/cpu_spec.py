@@ -51,6 +51,7 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    OffloadingManager,
     OffloadingWorker,
     TransferResult,
 )
@@ -58,9 +59,17 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-__all__ = ["CpuCopyOffloadingWorker", "CpuOffloadingSpec", "CpuTieringOffloadingSpec"]
+from kvpeer.integrations.vllm.manager import KVPeerTieringManager
+
+__all__ = [
+    "CpuCopyOffloadingWorker",
+    "CpuOffloadingSpec",
+    "CpuTieringOffloadingSpec",
+    "KVPeerTieringOffloadingSpec",
+]
 
 _Pointers = npt.NDArray[np.uint64]
 
@@ -279,8 +288,32 @@ class CpuOffloadingSpec(CPUOffloadingSpec):
         return self._cpu_worker
 
 
-class CpuTieringOffloadingSpec(TieringOffloadingSpec):
-    """``TieringOffloadingSpec`` (CPU primary + secondary tiers) with the CPU copy worker.
+class KVPeerTieringOffloadingSpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` whose manager promotes kvpeer pulls inside the lookup
+    that found them (:class:`kvpeer.integrations.vllm.manager.KVPeerTieringManager`).
+
+    A drop-in for vLLM's own spec on GPU engines (``"spec_name":
+    "KVPeerTieringOffloadingSpec", "spec_module_path":
+    "kvpeer.integrations.vllm.cpu_spec"``): configuration, primary tier, secondary
+    tiers and worker are vLLM's; only the manager's lookup differs, and only for
+    kvpeer tiers.
+    """
+
+    def get_manager(self) -> OffloadingManager:
+        manager = super().get_manager()
+        if isinstance(manager, KVPeerTieringManager):
+            return manager
+        assert isinstance(manager, TieringOffloadingManager)
+        # vLLM built the tiers; the same parts go into kvpeer's manager, which takes
+        # the place of vLLM's before anyone holds it (the spec caches its manager).
+        ours = KVPeerTieringManager(manager.primary_tier, manager.secondary_tiers)
+        self._manager = ours
+        return ours
+
+
+class CpuTieringOffloadingSpec(KVPeerTieringOffloadingSpec):
+    """``TieringOffloadingSpec`` (CPU primary + secondary tiers) with the CPU copy worker
+    and kvpeer's manager (:class:`KVPeerTieringOffloadingSpec`).
 
     The worker maps ``/dev/shm/vllm_offload_<engine_id>.mmap`` exactly as vLLM's
     tiering worker does (this rank's slot of each chunk row), which is the region the

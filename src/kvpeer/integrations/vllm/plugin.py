@@ -23,7 +23,9 @@ def register() -> None:
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     try:
-        SecondaryTierFactory.register_tier(TIER_TYPE, "kvpeer.integrations.vllm.tier", "KVPeerTier")
+        SecondaryTierFactory.register_tier(
+            TIER_TYPE, "kvpeer.integrations.vllm.secondary_tier", "KVPeerTier"
+        )
     except ValueError:  # registered already (vLLM loads plugins per process, maybe twice)
         return
     log.debug("registered vLLM secondary tier type %r", TIER_TYPE)

@@ -1,0 +1,54 @@
+"""``kvpeer bench ladder``: one fresh prompt computed, as a local hit, pulled from an
+idle producer and pulled from a producer busy with another client's long prefill."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from kvpeer.commands.progress import progress_printer
+
+HELP = "a fresh prompt: computed, local hit, pulled from an idle and from a busy producer"
+
+
+def _rounds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rounds >= 1, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompts", type=_rounds, default=5, help="rounds, each with two fresh prompts"
+    )
+    parser.add_argument("--idle-seconds", type=float, default=1.0, help="idle before each pull")
+    parser.add_argument("--held-mib", type=int, default=128, help="held_bytes of each engine, MiB")
+    parser.add_argument(
+        "--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)"
+    )
+    parser.add_argument("--log-dir", help="keep the engines' logs here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpeer.lab.bench import ladder
+    from kvpeer.lab.demo_run import default_model_dir
+
+    progress = progress_printer("bench ladder")
+    spec = ladder.LadderSpec(
+        prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=args.held_mib << 20
+    )
+    result = ladder.run(
+        spec,
+        Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
+        progress,
+        Path(args.log_dir) if args.log_dir else None,
+    )
+    print(json.dumps(result) if args.json else ladder.render(result))
+    return 0

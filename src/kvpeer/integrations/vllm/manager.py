@@ -1,0 +1,144 @@
+"""vLLM's tiering manager with pulls that finish inside the scheduler step that asked.
+
+vLLM 0.32's ``TieringOffloadingManager`` turns a secondary tier's HIT into a
+*promotion*: it reserves a primary slot for the one key looked up, answers
+HIT_PENDING, and submits every key reserved in the step as one job at the step's
+end (``on_schedule_end``); the next step learns the job finished and only then
+answers HIT. With the connector's asynchronous load into the KV cache after that,
+a prefix pulled from a peer cost its request two engine steps more than a local
+hit (issue 27). :class:`KVPeerTieringManager` changes one thing, for kvpeer tiers
+only: when a kvpeer tier answers HIT it reserves, in one job, that key and every
+following key of the request the tier also answers HIT at once, submits the job
+immediately, and waits a bounded time (the tier's ``sync_pull_wait_s``) for the
+tier to report it. If the pull finished, the promotion completes there and the
+lookup answers HIT, in the same step; if not, the job simply stays in flight and
+completes the way vLLM's own do (HIT_PENDING now, HIT in a later step). With
+:class:`kvpeer.integrations.vllm.connector.KVPeerOffloadingConnector` loading
+synchronously, a pulled prefix is then computed into the KV cache in the very step
+that found it.
+
+Invariants:
+
+1. Bookkeeping is vLLM's: the job is registered, reported and completed through the
+   parent class's own job table (``_register_job``, ``_process_finished_jobs``), so a
+   job that misses the wait is indistinguishable from one vLLM submitted itself.
+2. Every key of a job was reserved in the primary tier by ``prepare_write`` before
+   the tier could write it, and is made readable only by the job's success
+   (``complete_write``); a failed or partial job frees its keys as vLLM's would.
+3. The engine thread never waits longer than ``sync_pull_wait_s`` per promotion, and
+   not at all for tiers that are not kvpeer's or for requests whose source has not
+   confirmed its blocks (a PD consumer sent before its prefill answered may wait for
+   a prefill that takes seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+if TYPE_CHECKING:
+    from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
+
+__all__ = ["KVPeerTieringManager", "following_keys"]
+
+log = logging.getLogger("kvpeer.vllm")
+
+
+def following_keys(key: OffloadKey, req_context: ReqContext) -> list[OffloadKey]:
+    """The request's keys after ``key``, in prompt order (the scheduler records each
+    key's end position in the request's context as it hashes the prompt)."""
+    positions: dict[OffloadKey, int] = req_context._offload_key_positions
+    start = positions.get(key)
+    if start is None:
+        return []
+    return sorted((k for k, end in positions.items() if end > start), key=positions.__getitem__)
+
+
+class KVPeerTieringManager(TieringOffloadingManager):
+    """``TieringOffloadingManager`` whose kvpeer tiers promote at once, in one job."""
+
+    def __init__(
+        self,
+        primary_tier: CPUPrimaryTierOffloadingManager,
+        secondary_tiers: list[SecondaryTierManager] | None = None,
+    ) -> None:
+        super().__init__(primary_tier, secondary_tiers)
+        from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
+
+        self._kvpeer: dict[int, KVPeerTier] = {
+            index: tier
+            for index, tier in enumerate(self.secondary_tiers)
+            if isinstance(tier, KVPeerTier)
+        }
+        # keys whose promotion ended inside their own lookup -> the primary's answer then
+        self._promoted_now: dict[OffloadKey, LookupResult] = {}
+        self.sync_promotions = 0  # promotions that finished inside their lookup
+        self.late_promotions = 0  # promotions submitted at once that missed the wait
+
+    def lookup(
+        self,
+        key: OffloadKey,
+        req_context: ReqContext,
+        *,
+        exclude_tier_idx: int | None = None,
+    ) -> LookupResult:
+        result = super().lookup(key, req_context, exclude_tier_idx=exclude_tier_idx)
+        if result is LookupResult.HIT_PENDING:
+            # HIT if the job completed; MISS if it failed (the engine computes the key)
+            return self._promoted_now.pop(key, result)
+        return result
+
+    def _initiate_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool:
+        tier = self._kvpeer.get(tier_idx)
+        if tier is None:
+            return super()._initiate_promotion(tier_idx, key, req_context)
+        keys = [key, *self._also_held(tier, key, req_context)]
+        reserved = self.primary_tier.prepare_write(keys, req_context)
+        if reserved is None or not reserved.keys_to_store:
+            self._metrics.on_promotion_allocation_failure()
+            return False
+        job_keys = list(reserved.keys_to_store)
+        chunk_ids = np.asarray(reserved.store_spec.chunk_ids, dtype=np.int32)  # type: ignore[attr-defined]
+        sources = self._request_load_sources.setdefault(req_context.req_id, {})
+        for promoted in job_keys:
+            sources[promoted] = tier.cache_hit_source
+        job = TransferJob(
+            job_id=self._next_job_id(),
+            keys=job_keys,
+            chunk_ids=chunk_ids,
+            is_promotion=True,
+            req_context=req_context,
+        )
+        self._register_job(job, tier_idx)
+        if tier.promote_now(job):
+            self._process_finished_jobs()  # type: ignore[no-untyped-call]  # completes it
+            self.sync_promotions += 1
+            self._promoted_now[key] = self.primary_tier.lookup(key, req_context)
+        else:
+            self.late_promotions += 1
+        return True
+
+    def _also_held(
+        self, tier: KVPeerTier, key: OffloadKey, req_context: ReqContext
+    ) -> Sequence[OffloadKey]:
+        """Keys after ``key`` that the primary tier lacks and ``tier`` answers HIT now,
+        up to the first that breaks the run (so one job carries the whole prefix)."""
+        if not tier.batches_promotions(req_context):
+            return ()
+        run: list[OffloadKey] = []
+        for following in following_keys(key, req_context):
+            if self.primary_tier.lookup(following, req_context) is not LookupResult.MISS:
+                break
+            if tier.lookup(following, req_context) is not LookupResult.HIT:
+                break
+            run.append(following)
+        return run

@@ -1,0 +1,332 @@
+"""``kvpeer bench ladder``: what one fresh prompt costs, computed, local, pulled idle, pulled busy.
+
+Two ``vllm serve`` engines with the kvpeer tier as a user runs them (``shm`` plane,
+held blocks, kvpeer's connector and manager) behind ``kvpeer router`` in shared mode
+with pinning. Each round takes two fresh prompts, P and Q, and measures the time to
+first token at the client (streamed) of:
+
+(a) *computed*: ``a`` computes P (Q is computed too, unmeasured);
+(b) *local*: ``a`` serves P again from its own prefix cache;
+(c) *pulled, idle producer*: after ``idle_s``, ``b`` serves P; the router names ``a``
+    as the source and ``b`` pulls P's blocks;
+(d) *pulled, busy producer*: another client sends ``a`` a fresh long prompt, and
+    while ``a`` is in the middle of that prefill, ``b`` serves Q, pulled from ``a``.
+    Whether the long prefill was still running when Q's first token came is counted.
+(e) *local, busy neighbour*: the same again, but ``b`` serves P, which it already
+    holds (it pulled P in (c)): a local hit on ``b`` while ``a`` prefills. Engines that
+    share a machine's cores slow each other down with or without kvpeer; (d) / (e) is
+    the part of (d) that is the pull's.
+
+The ratios are the issue's goals: (c) <= 1.5x (b), (d) <= 2x (b), (c) <= 0.1x (a). The
+step timeline of the slowest pulled request is read from both engines' traces
+(``KVPEER_TRACE=1``, kvpeer.node.trace), the router's trace of it, and the client's own
+times (sent, first token), so it spans the whole request.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpeer.node.trace import TRACE_LOGGER
+
+__all__ = ["LadderSpec", "render", "run", "timeline"]
+
+Progress = Callable[[str], None]
+RUNGS = ("computed", "local", "pulled_idle", "pulled_busy", "local_busy")
+GOALS = {"pulled_idle/local": 1.5, "pulled_busy/local": 2.0, "pulled_idle/computed": 0.1}
+#: not goals: what the busy producer's CPU costs the consumer on this machine by itself
+CONTEXT = ("pulled_busy/local_busy",)
+BUSY_START_S = 0.25  # after sending the long prompt: its prefill has started
+
+
+@dataclass(frozen=True)
+class LadderSpec:
+    prompts: int = 5
+    prompt_tokens: int = 1536
+    busy_tokens: int = 2000  # the other client's long prompt (the model has 2,048 positions)
+    idle_s: float = 1.0
+    held_bytes: int = 128 << 20
+
+
+@dataclass
+class _Pull:
+    rung: str
+    ttft_s: float
+    request_id: str
+    source: str | None
+    same: bool
+
+
+class _ClientLog:
+    """The client's side of each pull, as trace lines: when it was sent, when its first
+    token came (the timeline then spans client, router and both engines)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("w", encoding="utf-8")
+
+    def complete(self, client: Any, prompt: list[int], headers: dict[str, str]) -> Any:
+        sent = time.time()
+        got = client.complete(prompt, 2, headers)
+        request = got.headers.get("x-kvpeer-request-id", "")
+        for t, event in ((sent, "sent"), (sent + got.ttft_s, "first_token")):
+            self._file.write(f"kvpeer.trace t={t:.6f} node=client id={request} event={event}\n")
+        self._file.flush()
+        return got
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _router_trace(path: Path) -> logging.Handler:
+    """The in-process router's trace lines (``kvpeer.trace``, event ``sent``) to ``path``."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(TRACE_LOGGER)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
+
+
+class _Background:
+    """Another client's completion, sent from a thread of its own."""
+
+    def __init__(self, client: Any, prompt: list[int], headers: dict[str, str]) -> None:
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._send, args=(client, prompt, headers),
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _send(self, client: Any, prompt: list[int], headers: dict[str, str]) -> None:
+        try:
+            client.complete(prompt, 1, headers)
+        finally:
+            self.done.set()
+
+    def join(self) -> None:
+        self._thread.join(timeout=300)
+
+
+def run(
+    spec: LadderSpec, model_dir: Path, progress: Progress, log_dir: Path | None = None
+) -> dict[str, Any]:
+    from kvpeer.lab.demo_run import (
+        LOGPROB_TOLERANCE,
+        MODEL_NAME,
+        VOCAB,
+        _entry,
+        _pin,
+        _wait_indexed,
+    )
+    from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
+    from kvpeer.lab.engines.openai_client import OpenAIClient
+    from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
+    from kvpeer.node.trace import TRACE_ENV
+    from kvpeer.router.background import BackgroundRouter
+    from kvpeer.router.config import RouterConfig
+    from kvpeer.router.policy import Mode
+
+    model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-ladder-"))
+    options = {"held_bytes": spec.held_bytes}
+    trace_env = {TRACE_ENV: "1"}
+    a = ServeSpec("a", model, data_plane="shm", tier_options=options, env=trace_env)
+    b = ServeSpec("b", model, data_plane="shm", tier_options=options, env=trace_env)
+    rng = random.Random(20261203)
+
+    def fresh(tokens: int) -> list[int]:
+        return [rng.randrange(*VOCAB) for _ in range(tokens)]
+
+    samples: dict[str, list[float]] = {rung: [] for rung in RUNGS}
+    pulls: list[_Pull] = []
+    busy_overlapped = 0
+    fleet = ServeFleet(logs, progress)
+    client_log = _ClientLog(logs / "client.log")
+    router_log = _router_trace(logs / "router.log")
+    ok = False
+    try:
+        progress("starting two vllm serve engines with the kvpeer tier (held blocks, shm)")
+        fleet.start([a, b])
+        config = RouterConfig(
+            Mode.SHARED, (_entry(a.router_engine()), _entry(b.router_engine())),
+            listen_port=0, allow_pinning=True,
+        )  # fmt: skip
+        with BackgroundRouter(config) as router:
+            client = OpenAIClient(router.url, MODEL_NAME)
+            other = OpenAIClient(router.url, MODEL_NAME)
+            try:
+                progress("warm-up: a computes and b pulls once")
+                warm = fresh(spec.prompt_tokens)
+                client.complete(warm, 2, _pin("a"))
+                _wait_indexed(router, "a", warm)
+                client.complete(warm, 2, _pin("b"))
+                for n in range(spec.prompts):
+                    p, q = fresh(spec.prompt_tokens), fresh(spec.prompt_tokens)
+                    samples["computed"].append(client.complete(p, 2, _pin("a")).ttft_s)
+                    client.complete(q, 2, _pin("a"))
+                    _wait_indexed(router, "a", p)
+                    _wait_indexed(router, "a", q)
+                    local = client.complete(p, 2, _pin("a"))
+                    samples["local"].append(local.ttft_s)
+                    time.sleep(spec.idle_s)
+                    pulled = client_log.complete(client, p, _pin("b"))
+                    reference_q = client.complete(q, 2, _pin("a"))  # a local hit: the reference
+                    time.sleep(spec.idle_s)
+                    long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
+                    time.sleep(BUSY_START_S)
+                    busy = client_log.complete(client, q, _pin("b"))
+                    busy_overlapped += not long_prefill.done.is_set()
+                    long_prefill.join()
+                    time.sleep(spec.idle_s)
+                    long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
+                    time.sleep(BUSY_START_S)
+                    samples["local_busy"].append(client.complete(p, 2, _pin("b")).ttft_s)
+                    long_prefill.join()
+                    for rung, got, reference in (
+                        ("pulled_idle", pulled, local),
+                        ("pulled_busy", busy, reference_q),
+                    ):
+                        samples[rung].append(got.ttft_s)
+                        pulls.append(_Pull(
+                            rung, got.ttft_s, got.headers.get("x-kvpeer-request-id", ""),
+                            got.headers.get("x-kvpeer-source"),
+                            got.tokens == reference.tokens
+                            and got.max_logprob_delta(reference) <= LOGPROB_TOLERANCE,
+                        ))  # fmt: skip
+                    progress(
+                        f"round {n + 1}/{spec.prompts}: local {local.ttft_s * 1000:.0f} ms, "
+                        f"pulled idle {pulled.ttft_s * 1000:.0f} ms, "
+                        f"pulled busy {busy.ttft_s * 1000:.0f} ms"
+                    )
+            finally:
+                client.close()
+                other.close()
+        ok = True
+    finally:
+        fleet.close()
+        logging.getLogger(TRACE_LOGGER).removeHandler(router_log)
+        router_log.close()
+        client_log.close()
+    slowest = max(pulls, key=lambda pull: pull.ttft_s, default=None)
+    steps = timeline(fleet_logs(logs), slowest.request_id) if slowest is not None else []
+    if ok and log_dir is None:
+        shutil.rmtree(logs, ignore_errors=True)
+    return summarize(spec, samples, pulls, busy_overlapped, slowest, steps)
+
+
+def fleet_logs(logs: Path) -> list[Path]:
+    return sorted(logs.glob("*.log"))
+
+
+_TRACE = re.compile(r"kvpeer\.trace t=(?P<t>[0-9.]+) node=(?P<node>\S+) id=(?P<id>\S+) "
+                    r"event=(?P<event>\S+) ?(?P<rest>.*)$")  # fmt: skip
+
+
+def timeline(paths: list[Path], request_id: str) -> list[dict[str, Any]]:
+    """The trace lines of ``request_id`` in the engines' logs, in time order, with ms
+    since the first."""
+    if not request_id:
+        return []
+    events: list[dict[str, Any]] = []
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            match = _TRACE.search(line)
+            if match is None or match["id"] != request_id:
+                continue
+            events.append({"t": float(match["t"]), "engine": path.stem, "event": match["event"],
+                           "detail": match["rest"].strip()})  # fmt: skip
+    events.sort(key=lambda event: event["t"])
+    start = events[0]["t"] if events else 0.0
+    for event in events:
+        event["ms"] = round((event.pop("t") - start) * 1000, 1)
+    return events
+
+
+def summarize(
+    spec: LadderSpec,
+    samples: dict[str, list[float]],
+    pulls: list[_Pull],
+    busy_overlapped: int,
+    slowest: _Pull | None,
+    steps: list[dict[str, Any]],
+) -> dict[str, Any]:
+    medians = {rung: statistics.median(v) if v else None for rung, v in samples.items()}
+    ratios: dict[str, float | None] = {}
+    for name in (*GOALS, *CONTEXT):
+        top, bottom = name.split("/")
+        ratios[name] = (
+            medians[top] / medians[bottom] if medians[top] and medians[bottom] else None  # type: ignore[operator]
+        )
+    return {
+        "spec": vars(spec),
+        "medians": medians,
+        "ratios": ratios,
+        "goals": GOALS,
+        "met": {name: _within(ratios[name], goal) for name, goal in GOALS.items()},
+        "pulled_from_producer": sum(1 for pull in pulls if pull.source == "a"),
+        "pulls": len(pulls),
+        "same_output": sum(1 for pull in pulls if pull.same),
+        "busy_overlapped": busy_overlapped,
+        "slowest": None if slowest is None else vars(slowest),
+        "timeline": steps,
+        "samples": samples,
+    }
+
+
+def _within(ratio: float | None, goal: float) -> bool:
+    return ratio is not None and ratio <= goal
+
+
+def render(result: dict[str, Any]) -> str:
+    spec, medians = result["spec"], result["medians"]
+    lines = [
+        f"kvpeer bench ladder: {spec['prompts']} rounds of fresh {spec['prompt_tokens']}-token "
+        f"prompts; TTFT medians (ms)",
+        f"{'computed':>9} {'local hit':>10} {'pulled idle':>12} {'pulled busy':>12} "
+        f"{'local busy':>11}",
+        " ".join(
+            f"{_ms(medians[rung]):>{width}}"
+            for rung, width in zip(RUNGS, (9, 10, 12, 12, 11), strict=True)
+        ),
+    ]
+    for name, ratio in result["ratios"].items():
+        if name in result["goals"]:
+            verdict = "met" if result["met"][name] else "missed"
+            note = f"goal <= {result['goals'][name]:g}x: {verdict}"
+        else:
+            note = "the pull's part of a busy pull (local busy: b's local hit while a prefills)"
+        lines.append(f"{name:<22} {_x(ratio):>8}  {note}")
+    lines.append(
+        f"pulls from the producer: {result['pulled_from_producer']}/{result['pulls']}; same output "
+        f"as the local hit: {result['same_output']}/{result['pulls']}; busy pulls that finished "
+        f"while the producer's long prefill ran: {result['busy_overlapped']}/{spec['prompts']}"
+    )
+    slowest = result["slowest"]
+    if slowest is not None:
+        lines.append(
+            f"slowest pull: {slowest['rung']} {slowest['ttft_s'] * 1000:.0f} ms "
+            f"(request {slowest['request_id'] or '?'}); its trace:"
+        )
+        lines.extend(
+            f"  {event['ms']:>8.1f} ms  {event['engine']:<7} {event['event']:<24} {event['detail']}"
+            for event in result["timeline"]
+        )
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
