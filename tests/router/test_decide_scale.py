@@ -258,7 +258,8 @@ def test_plans_are_those_of_one_prediction_per_server_and_source(seed: int) -> N
              for name in fleet.names}  # fmt: skip
     explore_every = rng.choice((0, 1))
     config = DecideConfig(pulls=rng.random() < 0.9, explore_every=explore_every,
-                          explore_max_loss_s=rng.choice((0.05, 10.0)))  # fmt: skip
+                          explore_max_loss_s=rng.choice((0.05, 10.0)),
+                          pull_margin_s=rng.choice((0.002, 0.03, 0.1)))  # fmt: skip
     cost = learned_cost(rng, fleet.names)
     policy = RouterPolicy(list(specs.values()), Mode.SHARED, fleet.index, cost=cost,
                           config=config)  # fmt: skip
@@ -299,7 +300,7 @@ def second_turn_reasons(seed: int) -> list[str]:
                                              tuple(prompt[: 3 * BS]), BS))  # fmt: skip
     specs = {name: EngineSpec(name, f"http://{name}", "127.0.0.1", 5710)
              for name in fleet.names}  # fmt: skip
-    config = DecideConfig(explore_every=0)
+    config = DecideConfig(explore_every=0, pull_margin_s=rng.choice((0.002, 0.03, 0.1)))
     cost = CostModel(random_priors(rng))
     policy = RouterPolicy(list(specs.values()), Mode.SHARED, fleet.index, cost=cost,
                           config=config)  # fmt: skip
@@ -319,7 +320,34 @@ def second_turn_reasons(seed: int) -> list[str]:
 
 
 def test_second_turns_are_planned_as_one_prediction_per_server_and_source_plans() -> None:
-    reasons = [reason for seed in range(10) for reason in second_turn_reasons(seed)]
+    reasons = [reason for seed in range(24) for reason in second_turn_reasons(seed)]
     # The mix is what makes the comparison worth something: holders serving, others
     # pulling from them, and pulls predicted slower than computing.
     assert {REASON_CACHE, REASON_PULL, REASON_PULL_SLOWER} <= set(reasons), set(reasons)
+
+
+def test_a_pull_the_fast_core_did_not_predict_can_still_be_the_one_taken() -> None:
+    """Rule 2 takes pulls in plan order, each only if it beats the pick so far by the
+    margin: a short prefix's source met first can be taken and then keep a long
+    prefix's busy holder, met later and better by less than the margin, from being
+    taken. The fast core predicts the holder first; the short prefix's group, bounded
+    above the holder's pull, must still be predicted, or the holder would be picked."""
+    fleet = Fleet(random.Random(5), engines=3)
+    server, short, holder = fleet.names
+    prompt = fleet.prompts[0][: 11 * BS]
+    for name, blocks in ((short, 5), (holder, 10)):
+        hs = fleet.hashes(name, prompt)[:blocks]
+        fleet.index.apply(name, BlocksStored(MEDIUM_CPU, tuple(hs), None,
+                                             tuple(prompt[: blocks * BS]), BS))  # fmt: skip
+    specs = {name: EngineSpec(name, f"http://{name}", "127.0.0.1", 5710)
+             for name in fleet.names}  # fmt: skip
+    config = DecideConfig(explore_every=0, pull_margin_s=0.1)
+    cost = CostModel(CostPriors(prefill_s_per_token=0.01))
+    policy = RouterPolicy(list(specs.values()), Mode.SHARED, fleet.index, cost=cost,
+                          config=config)  # fmt: skip
+    loads = {server: EngineLoad(True, 0, 0), short: EngineLoad(True, 0, 0),
+             holder: EngineLoad(True, 1, 8)}  # fmt: skip
+    expected = reference_plan(specs, fleet.index, cost, config, prompt, loads, 0.0,
+                              serve_on=server, pull_from=None, explore_due=False)
+    assert (expected.source, expected.predicted_cached_tokens) == (short, 5 * BS)
+    assert policy.plan("r", prompt, loads, 0.0, serve_on=server) == expected

@@ -409,13 +409,20 @@ class RouterPolicy:
         predicted: dict[str, float] = {}
         least = alone
         # A group's pulls take at least its compute of the rest + the floor: longest
-        # prefix first (the lowest bound), stopping once nothing left can beat ``best``.
+        # prefix first (the lowest bound), stopping once nothing left can beat ``best``,
+        # or once the groups left, all above the best pull so far, cannot change the
+        # pick (a long prefix's holder beats the many holders of a short one).
         for cpu in lengths:
             if cpu <= local:
                 break
             compute = cost.compute_s(engine, prompt_tokens - cpu, load)
-            if best is not None and min(least, compute + floor + steps) > best[0]:
+            bound = compute + floor + steps
+            if best is not None and min(least, bound) > best[0]:
                 return None
+            if predicted and pull_from is None and bound > least:
+                option = self._pick(local, alone, sources, predicted, bound, pull_from)
+                if option is not None:
+                    return option
             for source in groups[cpu]:
                 quote = quotes.get((source, local))
                 if quote is None:
@@ -428,23 +435,60 @@ class RouterPolicy:
                 least = min(least, ttft)
         if best is not None and least > best[0]:
             return None
+        option = self._pick(local, alone, sources, predicted, None, pull_from)
+        assert option is not None  # every candidate predicted: nothing is uncertain
+        return option
+
+    def _pick(
+        self,
+        local: int,
+        alone: float,
+        sources: Sequence[tuple[str, int]],
+        predicted: Mapping[str, float],
+        unknown: float | None,
+        pull_from: str | None,
+    ) -> _Option | None:
+        """Rule 2's pick: in plan order, a pull is taken when it beats the pick so far by
+        the margin (a pinned source always). Candidates not in ``predicted`` take at least
+        ``unknown``; None when one of them could change the pick. While one of them may
+        have been taken, the pick so far is only known to lie in ``[low, ttft]``."""
         margin = self._config.pull_margin_s
         ttft, cached, chosen = alone, local, None
+        low: float | None = None
         rejected: tuple[float, int, str] | None = None
+        unpredicted = False
         for source, cpu in sources:
             if cpu <= local:
                 continue
-            candidate = predicted[source]
-            if source == pull_from or candidate + margin < ttft:
+            candidate = predicted.get(source)
+            if candidate is None:
+                assert unknown is not None
+                unpredicted = True
+                if unknown + margin < ttft:  # it may be taken
+                    low = unknown if low is None else min(low, unknown)
+                continue
+            if low is None:
+                taken = source == pull_from or candidate + margin < ttft
+            elif candidate + margin < low:
+                taken, low = True, None
+            elif candidate + margin >= ttft:
+                taken = False
+            else:
+                return None
+            if taken:
                 ttft, cached, chosen = candidate, cpu, source
             elif rejected is None or candidate < rejected[0]:
                 rejected = (candidate, cpu, source)
+        if low is not None:
+            return None
         if chosen is not None:
             return _Option(ttft, cached, chosen, cached - local)
-        if rejected is not None:
-            tried = _Option(rejected[0], rejected[1], rejected[2], rejected[1] - local)
-            return _Option(ttft, cached, pull_rejected=True, rejected=tried)
-        return _Option(ttft, cached)
+        if rejected is None and not unpredicted:
+            return _Option(ttft, cached)
+        if rejected is None or (unknown is not None and unpredicted and rejected[0] >= unknown):
+            return None  # the least rejected pull may be one not predicted
+        tried = _Option(rejected[0], rejected[1], rejected[2], rejected[1] - local)
+        return _Option(ttft, cached, pull_rejected=True, rejected=tried)
 
     def _top_floor(
         self,
