@@ -31,6 +31,7 @@ PUBLIC_SURFACE: dict[str, list[str]] = {
         "ConnectExtension",
         "Disconnect",
         "Fetch",
+        "Inbound",
         "KNOWN_TYPES",
         "Key",
         "Lookup",
@@ -44,6 +45,7 @@ PUBLIC_SURFACE: dict[str, list[str]] = {
         "TransferDone",
         "TransportChoice",
         "TransportOffer",
+        "Undecodable",
         "UnknownMessage",
     ],
     "kvpeer.session": [

@@ -3,21 +3,23 @@
 A fake control endpoint records every link it opened, what went out on each
 and what was refused; peers are hand-made frames routed in with the source
 address a transport would report. Sessions are real (:class:`PeerSession` over
-a fake data plane). What reaches the tier is what ``reap`` saw. The same rules
+a fake data plane). What reaches the tier is what the table returned (``Polled``
+values). The same rules
 over a whole cluster are pinned by ``test_tier_sessions.py`` and
 ``test_tier_goodbye.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import pytest
 
 from kvpeer.config import TierConfig
 from kvpeer.errors import PeerLost
 from kvpeer.node.counters import TierCounters
-from kvpeer.node.peertable import FIRST_RETRY_S, MAX_HELD_FRAMES, Peer, PeerTable
+from kvpeer.node.peertable import FIRST_RETRY_S, Peer, PeerTable, Polled
+from kvpeer.node.registering import MAX_HELD_FRAMES
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
     AckExtension,
@@ -29,7 +31,7 @@ from kvpeer.protocol import (
     Ping,
     UnknownMessage,
 )
-from kvpeer.session import CloseKind, PollResult
+from kvpeer.session import CloseKind
 from kvpeer.session.greeting import session_number
 from kvpeer.testing import Fabric, FakeDataPlane, Region, make_hello
 from kvpeer.transport.base import InboundFrame
@@ -151,16 +153,27 @@ class Table:
             self.control,
             self.plane,
             self.counters,
-            reap=self._reap,
             pulled_from=lambda: self.needed,
-            clock=lambda: self.now,
         )
         self._boots: dict[str, bytes] = {}
 
-    def _reap(self, peer_id: str, peer: Peer, result: PollResult) -> None:
-        if result.closed is not None:
-            self.closed.append((peer_id, result.closed.kind))
-            self.table.ended(peer_id, peer, result.closed)
+    def _reaped(self, polled: Iterable[Polled]) -> None:
+        for each in polled:
+            closed = each.result.closed
+            if closed is not None:
+                assert self.table.get(each.peer_id) is not each.peer, "dropped already"
+                self.closed.append((each.peer_id, closed.kind))
+
+    def open(self, peer_id: str) -> Peer | None:
+        peer, polled = self.table.open(peer_id, self.now)
+        self._reaped(polled)
+        return peer
+
+    def poll(self) -> None:
+        self._reaped(list(self.table.poll(self.now)))
+
+    def close_all(self, reason: str) -> None:
+        self._reaped(self.table.close_all(reason, self.now))
 
     def hello(
         self,
@@ -179,9 +192,8 @@ class Table:
 
     def frame(self, peer_id: str, frame: bytes, source: str | None = "") -> None:
         """``frame`` arrives from ``peer_id`` (by default from the address it names)."""
-        self.table.route(
-            InboundFrame(peer_id, frame, ip(peer_id) if source == "" else source), self.now
-        )
+        inbound = InboundFrame(peer_id, frame, ip(peer_id) if source == "" else source)
+        self._reaped(self.table.route(inbound, self.now))
 
     def connect_from(self, peer_id: str, source: str | None = "", **hello: int) -> None:
         self.frame(peer_id, self.hello(peer_id, **hello), source)
@@ -216,7 +228,7 @@ def t() -> Table:
 
 class TestOpening:
     def test_open_dials_grants_and_greets(self, t: Table) -> None:
-        peer = t.table.open(pid(1), t.now)
+        peer = t.open(pid(1))
         assert peer is not None
         assert peer.session.alive
         (link,) = t.control.links_to(pid(1))
@@ -224,13 +236,13 @@ class TestOpening:
         assert link.sent[0].peer_id == LOCAL
         assert pid(1) in t.plane.granted
         assert t.counters.sessions_opened == 1
-        assert t.table.open(pid(1), t.now) is peer  # the live one, not a second
+        assert t.open(pid(1)) is peer  # the live one, not a second
         assert t.table.statistics().sessions == 1
 
     @pytest.mark.parametrize("peer_id", [LOCAL, "not-an-address", "192.168.0.7:5710"])
     def test_never_dials_ourselves_a_bad_id_or_a_peer_not_allowed(self, peer_id: str) -> None:
         t = Table({"allowed_peers": ["10.0.0.0/8"]})
-        assert t.table.open(peer_id, t.now) is None
+        assert t.open(peer_id) is None
         assert t.control.links == []
         assert t.table.statistics().peers_refused == 1
 
@@ -311,11 +323,11 @@ class TestCapAndEviction:
 
     def test_the_least_recently_used_handshaking_session_makes_room(self) -> None:
         t = Table({"max_peers": 2})
-        t.table.open(pid(1), t.now)
+        t.open(pid(1))
         t.now = 1.0
-        t.table.open(pid(2), t.now)
+        t.open(pid(2))
         t.now = 2.0
-        assert t.table.open(pid(3), t.now) is not None
+        assert t.open(pid(3)) is not None
         assert t.closed == [(pid(1), CloseKind.LOCAL)]
         assert (t.has(pid(1)), t.has(pid(2)), t.has(pid(3))) == (False, True, True)
         assert pid(1) not in t.plane.granted  # revoked with its session
@@ -323,11 +335,11 @@ class TestCapAndEviction:
 
     def test_a_handshaking_session_goes_before_a_ready_one(self) -> None:
         t = Table({"max_peers": 2})
-        t.table.open(pid(1), t.now)
+        t.open(pid(1))
         t.now = 1.0
         t.ready(pid(2))
         t.now = 2.0
-        t.table.open(pid(3), t.now)
+        t.open(pid(3))
         assert [peer for peer, _ in t.closed] == [pid(1)]
 
     def test_a_ready_session_a_live_request_pulls_from_is_kept(self) -> None:
@@ -335,11 +347,11 @@ class TestCapAndEviction:
         t.ready(pid(1))
         t.ready(pid(2))
         t.needed = {pid(1), pid(2)}
-        assert t.table.open(pid(3), t.now) is None
+        assert t.open(pid(3)) is None
         assert t.closed == []
         assert t.table.statistics().peers_refused == 1
         t.needed = {pid(2)}
-        assert t.table.open(pid(3), t.now) is not None
+        assert t.open(pid(3)) is not None
         assert [peer for peer, _ in t.closed] == [pid(1)]
 
     def test_the_busiest_source_loses_its_handshakes_first(self) -> None:
@@ -349,7 +361,7 @@ class TestCapAndEviction:
         t.connect_from(pid(2), source="10.9.9.9")
         t.connect_from(pid(3), source="10.9.9.9")
         t.now = 2.0
-        t.table.open(pid(4), t.now)
+        t.open(pid(4))
         assert [peer for peer, _ in t.closed] == [pid(2)]
 
     def test_an_inbound_peer_beyond_the_cap_is_refused_when_nobody_is_idle(self) -> None:
@@ -412,7 +424,7 @@ class TestEnding:
         t.ready(pid(1))
         old = t.control.links_to(pid(1))[0]
         old.alive = False
-        t.table.poll(t.now)
+        t.poll()
         assert t.closed == [(pid(1), CloseKind.UNREACHABLE)]
         assert old.closed
         goodbye = t.control.links_to(pid(1))[-1]
@@ -425,24 +437,24 @@ class TestEnding:
         t.ready(pid(1))
         t.control.links_to(pid(1))[0].alive = False
         t.control.unreachable.add(pid(1))
-        t.table.poll(t.now)  # PeerLost is swallowed
+        t.poll()  # PeerLost is swallowed
         assert len(t.control.links_to(pid(1))) == 1
 
     def test_a_peer_that_never_answered_is_backed_off_doubling(self) -> None:
         t = Table({"peer_retry_max_s": 3.0})
         for delay in (FIRST_RETRY_S, 2 * FIRST_RETRY_S, 3.0, 3.0):
-            t.table.open(pid(1), t.now)
+            t.open(pid(1))
             t.control.links_to(pid(1))[-1].alive = False
-            t.table.poll(t.now)
+            t.poll()
             assert t.table.backed_off(pid(1), t.now + delay - 0.01)
             assert not t.table.backed_off(pid(1), t.now + delay)
             t.now += delay
         assert len(t.control.links_to(pid(1))) == 4  # no goodbyes: nobody to hear them
 
     def test_a_peer_that_answers_clears_its_back_off(self, t: Table) -> None:
-        t.table.open(pid(1), t.now)
+        t.open(pid(1))
         t.control.links_to(pid(1))[-1].alive = False
-        t.table.poll(t.now)
+        t.poll()
         assert t.table.statistics().backed_off == 1
         t.ready(pid(1))  # it came back and connected to us
         assert not t.table.backed_off(pid(1), t.now)
@@ -451,16 +463,16 @@ class TestEnding:
     def test_back_offs_remembered_are_bounded(self) -> None:
         t = Table({"max_peers": 1})
         for n in range(6):
-            t.table.open(pid(n), t.now)
+            t.open(pid(n))
             t.control.links_to(pid(n))[-1].alive = False
-            t.table.poll(t.now)
+            t.poll()
         assert t.table.statistics().backed_off == 4
         assert not t.table.backed_off(pid(0), t.now)  # the oldest were forgotten
 
     def test_close_all_ends_every_session(self, t: Table) -> None:
         t.ready(pid(1))
-        t.table.open(pid(2), t.now)
-        t.table.close_all("tier shutting down", t.now)
+        t.open(pid(2))
+        t.close_all("tier shutting down")
         assert sorted(peer for peer, _ in t.closed) == [pid(1), pid(2)]
         assert len(t.table) == 0
         assert t.plane.granted == set()
@@ -489,7 +501,7 @@ class TestRestart:
         refused, and the session ends unreachable. The connect proves the peer is there:
         a fresh session on a new link answers it (dropped, the peer's session waited for
         a connect that had gone to this one, until both gave up on a healthy path)."""
-        old = t.table.open(pid(1), t.now)
+        old = t.open(pid(1))
         assert old is not None
         (dead,) = t.control.links_to(pid(1))
         dead.alive = False
@@ -528,7 +540,7 @@ class TestRestart:
         that may be gone (a partition test found one left for 10 s)."""
         peer = t.ready(pid(1))
         peer.session.close("the peer went quiet", kind)
-        t.table.poll(t.now)
+        t.poll()
         links = t.control.links_to(pid(1))
         assert links[0].parked is False
         assert all(link.parked is False for link in links[1:])  # the goodbye's, if any
@@ -593,10 +605,10 @@ class TestRegistrationOffTheLock:
         plane.finish(pid(2))  # another peer, ready at once: not held
         t.connect_from(pid(2))
         assert [type(m) for m in t.control.links_to(pid(2))[0].sent] == [Connect, ConnectAck]
-        t.table.poll(t.now)
+        t.poll()
         assert not peer.session.ready  # still registering: still held
         plane.finish(pid(1))
-        t.table.poll(t.now)
+        t.poll()
         assert peer.session.ready  # the connect, then the ack, in order
         assert [type(m) for m in link.sent] == [Connect, ConnectAck]
         assert plane.settled == [pid(1)]
@@ -610,7 +622,7 @@ class TestRegistrationOffTheLock:
         assert isinstance(plane, SlowPlane)
         t.connect_from(pid(1), session=5)
         plane.finish(pid(1))
-        t.table.poll(t.now)
+        t.poll()
         return t, plane
 
     def test_the_peers_next_session_adopted_before_our_ack_registers_off_the_lock(
@@ -631,7 +643,7 @@ class TestRegistrationOffTheLock:
         assert hello is not None
         assert session_number(hello) == 5, "held while it registers"
         plane.finish(pid(1))
-        t.table.poll(t.now)
+        t.poll()
         hello = peer.session.peer_hello
         assert hello is not None
         assert session_number(hello) == 6
@@ -672,7 +684,7 @@ class TestRegistrationOffTheLock:
         t.ack_from(pid(1))
         assert t.table.next_deadline() is not None
         t.now += t.config.handshake_timeout_s
-        t.table.poll(t.now)
+        t.poll()
         assert t.table.statistics().stray_frames == 2
         peer = t.table.get(pid(1))
         assert peer is None or peer.session.peer_hello is None  # never delivered

@@ -6,6 +6,8 @@ Frames are built by encoding vLLM's own event classes, which is the real wire fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -409,6 +411,76 @@ async def _subscriber_scenario() -> None:
         await within(task)
         pub.close()
         router.close()
+        ctx.term()
+
+
+def test_start_after_live_batches_asks_only_for_what_follows_them() -> None:
+    feed = EventFeed(can_replay=True)
+    feed.on_live(frame(0, P0), 0.0)
+    assert feed.start(0.0) == FeedOutput(replay_from=1)
+
+
+SLOW_JOIN_S = 0.3  # how long the publisher is out of the subscriber's reach
+
+
+def test_a_batch_published_while_the_subscription_is_on_its_way_is_learned() -> None:
+    """The slow joiner: a PUB socket sends a batch only to the subscriptions it holds. A
+    replay answered before the subscription reached the publisher, then a batch, then the
+    subscription, then a quiet engine: the batch is in neither, and nothing later shows
+    the gap. The subscriber asks for its history only once its SUB connection is up."""
+    asyncio.run(_slow_join_scenario())
+
+
+async def _slow_join_scenario() -> None:
+    ctx = zmq.asyncio.Context()
+    replay = ctx.socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind("tcp://127.0.0.1:*")
+    with socket.socket() as probe:  # a port the PUB binds only later
+        probe.bind(("127.0.0.1", 0))
+        pub_endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    published = [(0, P0)]  # vLLM's replay buffer
+    answered = asyncio.Event()
+
+    async def serve_replays() -> None:  # vLLM's ZmqEventPublisher._service_replay
+        while True:
+            ident, empty, start = await replay.recv_multipart()
+            assert not empty
+            for seq, payload in list(published):
+                if seq >= int.from_bytes(start, "big"):
+                    await replay.send_multipart([ident, *replay_frame(seq, payload)])
+            await replay.send_multipart([ident, *REPLAY_END])
+            answered.set()
+
+    index = PrefixIndex(block_size=BS)
+    sub = EventSubscriber("e0", pub_endpoint, index,
+                          replay_endpoint=replay.getsockopt_string(zmq.LAST_ENDPOINT),
+                          context=ctx)
+    stop = asyncio.Event()
+    server = asyncio.create_task(serve_replays())
+    task = asyncio.create_task(sub.run(stop))
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        # The engine stores its next batch while the subscription is still on its way:
+        # right after a replay answer, if one came that early.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(answered.wait(), SLOW_JOIN_S)
+        published.append((1, P1))  # no subscriber reached the PUB: sent to nobody
+        pub.bind(pub_endpoint)
+        assert (await within(pub.recv()))[0] == 1  # subscribed; the engine is quiet now
+        keys = index.keys([1, 2, 3, 4, 5, 6, 7, 8])
+        await until(lambda: index.longest_prefix("e0", keys, MEDIUM_GPU, 0.0) == 8,
+                    "batch 1, published before the subscription arrived", timeout=5.0)
+        assert sub.statistics().replays_completed == 1
+    finally:
+        stop.set()
+        await within(task)
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        pub.close()
+        replay.close()
         ctx.term()
 
 

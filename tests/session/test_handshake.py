@@ -27,6 +27,7 @@ from kvpeer.protocol import (
     Message,
 )
 from kvpeer.session import CloseKind, PeerSession, SessionSettings
+from kvpeer.session.handshake import Phase
 from kvpeer.testing import Fabric, FakeDataPlane, Node, Region, SessionPair, make_hello
 from kvpeer.testing.steps import closed, kinds, sent
 
@@ -729,3 +730,40 @@ def _a_duplicate_connect_ends_the_session(pair: SessionPair, again: Connect) -> 
     assert not sent(pair.a, Disconnect)
     assert len(sent(pair.a, ConnectAck)) == acks_before + 1
     assert load not in pair.a.loads or pair.a.loads[load].success
+
+
+class TestPhase:
+    """The session's phase is one value (``kvpeer.session.handshake.Phase``)."""
+
+    @INITIATORS
+    def test_new_greeting_granted_ready_closed(self, first: str) -> None:
+        pair = pair_with()
+        initiator, responder = roles(pair, first)
+        assert phase(initiator) is Phase.NEW
+        initiator.session.start(pair.clock.now)
+        assert phase(initiator) is Phase.GREETING
+        responder.session.start(pair.clock.now)
+        responder.session.receive(initiator.outbox.in_transit.popleft(), pair.clock.now)
+        assert phase(responder) is Phase.GRANTED  # its ack went; ours is owed
+        initiator.session.receive(responder.outbox.in_transit.popleft(), pair.clock.now)
+        assert phase(initiator) is Phase.GRANTED  # the responder's connect
+        initiator.session.receive(responder.outbox.in_transit.popleft(), pair.clock.now)
+        assert phase(initiator) is Phase.READY  # and its ack
+        responder.session.receive(initiator.outbox.in_transit.popleft(), pair.clock.now)
+        assert phase(responder) is Phase.READY
+        responder.session.close()
+        assert phase(responder) is Phase.CLOSED
+        assert responder.session.answered, "the history outlives the phase"
+
+    def test_an_ack_before_the_peers_connect_moves_nothing(self) -> None:
+        pair = pair_with()
+        a = pair.a
+        a.session.start(pair.clock.now)
+        ack = ConnectAck(peer_id="b", kvpeer=AckExtension(version=PROTOCOL_VERSION))
+        a.session.receive(CODEC.encode(ack), pair.clock.now)
+        assert phase(a) is Phase.GREETING
+        assert a.session.statistics().stale_frames == 1
+
+
+def phase(node: Node) -> Phase:
+    return node.session.phase

@@ -23,7 +23,7 @@ from kvpeer.lab.sim import seeds as cli
 from kvpeer.lab.sim import world as world_module
 from kvpeer.lab.sim.scenarios import GHOST_PEER
 from kvpeer.lab.sim.timeouts import Bounds
-from kvpeer.node import peertable as peertable_module
+from kvpeer.node import peermemory as peermemory_module
 
 SWEEP = [(seed, 3) for seed in range(200)] + [(seed, 4) for seed in range(200, 260)]
 LAST_LINE = re.compile(r"seeds=(\d+) violations=(\d+) jobs=(\d+) loads_ok=(\d+) loads_failed=(\d+)")
@@ -252,7 +252,7 @@ class TestRequestBudgets:
         assert all("on silent peer" in v and "handshake_timeout_s" in v for v in found), found
 
     def test_a_back_off_that_never_ends_is_reported(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(peertable_module, "FIRST_RETRY_S", 60.0)
+        monkeypatch.setattr(peermemory_module, "FIRST_RETRY_S", 60.0)
         found = [
             violation
             for seed in BACKED_OFF_SEEDS
@@ -303,14 +303,12 @@ class TestRequestBudgets:
 #: The session's silence rule before pings: only a peer never heard from is given up
 #: after peer_wait_s; one that spoke is left to the handshake deadline and heartbeat.
 OLD_SILENCE_RULE = """
-from kvpeer.session import peer
-def silence(self):
-    if self._started_at is None or not self._consumer.waits_on_peer():
-        return None
-    if self._heard_at is None:
-        return self._started_at + self._settings.peer_wait_s, None
+from kvpeer.session import liveness
+def silence(self, started_at, answers_pings, answered):
+    if not self.heard:
+        return liveness.Silence(started_at + self._wait_s, None)
     return None
-peer.PeerSession._silence = silence
+liveness.Liveness.silence = silence
 """
 
 

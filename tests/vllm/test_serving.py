@@ -125,10 +125,20 @@ def wait_for(condition: Any, timeout_s: float, what: str) -> None:
 def wait_indexed(router: BackgroundRouter, engine: str, prompt: list[int]) -> None:
     index = router.router.index
     assert index is not None
-    keys = index.keys(prompt)
-    wait_for(lambda: router.call(
-        lambda: index.longest_prefix(engine, keys, MEDIUM_CPU, time.monotonic())
-    ) >= len(prompt) // BLOCK * BLOCK - BLOCK, 30, f"{engine}'s KV events for the prompt")
+
+    def held() -> int:
+        # Built on every poll: a new router's index learns the block size from its first
+        # event, and keys built before that match nothing, ever (this made the late
+        # router's replay test time out whenever the replay came after the first poll).
+        return index.longest_prefix(engine, index.keys(prompt), MEDIUM_CPU, time.monotonic())
+
+    feed = router.router.subscribers[engine]
+    deadline = time.monotonic() + 30
+    while router.call(held) < len(prompt) // BLOCK * BLOCK - BLOCK:
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {engine}'s KV events for the prompt: "
+            f"{router.call(feed.statistics)}")
+        time.sleep(0.1)
 
 
 def test_pd_through_the_router_equals_a_local_run_and_pulls_every_block(
@@ -230,6 +240,35 @@ def test_a_router_started_later_relearns_what_the_engines_hold(
         client.complete(prompt, OUT, {PIN: "a"})
         wait_indexed(restarted, "a", prompt)  # learned from the engine's own events
         pulled = client.complete(prompt, OUT, {PIN: "b"})
+        client.close()
+    assert pulled.headers.get("x-kvpeer-source") == "a"
+    assert pulled.cached_tokens >= 1024 - BLOCK
+
+
+def test_a_router_started_after_the_engines_learns_what_they_stored_from_their_replay(
+    fleet: ServeFleet,
+) -> None:
+    """Issue 30, item 2: the engines compute prompts first, with no router of this test
+    running; then a router starts. Nothing new happens on the engines, so no live event
+    can teach it: what its index knows it learned from each engine's replay endpoint
+    (each feed asks for every batch from 0 once its subscription is connected). It routes
+    by that at once: a request pinned to ``b`` pulls the prefix ``a`` computed before the
+    router existed."""
+    stored = {"a": fresh(1024), "b": fresh(512)}
+    for name, prompt in stored.items():
+        direct = OpenAIClient(fleet.engines[name].spec.url, MODEL)
+        direct.complete(prompt, OUT)
+        direct.close()
+    config = RouterConfig(Mode.SHARED, entries(fleet, (Role.BOTH, Role.BOTH)), listen_port=0,
+                          allow_pinning=True)
+    with BackgroundRouter(config) as late:
+        for name, prompt in stored.items():
+            wait_indexed(late, name, prompt)
+            feed = late.call(late.router.subscribers[name].statistics)
+            assert feed.replays_completed >= 1, feed
+            assert feed.batches_applied >= 1, feed
+        client = OpenAIClient(late.url, MODEL)
+        pulled = client.complete(stored["a"], OUT, {PIN: "b"})
         client.close()
     assert pulled.headers.get("x-kvpeer-source") == "a"
     assert pulled.cached_tokens >= 1024 - BLOCK

@@ -2,11 +2,14 @@
 
 It admits peers (allow-list, our own identity, the source address a session is
 bound to, the peer cap with eviction, handshakes per source), routes each
-inbound frame to its session, remembers the connects it refused, backs off
-peers that could not be reached, opens a fresh session when a peer restarted
-and says goodbye on a fresh link when ours broke. What a session's poll yields
-(results, a close) is handed to the tier through the injected ``reap``; the
-tier then calls :meth:`PeerTable.ended` for a closed one.
+inbound frame to its session, remembers the connects it refused and backs off
+peers that could not be reached (:mod:`kvpeer.node.peermemory`), holds a
+registering peer's frames (:mod:`kvpeer.node.registering`), opens a fresh
+session when a peer restarted and says goodbye on a fresh link when ours
+broke. Each inbound frame is decoded
+once (:meth:`Codec.read`) and handed on as a value. What sessions' polls yield
+(results, a close) is returned as :class:`Polled` values for the tier to apply;
+a session whose poll says it closed has been dropped from the table by then.
 
 Invariants:
 
@@ -58,16 +61,16 @@ Invariants:
    session invariant 3), and a ``connect`` whose session ends ``UNREACHABLE`` as
    it takes it in (our own link to the peer died, seen when the answer could not
    be sent): the connect proves the peer is there, and a fresh session on a new
-   link answers it. Dropped, it left the peer's session waiting for a connect
-   that had gone to ours, and ours, opened after the back-off, waiting for the
-   peer's, until both gave up on a healthy path (seed 30771). Our connects
+   link answers it (dropped, both sides would wait for the other's connect until
+   their handshakes timed out). Our connects
    number our sessions in increasing order, from a start drawn from our boot id.
 9. A peer's ``connect`` that a session will register with the data plane (its
    first, or its next session's that an unacknowledged session adopts), when the
    registration may be slow (a NIXL metadata load, an shm region request), is
    registered off the node's lock (:meth:`NodeDataPlane.prepare_peer`): the frame,
-   and every later frame of that peer (at most :data:`MAX_HELD_FRAMES` frames and
-   ``max_peer_bytes`` bytes; the rest dropped as strays), is held, in order, and
+   and every later frame of that peer (at most ``MAX_HELD_FRAMES`` frames and
+   ``max_peer_bytes`` bytes; the rest dropped as strays), is held, in order
+   (:mod:`kvpeer.node.registering`), and
    routed again by the first poll after the registration is ready; after
    ``handshake_timeout_s`` they are dropped (the peer's handshake times out and it
    tries again). Frames of other peers flow meanwhile, and engine calls do not wait
@@ -78,7 +81,6 @@ Every method runs under the node's lock (it is called by the tier only).
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import itertools
 import logging
@@ -86,29 +88,42 @@ import os
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-
-import msgspec
+from typing import NamedTuple
 
 from kvpeer.config import TierConfig
-from kvpeer.errors import PeerLost, ProtocolError
+from kvpeer.errors import PeerLost
 from kvpeer.node.counters import TierCounters
 from kvpeer.node.params import split_peer_id
+from kvpeer.node.peermemory import FIRST_RETRY_S, PeerMemory
+from kvpeer.node.peerview import PeerView, peer_views
+from kvpeer.node.registering import HeldFrames
 from kvpeer.node.trace import Trace
-from kvpeer.protocol import PROTOCOL_VERSION, Codec, Connect, ConnectExtension, Disconnect
+from kvpeer.protocol import (
+    PROTOCOL_VERSION,
+    Codec,
+    Connect,
+    ConnectExtension,
+    Disconnect,
+    Inbound,
+)
 from kvpeer.session import CloseKind, PeerSession, PollResult, SessionClosed
 from kvpeer.session.ports import HeldSupply
 from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame, NodeDataPlane
 from kvpeer.types import StoreJob, TransferJob
 
-__all__ = ["FIRST_RETRY_S", "Peer", "PeerTable", "PeerTableStatistics", "PeerView"]
+__all__ = [
+    "FIRST_RETRY_S",
+    "Opened",
+    "Peer",
+    "PeerTable",
+    "PeerTableStatistics",
+    "PeerView",
+    "Polled",
+]
 
 log = logging.getLogger("kvpeer.tier")  # the tier's log: operators grep one name
 
 DEFAULT_HASH_SEED = "vllm-none-hash"
-#: The first back-off after a peer could not be reached (invariant 7).
-FIRST_RETRY_S = 1.0
-#: Frames of one peer held while its registration runs off the lock (invariant 9).
-MAX_HELD_FRAMES = 64
 
 
 @dataclass(slots=True)
@@ -130,28 +145,6 @@ class Peer:
 
 
 @dataclass(frozen=True, slots=True)
-class PeerView:
-    """One peer as an operator sees it (``kvpeer stats``); times are seconds before now.
-
-    ``state`` is ``handshake``, ``ready``, ``closed`` (ended, not reaped yet) or
-    ``backed_off`` (no session: unreachable a moment ago, retried in ``retry_in_s``)."""
-
-    peer_id: str
-    state: str
-    age_s: float | None
-    silent_s: float | None  # since the peer's last frame (None: never heard)
-    consumer_requests: int  # our requests pulling from it
-    producer_requests: int  # its requests we serve
-    loads_in_flight: int
-    lookups_waiting: int  # keys we probed, waiting for its answer
-    lookups_queued: int  # keys it looked up, waiting for our engine
-    transfers_in_flight: int
-    blocks_pulled: int
-    blocks_served: int
-    retry_in_s: float | None
-
-
-@dataclass(frozen=True, slots=True)
 class PeerTableStatistics:
     sessions: int
     peers_refused: int  # since start: peers refused a session (or frames refused)
@@ -160,8 +153,22 @@ class PeerTableStatistics:
     backed_off: int
 
 
-#: Called with a session's poll result; the tier applies it (and calls ``ended``).
-Reap = Callable[[str, Peer, PollResult], None]
+@dataclass(frozen=True, slots=True)
+class Polled:
+    """What one session's poll yielded, for the tier to apply. With
+    ``result.closed`` the session ended: the table has dropped it already."""
+
+    peer_id: str
+    peer: Peer
+    result: PollResult
+
+
+class Opened(NamedTuple):
+    """:meth:`PeerTable.open`: the live session (None: refused), and what the sessions
+    it ended to make room (a dead one of the same peer, an evicted one) yielded."""
+
+    peer: Peer | None
+    polled: list[Polled]
 
 
 class PeerTable:
@@ -174,9 +181,7 @@ class PeerTable:
         data_plane: NodeDataPlane,
         counters: TierCounters,
         *,
-        reap: Reap,
         pulled_from: Callable[[], Collection[str]],
-        clock: Callable[[], float],
         hash_seed: str | Callable[[], str] | None = None,
         boot_id: bytes | None = None,
         trace: Trace | None = None,
@@ -193,9 +198,7 @@ class PeerTable:
         self._trace = trace or Trace(control.local_id)
         self._session_data = self._trace.wrap_data_plane(data_plane)
         self._counters = counters
-        self._reap = reap
         self._pulled_from = pulled_from
-        self._clock = clock
         self._hash_seed_source = config.hash_seed or hash_seed or DEFAULT_HASH_SEED
         self._hash_seed: str | None = None
         self._boot_id = boot_id or os.urandom(16)
@@ -206,14 +209,8 @@ class PeerTable:
         self._peers: dict[str, Peer] = {}
         self._refused = 0
         self._stray = 0  # frames from peers without a live session (not a connect)
-        # peer -> (digest of the connect we refused, when that stops counting, why)
-        self._refused_hellos: dict[str, tuple[bytes, float, str]] = {}
-        # peer -> (no new session before this time, the back-off that set it)
-        self._backoff: dict[str, tuple[float, float]] = {}
-        # peer -> when its last session ended, oldest first (invariant 1)
-        self._sessions_ended_at: dict[str, float] = {}
-        # peer -> (since when, its frames in order) while it registers (invariant 9)
-        self._held: dict[str, tuple[float, list[InboundFrame]]] = {}
+        self._memory = PeerMemory(config)  # refused connects, back-offs, endings
+        self._held = HeldFrames(config.max_peer_bytes, config.handshake_timeout_s)
 
     # -- the table ------------------------------------------------------------------
 
@@ -233,19 +230,24 @@ class PeerTable:
 
     def next_deadline(self) -> float | None:
         sessions = (d for p in self._peers.values() if (d := p.session.next_deadline()) is not None)
-        timeout = self._config.handshake_timeout_s
-        held = (since + timeout for since, _ in self._held.values())
+        held = self._held.deadlines()
         return min((*sessions, *held), default=None)
 
     # -- opening ----------------------------------------------------------------------
 
-    def open(self, peer_id: str, now: float, source: str | None = None) -> Peer | None:
+    def open(self, peer_id: str, now: float) -> Opened:
         """The live session toward ``peer_id``, opened if allowed and room permits."""
+        polled: list[Polled] = []
+        return Opened(self._open(peer_id, now, None, polled), polled)
+
+    def _open(
+        self, peer_id: str, now: float, source: str | None, polled: list[Polled]
+    ) -> Peer | None:
         peer = self._peers.get(peer_id)
         if peer is not None:
             if peer.session.alive:
                 return peer
-            self._reap(peer_id, peer, peer.session.poll(now))  # reap the dead one first
+            self._reap(peer_id, peer, now, polled)  # the dead one first
         address = split_peer_id(peer_id)
         if (
             address is None
@@ -254,7 +256,7 @@ class PeerTable:
         ):
             self._refused += 1
             return None
-        if len(self._peers) >= self._config.max_peers and not self._evict_idle(now):
+        if len(self._peers) >= self._config.max_peers and not self._evict_idle(now, polled):
             self._refused += 1
             return None
         link = self._control.connect(peer_id)
@@ -275,7 +277,7 @@ class PeerTable:
         session.start(now)
         return peer
 
-    def _evict_idle(self, now: float) -> bool:
+    def _evict_idle(self, now: float, polled: list[Polled]) -> bool:
         # Sessions still in their handshake go first, then the least recently used;
         # never one with work in flight, nor a ready one a live request pulls from.
         # Among handshaking ones, those of the source holding the most go first.
@@ -291,7 +293,7 @@ class PeerTable:
         *_, peer_id = min(idle)
         peer = self._peers[peer_id]
         peer.session.close("evicted: idle and the peer cap was reached")
-        self._reap(peer_id, peer, peer.session.poll(now))
+        self._reap(peer_id, peer, now, polled)
         return True
 
     def _resolved_hash_seed(self) -> str:
@@ -324,26 +326,28 @@ class PeerTable:
 
     # -- inbound frames ------------------------------------------------------------------
 
-    def route(self, inbound: InboundFrame, now: float) -> None:
+    def route(self, inbound: InboundFrame, now: float) -> list[Polled]:
         """Deliver a frame to its peer's session, opening one for an admitted
-        ``connect``; a session the frame ended is reaped at once."""
-        peer_id, frame = inbound.peer_id, inbound.frame
+        ``connect``; a session the frame ended is polled (and dropped) at once."""
+        polled: list[Polled] = []
+        self._route(inbound, self._codec.read(inbound.frame), now, polled)
+        return polled
+
+    def _route(
+        self, inbound: InboundFrame, message: Inbound, now: float, polled: list[Polled]
+    ) -> None:
+        peer_id = inbound.peer_id
         if peer_id == self._control.local_id:
             self._stray += 1  # someone using our own identity: never a session with us
             return
-        held = self._held.get(peer_id)
-        if held is not None:  # invariant 9: after its connect, in order
-            frames = held[1]
-            size = sum(len(f.frame) for f in frames) + len(inbound.frame)
-            if len(frames) < MAX_HELD_FRAMES and size <= self._config.max_peer_bytes:
-                frames.append(inbound)
-            else:
+        if self._held.holds(peer_id):  # invariant 9: after its connect, in order
+            if not self._held.add(peer_id, inbound, message):
                 self._stray += 1
             return
         source = _canonical_ip(inbound.source)
         if source is not None and not self._config.allowed_peers.allows_source(source):
             self._refused += 1
-            self._refuse(peer_id, frame, f"connections from {source} are not in allowed_peers")
+            self._refuse(peer_id, message, f"connections from {source} are not in allowed_peers")
             return
         peer = self._peers.get(peer_id)
         if peer is not None and peer.session.alive and source is not None:
@@ -363,51 +367,49 @@ class PeerTable:
             # hold no live session with is a straggler of a session that ended (its
             # goodbye is on the way): answering it with a new session would make both
             # sides open and fail sessions in a loop.
-            if not self._opens_session(frame):
+            if not isinstance(message, Connect):
                 self._stray += 1
-                ended = self._sessions_ended_at.get(peer_id)
+                ended = self._memory.ended_at(peer_id)
                 if ended is not None and now >= ended + self._config.peer_wait_s:
-                    self._refuse(peer_id, frame, "no session with you (it ended)", quiet=True)
+                    self._refuse(peer_id, message, "no session with you (it ended)", quiet=True)
                 return
-            refused = self._refused_hellos.get(peer_id)
-            if refused is not None and refused[0] == self._hello_digest(frame) and now < refused[1]:
+            refused = self._memory.refused_before(peer_id, message, inbound.frame, now)
+            if refused is not None:
                 self._refused += 1
-                self._refuse(peer_id, frame, f"{refused[2]} (this connect was refused before)")
+                self._refuse(peer_id, message, f"{refused} (this connect was refused before)")
                 return
             problem = self._inbound_problem(peer_id, source)
             if problem is not None:
                 self._refused += 1
-                self._refuse(peer_id, frame, problem)
+                self._refuse(peer_id, message, problem)
                 return
-            peer = self.open(peer_id, now, source)
+            peer = self._open(peer_id, now, source, polled)
             if peer is None:
-                self._refuse(peer_id, frame, "peer not allowed, or the peer cap is reached")
+                self._refuse(peer_id, message, "peer not allowed, or the peer cap is reached")
                 return
-        if self._held_for_registration(peer_id, peer, inbound, now):
+        if self._held_for_registration(peer_id, peer, inbound, message, now):
             return
         peer.last_used = peer.last_heard = now
         if self._trace.enabled:
-            self._trace.received(peer_id, frame)
-        peer.session.receive(frame, now)
+            self._trace.received(peer_id, message)
+        peer.session.deliver(message, now)
         if not peer.session.alive:
-            result = peer.session.poll(now)
-            self._reap(peer_id, peer, result)
-            closed = result.closed
+            closed = self._reap(peer_id, peer, now, polled)
             if closed is not None and closed.kind is CloseKind.REJECTED:
-                self._remember_refusal(peer_id, frame, closed.reason, now)
+                self._remember_refusal(peer_id, inbound.frame, message, closed.reason, now)
             if closed is not None and (
                 closed.kind in (CloseKind.RESTARTED, CloseKind.RENEWED)
-                or (closed.kind is CloseKind.UNREACHABLE and self._opens_session(frame))
+                or (closed.kind is CloseKind.UNREACHABLE and isinstance(message, Connect))
             ):
                 log.info("peer %s %s; opening a fresh session", peer_id, closed.kind.value)
-                fresh = self.open(peer_id, now, source)
+                fresh = self._open(peer_id, now, source, polled)
                 if fresh is not None and not self._held_for_registration(
-                    peer_id, fresh, inbound, now
+                    peer_id, fresh, inbound, message, now
                 ):
-                    fresh.session.receive(frame, now)
+                    fresh.session.deliver(message, now)
 
     def _held_for_registration(
-        self, peer_id: str, peer: Peer, inbound: InboundFrame, now: float
+        self, peer_id: str, peer: Peer, inbound: InboundFrame, message: Inbound, now: float
     ) -> bool:
         """Invariant 9: hold ``inbound`` if it is a connect that ``peer``'s session
         will register (a first one, or the peer's next session it adopts) and the
@@ -415,27 +417,19 @@ class PeerTable:
         session = peer.session
         if session.peer_hello is not None and session.answered:
             return False  # registered, acknowledged: a connect now renews or is refused
-        try:
-            hello = self._codec.decode(inbound.frame)
-        except ProtocolError:
+        if not isinstance(message, Connect):
             return False
-        if not isinstance(hello, Connect):
+        if session.peer_hello is not None and not session.adopts(message):
             return False
-        if session.peer_hello is not None and not session.adopts(hello):
+        if self._data.prepare_peer(peer_id, message):
             return False
-        if self._data.prepare_peer(peer_id, hello):
-            return False
-        self._held[peer_id] = (now, [inbound])
+        self._held.start(peer_id, inbound, message, now)
         return True
 
-    def _release_held(self, now: float) -> None:
+    def _release_held(self, now: float) -> Iterator[Polled]:
         """Route the frames of peers whose registration is ready (invariant 9)."""
-        for peer_id, (since, frames) in list(self._held.items()):
-            preparing = self._data.preparing(peer_id)
-            if preparing and now < since + self._config.handshake_timeout_s:
-                continue
-            del self._held[peer_id]
-            if preparing:
+        for peer_id, frames, timed_out in self._held.release(now, self._data.preparing):
+            if timed_out:
                 self._stray += len(frames)
                 log.warning(
                     "registering %s took over %.1f s (handshake_timeout_s): dropped its %d "
@@ -443,8 +437,10 @@ class PeerTable:
                     self._config.handshake_timeout_s, len(frames),
                 )  # fmt: skip
                 continue
-            for inbound in frames:
-                self.route(inbound, now)
+            for inbound, message in frames:
+                polled: list[Polled] = []
+                self._route(inbound, message, now, polled)
+                yield from polled
             self._data.settle_peer(peer_id)
 
     def _inbound_problem(self, peer_id: str, source: str | None) -> str | None:
@@ -469,72 +465,74 @@ class PeerTable:
             )
         return None
 
-    def _remember_refusal(self, peer_id: str, frame: bytes, reason: str, now: float) -> None:
-        """Invariant 3: ``frame`` (a connect) made us refuse ``peer_id``."""
-        if not self._opens_session(frame):
-            return
-        self._refused_hellos.pop(peer_id, None)
-        expiry = now + self._config.handshake_timeout_s
-        self._refused_hellos[peer_id] = (self._hello_digest(frame), expiry, reason)
-        while len(self._refused_hellos) > self._config.max_peers:
-            del self._refused_hellos[next(iter(self._refused_hellos))]
+    def _remember_refusal(
+        self, peer_id: str, frame: bytes, message: Inbound, reason: str, now: float
+    ) -> None:
+        """Invariant 3: ``message`` (a connect) made us refuse ``peer_id``."""
+        if isinstance(message, Connect):
+            self._memory.remember_refusal(peer_id, message, frame, reason, now)
 
-    def _hello_digest(self, frame: bytes) -> bytes:
-        """Invariant 3: what makes two connects the same - all but the session number,
-        which a kvpeer peer's every new session raises."""
-        try:
-            hello = self._codec.decode(frame)
-        except ProtocolError:
-            return _digest(frame)
-        if isinstance(hello, Connect) and hello.kvpeer is not None:
-            unnumbered = msgspec.structs.replace(hello.kvpeer, session=None)
-            frame = self._codec.encode(msgspec.structs.replace(hello, kvpeer=unnumbered))
-        return _digest(frame)
-
-    def _opens_session(self, frame: bytes) -> bool:
-        try:
-            return isinstance(self._codec.decode(frame), Connect)
-        except ProtocolError:
-            return False
-
-    def _refuse(self, peer_id: str, frame: bytes, reason: str, *, quiet: bool = False) -> None:
+    def _refuse(self, peer_id: str, message: Inbound, reason: str, *, quiet: bool = False) -> None:
         """Tell a peer we will not talk to it, on its own connection (never dial it)."""
-        try:
-            if isinstance(self._codec.decode(frame), Disconnect):
-                return  # never answer a goodbye: two refusing nodes would ping-pong
-        except ProtocolError:
-            pass
+        if isinstance(message, Disconnect):
+            return  # never answer a goodbye: two refusing nodes would ping-pong
         if not quiet:
             log.warning("refusing %s: %s", peer_id, reason)
         self._control.refuse(peer_id, self._codec.encode(Disconnect(reason=reason)))
 
     # -- polling and ending ------------------------------------------------------------------
 
-    def poll(self, now: float) -> None:
-        """Poll every session (a broken link ends its session) and reap the results."""
+    def poll(self, now: float) -> Iterator[Polled]:
+        """Poll every session (a broken link ends its session): what each yielded,
+        one session at a time as the caller iterates, so that what the caller does
+        with one (a fetch bound to parked stores starts a write) comes before the
+        next session's poll. Held frames whose registration is ready are routed
+        first (invariant 9)."""
         if self._held:
-            self._release_held(now)
+            yield from self._release_held(now)
         for peer_id, peer in list(self._peers.items()):
             if not peer.link.alive and peer.session.alive:
                 peer.session.close("control link lost", CloseKind.UNREACHABLE)
-            self._reap(peer_id, peer, peer.session.poll(now))
+            polled: list[Polled] = []
+            self._reap(peer_id, peer, now, polled)
+            yield from polled
 
-    def close_all(self, reason: str, now: float) -> None:
-        """End every session (the tier shuts down) and reap the results."""
+    def close_all(self, reason: str, now: float) -> list[Polled]:
+        """End every session (the tier shuts down): what each yielded."""
+        polled: list[Polled] = []
         for peer_id, peer in list(self._peers.items()):
             peer.session.close(reason)
-            self._reap(peer_id, peer, peer.session.poll(now))
+            self._reap(peer_id, peer, now, polled)
+        return polled
 
-    def ended(self, peer_id: str, peer: Peer, closed: SessionClosed) -> None:
-        """``peer``'s session ended (the tier applied its results): drop it, close
-        its link, then back the peer off or say goodbye (invariants 2 and 7)."""
+    def _reap(
+        self, peer_id: str, peer: Peer, now: float, polled: list[Polled]
+    ) -> SessionClosed | None:
+        """Poll ``peer``'s session into ``polled``; if it closed, end it here."""
+        result = peer.session.poll(now)
+        polled.append(Polled(peer_id, peer, result))
+        closed = result.closed
+        if closed is not None:
+            self._ended(peer_id, peer, closed, now)
+        return closed
+
+    def _ended(self, peer_id: str, peer: Peer, closed: SessionClosed, now: float) -> None:
+        """``peer``'s session ended: drop it, close its link, then back the peer off
+        or say goodbye (invariants 2 and 7)."""
+        if closed.kind in (CloseKind.INTERNAL_ERROR, CloseKind.LOCAL_FAULT):
+            log.error(
+                "session %s ended (%s): %s",
+                peer_id,
+                closed.kind.value,
+                closed.reason,
+                exc_info=closed.error,
+            )
+        else:
+            log.warning("session %s ended (%s): %s", peer_id, closed.kind.value, closed.reason)
         if self._peers.get(peer_id) is peer:
             del self._peers[peer_id]
             self._data.revoke(peer_id)
-        self._sessions_ended_at.pop(peer_id, None)
-        self._sessions_ended_at[peer_id] = self._clock()
-        while len(self._sessions_ended_at) > 4 * self._config.max_peers:  # bounded
-            del self._sessions_ended_at[next(iter(self._sessions_ended_at))]
+        self._memory.session_ended(peer_id, now)
         unreachable = closed.kind in (CloseKind.UNREACHABLE, CloseKind.TIMEOUT)
         # Keep the connection for our next link only toward the same, live process: not
         # toward a silent peer, nor one that restarted (its connection went with the
@@ -542,7 +540,7 @@ class PeerTable:
         # reconnect to the new one then ended that session too).
         peer.link.close(park=not unreachable and closed.kind is not CloseKind.RESTARTED)
         if unreachable and not peer.session.answered:
-            self._back_off(peer_id, self._clock())  # and no goodbye: nobody to hear it
+            self._memory.back_off(peer_id, now)  # and no goodbye: nobody to hear it
         elif closed.kind is CloseKind.UNREACHABLE or peer.link.unread is not None:
             self._say_goodbye(peer_id, closed.reason)
 
@@ -558,33 +556,15 @@ class PeerTable:
 
     def expire(self, now: float) -> None:
         """Forget refused connects whose time is up (invariant 3)."""
-        while self._refused_hellos:  # in expiry order: one timeout for all of them
-            peer_id, (_, expiry, _) = next(iter(self._refused_hellos.items()))
-            if now < expiry:
-                break
-            del self._refused_hellos[peer_id]
+        self._memory.expire(now)
 
     # -- back-off ----------------------------------------------------------------------
 
     def backed_off(self, peer_id: str, now: float) -> bool:
         """Invariant 7: no new session toward ``peer_id`` yet."""
-        entry = self._backoff.get(peer_id)
-        if entry is None:
-            return False
         peer = self._peers.get(peer_id)
-        if peer is not None and peer.session.answered:
-            del self._backoff[peer_id]  # it came back
-            return False
-        return now < entry[0]
-
-    def _back_off(self, peer_id: str, now: float) -> None:
-        previous = self._backoff.pop(peer_id, None)
-        delay = FIRST_RETRY_S if previous is None else previous[1] * 2
-        delay = min(delay, self._config.peer_retry_max_s)
-        self._backoff[peer_id] = (now + delay, delay)
-        log.info("peer %s unreachable: no new session toward it for %gs", peer_id, delay)
-        while len(self._backoff) > 4 * self._config.max_peers:  # bounded, oldest first
-            del self._backoff[next(iter(self._backoff))]
+        answered = peer is not None and peer.session.answered
+        return self._memory.backed_off(peer_id, now, answered=answered)
 
     # -- Suppliers (the producer bindings reach sessions through these) ----------------
 
@@ -615,45 +595,14 @@ class PeerTable:
             sessions=len(self._peers),
             peers_refused=self._refused,
             stray_frames=self._stray,
-            refusals_remembered=len(self._refused_hellos),
-            backed_off=len(self._backoff),
+            refusals_remembered=self._memory.refusals,
+            backed_off=self._memory.backoffs,
         )
 
     def view(self, now: float, limit: int) -> tuple[list[PeerView], int]:
         """At most ``limit`` peers (sessions, then backed-off peers without one,
         each by peer id) and how many there are in all."""
-        views: list[PeerView] = []
-        total = len(self._peers) + sum(1 for p in self._backoff if p not in self._peers)
-        for peer_id in sorted(self._peers)[:limit]:
-            peer = self._peers[peer_id]
-            session = peer.session
-            stats = session.statistics()
-            state = "closed" if stats.closed else "ready" if stats.ready else "handshake"
-            entry = self._backoff.get(peer_id)
-            views.append(
-                PeerView(
-                    peer_id=peer_id,
-                    state=state,
-                    age_s=now - peer.opened_at,
-                    silent_s=None if peer.last_heard is None else now - peer.last_heard,
-                    consumer_requests=stats.consumer.requests,
-                    producer_requests=stats.producer.requests,
-                    loads_in_flight=stats.consumer.loads_in_flight,
-                    lookups_waiting=stats.consumer.probes_waiting,
-                    lookups_queued=stats.producer.lookups_queued,
-                    transfers_in_flight=stats.producer.transfers_in_flight,
-                    blocks_pulled=peer.blocks_pulled,
-                    blocks_served=stats.producer.blocks_written,
-                    retry_in_s=None if entry is None else max(0.0, entry[0] - now),
-                )
-            )
-        for peer_id in sorted(p for p in self._backoff if p not in self._peers):
-            if len(views) >= limit:
-                break
-            until, _ = self._backoff[peer_id]
-            idle = (0,) * 8  # no session: no requests, work or blocks
-            views.append(PeerView(peer_id, "backed_off", None, None, *idle, max(0.0, until - now)))
-        return views, total
+        return peer_views(self._peers, self._memory, now, limit)
 
 
 def _canonical_ip(text: str | None) -> str | None:
@@ -670,7 +619,3 @@ def _canonical_ip(text: str | None) -> str | None:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
     return str(address)
-
-
-def _digest(frame: bytes) -> bytes:
-    return hashlib.blake2b(frame, digest_size=16).digest()

@@ -58,9 +58,9 @@ from kvpeer.node.bindings import Bindings
 from kvpeer.node.counters import CounterSnapshot, TierCounters
 from kvpeer.node.held import HeldBlocks
 from kvpeer.node.params import LOCAL, Routing, Source, parse_transfer_params
-from kvpeer.node.peertable import Peer, PeerTable, PeerView
+from kvpeer.node.peertable import Peer, PeerTable, PeerView, Polled
 from kvpeer.node.trace import Trace
-from kvpeer.session import CloseKind, PeerSession, PollResult
+from kvpeer.session import CloseKind, PeerSession
 from kvpeer.session.ports import Parent
 from kvpeer.transport.base import ControlTransport, NodeDataPlane
 from kvpeer.types import (
@@ -148,9 +148,7 @@ class Tier:
             control,
             data_plane,
             self._counters,
-            reap=self._handle,
             pulled_from=self._pulled_from,
-            clock=clock,
             hash_seed=hash_seed,
             boot_id=boot_id,
             trace=self._trace,
@@ -194,7 +192,7 @@ class Tier:
                 request.req_id,
                 source.peer_id if source is not None else "",
             )
-        elif source is not None and self._peers.open(source.peer_id, now) is None:
+        elif source is not None and self._open(source.peer_id, now) is None:
             log.warning(
                 "request %s: peer %s refused (allow-list or peer cap); computing locally",
                 request.req_id,
@@ -452,7 +450,8 @@ class Tier:
         """Fail everything still held; results stay readable via get_finished_jobs."""
         if self._shut_down:
             return
-        self._peers.close_all("tier shutting down", self._clock())
+        now = self._clock()
+        self._apply(self._peers.close_all("tier shutting down", now), now)
         self._results.extend(self._bindings.fail_parked())
         self._control.close()
         self._data.close()
@@ -596,8 +595,9 @@ class Tier:
 
     def _tick(self, now: float) -> None:
         for inbound in self._control.receive():
-            self._peers.route(inbound, now)
-        self._peers.poll(now)
+            self._apply(self._peers.route(inbound, now), now)
+        for polled in self._peers.poll(now):
+            self._apply_one(polled, now)
         self._results.extend(self._bindings.expire(now))
         self._peers.expire(now)
         for peer in self._peers:  # peer work reached us: its wait for a step starts
@@ -609,7 +609,20 @@ class Tier:
         """Peers a live request pulls from (eviction spares their sessions)."""
         return {r.source.peer_id for r in self._requests.values() if r.source is not None}
 
-    def _handle(self, peer_id: str, peer: Peer, result: PollResult) -> None:
+    def _open(self, peer_id: str, now: float) -> Peer | None:
+        """The peer table's live session toward ``peer_id`` (None: refused), after
+        applying what the sessions it ended to open it yielded."""
+        opened = self._peers.open(peer_id, now)
+        self._apply(opened.polled, now)
+        return opened.peer
+
+    def _apply(self, polled: list[Polled], now: float) -> None:
+        """Apply what sessions yielded (the peer table dropped those that closed)."""
+        for each in polled:
+            self._apply_one(each, now)
+
+    def _apply_one(self, polled: Polled, now: float) -> None:
+        peer_id, peer, result = polled.peer_id, polled.peer, polled.result
         counters = self._counters
         for seconds in result.lookup_seconds:
             counters.lookup_seconds.observe(seconds)
@@ -652,7 +665,7 @@ class Tier:
         for kv_request_id in result.fetched_ids:
             done = kv_request_id in result.prefilled_ids
             self._results.extend(
-                self._bindings.fetched(kv_request_id, peer_id, self._clock(), prefill_done=done)
+                self._bindings.fetched(kv_request_id, peer_id, now, prefill_done=done)
             )
         closed = result.closed
         if closed is None:
@@ -660,16 +673,6 @@ class Tier:
         self._ended[closed.kind.value] += 1
         counters.loads_failed += len(closed.loads)
         self._retire(peer.session)
-        if closed.kind in (CloseKind.INTERNAL_ERROR, CloseKind.LOCAL_FAULT):
-            log.error(
-                "session %s ended (%s): %s",
-                peer_id,
-                closed.kind.value,
-                closed.reason,
-                exc_info=closed.error,
-            )
-        else:
-            log.warning("session %s ended (%s): %s", peer_id, closed.kind.value, closed.reason)
         self._results.extend(JobResult(x.job_id, x.success) for x in closed.loads)
         self._results.extend(JobResult(x.job_id, x.success) for x in closed.stores)
         for kv_request_id in closed.failed_request_ids:
@@ -684,7 +687,6 @@ class Tier:
                     self._fail_id(routing.source.kv_request_id)
         self._unreleased.extend(closed.unreleased_serves)
         self._bindings.peer_gone(peer_id)
-        self._peers.ended(peer_id, peer, closed)
 
     def _fail_id(self, kv_request_id: str) -> None:
         if kv_request_id in self._consumer_refs:

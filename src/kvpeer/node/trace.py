@@ -33,8 +33,9 @@ Invariants:
 
 1. Disabled, a hook costs its caller one boolean check: the frame wrapper and
    the data plane are the unwrapped originals, nothing is decoded or kept.
-2. Wire events come from the frames themselves (decoded once more, only when
-   enabled), so both sides' lines name the same ``kv_request_id`` and round.
+2. Wire events come from the frames themselves (inbound ones as the peer table
+   decoded them; outbound ones decoded once more, only when enabled), so both
+   sides' lines name the same ``kv_request_id`` and round.
 3. A write is attributed to the id of the last fetch received or supply added
    for that peer: writes start only inside those two calls (producer ``_match``).
 4. What the trace keeps per request (first probes, lookups awaiting their
@@ -58,6 +59,7 @@ from kvpeer.protocol import (
     ConnectAck,
     Disconnect,
     Fetch,
+    Inbound,
     Lookup,
     LookupResponse,
     TransferDone,
@@ -170,9 +172,10 @@ class Trace:
 
         return traced
 
-    def received(self, peer_id: str, frame: bytes) -> None:
-        """A frame from ``peer_id`` is about to reach its session."""
-        self._frame(peer_id, frame, outbound=False)
+    def received(self, peer_id: str, message: Inbound) -> None:
+        """A frame from ``peer_id`` (decoded by the peer table) is about to reach its
+        session."""
+        self._message(peer_id, message, outbound=False)
 
     def wrap_data_plane(self, plane: DataPlane) -> DataPlane:
         """``plane`` tracing the writes sessions start (``plane`` itself when disabled)."""
@@ -185,6 +188,9 @@ class Trace:
             message = self._codec.decode(frame)
         except ProtocolError:
             return
+        self._message(peer_id, message, outbound=outbound)
+
+    def _message(self, peer_id: str, message: Inbound, *, outbound: bool) -> None:
         if isinstance(message, Lookup):
             key = (peer_id, message.kv_request_id, message.round_seq)
             if not outbound:

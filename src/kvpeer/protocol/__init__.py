@@ -1,6 +1,6 @@
 """Wire protocol: typed messages, limits and the codec. Sans-IO."""
 
-from kvpeer.protocol.codec import KNOWN_TYPES, Codec
+from kvpeer.protocol.codec import KNOWN_TYPES, Codec, Inbound, Undecodable
 from kvpeer.protocol.messages import (
     PING_VERSION,
     PROTOCOL_VERSION,
@@ -39,6 +39,7 @@ __all__ = [
     "ConnectExtension",
     "Disconnect",
     "Fetch",
+    "Inbound",
     "Key",
     "Lookup",
     "LookupResponse",
@@ -48,5 +49,6 @@ __all__ = [
     "TransferDone",
     "TransportChoice",
     "TransportOffer",
+    "Undecodable",
     "UnknownMessage",
 ]

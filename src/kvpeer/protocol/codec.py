@@ -10,7 +10,8 @@ well-formed map of an unknown ``type`` decodes to :class:`UnknownMessage`.
 from __future__ import annotations
 
 import typing
-from typing import Final
+from dataclasses import dataclass
+from typing import Final, TypeAlias
 
 import msgspec
 
@@ -18,11 +19,22 @@ from kvpeer.errors import ProtocolError
 from kvpeer.protocol import limits
 from kvpeer.protocol.messages import Message, UnknownMessage
 
-__all__ = ["KNOWN_TYPES", "Codec"]
+__all__ = ["KNOWN_TYPES", "Codec", "Inbound", "Undecodable"]
 
 KNOWN_TYPES: Final[frozenset[str]] = frozenset(
     str(cls.__struct_config__.tag) for cls in typing.get_args(Message)
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A frame that is no valid message, as a value: what :meth:`Codec.decode` raised."""
+
+    error: ProtocolError
+
+
+#: One inbound frame, decoded once (:meth:`Codec.read`) and handed on as a value.
+Inbound: TypeAlias = Message | UnknownMessage | Undecodable
 
 
 class Codec:
@@ -56,6 +68,13 @@ class Codec:
             raise ProtocolError(f"undecodable frame: {exc}") from exc
         except RecursionError as exc:  # absurdly nested content
             raise ProtocolError("frame nested too deeply") from exc
+
+    def read(self, frame: bytes | bytearray | memoryview) -> Inbound:
+        """:meth:`decode`, with what it would raise returned as :class:`Undecodable`."""
+        try:
+            return self.decode(frame)
+        except ProtocolError as exc:
+            return Undecodable(exc)
 
     def _unknown_type(self, frame: bytes | bytearray | memoryview) -> UnknownMessage | None:
         """The frame as an UnknownMessage if its ``type`` is a string we do not know."""

@@ -24,8 +24,6 @@ per engine, and handed to the policy with every plan.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 import uuid
@@ -38,16 +36,26 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpeer.router import params
-from kvpeer.router.config import EngineEntry, RouterConfig
+from kvpeer.router.config import RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
 from kvpeer.router.engineload import EngineLoadFeed
-from kvpeer.router.health import EngineHealth, is_refused
+from kvpeer.router.forward import (
+    FORWARDED_HEADERS,
+    SOURCE_HEADER,
+    Forwarder,
+    Load,
+    RoutedRequest,
+    engine_headers,
+    error_response,
+    failure_reason,
+)
+from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
 from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
 from kvpeer.router.metrics import LiveCollector, RouterMetrics
 from kvpeer.router.peeraddr import PeerAddresses
-from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy
+from kvpeer.router.policy import EngineLoad, Mode, Outcome, Plan, Policy
 from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
 from kvpeer.router.witness import FeedWitness, StartTimeWitness
@@ -55,76 +63,9 @@ from kvpeer.router.witness import FeedWitness, StartTimeWitness
 __all__ = ["PIN_HEADER", "Router", "RouterStatistics"]
 
 log = logging.getLogger(__name__)
-# One line per request when this logger is at INFO (``KVPEER_TRACE=1``; kvpeer.node.trace).
-trace_log = logging.getLogger("kvpeer.trace")
 
-FORWARDED_HEADERS = ("Authorization",)
-MEAN_PROMPT_PRIOR = 1024  # prompt tokens per request, until this router has seen some
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
-SOURCE_HEADER = "X-Kvpeer-Source"  # likewise; answers carry it too (the peer named)
 DNS_CACHE_S = 10  # seconds an answer for an engine URL's host name is reused
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}}, status=status
-    )
-
-
-class _BeforeFirstByte(Exception):
-    """The serving leg failed before anything reached the client: it may be retried."""
-
-    def __init__(self, reason: str, status: int | None = None, body: bytes = b"",
-                 content_type: str = "application/json") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-        self.body = body
-        self.content_type = content_type
-
-
-def _reason(exc: BaseException) -> str:
-    """One engine-free word for an aiohttp failure (a metric label)."""
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
-        return "disconnect"
-    return "connection"
-
-
-@dataclass(slots=True)
-class _Load:
-    """This router's requests on one engine."""
-
-    in_flight: int = 0
-    queued_prompt_tokens: int = 0
-    queued: int = 0  # requests whose first token is not back
-
-    def sent(self, tokens: int) -> None:
-        self.in_flight += 1
-        self.queued_prompt_tokens += tokens
-        self.queued += 1
-
-    def answering(self, tokens: int) -> None:
-        """The first token is back (or the request ended before it)."""
-        self.queued_prompt_tokens -= tokens
-        self.queued -= 1
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    request_id: str  # also the kv_request_id both PD legs carry
-    path: str
-    chat: bool
-    body: dict[str, Any]
-    tokens: list[int]
-    stream: bool
-    started: float
-    headers: dict[str, str]
-    serve_on: str | None = None  # a pinned serving engine (allow_pinning)
-    pull_from: str | None = None  # a pinned source (allow_pinning, shared mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +128,7 @@ class Router:
         )
         # Engines dial each other's tiers by IP address: peer names resolved (peeraddr).
         self.peers = PeerAddresses(config.specs, timeout_s=config.health_timeout_s)
-        self._loads = {entry.name: _Load() for entry in config.engines}
-        self._mean_prompt_tokens = float(MEAN_PROMPT_PRIOR)
+        self._loads = {entry.name: Load() for entry in config.engines}
         self.engine_load: EngineLoadFeed | None = None
         if config.load_scrape_interval_s > 0:
             self.engine_load = EngineLoadFeed(
@@ -210,6 +150,11 @@ class Router:
         self._runner: web.AppRunner | None = None
         self._counts = {"requests": 0, "retries": 0, "fallbacks": 0, "policy_errors": 0,
                         "stripped": 0}
+        self._forwarder = Forwarder(
+            config, lambda: self.session, self._loads, self._metrics, self.health,
+            lambda: self.peers, self._counts,
+            plan=self._plan, sent=self._sent, outcome=self._outcome,
+        )  # fmt: skip
         self.url = ""
         app = web.Application(client_max_size=config.max_body_bytes)
         app.router.add_post("/v1/completions", self._completions)
@@ -267,7 +212,7 @@ class Router:
         assert self._session is not None, "Router.start() first"
         return self._session
 
-    def load_of(self, name: str) -> _Load:
+    def load_of(self, name: str) -> Load:
         return self._loads[name]
 
     def statistics(self) -> RouterStatistics:
@@ -293,14 +238,14 @@ class Router:
         self._counts["policy_errors"] += 1
         self._metrics.policy_errors.labels(kind).inc()
 
-    def _plan(self, ctx: _Request, exclude: set[str]) -> Plan | None:
+    def _plan(self, ctx: RoutedRequest, exclude: set[str]) -> Plan | None:
         """A valid plan over healthy engines not in ``exclude``, or None if none can serve."""
         loads = {}
         for name, load in self._loads.items():
             in_flight, queued = load.in_flight, load.queued_prompt_tokens
             if self.engine_load is not None:  # what other routers sent there too
                 in_flight, queued = self.engine_load.combine(
-                    name, in_flight, queued, self._mean_prompt_tokens)
+                    name, in_flight, queued, self._forwarder.mean_prompt_tokens)
             loads[name] = EngineLoad(
                 healthy=name not in exclude and self.health.healthy(name),
                 in_flight=in_flight,
@@ -347,7 +292,7 @@ class Router:
             )
         return replace(plan, source=None) if pd else replace(plan, prefill_engine=None)
 
-    def _sent(self, ctx: _Request, plan: Plan) -> None:
+    def _sent(self, ctx: RoutedRequest, plan: Plan) -> None:
         try:
             self.policy.on_sent(ctx.request_id, plan, ctx.tokens, time.monotonic())
         except Exception:
@@ -379,30 +324,20 @@ class Router:
                 continue
             try:
                 async with self.session.get(f"{entry.spec.url}/v1/models", timeout=timeout,
-                                            headers=self._headers(entry, request)) as resp:
+                                            headers=engine_headers(entry, request)) as resp:
                     body = await resp.read()
                     if resp.status == 200:
                         return web.Response(body=body, status=200,
                                             content_type="application/json")
             except (aiohttp.ClientError, TimeoutError) as exc:
-                self._metrics.upstream_errors.labels(_reason(exc)).inc()
-        return _error(503, "no healthy engine answered /v1/models", "service_unavailable")
+                self._metrics.upstream_errors.labels(failure_reason(exc)).inc()
+        return error_response(503, "no healthy engine answered /v1/models", "service_unavailable")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, chat=True)
-
-    def _headers(self, entry: EngineEntry, request: web.Request | None = None,
-                 request_id: str | None = None) -> dict[str, str]:
-        headers = entry.headers()
-        if request is not None:
-            headers.update({k: request.headers[k] for k in FORWARDED_HEADERS
-                            if k in request.headers})
-        if request_id is not None:
-            headers["X-Request-Id"] = request_id
-        return headers
 
     async def _generation(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         started = time.monotonic()
@@ -414,10 +349,12 @@ class Router:
                 raw = await request.json()
             except (ValueError, UnicodeDecodeError):
                 outcome = "bad_request"
-                return _error(400, "request body is not JSON", "invalid_request_error")
+                return error_response(400, "request body is not JSON", "invalid_request_error")
             if not isinstance(raw, dict):
                 outcome = "bad_request"
-                return _error(400, "request body is not a JSON object", "invalid_request_error")
+                return error_response(
+                    400, "request body is not a JSON object", "invalid_request_error"
+                )
             body, removed = params.sanitize(raw)
             if removed:
                 self._counts["stripped"] += 1
@@ -431,12 +368,12 @@ class Router:
             for header, name in ((PIN_HEADER, serve_on), (SOURCE_HEADER, pull_from)):
                 if name is not None and not self.config.has(name):
                     outcome = "bad_request"
-                    return _error(400, f"{header}: no engine named {name!r:.80}",
+                    return error_response(400, f"{header}: no engine named {name!r:.80}",
                                   "invalid_request_error")
             tokens = params.prompt_token_ids(body, chat=chat)
             if tokens is None:
                 tokens = await self._tokenize(request, body, chat=chat)
-            ctx = _Request(
+            ctx = RoutedRequest(
                 request_id=uuid.uuid4().hex,
                 path="/v1/chat/completions" if chat else "/v1/completions",
                 chat=chat,
@@ -449,7 +386,7 @@ class Router:
                 serve_on=serve_on,
                 pull_from=pull_from,
             )
-            response, outcome = await self._route(request, ctx)
+            response, outcome = await self._forwarder.route(request, ctx)
             return response
         finally:
             self._metrics.requests.labels(mode, outcome).inc()
@@ -467,7 +404,7 @@ class Router:
         try:
             async with self.session.post(
                 f"{entry.spec.url}/tokenize", json=query,
-                headers=self._headers(entry, request),
+                headers=engine_headers(entry, request),
                 timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout_s),
             ) as resp:
                 document = await resp.json(content_type=None) if resp.status == 200 else None
@@ -479,278 +416,3 @@ class Router:
             return tokens
         self._metrics.tokenize_failures.inc()
         return []
-
-    # -- routing ---------------------------------------------------------------------
-
-    async def _route(self, request: web.Request, ctx: _Request) -> tuple[web.StreamResponse, str]:
-        tried: set[str] = set()
-        plan = self._plan(ctx, tried)
-        if plan is None:
-            return _error(503, "no healthy engine", "service_unavailable"), "unavailable"
-        prefill: EngineSpec | None = None
-        prefill_s: float | None = None
-        if plan.prefill_engine is not None:
-            prefill, prefill_s = await self._prefill_leg(request, ctx, plan.prefill_engine)
-        failure: _BeforeFirstByte | None = None
-        for attempt in range(self.config.retries + 1):
-            if attempt:
-                replanned = self._plan(ctx, tried)
-                if replanned is None:
-                    break
-                # PD: the prefill leg already ran (or failed); the retry's plan says so
-                plan = replace(replanned, prefill_engine=prefill.name if prefill else None)
-                self._counts["retries"] += 1
-                self._metrics.retries.inc()
-            entry = self.config.entry(plan.engine)
-            if self.config.mode is Mode.PD:
-                named = prefill if prefill is not None and prefill.name != entry.name else None
-                leg = params.decode_leg(ctx.body, ctx.request_id, self.peers.dialable(named))
-            else:
-                source = self.config.entry(plan.source).spec if plan.source else None
-                source = self.peers.dialable(source)
-                leg = params.shared_leg(
-                    ctx.body, ctx.request_id, source, plan.predicted_cached_tokens
-                )
-            self._sent(ctx, plan)
-            try:
-                return await self._forward(request, ctx, entry, leg, plan, prefill_s)
-            except _BeforeFirstByte as exc:
-                failure = exc
-                tried.add(entry.name)
-                self._metrics.upstream_errors.labels(exc.reason).inc()
-                log.warning("request %s on %s failed before its first byte: %s",
-                            ctx.request_id, entry.name, exc.reason)
-        if failure is not None and failure.status is not None:
-            return web.Response(body=failure.body, status=failure.status,
-                                content_type=failure.content_type), "upstream_error"
-        if failure is None:
-            return _error(503, "no healthy engine", "service_unavailable"), "unavailable"
-        return _error(502, f"engines failed: {failure.reason}", "upstream_error"), "upstream_error"
-
-    async def _prefill_leg(self, request: web.Request, ctx: _Request,
-                           name: str) -> tuple[EngineSpec | None, float | None]:
-        """Run the producer leg to completion; (its engine, seconds) or (None, None)."""
-        entry = self.config.entry(name)
-        leg = params.prefill_leg(ctx.body, ctx.request_id, chat=ctx.chat)
-        load = self._loads[name]
-        load.sent(len(ctx.tokens))
-        sent = time.monotonic()
-        try:
-            async with self.session.post(
-                entry.spec.url + ctx.path, json=leg,
-                headers=self._headers(entry, request, ctx.request_id),
-                timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s,
-                                              sock_connect=self.config.connect_timeout_s),
-            ) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    elapsed = time.monotonic() - sent
-                    self._metrics.prefill_leg.observe(elapsed)
-                    return entry.spec, elapsed
-                reason = f"status_{resp.status // 100}xx"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            reason = _reason(exc)
-            if reason == "connect":
-                self.health.mark_down(name, str(exc), refused=is_refused(exc))
-        finally:
-            load.in_flight -= 1
-            load.answering(len(ctx.tokens))
-        self._metrics.upstream_errors.labels(reason).inc()
-        self._metrics.fallbacks.inc()
-        self._counts["fallbacks"] += 1
-        log.warning("request %s: prefill leg on %s failed (%s): decode-only",
-                    ctx.request_id, name, reason)
-        return None, None
-
-    async def _forward(self, request: web.Request, ctx: _Request, entry: EngineEntry,
-                       leg: dict[str, Any], plan: Plan,
-                       prefill_s: float | None) -> tuple[web.StreamResponse, str]:
-        """Send the serving leg and answer the client from it.
-
-        Raises :class:`_BeforeFirstByte` while nothing has been sent to the client.
-        """
-        leg, strip_usage = params.want_usage(leg)
-        load = self._loads[entry.name]
-        load.sent(len(ctx.tokens))
-        self._mean_prompt_tokens += 0.1 * (len(ctx.tokens) - self._mean_prompt_tokens)
-        queued = True
-        sent, sent_wall = time.monotonic(), time.time()
-        ok = False
-        usage: params.Usage | None = None
-        ttft: float | None = None
-        upstream: aiohttp.ClientResponse | None = None
-        try:
-            try:
-                upstream = await self.session.post(
-                    entry.spec.url + ctx.path, json=leg,
-                    headers=self._headers(entry, request, ctx.request_id),
-                )
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if isinstance(exc, aiohttp.ClientConnectorError):
-                    self.health.mark_down(entry.name, str(exc), refused=is_refused(exc))
-                raise _BeforeFirstByte(_reason(exc)) from exc
-            content_type = upstream.headers.get("Content-Type", "application/json")
-            if upstream.status >= 500:
-                raise _BeforeFirstByte(f"status_{upstream.status // 100}xx", upstream.status,
-                                       await _read_quietly(upstream),
-                                       content_type.split(";")[0])
-            if not ctx.stream or upstream.status != 200 or "event-stream" not in content_type:
-                try:
-                    data = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise _BeforeFirstByte(_reason(exc)) from exc
-                ok = upstream.status == 200
-                if ok:
-                    data, usage = _finished_body(data)
-                self._metrics.ttft.labels(self.config.mode.value).observe(
-                    time.monotonic() - ctx.started)
-                response = web.Response(body=data, status=upstream.status,
-                                        content_type=content_type.split(";")[0],
-                                        headers=_route_headers(ctx, plan, prefill_s))
-                return response, "ok" if ok else "client_error"
-            stream = params.StreamFilter(strip_usage=strip_usage)
-            first = b""
-            try:
-                while not first:
-                    chunk = await upstream.content.readany()
-                    if not chunk:
-                        first = stream.flush()
-                        break
-                    first = stream.feed(chunk)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise _BeforeFirstByte(_reason(exc)) from exc
-            if not first:
-                raise _BeforeFirstByte("empty_stream")
-            client = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                 "Cache-Control": "no-cache",
-                                                 **_route_headers(ctx, plan, prefill_s)})
-            try:
-                await client.prepare(request)
-                await client.write(first)
-                now = time.monotonic()
-                ttft = now - sent
-                self._metrics.ttft.labels(self.config.mode.value).observe(now - ctx.started)
-                load.answering(len(ctx.tokens))
-                queued = False
-                failed = await self._relay(upstream, client, stream)
-            except ConnectionResetError:
-                log.info("request %s: the client went away mid-stream", ctx.request_id)
-                return client, "client_gone"
-            usage = stream.usage
-            if failed is not None:
-                self._metrics.upstream_errors.labels(failed).inc()
-                log.warning("request %s: %s died mid-stream (%s)", ctx.request_id, entry.name,
-                            failed)
-                message = {"error": {"message": f"engine failed mid-stream: {failed}",
-                                     "type": "upstream_error", "code": 502}}
-                with contextlib.suppress(ConnectionResetError):  # the client left too
-                    await client.write(f"data: {json.dumps(message)}\n\n".encode())
-                    await client.write_eof()
-                return client, "stream_error"
-            ok = True
-            with contextlib.suppress(ConnectionResetError):  # left after the last event
-                await client.write_eof()
-            return client, "ok"
-        finally:
-            if upstream is not None:
-                if not ok:
-                    upstream.close()  # never hand a half-read connection back to the pool
-                upstream.release()
-            load.in_flight -= 1
-            if queued:
-                load.answering(len(ctx.tokens))
-            self._finished(ctx, entry, plan, ok, usage, ttft, prefill_s)
-            if trace_log.isEnabledFor(logging.INFO):
-                _trace(ctx.request_id, entry.name, plan, sent_wall, ttft, prefill_s, ok)
-
-    async def _relay(self, upstream: aiohttp.ClientResponse, client: web.StreamResponse,
-                     stream: params.StreamFilter) -> str | None:
-        """Copy the rest of the stream; the engine-side failure reason, or None at its end.
-
-        A client that went away raises out of ``client.write`` (ConnectionResetError).
-        """
-        while True:
-            try:
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                return _reason(exc)
-            if not chunk:
-                tail = stream.flush()
-                if tail:
-                    await client.write(tail)
-                return None
-            out = stream.feed(chunk)
-            if out:
-                await client.write(out)
-
-    def _finished(self, ctx: _Request, entry: EngineEntry, plan: Plan, ok: bool,
-                  usage: params.Usage | None, ttft: float | None,
-                  prefill_s: float | None) -> None:
-        cached = usage.cached_tokens if usage is not None else None
-        prompt = usage.prompt_tokens if usage is not None and usage.prompt_tokens else None
-        if ok and cached is not None:
-            self._metrics.predicted_cached.inc(plan.predicted_cached_tokens)
-            self._metrics.actual_cached.inc(cached)
-        self._outcome(Outcome(
-            request_id=ctx.request_id,
-            engine=entry.name,
-            ok=ok,
-            prompt_tokens=prompt if prompt is not None else len(ctx.tokens),
-            cached_tokens=cached,
-            ttft_s=ttft,
-            prefill_leg_s=prefill_s,
-        ))
-
-
-def _trace(request_id: str, engine: str, plan: Plan, sent_wall: float, ttft: float | None,
-           prefill_s: float | None, ok: bool) -> None:
-    """The request's trace line: t is when the serving leg was sent (wall clock)."""
-    values = {"engine": engine, "source": plan.source or plan.prefill_engine,
-              "reason": plan.reason, "predicted_ttft_s": plan.predicted_ttft_s,
-              "first_byte_s": ttft, "prefill_leg_s": prefill_s, "ok": int(ok)}
-    fields = []
-    for name, value in values.items():
-        if isinstance(value, str):
-            fields.append(f"{name}={json.dumps(value)}")  # quoted: reasons have spaces
-        elif isinstance(value, float):
-            fields.append(f"{name}={value:.6f}")
-        elif value is not None:
-            fields.append(f"{name}={value}")
-    trace_log.info("kvpeer.trace t=%.6f node=router id=%s event=sent %s",
-                   sent_wall, request_id, " ".join(fields))
-
-
-def _route_headers(ctx: _Request, plan: Plan, prefill_s: float | None) -> dict[str, str]:
-    """Where the request went, for clients that measure (names from the router's config,
-    never addresses): the serving engine, the peer it pulled from, the prefill leg."""
-    headers = {"X-Kvpeer-Request-Id": ctx.request_id, "X-Kvpeer-Engine": plan.engine,
-               "X-Kvpeer-Predicted-Cached-Tokens": str(plan.predicted_cached_tokens),
-               "X-Kvpeer-Plan": plan.reason}
-    if plan.predicted_ttft_s is not None:
-        headers["X-Kvpeer-Predicted-Ttft-Seconds"] = f"{plan.predicted_ttft_s:.6f}"
-    source = plan.prefill_engine if prefill_s is not None else plan.source
-    if source is not None:
-        headers[SOURCE_HEADER] = source
-    if prefill_s is not None:
-        headers["X-Kvpeer-Prefill-Seconds"] = f"{prefill_s:.6f}"
-    return headers
-
-
-def _finished_body(data: bytes) -> tuple[bytes, params.Usage | None]:
-    """A whole answer's usage, and the answer without ``kv_transfer_params`` (an engine's
-    routing data, which may name internal peer addresses, is not the client's)."""
-    try:
-        document = json.loads(data)
-    except ValueError:
-        return data, None
-    if isinstance(document, dict) and "kv_transfer_params" in document:
-        del document["kv_transfer_params"]
-        data = json.dumps(document).encode()
-    return data, params.read_usage(document)
-
-
-async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
-    try:
-        return await response.read()
-    except (aiohttp.ClientError, TimeoutError):
-        return b""

@@ -209,10 +209,13 @@ class EventFeed:
     # --- inputs -----------------------------------------------------------------------
 
     def start(self, now: float) -> FeedOutput:
-        """The subscriber connected: with a replay endpoint, learn the history from 0."""
+        """The subscription is in place (the I/O shell calls this once its SUB connection
+        completed the handshake, not earlier: a batch published between the replay's
+        answer and the subscription would be in neither). With a replay endpoint, learn
+        the history: from 0, or from the next ``seq`` if live batches came first."""
         if not self._can_replay or self._replay is not None:
             return FeedOutput()
-        return FeedOutput(replay_from=self._begin_replay(0, now))
+        return FeedOutput(replay_from=self._begin_replay(self._next or 0, now))
 
     def anchor(self) -> Anchor | None:
         """The last batch applied (None: none since the last restart), to :meth:`verify`

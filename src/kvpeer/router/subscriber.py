@@ -6,6 +6,18 @@ and the feed, feed items into the index, and the feed's answer to a :meth:`verif
 whoever awaits it. It runs on the same event loop as the
 policy, so the index needs no lock. Sockets are bounded (``MAXMSGSIZE``), never linger,
 and a message that does not fit is dropped by ZMQ before it reaches Python.
+
+The history is asked for only once the SUB socket's connection to the publisher has
+completed its handshake (a socket monitor says so), never as the sockets are created. A
+PUB socket sends a batch only to the subscriptions it holds at that moment: asked any
+earlier, the replay could be answered before the subscription reached the publisher,
+and a batch published in between would be in neither -- lost for good if the engine
+then goes quiet, since only a later batch would reveal the gap. Asked after the
+handshake, the subscription (the first thing a SUB sends on a connection) left before
+the request did, and a batch published after the answer reaches it. What remains is a
+window of about a millisecond in principle (a PUB takes new subscriptions in at a send,
+unless it already did so within the last millisecond): an engine publishing that fast is
+not quiet, and its next batch shows the gap, which is replayed.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvpeer.router.events import MAX_PAYLOAD_BYTES
 from kvpeer.router.feed import (
@@ -108,6 +121,8 @@ class EventSubscriber:
         context = self._context or zmq.asyncio.Context()
         sub = context.socket(zmq.SUB)
         dealer = context.socket(zmq.DEALER) if self._replay_endpoint is not None else None
+        # Tells when the subscription is on its way: only then is the history asked for.
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if dealer else None
         stop_wait = asyncio.ensure_future(stop.wait())
         try:
             for sock in (sub, dealer):
@@ -115,15 +130,16 @@ class EventSubscriber:
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
             sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-            sub.connect(self._endpoint)
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
+            if monitor is not None:
+                poller.register(monitor, zmq.POLLIN)
+            sub.connect(self._endpoint)
             if dealer is not None:
                 assert self._replay_endpoint is not None
                 dealer.connect(self._replay_endpoint)
                 poller.register(dealer, zmq.POLLIN)
             self._dealer = dealer
-            await self._handle(self._feed.start(self._clock()), dealer)
             while not stop.is_set():
                 deadline = self._feed.next_deadline()
                 timeout = -1 if deadline is None else max(0, int((deadline - self._clock()) * 1e3))
@@ -144,6 +160,12 @@ class EventSubscriber:
                     await self._handle(self._feed.poll(self._clock()), dealer)
                     continue
                 ready = dict(polling.result())
+                if monitor is not None and monitor in ready and await self._subscribed(monitor):
+                    poller.unregister(monitor)
+                    sub.disable_monitor()
+                    monitor.close(linger=0)
+                    monitor = None
+                    await self._handle(self._feed.start(self._clock()), dealer)
                 if sub in ready:
                     await self._drain(sub, dealer, replay=False)
                 if dealer is not None and dealer in ready:
@@ -154,11 +176,26 @@ class EventSubscriber:
             if self._verdict is not None and not self._verdict.done():
                 self._verdict.set_result(Continuity.UNKNOWN)
             stop_wait.cancel()
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(linger=0)
             sub.close(linger=0)
             if dealer is not None:
                 dealer.close(linger=0)
             if own_context:
                 context.term()
+
+    @staticmethod
+    async def _subscribed(monitor: zmq.asyncio.Socket) -> bool:
+        """Whether the monitor reported the SUB connection's handshake (then the
+        subscription has been sent: the history may be asked for)."""
+        while True:
+            try:
+                parts = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if parse_monitor_message(parts)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return True
 
     async def _drain(
         self, sock: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket | None, *, replay: bool

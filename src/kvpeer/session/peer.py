@@ -1,9 +1,12 @@
-"""One peer session: handshake, gating, dispatch and error policy. Sans-IO.
+"""One peer session: both roles over one control link, its ending and error policy. Sans-IO.
 
 The session combines a consumer role and a producer role over one control
 link. It never reads a clock or touches a socket: frames come in through
-:meth:`PeerSession.receive`, go out through the injected ``transmit``, and
-every call that can expire something takes ``now``.
+:meth:`PeerSession.receive` (or :meth:`PeerSession.deliver`, decoded), go
+out through the injected ``transmit``, and every call that can expire
+something takes ``now``. Its phase (:class:`~kvpeer.session.handshake.Phase`)
+and what a peer's ``connect`` means are :mod:`kvpeer.session.handshake`'s;
+whether a silent peer is still there is :mod:`kvpeer.session.liveness`'s.
 
 Invariants:
 
@@ -17,45 +20,20 @@ Invariants:
    the admit callback), its region is registered with the data plane, and
    only then is it acknowledged: our ack promises that we can write into the
    peer's memory safely.
-3. Before the peer's ``connect`` only ``connect`` and ``disconnect`` are
-   accepted (anything else is a straggler: invariant 7). A second ``connect``
-   is a protocol error, or a restart when it
-   carries a different ``boot_id``, or - until the peer acknowledged ours -
-   the very same ``connect`` again, which is acknowledged again: a peer that
-   started its side over before the handshake finished (vLLM opens a session
-   for every connection it accepts) asks once more for what we already granted.
-   kvpeer peers number their sessions (``connect.kvpeer.session``, increasing
-   per process; ``connect_ack`` echoes the number it acknowledges). Between
-   two such peers, same ``boot_id``: an ack for another number than our
-   connect's, or a connect with a lower number than the one we hold, belongs
-   to an ended session (a straggler, invariant 7). A higher number is the
-   peer's next session: the one that took ours ended and its goodbye was lost
-   (a partition healed before our link noticed: seed 1614). If the peer had
-   acknowledged us, or our producer role holds anything, this session ends as
-   ``RENEWED`` without a goodbye (it would end the peer's new session too) and
-   the owner opens a fresh one with that frame; only the ids this session held
-   consumer state for fail (the peer's process and its parked PD stores live
-   on). Otherwise the new connect is *adopted*: our ``connect`` is sent again
-   (it went to the peer's ended session; the new one would wait for it, then
-   time out: seed 25008), then the peer's is checked, registered and
-   acknowledged as if first, and what we queued goes to it: when both sides
-   open a fresh session from the other's connect, renewing there (every ack
-   accepted) made two nodes renew each other's sessions for ever (seed 2758).
-   Connects without a number (vLLM's, older kvpeer's) keep the rules above.
+3. A second ``connect`` is a protocol error, a restart (new ``boot_id``:
+   ``RESTARTED``), the same grant asked again (acknowledged again), or the
+   peer's next session (a higher session number): ``RENEWED`` without a
+   goodbye once the peer acknowledged us or our producer role holds anything
+   (only the ids this session held consumer state for fail), else adopted.
+   The rules in full are :mod:`kvpeer.session.handshake`'s invariant 3.
 4. The handshake (both connects, both acks) must finish within
    ``handshake_timeout_s`` of :meth:`start`. A request does not wait that long
-   on a peer that never answered: once a load or probe waits and nothing at all
-   came from the peer within ``peer_wait_s`` of :meth:`start`, the session ends
-   as ``UNREACHABLE`` (its queued frames are dropped unsent). Nor does it wait
-   on a peer that went quiet later (frozen, partitioned): while a load or probe
-   waits on a peer that answers pings (a kvpeer peer of version >=
-   ``PING_VERSION``), nothing having come from it for ``peer_wait_s / 4``
-   (counted from its last frame, or from when our requests began to wait if
-   that is later) sends one ``ping`` - the peer's node answers at once even
-   while its engine is busy - and nothing for ``peer_wait_s`` ends the session
-   as ``UNREACHABLE``, with a ``disconnect`` for when the peer resumes. A
-   quiet peer nobody waits on is never pinged; a peer that cannot answer pings
-   (vLLM's tier) is left to the transport's heartbeat once it has spoken.
+   on a peer that never answered, nor on one that went quiet later: while a
+   load or probe waits, the peer's silence ends the session as
+   ``UNREACHABLE`` after ``peer_wait_s`` (:mod:`kvpeer.session.liveness`: one
+   ``ping`` first to a peer that answers pings; a peer never heard from gets
+   no ``disconnect`` and its queued frames are dropped unsent, one that was
+   heard gets one for when it resumes).
 5. One exception boundary (:meth:`PeerSession._guard`) wraps every entry
    point that runs on what the peer sent (``receive``, ``poll``, ``serve`` and
    every consumer/producer call): nothing raised below it leaves the session.
@@ -70,18 +48,10 @@ Invariants:
    once, as :attr:`PollResult.closed` of the next poll. Misuse by the owner
    (``receive`` before ``start``) still raises: that is not the peer's doing.
 6. Unknown message types are counted and ignored.
-7. Frames carry no session identity (vLLM's do not), so a frame the peer sent
-   in a session that has since ended can land in the next one - sent just
-   before a crash, or crossing the goodbye that ended it. Those that cannot
-   belong to this session are stragglers: dropped and counted
+7. A frame that cannot belong to this session (a straggler of an ended one:
+   :mod:`kvpeer.session.handshake` invariant 7) is dropped and counted
    (:attr:`SessionStatistics.stale_frames`), never a protocol error, and not
-   heard from the peer (invariant 4's clocks ignore them). They are every frame
-   but ``connect``/``disconnect`` before the peer's ``connect`` (the peer's
-   session sends its ``connect`` first, and a link never reorders) and a
-   ``connect_ack`` after the one we got. Ending the session for them instead
-   sustained itself: the ending's goodbye crossed the next session's connect,
-   whose frames landed in a session that had just ended, and two nodes ended
-   each other's sessions for as long as both had requests.
+   heard from the peer (invariant 4's clocks ignore it).
 """
 
 from __future__ import annotations
@@ -109,6 +79,7 @@ from kvpeer.protocol import (
     ConnectAck,
     Disconnect,
     Fetch,
+    Inbound,
     Lookup,
     LookupResponse,
     Message,
@@ -116,11 +87,14 @@ from kvpeer.protocol import (
     Pong,
     TransferDone,
     TransportChoice,
+    Undecodable,
     UnknownMessage,
     limits,
 )
 from kvpeer.session.consumer import ConsumerRole, ConsumerStatistics
-from kvpeer.session.greeting import incompatibility, later_session, session_number
+from kvpeer.session.greeting import incompatibility
+from kvpeer.session.handshake import Handshake, Phase, Verdict
+from kvpeer.session.liveness import Liveness, Silence
 from kvpeer.session.ports import DataPlane, HeldSupply, Parent
 from kvpeer.session.producer import ProducerRole, ProducerStatistics
 from kvpeer.session.results import (
@@ -185,12 +159,8 @@ class PeerSession:
             peer_id, self._send, data_plane, self._settings, hello.num_blocks
         )
         self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings, held)
-        self._started_at: float | None = None
-        self._peer_hello: Connect | None = None
-        self._acked = False  # the peer acknowledged our connect
-        # Our ack to the peer's connect, sent once it passed and the peer was registered.
-        self._ack: ConnectAck | None = None
-        self._queue: list[Message] = []
+        self._handshake = Handshake(hello, self._settings.max_queued_messages)
+        self._liveness = Liveness(self._settings.peer_wait_s)
         self._deferred_close: tuple[CloseKind, str] | None = None
         self._closed: SessionClosed | None = None
         self._close_reported = False
@@ -200,12 +170,6 @@ class PeerSession:
         self._unknown = 0
         self._guard_cm = _Guard(self)
         self._stragglers = 0
-        # Invariant 4: when the peer was last heard and our requests began
-        # waiting; a ping of ours that nothing came after yet.
-        self._heard_at: float | None = None
-        self._wait_began = 0.0
-        self._ping_out = False
-        self._pings = 0
 
     # -- state -----------------------------------------------------------------
 
@@ -214,40 +178,32 @@ class PeerSession:
         return self._closed is None
 
     @property
-    def _registered(self) -> bool:
-        """The peer's connect passed and its region is registered with the data plane."""
-        return self._ack is not None
+    def phase(self) -> Phase:
+        return self._handshake.phase
 
     @property
     def ready(self) -> bool:
         """Handshake complete in both directions."""
-        return self._acked and self._registered and self._closed is None
+        return self._handshake.phase is Phase.READY
 
     @property
     def answered(self) -> bool:
         """The peer acknowledged our connect (at some point; stays True after close)."""
-        return self._acked
+        return self._handshake.answered
 
     @property
     def peer_hello(self) -> Connect | None:
         """The peer's ``connect``, once received."""
-        return self._peer_hello
+        return self._handshake.peer_hello
 
     def adopts(self, hello: Connect) -> bool:
         """Invariant 3: ``hello`` opens the peer's next session and this one (not
         acknowledged, serving nothing) would take it in as a first ``connect``."""
-        previous = self._peer_hello
-        return (
-            previous is not None
-            and self._closed is None
-            and not self._acked
-            and self._producer.is_empty()
-            and later_session(hello, previous)
-        )
+        return self._handshake.adopts(hello) and self._producer.is_empty()
 
     @property
     def peer_boot_id(self) -> bytes | None:
-        hello = self._peer_hello
+        hello = self._handshake.peer_hello
         return hello.kvpeer.boot_id if hello is not None and hello.kvpeer is not None else None
 
     def has_work(self) -> bool:
@@ -278,11 +234,14 @@ class PeerSession:
             for d in (self._consumer.next_deadline(), self._producer.next_deadline())
             if d is not None
         ]
-        if not (self._acked and self._registered) and self._started_at is not None:
-            deadlines.append(self._started_at + self._settings.handshake_timeout_s)
+        handshake = self._handshake.deadline(self._settings.handshake_timeout_s)
+        if handshake is not None:
+            deadlines.append(handshake)
         silence = self._silence()
         if silence is not None:
-            deadlines.extend(d for d in silence if d is not None)
+            deadlines.append(silence.give_up_at)
+            if silence.ping_at is not None:
+                deadlines.append(silence.ping_at)
         return min(deadlines, default=None)
 
     def statistics(self) -> SessionStatistics:
@@ -294,8 +253,8 @@ class PeerSession:
             frames_sent=self._frames_out,
             unknown_messages=self._unknown,
             stale_frames=self._stragglers,
-            queued_messages=len(self._queue),
-            pings_sent=self._pings,
+            queued_messages=self._handshake.queued,
+            pings_sent=self._liveness.pings,
             consumer=self._consumer.statistics(),
             producer=self._producer.statistics(),
         )
@@ -304,26 +263,31 @@ class PeerSession:
 
     def start(self, now: float) -> None:
         """Send our ``connect``; the handshake deadline runs from here."""
-        if self._started_at is not None:
+        if self._handshake.started_at is not None:
             raise ProtocolError(f"session {self.peer_id} already started")
-        self._started_at = now
+        self._handshake.start(now)
         self._transmit_now(self._hello)
         self._settle_deferred_close()
 
     def receive(self, frame: bytes | bytearray | memoryview, now: float) -> None:
         """Handle one control frame from the peer."""
-        if self._started_at is None:
+        self.deliver(self._codec.read(frame), now)
+
+    def deliver(self, message: Inbound, now: float) -> None:
+        """Handle one control frame from the peer that its owner decoded
+        (:meth:`Codec.read`): what :meth:`receive` does, without decoding again."""
+        if self._handshake.started_at is None:
             raise ProtocolError(f"session {self.peer_id}: receive() before start()")
         if self._closed is not None:
             return
         self._frames_in += 1
         with self._guard():
-            message = self._codec.decode(frame)
-            if self._is_straggler(message):
+            if isinstance(message, Undecodable):
+                raise message.error
+            if self._handshake.is_straggler(message):
                 self._stragglers += 1  # invariant 7: not heard, not an error
                 return
-            self._heard_at = now
-            self._ping_out = False
+            self._liveness.heard_at(now)
             self._dispatch(message, now)
 
     def poll(self, now: float) -> PollResult:
@@ -355,8 +319,9 @@ class PeerSession:
     def _fire_timers(self, now: float) -> None:
         if self._closed is None:
             silence = self._silence()
-            if silence is not None and now >= silence[0]:
-                heard = self._heard_at is not None
+            handshake_due = self._handshake.deadline(self._settings.handshake_timeout_s)
+            if silence is not None and now >= silence.give_up_at:
+                heard = self._liveness.heard
                 self._end(
                     CloseKind.UNREACHABLE,
                     (
@@ -367,40 +332,31 @@ class PeerSession:
                     + f"({self._settings.peer_wait_s:g}s) while a request waited",
                     send_disconnect=heard,
                 )
-            elif (
-                not (self._acked and self._registered)
-                and self._started_at is not None
-                and now >= self._started_at + self._settings.handshake_timeout_s
-            ):
+            elif handshake_due is not None and now >= handshake_due:
                 self._end(
                     CloseKind.TIMEOUT,
                     f"handshake not complete within {self._settings.handshake_timeout_s:g}s",
                     send_disconnect=True,
                 )
             else:
-                if silence is not None and silence[1] is not None and now >= silence[1]:
-                    self._ping_out = True
-                    self._pings += 1
+                if silence is not None and silence.ping_at is not None and now >= silence.ping_at:
+                    self._liveness.pinged()
                     self._transmit_now(Ping())
                 self._consumer.tick(now)
                 self._producer.tick(now)
 
-    def _silence(self) -> tuple[float, float | None] | None:
+    def _silence(self) -> Silence | None:
         """Invariant 4, while a request waits: when to give the peer up, and when
-        to ping it first (None: no ping due)."""
-        if self._started_at is None or not self._consumer.waits_on_peer():
+        to ping it first."""
+        started_at = self._handshake.started_at
+        if started_at is None or not self._consumer.waits_on_peer():
             return None
-        wait = self._settings.peer_wait_s
-        if self._heard_at is None:
-            return self._started_at + wait, None
-        if not self._peer_at_least(PING_VERSION):
-            return None  # it cannot be asked: the transport's heartbeat decides
-        quiet_from = max(self._heard_at, self._wait_began)
-        ping_due = self._acked and not self._ping_out
-        return quiet_from + wait, quiet_from + wait / 4 if ping_due else None
+        answers_pings = self._peer_at_least(PING_VERSION)
+        return self._liveness.silence(started_at, answers_pings, self._handshake.answered)
 
     def _peer_at_least(self, version: tuple[int, int]) -> bool:
-        ext = self._peer_hello.kvpeer if self._peer_hello is not None else None
+        hello = self._handshake.peer_hello
+        ext = hello.kvpeer if hello is not None else None
         return ext is not None and tuple(ext.version) >= version
 
     @property
@@ -450,8 +406,7 @@ class PeerSession:
     def _note_wait(self, now: float) -> None:
         """A load or probe is about to wait: if none waited, the quiet clock starts now."""
         if not self._consumer.waits_on_peer():
-            self._wait_began = now
-            self._ping_out = False
+            self._liveness.wait_begins(now)
 
     def finish_consumer(self, kv_request_id: str, now: float) -> None:
         if self._closed is None:
@@ -505,23 +460,6 @@ class PeerSession:
 
     # -- dispatch --------------------------------------------------------------
 
-    def _is_straggler(self, message: Message | UnknownMessage) -> bool:
-        """Invariant 7: a frame that cannot belong to this session."""
-        if isinstance(message, Connect):
-            previous = self._peer_hello  # an older session's, late (invariant 3)
-            return previous is not None and later_session(previous, message)
-        if isinstance(message, Disconnect | UnknownMessage):
-            return False
-        if self._peer_hello is None:
-            return True  # the peer's session sends its connect first
-        if not isinstance(message, ConnectAck):
-            return False
-        if self._acked:
-            return True
-        ours = session_number(self._hello)
-        acked = message.kvpeer.session if message.kvpeer is not None else None
-        return ours is not None and acked is not None and acked != ours  # invariant 3
-
     def _dispatch(self, message: Message | UnknownMessage, now: float) -> None:
         if isinstance(message, UnknownMessage):
             self._unknown += 1
@@ -533,7 +471,7 @@ class PeerSession:
             why = message.reason or "no reason given"
             self._end(CloseKind.DISCONNECTED, f"peer disconnected: {why}", send_disconnect=False)
             return
-        if self._peer_hello is None:
+        if self._handshake.peer_hello is None:
             raise ProtocolError(f"{message.__class__.__name__} before the peer's connect")
         match message:
             case ConnectAck():
@@ -556,38 +494,32 @@ class PeerSession:
                 pass  # being heard is all it is for (receive noted the time)
 
     def _on_connect(self, hello: Connect) -> None:
-        previous = self._peer_hello
-        if previous is not None:
-            old = previous.kvpeer.boot_id if previous.kvpeer is not None else None
-            new = hello.kvpeer.boot_id if hello.kvpeer is not None else None
-            if old is not None and new is not None and old != new:
+        handshake = self._handshake
+        match handshake.verdict(hello, self._producer.is_empty()):
+            case Verdict.RESTARTED:
                 self._end(
                     CloseKind.RESTARTED, "peer restarted (new boot id)", send_disconnect=False
                 )
                 return
-            if later_session(hello, previous):  # invariant 3: the peer's next session
-                if not self.adopts(hello):
-                    self._end(
-                        CloseKind.RENEWED,
-                        "peer began a new session (same boot id; its side of this one ended)",
-                        send_disconnect=False,
-                    )
-                    return
-                # Adopted: checked and registered afresh (the registration replaces
-                # the last; the windows our queued fetches opened stay open).
-                self._ack = None
-                self._peer_hello = None
-                self._transmit_now(self._hello)  # its session never got ours (seed 25008)
-                self._on_connect(hello)
+            case Verdict.RENEWED:
+                self._end(
+                    CloseKind.RENEWED,
+                    "peer began a new session (same boot id; its side of this one ended)",
+                    send_disconnect=False,
+                )
                 return
-            if hello == previous and self._ack is not None:
-                # invariant 3: the same grant again. Also after the handshake: a peer
-                # whose ack came late re-sends the very same connect (vLLM's p2p tier
-                # does under load); answering it is idempotent, ending the session is not.
-                self._transmit_now(self._ack)
+            case Verdict.REPEATED:
+                assert handshake.ack is not None
+                self._transmit_now(handshake.ack)  # idempotent; ending the session is not
                 return
-            raise ProtocolError("duplicate connect")
-        self._peer_hello = hello
+            case Verdict.DUPLICATE:
+                raise ProtocolError("duplicate connect")
+            case Verdict.ADOPTED:
+                # Checked and registered afresh (the registration replaces the last;
+                # the windows our queued fetches opened stay open).
+                handshake.forget_peer()
+                self._transmit_now(self._hello)  # the peer's new session never got ours
+        handshake.peer_hello = hello
         reason = incompatibility(hello, self._hello) or (
             self._admit(self.peer_id, hello) if self._admit is not None else None
         )
@@ -605,14 +537,14 @@ class PeerSession:
             if hello.kvpeer is not None
             else None
         )
-        self._ack = ConnectAck(peer_id=self._hello.peer_id, kvpeer=extension)
-        self._transmit_now(self._ack)
+        ack = ConnectAck(peer_id=self._hello.peer_id, kvpeer=extension)
+        handshake.grant(ack)
+        self._transmit_now(ack)
 
     def _on_connect_ack(self, ack: ConnectAck) -> None:
-        self._acked = True
+        queued = self._handshake.answer()
         choice: TransportChoice | None = ack.kvpeer.transport if ack.kvpeer is not None else None
         self._data.peer_acknowledged(self.peer_id, choice)
-        queued, self._queue = self._queue, []
         for message in queued:
             self._transmit_now(message)
 
@@ -622,15 +554,13 @@ class PeerSession:
         """Gate for role messages: queued until the peer acknowledged us."""
         if self._closed is not None or self._deferred_close is not None:
             return
-        if not self._acked:
-            if len(self._queue) >= self._settings.max_queued_messages:
+        if not self._handshake.acknowledged:
+            if not self._handshake.hold(message):
                 self._deferred_close = (
                     CloseKind.UNREACHABLE,
                     f"more than {self._settings.max_queued_messages} messages queued "
                     "before the handshake completed",
                 )
-                return
-            self._queue.append(message)
             return
         self._transmit_now(message)
 
@@ -662,17 +592,18 @@ class PeerSession:
     ) -> None:
         if self._closed is not None:
             return
-        if send_disconnect and self._started_at is not None and self._deferred_close is None:
+        started = self._handshake.started_at is not None
+        if send_disconnect and started and self._deferred_close is None:
             self._transmit(self._codec.encode(Disconnect(reason=reason[: limits.MAX_NAME_CHARS])))
         self._deferred_close = None
-        self._queue = []
+        registered = self._handshake.granted
+        self._handshake.close()
         known = self._consumer.request_ids() if kind is CloseKind.RENEWED else ()
         loads, failed_ids = self._consumer.close(reason)
         failing = set(failed_ids)
         failed_ids.extend(kv_id for kv_id in known if kv_id not in failing)
         stores, serves = self._producer.close(reason)
-        if self._registered:
-            self._ack = None
+        if registered:
             try:
                 self._data.unregister_peer(self.peer_id)
             except DataPlaneError as exc:  # ours: the session ends all the same
@@ -690,8 +621,8 @@ class PeerSession:
 
 
 class _Guard:
-    """:meth:`PeerSession._guard` as a plain context manager, one per session (the
-    generator-based kind cost a generator per entry point, on every poll)."""
+    """:meth:`PeerSession._guard` as a plain context manager, one per session: a
+    generator-based one would cost a generator per entry point, on every poll."""
 
     __slots__ = ("_session",)
 

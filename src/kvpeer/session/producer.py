@@ -1,5 +1,9 @@
 """Producer role: serving our pinned blocks to one peer. Sans-IO.
 
+The role matches a peer's fetches with pinned supply and writes it; the
+lookups it owes an answer are :mod:`kvpeer.session.producer_lookups`', what it
+keeps per peer (and the peer's budget) :mod:`kvpeer.session.producer_state`'s.
+
 Invariants (per ``kv_request_id``):
 
 1. Inbound lookups are resolved only inside a serve window (the parent is
@@ -55,19 +59,17 @@ from kvpeer.protocol import (
     AbortFetch,
     Fetch,
     Lookup,
-    LookupResponse,
     Message,
     TransferDone,
 )
 from kvpeer.session.ports import DataPlane, HeldSupply, Parent
+from kvpeer.session.producer_lookups import InboundLookups
 from kvpeer.session.producer_state import (
     ANSWER_SHARE,
-    KEY_ENTRY_BYTES,
     LOOKUP_BYTES,
     MAX_QUEUED_LOOKUP_KEYS,
-    REQUEST_BYTES,
     ROUND_BYTES,
-    InboundLookup,
+    PeerBudget,
     PinnedJob,
     ProducerRequest,
     ProducerStatistics,
@@ -75,11 +77,12 @@ from kvpeer.session.producer_state import (
     Supply,
     SupplyState,
     Transfer,
+    keys_cost,
 )
 from kvpeer.session.results import StoreFinished
 from kvpeer.session.settings import SessionSettings
 from kvpeer.session.worklist import WorkMap, WorkSet
-from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
+from kvpeer.types import Key, ServeRequest, StoreJob
 
 __all__ = ["MAX_QUEUED_LOOKUP_KEYS", "ProducerRole", "ProducerStatistics"]
 
@@ -101,28 +104,26 @@ class ProducerRole:
         self._send = send
         self._data = data_plane
         self._settings = settings
-        self._lookup_seq = 0
         self._consumer_blocks: int | None = None
         self._requests: dict[str, ProducerRequest] = {}
+        self._budget = PeerBudget(settings.max_peer_bytes, self._requests)
+        self._timeouts: Counter[str] = Counter()
+        self._lookups = InboundLookups(
+            peer_id, send, settings, self._requests, self._budget, self._timeouts,
+            pin=self.add_supply, unmet=self._check_unmet, prune=self._prune,
+        )  # fmt: skip
         self._transfers: WorkMap[int, Transfer] = WorkMap()  # start order
         self._jobs_by_age: WorkMap[int, PinnedJob] = WorkMap()  # insertion order == age order
         # Every job not reported yet, wherever its supplies are: what close() must fail,
         # even if an exception left a supply between two homes.
         self._unreported: WorkMap[int, PinnedJob] = WorkMap()
         self._jobs_open = 0
-        self._serve_pending: WorkSet[str] = WorkSet()
         self._draining: WorkSet[tuple[str, int]] = WorkSet()
-        self._unreleased: list[ServeRequest] = []
-        self._queued_lookup_keys = 0
-        self._held = 0  # budget charges of queued lookups and rounds' demand
         self._results: list[StoreFinished] = []
         self._fetched: list[tuple[str, bool]] = []  # (id, the fetch's prefill_done)
-        self._lookups_answered = 0
-        self._held_answers = 0
         self._blocks_written = 0
         self._rounds_ok = 0
         self._rounds_failed = 0
-        self._timeouts: Counter[str] = Counter()
 
     def set_consumer_region(self, num_blocks: int) -> None:
         """The peer's advertised slot count; every fetch index is checked against it."""
@@ -140,40 +141,14 @@ class ProducerRole:
             )
         request = self._requests.setdefault(message.kv_request_id, ProducerRequest())
         if message.round_seq <= request.closed_through:
-            self._charge(_keys_cost(message.keys) + LOOKUP_BYTES, message.kv_request_id,
-                         "a lookup")  # fmt: skip
+            self._budget.check(keys_cost(message.keys) + LOOKUP_BYTES, message.kv_request_id,
+                               "a lookup")  # fmt: skip
             self._prune(message.kv_request_id)
             return  # the consumer already closed that round
         if self._answer_held(message.kv_request_id, message.round_seq, message.keys, now):
             self._prune(message.kv_request_id)
             return
-        self._queue_lookup(message.kv_request_id, request, message.round_seq, message.keys, now)
-
-    def _queue_lookup(
-        self,
-        kv_request_id: str,
-        request: ProducerRequest,
-        round_seq: int,
-        keys: tuple[Key, ...],
-        now: float,
-        *,
-        implicit: bool = False,
-    ) -> None:
-        charge = _keys_cost(keys) + LOOKUP_BYTES
-        self._charge(charge, kv_request_id, "a lookup")
-        self._queued_lookup_keys += len(keys)
-        if self._queued_lookup_keys > MAX_QUEUED_LOOKUP_KEYS:
-            raise ProtocolError(
-                f"more than {MAX_QUEUED_LOOKUP_KEYS} lookup keys queued by one peer"
-            )
-        self._held += charge
-        request.lookups.append(
-            InboundLookup(
-                round_seq, keys, now, pending=dict.fromkeys(keys), charge=charge,
-                implicit=implicit,
-            )
-        )  # fmt: skip
-        self._serve_pending.add(kv_request_id)
+        self._lookups.queue(message.kv_request_id, request, message.round_seq, message.keys, now)
 
     def on_fetch(self, message: Fetch, now: float) -> None:
         kv_request_id = message.kv_request_id
@@ -191,29 +166,29 @@ class ProducerRole:
         round_ = request.rounds.get(message.round_seq)
         if round_ is not None and (round_.demand is not None or round_.reply is not None):
             raise ProtocolError(f"second fetch for {kv_request_id!r} round {message.round_seq}")
-        self._close_lookups(kv_request_id, request, message.round_seq)
+        self._lookups.close_through(kv_request_id, request, message.round_seq)
         if message.is_terminal:
             # The consumer is done: release lookup pins nobody demanded.
             for seq, open_round in list(request.rounds.items()):
                 if open_round.demand is None and open_round.reply is None:
                     self._release_supply(open_round.supply, True, "")
-                    self._held -= open_round.charge
+                    self._budget.held -= open_round.charge
                     del request.rounds[seq]
             self._prune(kv_request_id)
             return
-        charge = _keys_cost(message.keys) + ROUND_BYTES
-        self._charge(charge, kv_request_id, "a fetch")
+        charge = keys_cost(message.keys) + ROUND_BYTES
+        self._budget.check(charge, kv_request_id, "a fetch")
         if round_ is None:
             round_ = request.rounds[message.round_seq] = Round(message.round_seq)
         round_.charge += charge
-        self._held += charge
+        self._budget.held += charge
         round_.demand = dict(zip(message.keys, message.block_indexes, strict=True))
         round_.demanded = len(message.keys)
         held = message.resolve and self._pin_held(kv_request_id, message.round_seq,
                                                   message.keys, now)  # fmt: skip
         if message.resolve and not held:  # held keys need no lookup (invariant 9)
             round_.looked_up = round_.resolving = True
-            self._queue_lookup(
+            self._lookups.queue(
                 kv_request_id, request, message.round_seq, message.keys, now, implicit=True
             )
         if not round_.looked_up:
@@ -249,16 +224,7 @@ class ProducerRole:
         """Answer a lookup from held blocks at once (invariant 9); False: not held."""
         if not self._pin_held(kv_request_id, round_seq, keys, now):
             return False
-        self._send(
-            LookupResponse(
-                kv_request_id=kv_request_id,
-                keys=keys,
-                hits=(True,) * len(keys),
-                round_seq=round_seq,
-            )
-        )
-        self._lookups_answered += 1
-        self._held_answers += 1
+        self._lookups.answer_held(kv_request_id, round_seq, keys)
         return True
 
     def _pin_held(
@@ -267,15 +233,15 @@ class ProducerRole:
         """Pin ``keys`` from held blocks as the round's supply; False if not all held."""
         if self._held_supply is None or not keys:
             return False
-        charge = _keys_cost(keys) + ROUND_BYTES  # the round holds these pins (invariant 8)
-        self._charge(charge, kv_request_id, "a lookup")
+        charge = keys_cost(keys) + ROUND_BYTES  # the round holds these pins (invariant 8)
+        self._budget.check(charge, kv_request_id, "a lookup")
         slots = self._held_supply.pin(self._peer_id, keys)
         if slots is None:
             return False
         request = self._requests.setdefault(kv_request_id, ProducerRequest())
         round_ = request.rounds.setdefault(round_seq, Round(round_seq))
         round_.charge += charge
-        self._held += charge
+        self._budget.held += charge
         self._held_jobs -= 1
         job = StoreJob(self._held_jobs, keys, tuple(slots))
         self.add_supply(kv_request_id, job, now, round_seq, held=True)
@@ -285,17 +251,7 @@ class ProducerRole:
 
     def serve(self, parent: Parent, now: float) -> None:
         """Resolve queued lookups against the parent (the only place it is called)."""
-        unreleased, self._unreleased = self._unreleased, []
-        for serve in unreleased:
-            parent.on_request_finished(serve)
-        for kv_request_id in self._serve_pending:
-            request = self._requests[kv_request_id]
-            for lookup in list(request.lookups):
-                if self._resolve(kv_request_id, request, lookup, parent, now):
-                    request.lookups.remove(lookup)
-            if not request.lookups:
-                self._serve_pending.discard(kv_request_id)
-            self._prune(kv_request_id)
+        self._lookups.serve(parent, now)
 
     def add_supply(
         self,
@@ -410,10 +366,9 @@ class ProducerRole:
             deadlines.append(oldest[1].bound_at + self._settings.store_timeout_s)
         for kv_request_id, seq in self._draining:
             deadlines.append(self._requests[kv_request_id].rounds[seq].drain_deadline)
-        for kv_request_id in self._serve_pending:
-            lookups = self._requests[kv_request_id].lookups
-            if lookups:
-                deadlines.append(lookups[0].received_at + self._settings.lookup_pending_timeout_s)
+        lookups = self._lookups.next_deadline()
+        if lookups is not None:
+            deadlines.append(lookups)
         return min(deadlines, default=None)
 
     def take_results(self) -> tuple[list[StoreFinished], list[tuple[str, bool]]]:
@@ -429,40 +384,26 @@ class ProducerRole:
             for supply in job.supplies:
                 if supply.state is not SupplyState.SETTLED:
                     self._settle(supply, False, reason)
-        serves = self._unreleased
-        for request in self._requests.values():
-            serves.extend(lu.serve for lu in request.lookups if lu.serve is not None)
+        serves = self._lookups.close()
         results = self._results
         self._requests.clear()
         self._transfers.clear()
         self._jobs_by_age.clear()
         self._unreported.clear()
-        self._serve_pending.clear()
         self._draining.clear()
-        self._unreleased = []
         self._results = []
         self._fetched = []
-        self._queued_lookup_keys = 0
-        self._held = 0
+        self._budget.held = 0
         return results, serves
 
     def held_bytes(self) -> int:
         """What the peer makes us hold, as charged against its budget (invariant 8)."""
-        return self._held + len(self._requests) * REQUEST_BYTES
-
-    def _charge(self, charge: int, kv_request_id: str, what: str) -> None:
-        """Raise BudgetExceeded if ``charge`` more bytes would put the peer over budget."""
-        held = self.held_bytes() + charge + REQUEST_BYTES
-        if held > self._settings.max_peer_bytes:
-            raise BudgetExceeded(
-                f"{what} for {kv_request_id!r} would make us hold {held} bytes for this "
-                f"peer (max_peer_bytes {self._settings.max_peer_bytes})"
-            )
+        return self._budget.bytes()
 
     # -- introspection ---------------------------------------------------------
 
     def needs_serve(self) -> bool:
-        return bool(self._serve_pending or self._unreleased)
+        return self._lookups.needs_serve()
 
     def has_transfers(self) -> bool:
         return bool(self._transfers or self._draining)
@@ -474,8 +415,7 @@ class ProducerRole:
             or self._transfers
             or self._draining
             or self._unreported
-            or self._serve_pending
-            or self._unreleased
+            or self._lookups.needs_serve()
         )
 
     def statistics(self) -> ProducerStatistics:
@@ -492,106 +432,14 @@ class ProducerRole:
             rounds_draining=len(self._draining),
             pinned_blocks=pinned,
             store_jobs_open=self._jobs_open,
-            lookups_queued=self._queued_lookup_keys,
-            lookups_answered=self._lookups_answered,
-            lookups_held=self._held_answers,
+            lookups_queued=self._lookups.queued_keys,
+            lookups_answered=self._lookups.answered,
+            lookups_held=self._lookups.held_answers,
             blocks_written=self._blocks_written,
             rounds_succeeded=self._rounds_ok,
             rounds_failed=self._rounds_failed,
             timeouts=dict(self._timeouts),
         )
-
-    # -- lookups ---------------------------------------------------------------
-
-    def _resolve(
-        self,
-        kv_request_id: str,
-        request: ProducerRequest,
-        lookup: InboundLookup,
-        parent: Parent,
-        now: float,
-    ) -> bool:
-        """One serve pass over a lookup; True once it was answered."""
-        if lookup.implicit:
-            found = request.rounds.get(lookup.round_seq)
-            if found is None or not found.resolving:
-                self._end_lookup(lookup, parent)  # its round failed or was aborted meanwhile
-                return True
-        round_ = request.rounds.setdefault(lookup.round_seq, Round(lookup.round_seq))
-        if lookup.serve is None:
-            self._lookup_seq += 1
-            lookup.serve = ServeRequest(
-                f"kvpeer:{self._peer_id}:{kv_request_id}:lookup{self._lookup_seq}",
-                kv_request_id,
-                self._peer_id,
-            )
-            parent.on_new_request(lookup.serve)
-        round_.looked_up = True
-        expired = now >= lookup.received_at + self._settings.lookup_pending_timeout_s
-        hits: list[Key] = []
-        for key in list(lookup.pending):
-            if key in round_.supply or (lookup.implicit and key not in (round_.demand or ())):
-                answer: bool | None = True  # already pinned for this round, or matched
-            else:
-                result = parent.lookup(key, lookup.serve)
-                if result is LookupResult.HIT:
-                    hits.append(key)
-                    continue
-                answer = False if result is LookupResult.MISS or expired else None
-                if expired and result is not LookupResult.MISS:
-                    self._timeouts["lookup_pending"] += 1
-            if answer is not None:
-                lookup.answers[key] = answer
-                del lookup.pending[key]
-        if hits:
-            job = parent.create_store_job(hits, lookup.serve)
-            for key in job.keys:
-                lookup.answers[key] = True
-                lookup.pending.pop(key, None)
-            self.add_supply(kv_request_id, job, now, lookup.round_seq)
-            for key in hits:  # a parent that pinned fewer keys than asked: not hits
-                if key in lookup.pending:
-                    lookup.answers[key] = False
-                    del lookup.pending[key]
-        if lookup.pending:
-            return False
-        self._end_lookup(lookup, parent)
-        if lookup.implicit:  # the round's reply answers it (invariant 4)
-            round_.resolving = False
-            self._check_unmet(kv_request_id, request, round_, now)
-            return True
-        self._send(
-            LookupResponse(
-                kv_request_id=kv_request_id,
-                keys=lookup.keys,
-                hits=tuple(lookup.answers[k] for k in lookup.keys),
-                round_seq=lookup.round_seq,
-            )
-        )
-        self._lookups_answered += 1
-        return True
-
-    def _end_lookup(self, lookup: InboundLookup, parent: Parent) -> None:
-        self._queued_lookup_keys -= len(lookup.keys)
-        self._held -= lookup.charge
-        if lookup.serve is not None:
-            parent.on_request_finished(lookup.serve)
-
-    def _close_lookups(self, kv_request_id: str, request: ProducerRequest, through: int) -> None:
-        """The consumer closed rounds <= ``through``: their lookups get no answer."""
-        request.closed_through = max(request.closed_through, through)
-        keep: list[InboundLookup] = []
-        for lookup in request.lookups:
-            if lookup.round_seq <= through and not lookup.implicit:  # that one is its fetch's
-                self._queued_lookup_keys -= len(lookup.keys)
-                self._held -= lookup.charge
-                if lookup.serve is not None:
-                    self._unreleased.append(lookup.serve)
-            else:
-                keep.append(lookup)
-        request.lookups = keep
-        if not keep:
-            self._serve_pending.discard(kv_request_id)
 
     # -- matching and transfers ------------------------------------------------
 
@@ -716,7 +564,7 @@ class ProducerRole:
     def _drop_round(self, kv_request_id: str, round_: Round) -> None:
         request = self._requests[kv_request_id]
         del request.rounds[round_.seq]
-        self._held -= round_.charge
+        self._budget.held -= round_.charge
         self._prune(kv_request_id)
 
     # -- jobs ------------------------------------------------------------------
@@ -757,8 +605,5 @@ class ProducerRole:
         request = self._requests.get(kv_request_id)
         if request is not None and request.is_idle():
             del self._requests[kv_request_id]
-            self._serve_pending.discard(kv_request_id)
+            self._lookups.pending.discard(kv_request_id)
 
-
-def _keys_cost(keys: tuple[Key, ...]) -> int:
-    return sum(len(key) for key in keys) + len(keys) * KEY_ENTRY_BYTES

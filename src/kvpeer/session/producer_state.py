@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpeer.errors import BudgetExceeded
 from kvpeer.protocol import Message
 from kvpeer.types import Key, ServeRequest
 
@@ -19,6 +20,7 @@ __all__ = [
     "REQUEST_BYTES",
     "ROUND_BYTES",
     "InboundLookup",
+    "PeerBudget",
     "PinnedJob",
     "ProducerRequest",
     "ProducerStatistics",
@@ -26,6 +28,7 @@ __all__ = [
     "Supply",
     "SupplyState",
     "Transfer",
+    "keys_cost",
 ]
 
 #: Unresolved inbound lookup keys one peer may keep queued at once.
@@ -115,6 +118,36 @@ class Transfer:
     round_seq: int
     supplies: list[Supply]
     started_at: float
+
+
+class PeerBudget:
+    """What the peer makes us hold, in bytes, against ``max_peer_bytes`` (invariant 8):
+    :attr:`held` (queued lookups and rounds' demand, charged by whoever keeps them)
+    plus an entry per request."""
+
+    __slots__ = ("_max_bytes", "_requests", "held")
+
+    def __init__(self, max_bytes: int, requests: dict[str, ProducerRequest]) -> None:
+        self._max_bytes = max_bytes
+        self._requests = requests
+        self.held = 0
+
+    def bytes(self) -> int:
+        return self.held + len(self._requests) * REQUEST_BYTES
+
+    def check(self, charge: int, kv_request_id: str, what: str) -> None:
+        """Raise BudgetExceeded if ``charge`` more bytes would put the peer over budget."""
+        held = self.bytes() + charge + REQUEST_BYTES
+        if held > self._max_bytes:
+            raise BudgetExceeded(
+                f"{what} for {kv_request_id!r} would make us hold {held} bytes for this "
+                f"peer (max_peer_bytes {self._max_bytes})"
+            )
+
+
+def keys_cost(keys: tuple[Key, ...]) -> int:
+    """What ``keys`` held for the peer cost its budget."""
+    return sum(len(key) for key in keys) + len(keys) * KEY_ENTRY_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
-"""The ZMQ control channel (docs/protocol.md section 1).
+"""The ZMQ control channel (docs/protocol.md section 1): the ROUTER, the pump, the links.
 
 One ROUTER bound on ``tcp://host:port`` receives every peer's frames as
 ``[identity, payload]``; one DEALER per peer, with our peer id as identity,
-carries ours. Socket rules:
+carries ours (:mod:`kvpeer.transport.zmq_link`: one link, its queue and its
+socket work). Socket rules:
 
 1. Sockets are touched only by calls the owner serialises (the node's lock):
    :meth:`ZmqControl.receive` and :meth:`ZmqControl.flush` (the pump),
@@ -40,8 +41,9 @@ carries ours. Socket rules:
    still holds the first (``ROUTER_HANDOVER`` off, here and in vLLM), and it lets
    go of the first only some commands after that connection closed. So a link
    that closes with its connection up (or coming up) keeps it: the link is
-   *parked* (its last words still go out on it) and the next link to that peer
-   takes the connection over, frames in order after the old link's. Nothing is
+   *parked* (:mod:`kvpeer.transport.zmq_parking`; its last words still go out on
+   it) and the next link to that peer takes the connection over, frames in order
+   after the old link's. Nothing is
    read from a parked connection (what the peer sends on it is dropped and
    counted); it is closed when it is lost, ``park_s`` after it was parked (the
    owner's timer: :meth:`ZmqControl.next_deadline`), when a newer link to the
@@ -60,11 +62,9 @@ carries ours. Socket rules:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,41 +72,29 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from kvpeer.errors import ConfigError, PeerLost
 from kvpeer.protocol import limits
 from kvpeer.transport.base import InboundFrame
+from kvpeer.transport.zmq_link import (
+    LINK_HWM,
+    MONITOR_EVENTS,
+    NOBLOCK,
+    POLLIN,
+    POLLOUT,
+    ZmqLink,
+    socket_events,
+)
+from kvpeer.transport.zmq_parking import MAX_PARKED_LINKS, PARK_S, Parking
 
 __all__ = ["CurveKeys", "ZmqControl", "ZmqLink", "ZmqStatistics"]
 
 log = logging.getLogger("kvpeer.zmq")
 
-_MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CLOSED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 _LAST_WORDS_LINGER_MS = 200
-#: Closed links whose connection is kept for the peer's next link, and for how
-#: long (rule 6).
-MAX_PARKED_LINKS = 256
-PARK_S = 10.0
-#: Frames libzmq may hold for one peer (its send high-water mark); the rest wait
-#: in our byte-counted queue (rule 2).
-LINK_HWM = 16
 #: How long a control connection may take to finish ZMQ's own handshake (libzmq's
 #: default is 30 s: half-open connections would pile up for that long).
 ZMQ_HANDSHAKE_MS = 5000
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,94 +143,6 @@ def _endpoint(peer_id: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-# Plain ints: flag arithmetic on pyzmq's enums costs more than the socket call.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_POLLOUT = int(zmq.POLLOUT)
-_NOBLOCK = int(zmq.NOBLOCK)
-
-
-def _events(sock: zmq.Socket[bytes]) -> int:
-    """``ZMQ_EVENTS``: what the socket can do now (also runs its pending commands).
-    Asking first is cheaper than a receive that raises ``Again``."""
-    events = sock.get(_EVENTS)
-    assert isinstance(events, int)
-    return events
-
-
-class ZmqLink:
-    """Our DEALER toward one peer; frames queue here until the driver sends them."""
-
-    def __init__(
-        self, owner: ZmqControl, peer_id: str, max_queued: int, max_bytes: int
-    ) -> None:
-        self._owner = owner
-        self._peer_id = peer_id
-        self._max_queued = max_queued
-        self._max_bytes = max_bytes
-        self.queue: deque[bytes] = deque()
-        self.queued_bytes = 0
-        # Sizes of the last frames handed to libzmq: all it can still hold (rule 2).
-        self.recent: deque[int] = deque(maxlen=LINK_HWM + 1)
-        self.socket: zmq.Socket[bytes] | None = None
-        self.monitor: zmq.Socket[bytes] | None = None
-        self.fds: tuple[int, ...] = ()  # ZMQ_FD of socket and monitor, for wait()
-        self.connected_once = False
-        self.dead_reason: str | None = None
-        self.unread: str | None = None  # dead because the peer does not read (rule 2)
-        self.closed = False
-        self.parked = False  # closed, its connection kept for the peer's next link (rule 6)
-        self.parkable = True  # the owner's word when it closed the link
-        self.parked_until = 0.0
-
-    @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    @property
-    def alive(self) -> bool:
-        return self.dead_reason is None and not self.closed
-
-    def transmit(self, frame: bytes) -> bool:
-        if not self.alive:
-            return False
-        if not self.queue and self.socket is not None and self._owner.send_now(self, frame):
-            return self.alive
-        if len(self.queue) >= self._max_queued:
-            self._give_up_unread(
-                f"the peer does not read: more than {self._max_queued} frames wait for it "
-                "(max_queued_messages)"
-            )
-            return False
-        held = self.queued_bytes + len(frame) + sum(self.recent)
-        if held > self._max_bytes:
-            self._give_up_unread(
-                f"the peer does not read: {held} bytes would wait for it "
-                f"(more than max_peer_bytes {self._max_bytes})"
-            )
-            return False
-        self.queue.append(frame)
-        self.queued_bytes += len(frame)
-        self._owner.mark_dirty()
-        return True
-
-    def _give_up_unread(self, reason: str) -> None:
-        """What the peer does not read outgrew its bounds (rule 2): the link dies,
-        and :attr:`unread` says so (``ControlLink`` rule 6)."""
-        self.unread = reason
-        self._owner.lose(self, reason)
-
-    def sent(self, frame: bytes) -> None:
-        """``frame`` was handed to libzmq (owner's lock held)."""
-        self.recent.append(len(frame))
-
-    def close(self, *, park: bool = True) -> None:
-        if not self.closed:
-            self.closed = True
-            self.parkable = park
-            self._owner.mark_dirty()
-
-
 class ZmqControl:
     """A node's control endpoint: one ROUTER, one DEALER per peer."""
 
@@ -266,7 +166,7 @@ class ZmqControl:
         self._max_queued = max_queued_frames
         self._max_link_bytes = max_link_bytes
         self._curve = curve
-        self._max_parked, self._park_s, self._clock = max_parked_links, park_s, clock
+        self._parking = Parking(max_parked_links, park_s, clock, self._drop)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._ipv6 = ":" in host
@@ -305,7 +205,6 @@ class ZmqControl:
         self._local_id = f"{bracketed}:{port}"
         self.port = port
         self._links: dict[int, ZmqLink] = {}
-        self._parked: dict[str, ZmqLink] = {}  # peer id -> its parked link (rule 6)
         self._answers: list[InboundFrame] = []  # frames peers sent back on our DEALERs
         self._monitor_seq = itertools.count()
         self._received = 0
@@ -353,10 +252,10 @@ class ZmqControl:
         router = self._router
         self._touched[0] = None
         for _ in range(10_000):  # bounded: pending() says if more wait
-            if not _events(router) & _POLLIN:
+            if not socket_events(router) & POLLIN:
                 break
             try:
-                parts = router.recv_multipart(_NOBLOCK, copy=False)
+                parts = router.recv_multipart(NOBLOCK, copy=False)
             except zmq.Again:
                 break
             if len(parts) != 2:
@@ -386,9 +285,9 @@ class ZmqControl:
         self._closed = True
         for link in self._links.values():
             link.closed = True
-            self._release(link)
+            link.release()
         self._links.clear()
-        self._parked.clear()
+        self._parking.clear()
         self._router.close(linger=0)
         self._shutdown_context()
 
@@ -415,21 +314,21 @@ class ZmqControl:
         pending = self._dirty
         for key, link in touched.items():
             if key == 0:
-                pending |= bool(_events(self._router) & _POLLIN)
+                pending |= bool(socket_events(self._router) & POLLIN)
                 continue
             assert link is not None
             sock, monitor = link.socket, link.monitor
             if sock is None or link.dead_reason is not None:
                 continue
-            events = _events(sock)
-            pending |= bool(events & _POLLIN or (link.queue and events & _POLLOUT))
+            events = socket_events(sock)
+            pending |= bool(events & POLLIN or (link.queue and events & POLLOUT))
             if monitor is not None:
-                pending |= bool(_events(monitor) & _POLLIN)
+                pending |= bool(socket_events(monitor) & POLLIN)
         return pending
 
     def next_deadline(self) -> float | None:
         """When the oldest parked link is due to close (:meth:`receive` does it)."""
-        return next(iter(self._parked.values())).parked_until if self._parked else None
+        return self._parking.next_deadline()
 
     def mark_dirty(self) -> None:
         """A link needs the pump (owner's lock held): :meth:`pending` says so."""
@@ -442,7 +341,7 @@ class ZmqControl:
         if sock is None or not link.alive:
             return False
         try:
-            sock.send(frame, _NOBLOCK, copy=len(frame) < 65536)
+            sock.send(frame, NOBLOCK, copy=len(frame) < 65536)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -455,12 +354,12 @@ class ZmqControl:
 
     def statistics(self) -> ZmqStatistics:
         return ZmqStatistics(
-            links=len(self._links) - len(self._parked),
+            links=len(self._links) - len(self._parking),
             frames_received=self._received,
             frames_sent=self._sent,
             frames_dropped=self._dropped,
             links_lost=self._lost,
-            links_parked=len(self._parked),
+            links_parked=len(self._parking),
         )
 
     # -- internals -----------------------------------------------------------------------
@@ -484,10 +383,7 @@ class ZmqControl:
     def _pump(self) -> None:
         """Pump every link (what it leaves undone, :meth:`pending` says)."""
         self._dirty = False
-        if self._parked:
-            now = self._clock()
-            while self._parked and next(iter(self._parked.values())).parked_until <= now:
-                self._drop(next(iter(self._parked.values())))  # parked in this order
+        self._parking.expire()
         for link in list(self._links.values()):
             self._pump_link(link)
         self._refresh_descriptors()
@@ -497,7 +393,7 @@ class ZmqControl:
         if link.closed:
             if not link.parked:
                 self._send_last_words(link)
-                if not self._park(link):
+                if not self._parking.park(link):
                     self._drop(link)
                     return
             self._tend_parked(link)
@@ -509,64 +405,30 @@ class ZmqControl:
             if link.socket is None:
                 return
         self._touched[id(link)] = link
-        lost = self._monitor_loss(link)
+        lost = link.loss()
         if lost is not None:
             self._lose(link, lost)
-        sock = link.socket
-        self._read_answers(link, sock)
-        self._send_queued(link, sock)
+        self._read_answers(link)
+        self._send_queued(link)
 
-    def _send_queued(self, link: ZmqLink, sock: zmq.Socket[bytes]) -> None:
-        while link.queue and link.dead_reason is None:
-            try:
-                sock.send(link.queue[0], _NOBLOCK, copy=len(link.queue[0]) < 65536)
-            except zmq.Again:
-                break  # high-water mark: try again on the next pump
-            except zmq.ZMQError as exc:
-                self._lose(link, f"send failed: {exc}")
-                break
-            frame = link.queue.popleft()
-            link.queued_bytes -= len(frame)
-            link.sent(frame)
-            self._sent += 1
+    def _send_queued(self, link: ZmqLink) -> None:
+        sent, failed = link.send_queued()
+        self._sent += sent
+        if failed is not None:
+            self._lose(link, failed)
 
-    # -- parked links (rule 6) -----------------------------------------------------------
-
-    def _park(self, link: ZmqLink) -> bool:
-        """Keep closed ``link``'s connection for the peer's next link, if it is up."""
-        if link.socket is None or link.dead_reason is not None or not link.parkable:
-            return False  # no connection, a lost one, or the owner's word
-        if self._max_parked <= 0:
-            return False
-        if self._monitor_loss(link) is not None:
-            return False  # lost (one still connecting is parked: its frames go first)
-        previous = self._parked.pop(link.peer_id, None)
-        if previous is not None:
-            self._drop(previous)
-        while len(self._parked) >= self._max_parked:
-            self._drop(next(iter(self._parked.values())))  # the oldest
-        link.parked, link.parked_until = True, self._clock() + self._park_s
-        self._parked[link.peer_id] = link
-        return True
+    # -- parked links (rule 6: zmq_parking) -----------------------------------------------
 
     def _tend_parked(self, link: ZmqLink) -> None:
         """Watch a parked link: closed once lost; what the peer sends on it is
         dropped; its last words that did not fit yet still go out."""
-        sock = link.socket
-        assert sock is not None
+        assert link.socket is not None
         self._touched[id(link)] = link
-        if self._monitor_loss(link) is not None:
+        if link.loss() is not None:
             self._drop(link)
             return
-        for _ in range(64):
-            if not _events(sock) & _POLLIN:
-                break
-            try:
-                sock.recv(_NOBLOCK)
-            except zmq.ZMQError:
-                break
-            self._dropped += 1  # an answer to a session that ended
-        self._send_queued(link, sock)
+        self._dropped += len(link.read(64))  # answers to a session that ended
+        self._send_queued(link)
         if link.dead_reason is not None:
             self._drop(link)
 
@@ -576,23 +438,15 @@ class ZmqControl:
         for old in list(self._links.values()):
             if old.closed and not old.parked and old.peer_id == peer_id:
                 self._pump_link(old)  # closed since the last pump: its last words, parked
-        parked = self._parked.get(peer_id)
+        parked = self._parking.get(peer_id)
         if parked is None:
             return False
         self._tend_parked(parked)  # a loss that already arrived is seen now
-        if self._parked.get(peer_id) is not parked:
+        if self._parking.get(peer_id) is not parked:
             return False
-        old = parked
-        self._drop(old, release=False)
-        sock = old.socket
-        assert sock is not None
-        sock.setsockopt(zmq.LINGER, 0)  # its last words went out (or move here)
-        link.socket, link.monitor, link.fds = sock, old.monitor, old.fds
-        old.socket, old.monitor, old.fds = None, None, ()
-        link.connected_once = old.connected_once
+        self._drop(parked, release=False)
+        link.take_over(parked)
         self._touched[id(link)] = link  # reading it as parked may have eaten an edge
-        link.recent = old.recent  # libzmq may still hold those frames (rule 2)
-        link.queue, link.queued_bytes = old.queue, old.queued_bytes  # in order, first
         if link.queue:
             self.mark_dirty()
         return True
@@ -600,11 +454,10 @@ class ZmqControl:
     def _drop(self, link: ZmqLink, *, release: bool = True) -> None:
         """Forget closed ``link`` (and close its sockets unless ``release`` is off)."""
         if release:
-            self._release(link)
+            link.release()
         del self._links[id(link)]
         self._touched.pop(id(link), None)
-        if self._parked.get(link.peer_id) is link:
-            del self._parked[link.peer_id]
+        self._parking.forget(link)
 
     def _open(self, link: ZmqLink) -> None:
         try:
@@ -624,7 +477,7 @@ class ZmqControl:
                 sock.curve_secretkey = self._curve.secret
                 sock.curve_serverkey = self._curve.server_public
             link.monitor = sock.get_monitor_socket(
-                _MONITOR_EVENTS, f"inproc://kvpeer-monitor-{next(self._monitor_seq)}"
+                MONITOR_EVENTS, f"inproc://kvpeer-monitor-{next(self._monitor_seq)}"
             )
             sock.connect(endpoint)
         except (zmq.ZMQError, PeerLost) as exc:
@@ -633,48 +486,19 @@ class ZmqControl:
         link.socket = sock
         link.fds = (sock.fileno(), link.monitor.fileno())
 
-    def _monitor_loss(self, link: ZmqLink) -> str | None:
-        """Read ``link``'s monitor: why its connection is lost, or None."""
-        monitor = link.monitor
-        if monitor is None:
-            return None
-        while _events(monitor) & _POLLIN:
-            try:
-                event = recv_monitor_message(monitor, _NOBLOCK)
-            except zmq.Again:
-                return None
-            kind = int(event["event"])
-            if kind == zmq.EVENT_CONNECTED:
-                link.connected_once = True
-            elif kind == zmq.EVENT_CONNECT_RETRIED and not link.connected_once:
-                # The first connect failed (refused, unreachable): say so now rather
-                # than let ZMQ retry while requests wait (rule 3).
-                return "cannot connect (refused or unreachable)"
-            elif kind & _HANDSHAKE_FAILED:
-                return "security handshake failed (CURVE keys?)"
-            elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and link.connected_once:
-                return "connection lost"
-        return None
-
     def refuse(self, peer_id: str, frame: bytes) -> None:
         """Answer on the peer's own connection (ROUTER -> its DEALER); never dial it."""
         if self._closed:
             return
         try:
-            self._router.send_multipart([peer_id.encode("utf-8"), frame], _NOBLOCK)
+            self._router.send_multipart([peer_id.encode("utf-8"), frame], NOBLOCK)
         except (zmq.ZMQError, UnicodeEncodeError):
             self._dropped += 1  # gone already, or its pipe is full: it was best effort
         self._touched[0] = None  # the send may have eaten an inbound edge
 
-    def _read_answers(self, link: ZmqLink, sock: zmq.Socket[bytes]) -> None:
+    def _read_answers(self, link: ZmqLink) -> None:
         """Frames a peer sent back on our DEALER (a refusal): delivered as from it."""
-        for _ in range(64):
-            if not _events(sock) & _POLLIN:
-                return
-            try:
-                frame = sock.recv(_NOBLOCK)
-            except zmq.ZMQError:
-                return
+        for frame in link.read(64):
             self._received += 1
             self._answers.append(InboundFrame(link.peer_id, frame))
 
@@ -688,7 +512,7 @@ class ZmqControl:
         sock = link.socket
         if sock is None:
             return
-        self._send_queued(link, sock)  # what does not fit waits while the link is parked
+        self._send_queued(link)  # what does not fit waits while the link is parked
         sock.setsockopt(zmq.LINGER, _LAST_WORDS_LINGER_MS)
 
     def lose(self, link: ZmqLink, reason: str) -> None:
@@ -701,17 +525,6 @@ class ZmqControl:
             self._dirty = True  # its descriptors leave the wait set
             self._lost += 1
             log.info("control link to %s lost: %s", link.peer_id, reason)
-
-    def _release(self, link: ZmqLink) -> None:
-        link.fds = ()
-        if link.socket is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                link.socket.disable_monitor()
-            link.socket.close()  # its LINGER: 0, or a moment for its last words
-            link.socket = None
-        if link.monitor is not None:
-            link.monitor.close(linger=0)
-            link.monitor = None
 
     def _shutdown_context(self) -> None:
         if self._auth is not None:

@@ -29,6 +29,9 @@ Invariants:
    not at all for tiers that are not kvpeer's or for requests whose source has not
    confirmed its blocks (a PD consumer sent before its prefill answered may wait for
    a prefill that takes seconds).
+4. Only a request whose source holds its blocks is promoted this way; every other
+   promotion is vLLM's own (deferred, one job per request and step), because a
+   source's promise for a PD request is one fetch for all its keys.
 """
 
 from __future__ import annotations
@@ -99,7 +102,10 @@ class KVPeerTieringManager(TieringOffloadingManager):
 
     def _initiate_promotion(self, tier_idx: int, key: OffloadKey, req_context: ReqContext) -> bool:
         tier = self._kvpeer.get(tier_idx)
-        if tier is None:
+        if tier is None or not tier.batches_promotions(req_context):
+            # vLLM's way: one job per request at the step's end. A PD source still
+            # computing its prefill is one of these: a vLLM producer serves one fetch
+            # per PD request, so its keys must leave as one job (invariant 4).
             return super()._initiate_promotion(tier_idx, key, req_context)
         keys = [key, *self._also_held(tier, key, req_context)]
         reserved = self.primary_tier.prepare_write(keys, req_context)
@@ -132,8 +138,6 @@ class KVPeerTieringManager(TieringOffloadingManager):
     ) -> Sequence[OffloadKey]:
         """Keys after ``key`` that the primary tier lacks and ``tier`` answers HIT now,
         up to the first that breaks the run (so one job carries the whole prefix)."""
-        if not tier.batches_promotions(req_context):
-            return ()
         run: list[OffloadKey] = []
         for following in following_keys(key, req_context):
             if self.primary_tier.lookup(following, req_context) is not LookupResult.MISS:

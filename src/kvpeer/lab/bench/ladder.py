@@ -138,6 +138,7 @@ def run(
 
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-ladder-"))
+    logs.mkdir(parents=True, exist_ok=True)
     options = {"held_bytes": spec.held_bytes}
     trace_env = {TRACE_ENV: "1"}
     a = ServeSpec("a", model, data_plane="shm", tier_options=options, env=trace_env)
