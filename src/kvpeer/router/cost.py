@@ -139,6 +139,8 @@ class CostModel:
         self._busy_s = self.priors.source_busy_s
         self._busy_at: float | None = None  # when _busy_s was last relaxed or learned
         self._warm: set[tuple[str, str]] = set()
+        self._floor_s: float | None = None  # pull_floor_s(), until a pull line learns
+        self._compute_floor: tuple[float, float] | None = None  # compute_floor_s()'s line
 
     # --- predictions ------------------------------------------------------------------
 
@@ -150,6 +152,19 @@ class CostModel:
             line = self._pooled
         return line.predict(ahead) + max(0, load.in_flight) * self.priors.in_flight_s
 
+    def compute_floor_s(self, tokens: int, load: EngineLoad) -> float:
+        """No engine's :meth:`compute_s` at this load is less: the same sum over the least
+        base and rate of any compute line, so a decision can pass over engines that
+        cannot win without predicting each one."""
+        if self._compute_floor is None:
+            lines = [self._pooled.params, *(line.params for line in self._compute.values())]
+            p = self.priors
+            self._compute_floor = (min([p.overhead_s, *(a for a, _ in lines)]),
+                                   min([p.prefill_s_per_token, *(b for _, b in lines)]))
+        a, b = self._compute_floor
+        ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
+        return a + b * ahead + max(0, load.in_flight) * self.priors.in_flight_s
+
     def pull_s(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, *,
         parked: bool = False, held: bool = False,
@@ -159,14 +174,30 @@ class CostModel:
         ``parked``: a PD pull, served from what the prefill leg stored for it without
         waiting for the source's engine (no serve wait); ``held``: the source serves held
         blocks from its node's thread (no serve wait either)."""
+        warm, cold = self.pull_quote_s(source, tokens, source_load, parked=parked, held=held)
+        return warm if (engine, source) in self._warm else cold
+
+    def pull_quote_s(
+        self, source: str, tokens: int, source_load: EngineLoad, *,
+        parked: bool = False, held: bool = False,
+    ) -> tuple[float, float]:
+        """:meth:`pull_s` into any engine: (its session with ``source`` warm, cold). A
+        decision asks once per source and prefix, not once per consumer."""
         seconds = self._pull_line(source).predict(max(0, tokens))
         if source_load.in_flight > 0:
             seconds += self._busy_s
             if not parked and not held:
                 seconds += self.serve_wait_s(source, source_load)
-        if (engine, source) not in self._warm:
-            seconds += self._cold_s
-        return seconds
+        return seconds, seconds + self._cold_s
+
+    def pull_floor_s(self) -> float:
+        """No :meth:`pull_s` is less (each adds only non-negative terms to a pull line,
+        which is at least its base at zero tokens): lets a decision skip the engines a
+        pull cannot make fastest without predicting their pulls."""
+        if self._floor_s is None:
+            bases = [line.params[0] for line in self._pull.values()]
+            self._floor_s = min([self.priors.pull_base_s, *bases])
+        return self._floor_s
 
     def consumer_steps_s(self, engine: str, load: EngineLoad, *, sync: bool = False) -> float:
         """What a pull's extra steps cost ``engine`` itself, given its load (zero idle);
@@ -203,6 +234,7 @@ class CostModel:
         """``engine`` took ``seconds`` to its first token computing ``tokens`` itself."""
         ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
         y = max(0.0, seconds - max(0, load.in_flight) * self.priors.in_flight_s)
+        self._compute_floor = None
         self._compute_line(engine).observe(ahead, y)
         self._pooled.observe(ahead, y)
 
@@ -212,6 +244,7 @@ class CostModel:
     ) -> None:
         """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT)."""
         line = self._pull_line(source)
+        self._floor_s = None
         wait = 0.0 if parked or held else self.serve_wait_s(source, source_load)
         if source_load.in_flight > 0 and (engine, source) in self._warm:
             # What a busy source costs beyond an idle one's pull (the line learns only

@@ -66,6 +66,8 @@ REASONS: Final = (
 )
 
 _ERROR_BUCKETS: Final = (-1024, -256, -64, -1, 0, 64, 256, 1024)  # actual - predicted
+_TOP_QUOTES: Final = 4  # at most this many holders of the longest prefix: quote them first
+_NOTHING: Final = (0, 0)  # (local, CPU tier) of an engine holding none of the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,38 +166,6 @@ class _Option:
     pull_rejected: bool = False  # a source held more, but pulling was predicted slower
     #: the best rejected pull (``pull_rejected``): tried now and then (rule 6)
     rejected: _Option | None = None
-
-
-class _Sources:
-    """The engines of one plan by the prefix they hold in their CPU tier, so that each
-    serving engine visits only the sources that hold more than it (the others could
-    never be pulled from): a fleet of N engines costs N x (sources holding more), not
-    N x N (``kvpeer bench router-scale``: 13 ms a decision at 64 engines before)."""
-
-    def __init__(self, held: Mapping[str, tuple[int, int]]) -> None:
-        order = {name: i for i, name in enumerate(held)}
-        ranked = sorted(
-            ((cpu, name) for name, (_, cpu) in held.items() if cpu > 0),
-            key=lambda entry: (-entry[0], order[entry[1]]),
-        )
-        self._ranked = ranked
-        self._order = order
-        self._above: dict[int, list[tuple[str, int]]] = {}  # most engines share a prefix
-
-    def above(self, tokens: int) -> list[tuple[str, int]]:
-        """Engines holding more than ``tokens`` in the CPU tier, as ``(name, tokens)``, in
-        the plan's engine order (the order ties were always broken in)."""
-        known = self._above.get(tokens)
-        if known is not None:
-            return known
-        count = 0
-        for cpu, _ in self._ranked:
-            if cpu <= tokens:
-                break
-            count += 1
-        chosen = sorted(self._ranked[:count], key=lambda entry: self._order[entry[1]])
-        known = self._above[tokens] = [(name, cpu) for cpu, name in chosen]
-        return known
 
 
 class RouterPolicy:
@@ -321,22 +291,79 @@ class RouterPolicy:
         now: float,
         pull_from: str | None = None,
     ) -> tuple[Plan, _Pending]:
+        """Rule 2, at a cost that grows with the fleet once, not with servers x sources
+        (``kvpeer bench router-scale``: 25 ms a decision at 256 engines when every
+        server predicted every source).
+
+        Servers alike in prefix held and load share a lower bound of their prediction:
+        the cost model's floor lines (:meth:`CostModel.compute_floor_s`,
+        :meth:`CostModel.pull_floor_s`, and the quotes of the longest prefix's few
+        holders). They are predicted exactly in the order of their bound until the bound
+        passes the best prediction so far, so a server is skipped only when it cannot
+        win. A server's pulls are predicted per prefix length its sources hold, longest
+        first, and each source's pull once per prefix the pulling servers hold
+        (:meth:`CostModel.pull_quote_s`). Sums are formed as ``pull_s`` and the old
+        per-source loop formed them, so the plan is the same to the last bit
+        (``tests/router/test_decide_scale.py`` checks it against that loop).
+        """
+        n = len(prompt)
         if not servers:
-            return _no_engine(len(prompt), healthy)
-        held = {name: self._held(name, keys, usable, now) for name in healthy}
-        sources = _Sources(held)
-        best: tuple[float, int, str] | None = None
-        options: dict[str, _Option] = {}
+            return _no_engine(n, healthy)
+        cost = self.cost
+        held = self._held(keys, usable, now)
+        sources: list[tuple[str, int]] = []  # (name, CPU-tier prefix), in plan order
+        if self._config.pulls:
+            for name in healthy if pull_from is None else (pull_from,):
+                cpu = held.get(name, _NOTHING)[1]
+                if cpu > 0:
+                    sources.append((name, cpu))
+        groups: dict[int, list[str]] = {}  # the sources by the prefix they hold
+        for source, cpu in sources:
+            groups.setdefault(cpu, []).append(source)
+        lengths = sorted(groups, reverse=True)
+        top = lengths[0] if lengths else 0
+        floor = cost.pull_floor_s() if sources else 0.0
+        # Every server's least possible prediction (the cost model's floor lines: one
+        # per prefix held and load, shared by the servers alike in both), then exact
+        # predictions, most promising first, until no server left can beat the best.
+        alike: dict[tuple[int, int, int], list[str]] = {}
         for name in servers:
             load = healthy[name]
-            option = self._best_option(name, len(prompt), held, sources, healthy, pull_from)
-            options[name] = option
-            rank = (option.ttft_s, load.in_flight, name)
-            if best is None or rank < best:
-                best = rank
+            local = held.get(name, _NOTHING)[0]
+            alike.setdefault((local, load.queued_prompt_tokens, load.in_flight), []).append(name)
+        top_floor, second = self._top_floor(groups, lengths, held, healthy, floor)
+        entries: list[tuple[float, int, int, int]] = []
+        for (local, queued, in_flight), names in alike.items():
+            load = healthy[names[0]]
+            bound = cost.compute_floor_s(n - local, load)
+            if local < top:  # a source holds more: a pull may be faster (sources != name)
+                bound = min(bound, cost.compute_floor_s(n - top, load) + top_floor)
+                if local < second:
+                    bound = min(bound, cost.compute_floor_s(n - second, load) + floor)
+            entries.append((bound, local, queued, in_flight))
+        entries.sort()
+        best: tuple[float, int, str] | None = None
+        option = _Option(0.0, 0)
+        quotes: dict[tuple[str, int], tuple[float, float]] = {}
+        for bound, local, queued, in_flight in entries:
+            if best is not None and bound > best[0]:
+                break  # sorted: no later one can win either
+            for name in alike[(local, queued, in_flight)]:
+                alone = cost.compute_s(name, n - local, healthy[name])
+                found: _Option | None = _Option(alone, local)
+                if local < top:
+                    found = self._best_option(
+                        name, n, local, alone, sources, groups, lengths, healthy, quotes,
+                        floor, best, pull_from,
+                    )
+                    if found is None:
+                        continue
+                assert found is not None
+                rank = (found.ttft_s, in_flight, name)
+                if best is None or rank < best:
+                    best, option = rank, found
         assert best is not None
         engine = best[2]
-        option = options[engine]
         explore = self._explorable(option)
         if explore is not None:
             option = explore
@@ -355,43 +382,137 @@ class RouterPolicy:
             predicted_pulled_tokens=option.pulled, predicted_ttft_s=option.ttft_s,
             reason=reason,
         )
-        return plan, _Pending(plan, len(prompt), held[engine][0], 0, dict(healthy))
+        local = held.get(engine, _NOTHING)[0]
+        return plan, _Pending(plan, n, local, 0, dict(healthy))
 
     def _best_option(
         self,
         engine: str,
         prompt_tokens: int,
-        held: Mapping[str, tuple[int, int]],
-        sources: _Sources,
+        local: int,
+        alone: float,
+        sources: Sequence[tuple[str, int]],
+        groups: Mapping[int, Sequence[str]],
+        lengths: Sequence[int],
         healthy: Mapping[str, EngineLoad],
-        pull_from: str | None = None,
-    ) -> _Option:
-        """Compute locally, or pull from the best source (rule 2); from ``pull_from``
-        whenever it holds more, if the client pinned it."""
+        quotes: dict[tuple[str, int], tuple[float, float]],
+        floor: float,
+        best: tuple[float, int, str] | None,
+        pull_from: str | None,
+    ) -> _Option | None:
+        """Compute locally (``alone``), or pull from the best source (rule 2); from
+        ``pull_from`` whenever it holds more, if the client pinned it. None: ``engine``
+        cannot beat ``best`` (a lower bound per prefix length the sources hold says so)."""
+        cost = self.cost
         load = healthy[engine]
-        local = held[engine][0]
-        best = _Option(self.cost.compute_s(engine, prompt_tokens - local, load), local)
-        rejected: _Option | None = None
-        for source, source_cpu in sources.above(local):
-            if not self._config.pulls:
+        steps = cost.consumer_steps_s(engine, load, sync=self._specs[engine].sync_pulls)
+        predicted: dict[str, float] = {}
+        least = alone
+        # A group's pulls take at least its compute of the rest + the floor: longest
+        # prefix first (the lowest bound), stopping once nothing left can beat ``best``,
+        # or once the groups left, all above the best pull so far, cannot change the
+        # pick (a long prefix's holder beats the many holders of a short one).
+        for cpu in lengths:
+            if cpu <= local:
                 break
-            if source == engine:
+            compute = cost.compute_s(engine, prompt_tokens - cpu, load)
+            bound = compute + floor + steps
+            if best is not None and min(least, bound) > best[0]:
+                return None
+            if predicted and pull_from is None and bound > least:
+                option = self._pick(local, alone, sources, predicted, bound, pull_from)
+                if option is not None:
+                    return option
+            for source in groups[cpu]:
+                quote = quotes.get((source, local))
+                if quote is None:
+                    quote = quotes[(source, local)] = cost.pull_quote_s(
+                        source, cpu - local, healthy[source],
+                        held=self._specs[source].serves_held,
+                    )
+                pull = quote[0] if cost.is_warm(engine, source) else quote[1]
+                ttft = predicted[source] = compute + pull + steps  # as pull_s summed
+                least = min(least, ttft)
+        if best is not None and least > best[0]:
+            return None
+        option = self._pick(local, alone, sources, predicted, None, pull_from)
+        assert option is not None  # every candidate predicted: nothing is uncertain
+        return option
+
+    def _pick(
+        self,
+        local: int,
+        alone: float,
+        sources: Sequence[tuple[str, int]],
+        predicted: Mapping[str, float],
+        unknown: float | None,
+        pull_from: str | None,
+    ) -> _Option | None:
+        """Rule 2's pick: in plan order, a pull is taken when it beats the pick so far by
+        the margin (a pinned source always). Candidates not in ``predicted`` take at least
+        ``unknown``; None when one of them could change the pick. While one of them may
+        have been taken, the pick so far is only known to lie in ``[low, ttft]``."""
+        margin = self._config.pull_margin_s
+        ttft, cached, chosen = alone, local, None
+        low: float | None = None
+        rejected: tuple[float, int, str] | None = None
+        unpredicted = False
+        for source, cpu in sources:
+            if cpu <= local:
                 continue
-            if pull_from is not None and source != pull_from:
+            candidate = predicted.get(source)
+            if candidate is None:
+                assert unknown is not None
+                unpredicted = True
+                if unknown + margin < ttft:  # it may be taken
+                    low = unknown if low is None else min(low, unknown)
                 continue
-            pulled = source_cpu - local
-            ttft = self.cost.compute_s(engine, prompt_tokens - source_cpu, load) + (
-                self.cost.pull_s(engine, source, pulled, healthy[source],
-                                 held=self._specs[source].serves_held)
-            ) + self.cost.consumer_steps_s(engine, load, sync=self._specs[engine].sync_pulls)
-            option = _Option(ttft, source_cpu, source, pulled)
-            if source == pull_from or ttft + self._config.pull_margin_s < best.ttft_s:
-                best = option
-            elif rejected is None or ttft < rejected.ttft_s:
-                rejected = option
-        if best.source is None and rejected is not None:
-            return _Option(best.ttft_s, best.cached, pull_rejected=True, rejected=rejected)
-        return best
+            if low is None:
+                taken = source == pull_from or candidate + margin < ttft
+            elif candidate + margin < low:
+                taken, low = True, None
+            elif candidate + margin >= ttft:
+                taken = False
+            else:
+                return None
+            if taken:
+                ttft, cached, chosen = candidate, cpu, source
+            elif rejected is None or candidate < rejected[0]:
+                rejected = (candidate, cpu, source)
+        if low is not None:
+            return None
+        if chosen is not None:
+            return _Option(ttft, cached, chosen, cached - local)
+        if rejected is None and not unpredicted:
+            return _Option(ttft, cached)
+        if rejected is None or (unknown is not None and unpredicted and rejected[0] >= unknown):
+            return None  # the least rejected pull may be one not predicted
+        tried = _Option(rejected[0], rejected[1], rejected[2], rejected[1] - local)
+        return _Option(ttft, cached, pull_rejected=True, rejected=tried)
+
+    def _top_floor(
+        self,
+        groups: Mapping[int, Sequence[str]],
+        lengths: Sequence[int],
+        held: Mapping[str, tuple[int, int]],
+        healthy: Mapping[str, EngineLoad],
+        floor: float,
+    ) -> tuple[float, int]:
+        """The least pull from the sources holding the longest prefix, and the next
+        length (0: none): a second turn's one holder is typically busy, and its pulls
+        then cost far more than the floor, so others' bounds should say so."""
+        if not lengths:
+            return floor, 0
+        top, second = lengths[0], lengths[1] if len(lengths) > 1 else 0
+        sources = groups[top]
+        if len(sources) > _TOP_QUOTES:
+            return floor, second
+        # Whoever pulls from them pulls at least this many tokens (a pull grows with them).
+        fewest = top - max((local for local, _ in held.values() if local < top), default=0)
+        quotes = (self.cost.pull_quote_s(source, fewest, healthy[source],
+                                         held=self._specs[source].serves_held)[0]
+                  for source in sources)  # fmt: skip
+        return min(quotes), second
 
     def _explorable(self, option: _Option) -> _Option | None:
         """The rejected pull of ``option``, if it is time to try one (rule 6)."""
@@ -405,11 +526,16 @@ class RouterPolicy:
         self._stats.add("explorations_total")
         return tried
 
-    def _held(self, engine: str, keys: PromptKeys, usable: int, now: float) -> tuple[int, int]:
-        """(local prefix in either medium, prefix in the CPU tier), capped (rule 4)."""
-        gpu = self._index.longest_prefix(engine, keys, MEDIUM_GPU, now)
-        cpu = self._index.longest_prefix(engine, keys, MEDIUM_CPU, now)
-        return min(max(gpu, cpu), usable), min(cpu, usable)
+    def _held(self, keys: PromptKeys, usable: int, now: float) -> dict[str, tuple[int, int]]:
+        """(local prefix in either medium, prefix in the CPU tier), capped (rule 4), of
+        every engine holding some of the prompt; any other engine holds ``_NOTHING``."""
+        gpu = self._index.prefixes(keys, MEDIUM_GPU, now)
+        cpu = self._index.prefixes(keys, MEDIUM_CPU, now)
+        held = {}
+        for name in gpu.keys() | cpu.keys():
+            in_cpu = cpu.get(name, 0)
+            held[name] = (min(max(gpu.get(name, 0), in_cpu), usable), min(in_cpu, usable))
+        return held
 
     # --- pd ---------------------------------------------------------------------------
 
@@ -427,7 +553,8 @@ class RouterPolicy:
         prefillers = [e for e in healthy if self._specs[e].role in (Role.PREFILL, Role.BOTH)]
         if not decoders:
             return _no_engine(n, healthy)
-        local = {e: self._held(e, keys, usable, now)[0] for e in healthy}
+        held = self._held(keys, usable, now)
+        local = {e: held.get(e, _NOTHING)[0] for e in healthy}
         # Prefill engines, soonest predicted prefill leg first.
         legs = sorted(
             (self.cost.compute_s(e, n - local[e], healthy[e]), healthy[e].in_flight, e)

@@ -63,7 +63,7 @@ REJECT_REASONS: Final = (
     "undecodable",  # not msgpack at all
     "invalid_schema",  # msgpack, but not the shape vLLM emits (types, fields, bounds)
     "token_count_mismatch",  # len(token_ids) != len(block_hashes) * block_size
-    "hash_out_of_range",
+    "hash_out_of_range",  # a label only: msgpack cannot carry an int hash above 2**64 - 1
     "empty_store",
     "too_deep",
 )
@@ -83,7 +83,7 @@ with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``. Opaque to the router."""
 
 _Hash = Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)] | Annotated[
     int, msgspec.Meta(ge=0)
-]
+]  # <= MAX_INT_HASH without a check: msgpack has no integer above 2**64 - 1
 _Str = Annotated[str, msgspec.Meta(max_length=MAX_SHORT_STR)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 # vLLM publishes extra keys untagged: bare LoRA names, cache salts and prompt-embeds
@@ -227,24 +227,32 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     events: list[KVEvent] = []
     unkeyable: list[KVEvent] = []
     skipped: dict[str, int] = {}
+    # A step's removals come one block per event (vLLM's block pool): consecutive ones of
+    # one medium become one BlocksRemoved, applied block by block in the same order, so
+    # the intake costs a Python object per run instead of per block.
+    removed: list[BlockHash] = []
+    removed_medium = ""
     for index, item in enumerate(wire.events):
-        if isinstance(item, _WireCleared):
-            events.append(AllCleared())
-            continue
-        hashes = tuple(item.block_hashes)
-        if any(isinstance(h, int) and h > MAX_INT_HASH for h in hashes) or (
-            isinstance(item, _WireStored)
-            and isinstance(item.parent_block_hash, int)
-            and item.parent_block_hash > MAX_INT_HASH
-        ):
-            return BatchRejected("hash_out_of_range", f"event {index}")
-        if isinstance(item, _WireRemoved):
+        if type(item) is _WireRemoved:
             skip = _skip_reason(item.group_idx, item.ownership)
             if skip is not None:
                 skipped[skip] = skipped.get(skip, 0) + 1
-            elif hashes:
-                events.append(BlocksRemoved(item.medium or "GPU", hashes))
+            elif item.block_hashes:
+                medium = item.medium or "GPU"
+                if medium != removed_medium and removed:
+                    events.append(BlocksRemoved(removed_medium, tuple(removed)))
+                    removed = []
+                removed_medium = medium
+                removed.extend(item.block_hashes)
             continue
+        if removed:
+            events.append(BlocksRemoved(removed_medium, tuple(removed)))
+            removed = []
+        if isinstance(item, _WireCleared):
+            events.append(AllCleared())
+            continue
+        assert isinstance(item, _WireStored)
+        hashes = tuple(item.block_hashes)
         outcome = _translate_stored(item, hashes)
         if isinstance(outcome, BatchRejected):
             return BatchRejected(outcome.reason, f"event {index}: {outcome.detail}")
@@ -254,6 +262,8 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
                 unkeyable.append(BlocksUnkeyable(hashes, item.medium or "GPU"))
         else:
             events.append(outcome)
+    if removed:
+        events.append(BlocksRemoved(removed_medium, tuple(removed)))
     return BatchDecoded(
         ts=wire.ts,
         data_parallel_rank=wire.data_parallel_rank,

@@ -38,6 +38,19 @@ Invariants:
    (the first fix) grew with traffic up to its cap, ~2 MiB per engine. ``kvpeer soak``
    found it: every request's salted reference left a hash mapping behind (a router's
    mappings of one engine grew by ~2,000 a minute, to 22,000 against 550 blocks held).
+7. Every engine has a bit of its own, and each medium keeps, for every chain key some
+   engine holds there, the bits of the engines holding it (``_holders``; speculative
+   entries likewise in ``_speculating``): a bit is set exactly while that engine's
+   ``present`` (or ``speculative``) holds the key. :meth:`PrefixIndex.prefixes` walks a
+   prompt once for the whole fleet with these masks and answers what
+   :meth:`~PrefixIndex.longest_prefix` answers for every engine (at 256 engines one walk
+   per engine and medium was the largest part of a decision after scoring).
+8. A hash already mapped (live or retired) keeps its chain key when stored again under a
+   keyed parent: vLLM derives a block's hash from its parent's hash and its tokens, so a
+   known hash names known content, and its key is not hashed again. The CPU tier
+   announces the blocks the GPU prefix cache announced, under the same hashes, and the
+   prefix cache re-announces every hit: this halves the intake's hashing. (Only a
+   change between keyed and unkeyed counts as ``hash_remapped``.)
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 from kvpeer.router.events import (
     AllCleared,
@@ -65,6 +78,7 @@ MEDIUM_CPU: Final = "CPU"
 _ROOT: Final = b"kvpeer-router-chain-root"
 _CHAIN_BYTES: Final = 16
 _UNKEYED: Final = b"kvpeer-unkeyed:"
+_K = TypeVar("_K")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +103,7 @@ class IndexStatistics:
 
 @dataclass(slots=True)
 class _Engine:
+    bit: int  # this engine's bit in the masks (invariant 7)
     learned: bool = False
     hashes: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
     retired: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
@@ -119,6 +134,10 @@ class PrefixIndex:
         self._max_speculative = max_speculative
         self._max_retired = max_retired
         self._engines: dict[str, _Engine] = {}
+        self._names: list[str] = []  # by bit
+        self._learned_bits = 0
+        self._holders: dict[str, dict[bytes, int]] = {}  # medium -> key -> engine bits
+        self._speculating: dict[tuple[str, bytes], int] = {}  # (medium, key) -> bits
         self._counts: dict[str, int] = {}
 
     @property
@@ -136,11 +155,19 @@ class PrefixIndex:
         size = self._block_size
         if size is None:
             return PromptKeys(0, (), len(prompt))
+        full = len(prompt) - len(prompt) % size
+        try:
+            tokens = array("I", prompt[:full]).tobytes()
+        except (OverflowError, TypeError):  # keep the blocks before the first bad one
+            return self._keys_checked(prompt, size)
+        return PromptKeys(size, _chain_keys(_ROOT, tokens, size), len(prompt))
+
+    def _keys_checked(self, prompt: Sequence[int], size: int) -> PromptKeys:
         keys: list[bytes] = []
         parent = _ROOT
         for start in range(0, len(prompt) - size + 1, size):
             try:
-                block = array("I", prompt[start : start + size])
+                block = array("I", prompt[start : start + size]).tobytes()
             except (OverflowError, TypeError):
                 break
             parent = _chain(parent, block)
@@ -167,6 +194,54 @@ class PrefixIndex:
                 break
             blocks += 1
         return blocks * prompt.block_size
+
+    def prefixes(self, prompt: PromptKeys, medium: str, now: float) -> dict[str, int]:
+        """:meth:`longest_prefix` of every engine at once, for the engines holding at
+        least one block of the prompt (any other engine holds 0): one walk of the prompt
+        for the whole fleet (invariant 7)."""
+        out: dict[str, int] = {}
+        if prompt.block_size != self._block_size:
+            return out
+        holders = self._holders.get(medium, {})
+        speculating = self._speculating
+        alive = self._learned_bits
+        size = prompt.block_size
+        tokens = 0
+        for key in prompt.keys:
+            held = holders.get(key, 0)
+            if speculating:
+                maybe = speculating.get((medium, key), 0) & alive & ~held
+                if maybe:
+                    held |= self._unexpired(maybe, (medium, key), now)
+            still = alive & held
+            if still != alive:
+                if tokens:
+                    self._name_bits(alive ^ still, tokens, out)
+                alive = still
+                if not alive:
+                    return out
+            tokens += size
+        if tokens:
+            self._name_bits(alive, tokens, out)
+        return out
+
+    def _unexpired(self, bits: int, entry: tuple[str, bytes], now: float) -> int:
+        """Those of ``bits`` whose speculative ``entry`` has not expired."""
+        live = 0
+        while bits:
+            low = bits & -bits
+            expiry = self._engines[self._names[low.bit_length() - 1]].speculative[entry]
+            if expiry > now:
+                live |= low
+            bits ^= low
+        return live
+
+    def _name_bits(self, bits: int, tokens: int, out: dict[str, int]) -> None:
+        names = self._names
+        while bits:
+            low = bits & -bits
+            out[names[low.bit_length() - 1]] = tokens
+            bits ^= low
 
     def learned(self, engine: str) -> bool:
         """Whether the engine's stream is followed (invariant 1)."""
@@ -200,21 +275,21 @@ class PrefixIndex:
 
     def apply(self, engine: str, item: FeedItem) -> None:
         """Apply one item of the engine's feed (events, resets, sync)."""
-        state = self._engines.setdefault(engine, _Engine())
-        if isinstance(item, BlocksStored):
-            self._stored(state, item)
-        elif isinstance(item, BlocksRemoved):
+        state = self._engines.get(engine) or self._engine(engine)
+        if isinstance(item, BlocksRemoved):  # most events by far
             self._removed(state, item)
+        elif isinstance(item, BlocksStored):
+            self._stored(state, item)
         elif isinstance(item, BlocksUnkeyable):
             self._stored_unkeyable(state, item)
         elif isinstance(item, AllCleared):
-            state.present.clear()
-            state.speculative.clear()
+            self._clear(state)
             self._bump("cleared")
         elif isinstance(item, StreamReset):
             self._forget(state, restarted=item.restarted)
         elif isinstance(item, StreamSynced):
             state.learned = True
+            self._learned_bits |= state.bit
 
     def speculate(
         self, engine: str, prompt: PromptKeys, medium: str, now: float, ttl: float
@@ -223,15 +298,18 @@ class PrefixIndex:
         ``medium`` until ``now + ttl`` or until an event confirms them (invariant 4)."""
         if prompt.block_size != self._block_size or not prompt.keys:
             return
-        state = self._engines.setdefault(engine, _Engine())
-        _drop_expired(state.speculative, now)
+        state = self._engines.get(engine) or self._engine(engine)
+        self._drop_expired(state, now)
         present: Mapping[bytes, int] = state.present.get(medium, {})
+        speculative, speculating, bit = state.speculative, self._speculating, state.bit
         expiry = now + ttl
         for key in prompt.keys:
             if key not in present:
-                state.speculative.pop((medium, key), None)  # re-insert as the newest
-                state.speculative[(medium, key)] = expiry
-        if len(state.speculative) > self._max_speculative:
+                entry = (medium, key)
+                speculative.pop(entry, None)  # re-insert as the newest
+                speculative[entry] = expiry
+                speculating[entry] = speculating.get(entry, 0) | bit
+        if len(speculative) > self._max_speculative:
             self._trim_speculative(state, now)
 
     def forget(self, engine: str) -> None:
@@ -243,140 +321,229 @@ class PrefixIndex:
 
     # --- internals --------------------------------------------------------------------
 
+    def _engine(self, engine: str) -> _Engine:
+        state = self._engines[engine] = _Engine(1 << len(self._names))
+        self._names.append(engine)
+        return state
+
     def _stored(self, state: _Engine, event: BlocksStored) -> None:
-        if event.medium not in self._media:
+        medium = event.medium
+        if medium not in self._media:
             self._bump("ignored_medium")
             return
         if self._block_size is None:
             self._block_size = event.block_size
-        if event.block_size != self._block_size:
+        size = self._block_size
+        if event.block_size != size:
             self._bump("block_size_mismatch")
             return
+        hashes, retired = state.hashes, state.retired
         if event.parent_hash is None:
             parent = _ROOT
         else:
-            known = self._mapping(state, event.parent_hash)
+            known = hashes.get(event.parent_hash) or retired.get(event.parent_hash)
             if known is None:
                 self._bump("orphans")  # its parent was stored before we listened
                 return
             parent = known
-        size = self._block_size
-        unkeyed = False
+        present = state.present.get(medium) or self._present(state, medium)
+        holders = self._holders[medium]
+        refcounted = medium in self._refcounted
+        speculative, bit = state.speculative, state.bit
+        tokens = b""  # the event's tokens packed once, when a block needs hashing
+        width = 4 * size
+        unkeyed = parent.startswith(_UNKEYED)
+        remapped = 0
         for i, block_hash in enumerate(event.block_hashes):
-            previous = self._mapping(state, block_hash)
-            if _is_unkeyed(parent) or (previous is not None and _is_unkeyed(previous)):
+            previous = hashes.get(block_hash)
+            if previous is None:
+                previous = retired.pop(block_hash, None)  # held again: live (invariant 2)
+            if previous is None:
+                if unkeyed:
+                    parent = _unkeyed(block_hash)  # a salted block's child (invariant 6)
+                else:
+                    tokens = tokens or array("I", event.token_ids).tobytes()
+                    parent = _chain(parent, tokens[i * width : (i + 1) * width])
+            elif unkeyed or previous.startswith(_UNKEYED):
                 parent = _unkeyed(block_hash)  # a salted block or its child (invariant 6)
+                remapped += previous != parent
                 unkeyed = True
             else:
-                parent = _chain(parent, array("I", event.token_ids[i * size : (i + 1) * size]))
-            self._hold(state, event.medium, block_hash, parent, previous)
+                parent = previous  # a known hash names known content (invariant 8)
+            hashes[block_hash] = parent
+            hashes.move_to_end(block_hash)
+            count = present.get(parent)
+            if count is None:
+                present[parent] = 1
+                holders[parent] = holders.get(parent, 0) | bit
+            else:
+                present[parent] = count + 1 if refcounted else 1
+                present.move_to_end(parent)
+            if speculative and speculative.pop((medium, parent), None) is not None:
+                self._unspeculated((medium, parent), bit)
+        if remapped:
+            self._bump("hash_remapped", remapped)
         if unkeyed:
             self._bump("unkeyable_stores")
-        self._bound(state, event.medium)
+        self._bound(state, medium)
 
     def _stored_unkeyable(self, state: _Engine, event: BlocksUnkeyable) -> None:
-        if event.medium not in self._media:
+        medium = event.medium
+        if medium not in self._media:
             self._bump("ignored_medium")
             return
+        present = state.present.get(medium) or self._present(state, medium)
+        holders = self._holders[medium]
+        refcounted = medium in self._refcounted
         for block_hash in event.block_hashes:
-            previous = self._mapping(state, block_hash)
-            self._hold(state, event.medium, block_hash, _unkeyed(block_hash), previous)
-        self._bound(state, event.medium)
+            previous = state.hashes.get(block_hash)
+            if previous is None:
+                previous = state.retired.pop(block_hash, None)
+            key = _unkeyed(block_hash)
+            if previous is not None and previous != key:
+                self._bump("hash_remapped")
+            state.hashes[block_hash] = key
+            state.hashes.move_to_end(block_hash)
+            count = present.get(key)
+            if count is None:
+                present[key] = 1
+                holders[key] = holders.get(key, 0) | state.bit
+            else:
+                present[key] = count + 1 if refcounted else 1
+                present.move_to_end(key)
+            if state.speculative.pop((medium, key), None) is not None:
+                self._unspeculated((medium, key), state.bit)
+        self._bound(state, medium)
 
-    @staticmethod
-    def _mapping(state: _Engine, block_hash: BlockHash) -> bytes | None:
-        """The key ``block_hash`` maps to, live or retired (None: not known)."""
-        known = state.hashes.get(block_hash)
-        return known if known is not None else state.retired.get(block_hash)
-
-    def _hold(
-        self,
-        state: _Engine,
-        medium: str,
-        block_hash: BlockHash,
-        key: bytes,
-        previous: bytes | None,
-    ) -> None:
-        """The engine holds ``block_hash`` (keyed ``key``) in ``medium``."""
-        if previous is not None and previous != key:
-            self._bump("hash_remapped")
-        state.hashes[block_hash] = key
-        state.hashes.move_to_end(block_hash)
-        state.retired.pop(block_hash, None)
-        present = state.present.setdefault(medium, OrderedDict())
-        present[key] = present.get(key, 0) + 1 if medium in self._refcounted else 1
-        present.move_to_end(key)
-        state.speculative.pop((medium, key), None)
+    def _present(self, state: _Engine, medium: str) -> OrderedDict[bytes, int]:
+        self._holders.setdefault(medium, {})
+        present = state.present[medium] = OrderedDict()
+        return present
 
     def _bound(self, state: _Engine, medium: str) -> None:
-        present = state.present.get(medium)
-        while present is not None and len(present) > self._max_blocks:
-            present.popitem(last=False)
-            self._bump("evicted_blocks")
+        present = state.present[medium]
+        if len(present) > self._max_blocks:
+            holders = self._holders[medium]
+            while len(present) > self._max_blocks:
+                key, _ = present.popitem(last=False)
+                _drop_bit(holders, key, state.bit)
+                self._bump("evicted_blocks")
         while len(state.hashes) > 2 * self._max_blocks:
             state.hashes.popitem(last=False)
 
     def _removed(self, state: _Engine, event: BlocksRemoved) -> None:
-        present = state.present.get(event.medium)
+        """One event may name many blocks (the decoder joins a step's removals): the
+        per-block work is all here, in one loop."""
+        medium = event.medium
+        present = state.present.get(medium)
         if present is None:
             self._bump("unknown_removed", len(event.block_hashes))
             return
-        refcounted = event.medium in self._refcounted
+        refcounted = medium in self._refcounted
+        hashes, retired, bit = state.hashes, state.retired, state.bit
+        holders = self._holders[medium]
+        others = [held for other, held in state.present.items() if other != medium]
+        unknown = 0
         for block_hash in event.block_hashes:
-            key = state.hashes.get(block_hash)
+            key = hashes.get(block_hash)
             count = present.get(key) if key is not None else None
             if key is None or count is None:
-                self._bump("unknown_removed")
+                unknown += 1
                 continue
             if refcounted and count > 1:
                 present[key] = count - 1
                 continue
             del present[key]
-            if not any(key in held for held in state.present.values()):
-                self._retire(state, block_hash, key)
+            bits = holders[key] ^ bit
+            if bits:
+                holders[key] = bits
+            else:
+                del holders[key]
+            for held in others:
+                if key in held:
+                    break
+            else:  # the block left every medium: retire its mapping (invariant 2)
+                del hashes[block_hash]
+                retired[block_hash] = key  # never there while live: goes in as newest
+                if len(retired) > self._max_retired:
+                    retired.popitem(last=False)
+        if unknown:
+            self._bump("unknown_removed", unknown)
 
-    def _retire(self, state: _Engine, block_hash: BlockHash, key: bytes) -> None:
-        """``block_hash``'s block left every medium: keep its mapping among the
-        ``max_retired`` most recent only (invariant 2)."""
-        del state.hashes[block_hash]
-        state.retired[block_hash] = key
-        state.retired.move_to_end(block_hash)
-        while len(state.retired) > self._max_retired:
-            state.retired.popitem(last=False)
+    def _clear(self, state: _Engine) -> None:
+        """Forget what the engine holds in every medium, and its speculative entries."""
+        for medium, present in state.present.items():
+            holders = self._holders[medium]
+            for key in present:
+                _drop_bit(holders, key, state.bit)
+        state.present.clear()
+        for entry in state.speculative:
+            self._unspeculated(entry, state.bit)
+        state.speculative.clear()
 
     def _forget(self, state: _Engine, *, restarted: bool) -> None:
-        state.present.clear()
-        state.speculative.clear()
+        self._clear(state)
         if restarted:
             state.hashes.clear()
             state.retired.clear()
         state.learned = False
+        self._learned_bits &= ~state.bit
         self._bump("forgotten")
 
+    def _unspeculated(self, entry: tuple[str, bytes], bit: int) -> None:
+        _drop_bit(self._speculating, entry, bit)
+
+    def _drop_expired(self, state: _Engine, now: float) -> None:
+        """Drop expired entries from the front: entries go in (or back in) as the newest,
+        so with one TTL the oldest expire first and this costs what it removes. Without
+        it expired entries stayed until ``max_speculative`` (20,000 per engine) was
+        passed."""
+        speculative = state.speculative
+        while speculative:
+            oldest = next(iter(speculative))
+            if speculative[oldest] > now:
+                return
+            del speculative[oldest]
+            self._unspeculated(oldest, state.bit)
+
     def _trim_speculative(self, state: _Engine, now: float) -> None:
-        for entry in [e for e, expiry in state.speculative.items() if expiry <= now]:
-            del state.speculative[entry]
-        while len(state.speculative) > self._max_speculative:
-            del state.speculative[next(iter(state.speculative))]
+        speculative = state.speculative
+        for entry in [e for e, expiry in speculative.items() if expiry <= now]:
+            del speculative[entry]
+            self._unspeculated(entry, state.bit)
+        while len(speculative) > self._max_speculative:
+            entry = next(iter(speculative))
+            del speculative[entry]
+            self._unspeculated(entry, state.bit)
             self._bump("speculative_dropped")
 
     def _bump(self, name: str, by: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + by
 
 
-def _drop_expired(speculative: dict[tuple[str, bytes], float], now: float) -> None:
-    """Drop expired entries from the front: entries go in (or back in) as the newest, so
-    with one TTL the oldest expire first and this costs what it removes. Without it
-    expired entries stayed until ``max_speculative`` (20,000 per engine) was passed."""
-    while speculative:
-        oldest = next(iter(speculative))
-        if speculative[oldest] > now:
-            return
-        del speculative[oldest]
+def _drop_bit(masks: dict[_K, int], key: _K, bit: int) -> None:
+    """Clear ``bit`` (set: invariant 7) in ``masks[key]``; no bit left, no entry."""
+    bits = masks[key] ^ bit
+    if bits:
+        masks[key] = bits
+    else:
+        del masks[key]
 
 
-def _chain(parent: bytes, tokens: array[int]) -> bytes:
-    return hashlib.blake2b(parent + tokens.tobytes(), digest_size=_CHAIN_BYTES).digest()
+def _chain(parent: bytes, tokens: bytes) -> bytes:
+    return hashlib.blake2b(parent + tokens, digest_size=_CHAIN_BYTES).digest()
+
+
+def _chain_keys(parent: bytes, tokens: bytes, size: int) -> tuple[bytes, ...]:
+    """The chain keys of ``tokens`` (packed ``uint32``), block by block, from ``parent``."""
+    width = 4 * size
+    keys = []
+    for start in range(0, len(tokens), width):
+        parent = hashlib.blake2b(
+            parent + tokens[start : start + width], digest_size=_CHAIN_BYTES
+        ).digest()
+        keys.append(parent)
+    return tuple(keys)
 
 
 def _unkeyed(block_hash: BlockHash) -> bytes:
@@ -384,7 +551,3 @@ def _unkeyed(block_hash: BlockHash) -> bytes:
     has, so no prompt resolves to it (invariant 6)."""
     raw = block_hash if isinstance(block_hash, bytes) else b"%d" % block_hash
     return _UNKEYED + raw
-
-
-def _is_unkeyed(key: bytes) -> bool:
-    return key.startswith(_UNKEYED)  # a chain key has it by chance with p = 2**-120

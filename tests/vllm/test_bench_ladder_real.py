@@ -1,0 +1,55 @@
+"""``kvpeer bench ladder --prompts 1`` for real: two ``vllm serve`` engines with the whole
+kvpeer stack (held blocks, kvpeer's manager and connector) behind the router.
+
+Checked, as a user would read the result: every rung measured, both pulls came from the
+producer with the producer's own tokens and logprobs, and the slowest pull's timeline
+shows the pull landing inside the lookup (``promotion`` with ``landed=1``) and the load
+scheduled synchronously in the same engine step, from the client's send to its first
+token. No speed is asserted (docs/benchmarks.md has the measured ratios).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvpeer.lab.bench.ladder import RUNGS
+from kvpeer.lab.engines.procs import shm_names
+
+pytestmark = pytest.mark.slow  # real engines, ~3 minutes
+
+LADDER_TIMEOUT_S = 900
+
+
+def test_one_round_of_the_ladder_lands_its_pulls_in_the_lookup(
+    serve_llama: Path, tmp_path: Path
+) -> None:
+    shm_before = shm_names()
+    command = [sys.executable, "-m", "kvpeer", "bench", "ladder", "--prompts", "1", "--json",
+               "--idle-seconds", "0.5", "--model", str(serve_llama),
+               "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LADDER_TIMEOUT_S,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    result = json.loads(done.stdout)
+    assert all(len(result["samples"][rung]) == 1 for rung in RUNGS)
+    assert (result["pulls"], result["pulled_from_producer"], result["same_output"]) == (2, 2, 2)
+    events = [(event["engine"], event["event"]) for event in result["timeline"]]
+    assert events[0] == ("client", "sent")
+    assert ("client", "first_token") in events
+    assert ("router", "sent") in events
+    assert ("a", "fetch_received") in events  # the producer served it
+    promotion = next(e for e in result["timeline"] if e["event"] == "promotion")
+    assert promotion["engine"] == "b"
+    assert "landed=1" in promotion["detail"]
+    step = promotion["detail"].split("step=")[1]
+    hit = next(e for e in result["timeline"] if e["event"] == "lookup_hit")
+    assert hit["detail"].endswith(f"step={step}")  # looked up and landed in one step
+    assert ("b", "sync_load_scheduled") in events
+    assert shm_names() <= shm_before  # nothing left in /dev/shm
