@@ -51,19 +51,24 @@ from vllm.v1.kv_offload.tiering.manager import (
 if TYPE_CHECKING:
     from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
-__all__ = ["KVPeerTieringManager", "following_keys"]
+__all__ = ["GROUP_BYTES", "KVPeerTieringManager", "following_keys"]
+
+GROUP_BYTES = 4  # an offload key is its block hash, then its group's index in 4 bytes
 
 log = logging.getLogger("kvpeer.vllm")
 
 
 def following_keys(key: OffloadKey, req_context: ReqContext) -> list[OffloadKey]:
-    """The request's keys after ``key``, in prompt order (the scheduler records each
-    key's end position in the request's context as it hashes the prompt)."""
+    """The request's keys after ``key`` in its KV-cache group, in prompt order (the
+    scheduler records each key's end position in the request's context as it hashes the
+    prompt; a key ends in its group's index, ``make_offload_key``)."""
     positions: dict[OffloadKey, int] = req_context._offload_key_positions
     start = positions.get(key)
     if start is None:
         return []
-    return sorted((k for k, end in positions.items() if end > start), key=positions.__getitem__)
+    group = key[-GROUP_BYTES:]
+    after = (k for k, end in positions.items() if end > start and k[-GROUP_BYTES:] == group)
+    return sorted(after, key=positions.__getitem__)
 
 
 class KVPeerTieringManager(TieringOffloadingManager):
