@@ -92,3 +92,12 @@ def test_the_command_names_a_bad_round_count() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "expected a whole number of rounds >= 1, got '0'" in done.stderr
+
+
+def test_the_command_names_a_wait_the_tier_would_refuse() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpeer", "bench", "ladder", "--sync-pull-wait", "5"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "sync_pull_wait_s: expected 0 to 1 seconds, got 5.0" in done.stderr

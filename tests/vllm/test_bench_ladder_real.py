@@ -33,6 +33,9 @@ def test_one_round_of_the_ladder_lands_its_pulls_in_the_lookup(
     shm_before = shm_names()
     command = [sys.executable, "-m", "kvpeer", "bench", "ladder", "--prompts", "1", "--json",
                "--idle-seconds", "0.5", "--model", str(serve_llama),
+               # what is checked is that a pull lands in its lookup's step, not how fast:
+               # the wait's bound is raised so a loaded CI machine cannot miss it
+               "--sync-pull-wait", "1",
                "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=LADDER_TIMEOUT_S,
                           check=False)  # fmt: skip

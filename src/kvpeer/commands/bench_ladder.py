@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from kvpeer.commands.progress import progress_printer
+from kvpeer.config import TierConfig
 
 HELP = "a fresh prompt: computed, local hit, pulled from an idle and from a busy producer"
 
@@ -30,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-seconds", type=float, default=1.0, help="idle before each pull")
     parser.add_argument("--held-mib", type=int, default=128, help="held_bytes of each engine, MiB")
     parser.add_argument(
+        "--sync-pull-wait",
+        type=float,
+        help="the tiers' sync_pull_wait_s (default: the tier's own, 0.05)",
+    )
+    parser.add_argument(
         "--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)"
     )
     parser.add_argument("--log-dir", help="keep the engines' logs here")
@@ -41,8 +47,13 @@ def run(args: argparse.Namespace) -> int:
     from kvpeer.lab.demo_run import default_model_dir
 
     progress = progress_printer("bench ladder")
+    if args.sync_pull_wait is not None:  # a bad value is named now, not by two engines later
+        TierConfig.from_dict({"sync_pull_wait_s": args.sync_pull_wait})
     spec = ladder.LadderSpec(
-        prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=args.held_mib << 20
+        prompts=args.prompts,
+        idle_s=args.idle_seconds,
+        held_bytes=args.held_mib << 20,
+        sync_pull_wait_s=args.sync_pull_wait,
     )
     result = ladder.run(
         spec,

@@ -34,9 +34,10 @@ Invariants:
    store job names is copied before that job can be reported (held invariant
    2); the held copies never hold an engine job open.
 7. The engine waits in a lookup (``pull_confirmed``) only for a source that holds
-   the blocks and did not make it wait in vain in the last
-   :data:`SLOW_PULL_BACKOFF_S`; the set of such sources is bounded by
-   ``max_peers`` entries (expired ones are dropped first).
+   the blocks over a ready session and has not made it wait in vain
+   :data:`SLOW_PULL_MISSES` times in a row in the last :data:`SLOW_PULL_BACKOFF_S`;
+   what is remembered of such sources is bounded by ``max_peers`` entries (expired
+   ones are dropped first).
 
 :meth:`Tier.poll` receives and runs timers; :meth:`Tier.get_finished_jobs`
 polls first, so an engine that drives a tier by itself needs nothing else. A
@@ -82,8 +83,11 @@ log = logging.getLogger("kvpeer.tier")
 _HIT: Final = LookupResult.HIT
 _MISS: Final = LookupResult.MISS
 _RETRY: Final = LookupResult.RETRY
-#: after a pull from a peer missed the engine's wait (``sync_pull_wait_s``), how long
-#: the engine does not wait for pulls from that peer (they land a step later instead)
+#: after pulls from a peer missed the engine's wait (``sync_pull_wait_s``) this many
+#: times in a row (a session's first pull may map memory: one miss is forgiven)...
+SLOW_PULL_MISSES: Final = 2
+#: ...the engine does not wait for pulls from that peer for this long (they land a
+#: step later instead)
 SLOW_PULL_BACKOFF_S: Final = 10.0
 
 
@@ -173,7 +177,8 @@ class Tier:
         self._block_len: int | None = None
         self._shut_down = False
         self._steps = 0  # on_schedule_end calls: the engine's scheduler steps
-        self._slow_until: dict[str, float] = {}  # peer -> no waiting for it before then
+        #: peer -> (waits in vain in a row, no waiting for it before then)
+        self._waits: dict[str, tuple[int, float]] = {}
 
     # -- SecondaryTier -----------------------------------------------------------
 
@@ -266,22 +271,27 @@ class Tier:
         return _HIT
 
     def pull_confirmed(self, request: RequestContext) -> bool:
-        """Whether ``request`` pulls blocks its source already holds, so a load is worth
-        waiting for on the engine thread: confirmed by a probe or named by the router
-        (symmetric), or a PD prefill the orchestrator saw answer (``prefill_done``); a
-        PD consumer sent before that may wait for a prefill still being computed."""
+        """Whether ``request`` pulls blocks its source already holds, over a session that
+        is ready, so a load is worth waiting for on the engine thread: confirmed by a
+        probe or named by the router (symmetric), or a PD prefill the orchestrator saw
+        answer (``prefill_done``); a PD consumer sent before that may wait for a prefill
+        still being computed, and a session still shaking hands is slow by nature."""
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None or source.kv_request_id in self._failed:
             return False
-        if self._slow_until.get(source.peer_id, 0.0) > self._clock():
-            return False  # it missed the last wait: the engine does not wait for it now
+        peer = self._peers.get(source.peer_id)
+        if peer is None or not peer.session.ready:
+            return False
+        if self._waits.get(source.peer_id, (0, 0.0))[1] > self._clock():
+            return False  # it made the engine wait in vain: not waited for now
         return source.probe or source.prefill_done
 
     def promotion_waited(self, request: RequestContext, waited_s: float, done: bool) -> None:
         """The engine waited ``waited_s`` in a lookup for a load it submitted at once;
-        ``done``: it landed. A source that made it wait in vain is not waited for again
-        for :data:`SLOW_PULL_BACKOFF_S` (invariant 7): a slow or hostile peer costs the
-        engine's scheduler one bounded wait, not one per request."""
+        ``done``: it landed. A source that made it wait in vain
+        :data:`SLOW_PULL_MISSES` times in a row is not waited for again for
+        :data:`SLOW_PULL_BACKOFF_S` (invariant 7): a slow or hostile peer costs the
+        engine's scheduler a few bounded waits, not one per request."""
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None:
             return
@@ -290,16 +300,18 @@ class Tier:
         if self._trace.enabled:
             self._trace.promotion(source.kv_request_id, source.peer_id, waited_s=waited_s,
                                   done=done, step=self._steps)  # fmt: skip
+        waits = self._waits
         if done:
-            self._slow_until.pop(source.peer_id, None)
+            waits.pop(source.peer_id, None)
             return
         now = self._clock()
-        slow = self._slow_until
-        if source.peer_id not in slow and len(slow) >= self._config.max_peers:
-            slow = self._slow_until = {p: t for p, t in slow.items() if t > now}  # expired
-            if len(slow) >= self._config.max_peers:
-                del slow[min(slow, key=slow.__getitem__)]  # the one that ends first
-        slow[source.peer_id] = now + SLOW_PULL_BACKOFF_S
+        if source.peer_id not in waits and len(waits) >= self._config.max_peers:
+            waits = self._waits = {p: w for p, w in waits.items() if w[1] > now}  # expired
+            if len(waits) >= self._config.max_peers:
+                del waits[min(waits, key=lambda p: waits[p][1])]  # the one that ends first
+        misses = waits.get(source.peer_id, (0, 0.0))[0] + 1
+        until = now + SLOW_PULL_BACKOFF_S if misses >= SLOW_PULL_MISSES else 0.0
+        waits[source.peer_id] = (misses, until)
 
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source

@@ -57,6 +57,8 @@ class LadderSpec:
     busy_tokens: int = 2000  # the other client's long prompt (the model has 2,048 positions)
     idle_s: float = 1.0
     held_bytes: int = 128 << 20
+    #: the tiers' ``sync_pull_wait_s`` (None: the product's default)
+    sync_pull_wait_s: float | None = None
 
 
 @dataclass
@@ -139,7 +141,9 @@ def run(
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-ladder-"))
     logs.mkdir(parents=True, exist_ok=True)
-    options = {"held_bytes": spec.held_bytes}
+    options: dict[str, Any] = {"held_bytes": spec.held_bytes}
+    if spec.sync_pull_wait_s is not None:
+        options["sync_pull_wait_s"] = spec.sync_pull_wait_s
     trace_env = {TRACE_ENV: "1"}
     a = ServeSpec("a", model, data_plane="shm", tier_options=options, env=trace_env)
     b = ServeSpec("b", model, data_plane="shm", tier_options=options, env=trace_env)
