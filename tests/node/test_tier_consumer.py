@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 import pytest
 
 from kvpeer.node.peertable import FIRST_RETRY_S
-from kvpeer.node.tier import SLOW_PULL_BACKOFF_S, SLOW_PULL_MISSES
+from kvpeer.node.pullwaits import SLOW_PULL_BACKOFF_S, SLOW_PULL_MISSES
 from kvpeer.protocol import Connect, Fetch, Lookup
 from kvpeer.testing.cluster import (
     Cluster,

@@ -34,10 +34,8 @@ Invariants:
    store job names is copied before that job can be reported (held invariant
    2); the held copies never hold an engine job open.
 7. The engine waits in a lookup (``pull_confirmed``) only for a source that holds
-   the blocks over a ready session and has not made it wait in vain
-   :data:`SLOW_PULL_MISSES` times in a row in the last :data:`SLOW_PULL_BACKOFF_S`;
-   what is remembered of such sources is bounded by ``max_peers`` entries (expired
-   ones are dropped first).
+   the blocks over a ready session and that :mod:`kvpeer.node.pullwaits` allows
+   (not back-off after waits in vain; bounded by ``max_peers`` entries).
 
 :meth:`Tier.poll` receives and runs timers; :meth:`Tier.get_finished_jobs`
 polls first, so an engine that drives a tier by itself needs nothing else. A
@@ -60,6 +58,7 @@ from kvpeer.node.counters import CounterSnapshot, TierCounters
 from kvpeer.node.held import HeldBlocks
 from kvpeer.node.params import LOCAL, Routing, Source, parse_transfer_params
 from kvpeer.node.peertable import Peer, PeerTable, PeerView, Polled
+from kvpeer.node.pullwaits import PullWaits
 from kvpeer.node.trace import Trace
 from kvpeer.session import CloseKind, PeerSession
 from kvpeer.session.ports import Parent
@@ -83,12 +82,6 @@ log = logging.getLogger("kvpeer.tier")
 _HIT: Final = LookupResult.HIT
 _MISS: Final = LookupResult.MISS
 _RETRY: Final = LookupResult.RETRY
-#: after pulls from a peer missed the engine's wait (``sync_pull_wait_s``) this many
-#: times in a row (a session's first pull may map memory: one miss is forgiven)...
-SLOW_PULL_MISSES: Final = 2
-#: ...the engine does not wait for pulls from that peer for this long (they land a
-#: step later instead)
-SLOW_PULL_BACKOFF_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +170,7 @@ class Tier:
         self._block_len: int | None = None
         self._shut_down = False
         self._steps = 0  # on_schedule_end calls: the engine's scheduler steps
-        #: peer -> (waits in vain in a row, no waiting for it before then)
-        self._waits: dict[str, tuple[int, float]] = {}
+        self._waits = PullWaits(config.max_peers)  # sources the engine may wait for
 
     # -- SecondaryTier -----------------------------------------------------------
 
@@ -282,16 +274,14 @@ class Tier:
         peer = self._peers.get(source.peer_id)
         if peer is None or not peer.session.ready:
             return False
-        if self._waits.get(source.peer_id, (0, 0.0))[1] > self._clock():
+        if not self._waits.allowed(source.peer_id, self._clock()):
             return False  # it made the engine wait in vain: not waited for now
         return source.probe or source.prefill_done
 
     def promotion_waited(self, request: RequestContext, waited_s: float, done: bool) -> None:
         """The engine waited ``waited_s`` in a lookup for a load it submitted at once;
-        ``done``: it landed. A source that made it wait in vain
-        :data:`SLOW_PULL_MISSES` times in a row is not waited for again for
-        :data:`SLOW_PULL_BACKOFF_S` (invariant 7): a slow or hostile peer costs the
-        engine's scheduler a few bounded waits, not one per request."""
+        ``done``: it landed. What it means for later waits is
+        :mod:`kvpeer.node.pullwaits`' (invariant 7)."""
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None:
             return
@@ -300,18 +290,10 @@ class Tier:
         if self._trace.enabled:
             self._trace.promotion(source.kv_request_id, source.peer_id, waited_s=waited_s,
                                   done=done, step=self._steps)  # fmt: skip
-        waits = self._waits
         if done:
-            waits.pop(source.peer_id, None)
-            return
-        now = self._clock()
-        if source.peer_id not in waits and len(waits) >= self._config.max_peers:
-            waits = self._waits = {p: w for p, w in waits.items() if w[1] > now}  # expired
-            if len(waits) >= self._config.max_peers:
-                del waits[min(waits, key=lambda p: waits[p][1])]  # the one that ends first
-        misses = waits.get(source.peer_id, (0, 0.0))[0] + 1
-        until = now + SLOW_PULL_BACKOFF_S if misses >= SLOW_PULL_MISSES else 0.0
-        waits[source.peer_id] = (misses, until)
+            self._waits.landed(source.peer_id)
+        else:
+            self._waits.missed(source.peer_id, self._clock())
 
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source
