@@ -197,10 +197,7 @@ def _run_scenarios(
     from kvpeer.router.policy import Mode, Role
 
     a, b = specs
-    shared_config = RouterConfig(
-        Mode.SHARED, (_entry(a.router_engine()), _entry(b.router_engine())),
-        listen_port=0, allow_pinning=True,
-    )
+    shared_config = shared_pinned_config(a, b)
     pd_config = RouterConfig(
         Mode.PD,
         (_entry(a.router_engine(Role.PREFILL)), _entry(b.router_engine(Role.DECODE))),
@@ -269,6 +266,16 @@ def _entry(spec: Any) -> Any:
     from kvpeer.router.config import EngineEntry
 
     return EngineEntry(spec)
+
+
+def shared_pinned_config(*specs: Any) -> Any:
+    """A shared-mode router over these ``ServeSpec`` engines that honours pinning
+    (``X-Kvpeer-Engine``) and listens on any free port."""
+    from kvpeer.router.config import RouterConfig
+    from kvpeer.router.policy import Mode
+
+    entries = tuple(_entry(spec.router_engine()) for spec in specs)
+    return RouterConfig(Mode.SHARED, entries, listen_port=0, allow_pinning=True)
 
 
 def _pin(engine: str) -> dict[str, str]:

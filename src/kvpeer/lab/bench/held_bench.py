@@ -53,16 +53,14 @@ def run(
         LOGPROB_TOLERANCE,
         MODEL_NAME,
         VOCAB,
-        _entry,
         _pin,
         _wait_indexed,
+        shared_pinned_config,
     )
     from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
     from kvpeer.lab.engines.openai_client import OpenAIClient
     from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
     from kvpeer.router.background import BackgroundRouter
-    from kvpeer.router.config import RouterConfig
-    from kvpeer.router.policy import Mode
 
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-held-"))
@@ -83,11 +81,7 @@ def run(
     try:
         progress(f"starting two vllm serve engines: a (held_bytes {spec.held_bytes}), b (none)")
         fleet.start([a, b])
-        config = RouterConfig(
-            Mode.SHARED, (_entry(a.router_engine()), _entry(b.router_engine())),
-            listen_port=0, allow_pinning=True,
-        )  # fmt: skip
-        with BackgroundRouter(config) as router:
+        with BackgroundRouter(shared_pinned_config(a, b)) as router:
             client = OpenAIClient(router.url, MODEL_NAME)
             try:
                 progress("warm-up: each engine computes once and pulls once")
