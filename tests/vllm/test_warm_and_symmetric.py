@@ -46,6 +46,7 @@ from tests.vllm.scenario import (
 pytestmark = pytest.mark.slow  # real vLLM engines
 
 PEER_TIMEOUT_S = 20.0
+SYNC_PULL_WAIT_S = 1.0  # the most kvpeer accepts
 SHAPES = ("gpu-warm", "primary-warm", "symmetric")
 
 PLANES = [
@@ -96,7 +97,13 @@ def run_pair(launcher: EngineLauncher, plane: str, signals: Path) -> tuple[Engin
     # the symmetric prompt once more on the consumer: a local prefix-cache hit
     consumer_steps.append(generate("again-symmetric", symmetric))
     producer = engine(launcher, kvpeer_tier(producer_port, plane, PEER_TIMEOUT_S), producer_steps)
-    consumer = engine(launcher, kvpeer_tier(consumer_port, plane, PEER_TIMEOUT_S), consumer_steps)
+    # the symmetric pull is waited for up to the longest wait kvpeer allows: this file
+    # checks the mechanism (promoted in the lookup's step), not that a loaded CI machine
+    # moves 1,536 tokens in the default 50 ms (CI once took 198 ms; the ladder measures it)
+    consumer_tier = kvpeer_tier(consumer_port, plane, PEER_TIMEOUT_S) | {
+        "sync_pull_wait_s": SYNC_PULL_WAIT_S
+    }
+    consumer = engine(launcher, consumer_tier, consumer_steps)
     return tuple(launcher.run_together([(producer, True), (consumer, False)]))
 
 
