@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -38,6 +38,7 @@ from kvpeer.router.feed import (
 )
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
 from kvpeer.router.subscriber import EventSubscriber
+from tests.router.conftest import until
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -335,15 +336,6 @@ def test_replay_buffers_are_bounded() -> None:
 
 
 # --- the subscriber on real sockets --------------------------------------------------------
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for a condition the subscriber task brings about (not a fixed sleep)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 async def within(awaitable: Awaitable[Any], timeout: float = 10.0) -> Any:

@@ -33,7 +33,7 @@ from kvpeer.router.feed import (
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import MEDIUM_GPU, PrefixIndex
 from kvpeer.router.subscriber import EventSubscriber
-from tests.router.conftest import run
+from tests.router.conftest import run, until
 
 BS = 4
 RESTARTED = StreamReset("restart", restarted=True)
@@ -338,15 +338,6 @@ def held(router: Router, blocks: int = 3) -> int:
     assert router.index is not None
     keys = router.index.keys([t for n in range(blocks) for t in tokens(n)])
     return router.index.longest_prefix("a", keys, MEDIUM_GPU, 0.0)
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for what the router's tasks bring about (polled, bounded; no fixed sleep)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 async def sent(replay_endpoint: str, batches: int, timeout: float = 10.0) -> None:
