@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,6 +21,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvpeer.router import subscriber as subscriber_module
 from kvpeer.router.events import BlocksStored
 from kvpeer.router.feed import (
     REPLAY_END_SEQ,
@@ -30,7 +33,7 @@ from kvpeer.router.feed import (
     StreamSynced,
 )
 from kvpeer.router.index import MEDIUM_GPU, PrefixIndex
-from kvpeer.router.subscriber import EventSubscriber
+from kvpeer.router.subscriber import REPLAY_RCVHWM, EventSubscriber
 from tests.router.conftest import run, until
 from tests.router.test_flap import Publisher
 
@@ -386,3 +389,70 @@ def test_an_endpoint_that_never_advances_is_given_up_and_live_events_go_on() -> 
         assert not await endpoint.replay.poll(0)  # not asked a third time
 
     run(following(FeedLimits(replay_timeout_s=0.3), body))
+
+
+# --- vLLM's own publisher --------------------------------------------------------------------
+
+BATCHES = 10_000
+BLOCKS_PER_BATCH = 32
+
+
+@pytest.mark.slow  # vLLM's publisher thread takes ~10 s to send the 10,000 batches
+def test_a_router_learns_10000_batches_of_32_blocks_from_vllms_own_publisher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's ``ZmqEventPublisher`` in this process (no engine) holds 10,000 batches of
+    32 stores each, far past its replay socket's send high-water mark; a subscriber
+    started only then learns all 320,000 blocks -- with ZMQ's default receive
+    high-water mark too (1,000), where only the re-asks fill what the answers dropped."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    publisher: Any = kv.ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep)
+    blocks = BATCHES * BLOCKS_PER_BATCH
+    try:
+        for first in range(0, blocks, BLOCKS_PER_BATCH):
+            events = [
+                kv.BlockStored(
+                    block_hashes=[block(n)],
+                    parent_block_hash=block(n - 1) if n > first else None,
+                    token_ids=tokens(n),
+                    block_size=BS,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                )
+                for n in range(first, first + BLOCKS_PER_BATCH)
+            ]
+            publisher.publish(kv.KVEventBatch(ts=1.0, events=events))
+        publisher._event_queue.join()  # every batch sent, so in its replay buffer
+
+        async def scenario(rcvhwm: int, limits: FeedLimits) -> None:
+            monkeypatch.setattr(subscriber_module, "REPLAY_RCVHWM", rcvhwm)
+            index = PrefixIndex(block_size=BS, max_blocks=blocks)
+            subscriber = EventSubscriber(
+                "e0", pub_ep, index, replay_endpoint=replay_ep, limits=limits
+            )
+            stop = asyncio.Event()
+            began = time.monotonic()
+            task = asyncio.create_task(subscriber.run(stop))
+            try:
+                await until(lambda: index.learned("e0"), "the replay's end", timeout=50.0)
+                assert time.monotonic() - began < 40.0
+                stats = subscriber.statistics()
+                assert sum(n for _, _, n in index.statistics(0.0).blocks) == blocks
+                assert (stats.replays_requested, stats.replays_completed) == (1, 1)
+                assert (stats.batches_applied, stats.resets) == (BATCHES, 0)
+                assert stats.replays_reasked <= limits.replay_reasks
+                last = range(blocks - BLOCKS_PER_BATCH, blocks)
+                keys = index.keys([t for n in last for t in tokens(n)])
+                assert index.longest_prefix("e0", keys, MEDIUM_GPU, 0.0) == len(last) * BS
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 10)
+
+        run(scenario(REPLAY_RCVHWM, FeedLimits()), timeout=60.0)
+        # Each answer then loses its tail and its end marker: each re-ask waits out an
+        # idle timeout, shortened here.
+        run(scenario(1_000, FeedLimits(replay_timeout_s=1.0)), timeout=60.0)
+    finally:
+        publisher.shutdown()
