@@ -42,6 +42,15 @@ def run(coro: Coroutine[Any, Any, T], timeout: float = TEST_TIMEOUT_S) -> T:
     return asyncio.run(bounded())
 
 
+async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait for what the router's tasks bring about (polled, bounded; no fixed sleep)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
 @dataclass
 class RecordingPolicy:
     """Load-only choices (or ``choose``'s), with every call the edge made recorded."""

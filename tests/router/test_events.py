@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -30,6 +30,7 @@ from kvpeer.router.events import (
 from kvpeer.router.feed import (
     REPLAY_END_SEQ,
     EventFeed,
+    FeedItem,
     FeedLimits,
     FeedOutput,
     StreamReset,
@@ -38,6 +39,7 @@ from kvpeer.router.feed import (
 )
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
 from kvpeer.router.subscriber import EventSubscriber
+from tests.router.conftest import until
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -79,6 +81,12 @@ def replay_frame(seq: int, payload: bytes) -> list[bytes]:
 
 
 REPLAY_END = [b"", b"", REPLAY_END_SEQ.to_bytes(8, "big"), b""]
+
+
+def items(*outs: FeedOutput) -> tuple[FeedItem, ...]:
+    """What a run of calls produced, in order (a replayed batch that follows on is applied
+    as it arrives; one past a hole, when the hole is filled or the replay ends)."""
+    return tuple(item for out in outs for item in out.items)
 
 
 def decoded(payload: bytes) -> BatchDecoded:
@@ -225,11 +233,10 @@ def test_gap_requests_replay_and_applies_in_order_after_it() -> None:
     out = feed.on_live(frame(3, P3), 0.0)  # 1 and 2 were lost
     assert out == FeedOutput(replay_from=1)
     assert feed.on_live(frame(4, P0), 0.0).items == ()  # buffered while replaying
-    assert feed.on_replay(replay_frame(1, P1), 0.0).items == ()
-    assert feed.on_replay(replay_frame(2, P2), 0.0).items == ()
-    assert feed.on_replay(replay_frame(3, P3), 0.0).items == ()  # also buffered live
-    done = feed.on_replay(REPLAY_END, 0.0)
-    assert done.items == (
+    outs = [feed.on_replay(replay_frame(seq, p), 0.0) for seq, p in ((1, P1), (2, P2), (3, P3))]
+    done = feed.on_replay(REPLAY_END, 0.0)  # 3 was also buffered live
+    assert done.replay_from is None
+    assert items(*outs, done) == (
         *decoded(P1).events,
         *decoded(P2).events,
         *decoded(P3).events,
@@ -251,14 +258,15 @@ def test_replay_that_misses_the_lost_batches_forgets() -> None:
     feed = EventFeed(can_replay=True)
     feed.on_live(frame(0, P0), 0.0)
     assert feed.on_live(frame(5, P1), 0.0).replay_from == 1
-    feed.on_replay(replay_frame(4, P2), 0.0)  # the publisher's buffer starts at 4
+    first = feed.on_replay(replay_frame(4, P2), 0.0)  # the publisher's buffer starts at 4
     out = feed.on_replay(REPLAY_END, 0.0)
-    assert out.items == (
+    assert items(first, out) == (
         StreamReset("gap", restarted=False),
-        StreamSynced(),
         *decoded(P2).events,
+        StreamSynced(),  # learned again at the replay's end
         *decoded(P1).events,
     )
+    assert feed.statistics().replays_reasked == 0  # nothing more to ask for
 
 
 def test_replay_timeout_applies_what_arrived() -> None:
@@ -285,11 +293,10 @@ def test_seq_going_back_is_an_engine_restart() -> None:
 def test_first_frame_mid_stream_replays_history_from_zero() -> None:
     feed = EventFeed(can_replay=True)
     assert feed.on_live(frame(2, P2), 0.0) == FeedOutput(replay_from=0)
-    feed.on_replay(replay_frame(0, P0), 0.0)
-    feed.on_replay(replay_frame(1, P1), 0.0)
-    out = feed.on_replay(REPLAY_END, 0.0)
-    assert out.items == (StreamSynced(), *decoded(P0).events, *decoded(P1).events,
-                         *decoded(P2).events)
+    outs = [feed.on_replay(replay_frame(0, P0), 0.0), feed.on_replay(replay_frame(1, P1), 0.0)]
+    outs.append(feed.on_replay(REPLAY_END, 0.0))
+    assert items(*outs) == (*decoded(P0).events, *decoded(P1).events, StreamSynced(),
+                            *decoded(P2).events)
 
 
 def test_start_replays_history_and_an_empty_history_is_learned() -> None:
@@ -335,15 +342,6 @@ def test_replay_buffers_are_bounded() -> None:
 
 
 # --- the subscriber on real sockets --------------------------------------------------------
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for a condition the subscriber task brings about (not a fixed sleep)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 async def within(awaitable: Awaitable[Any], timeout: float = 10.0) -> Any:

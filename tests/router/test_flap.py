@@ -33,7 +33,7 @@ from kvpeer.router.feed import (
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import MEDIUM_GPU, PrefixIndex
 from kvpeer.router.subscriber import EventSubscriber
-from tests.router.conftest import run
+from tests.router.conftest import run, until
 
 BS = 4
 RESTARTED = StreamReset("restart", restarted=True)
@@ -86,11 +86,11 @@ def test_the_same_process_replays_the_anchor_batch_and_the_gap_is_applied() -> N
     assert out.replay_from == 2
     assert out.continuity is None
     assert feed.on_replay(replayed(2, batch(2)), 0.0).continuity is Continuity.SAME
-    feed.on_replay(replayed(3, batch(3)), 0.0)
-    feed.on_replay(replayed(4, batch(4)), 0.0)  # lost live: the gap
-    done = feed.on_replay(REPLAY_END, 0.0)
-    assert not any(isinstance(i, StreamReset) for i in done.items)
-    assert [i.block_hashes for i in done.items] == [(block(4),)]  # type: ignore[union-attr]
+    outs = [feed.on_replay(replayed(seq, batch(seq)), 0.0) for seq in (3, 4)]  # 4: the gap
+    outs.append(feed.on_replay(REPLAY_END, 0.0))
+    got = [i for out in outs for i in out.items]
+    assert not any(isinstance(i, StreamReset) for i in got)
+    assert [i.block_hashes for i in got] == [(block(4),)]  # type: ignore[union-attr]
     stats = feed.statistics()
     assert stats.synced
     assert stats.next_seq == 5
@@ -168,8 +168,8 @@ def test_a_buffer_that_no_longer_reaches_the_anchor_is_unknown_then_a_gap() -> N
     feed.verify(anchor, 0.0)
     out = feed.on_replay(replayed(5, batch(5)), 0.0)  # 2..4 rolled out of the buffer
     assert out.continuity is Continuity.UNKNOWN
-    done = feed.on_replay(REPLAY_END, 0.0)
-    assert done.items[0] == StreamReset("gap", restarted=False)
+    assert out.items[0] == StreamReset("gap", restarted=False)
+    assert feed.on_replay(REPLAY_END, 0.0).replay_from is None
 
 
 def test_a_proof_that_times_out_is_unknown() -> None:
@@ -338,15 +338,6 @@ def held(router: Router, blocks: int = 3) -> int:
     assert router.index is not None
     keys = router.index.keys([t for n in range(blocks) for t in tokens(n)])
     return router.index.longest_prefix("a", keys, MEDIUM_GPU, 0.0)
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for what the router's tasks bring about (polled, bounded; no fixed sleep)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 async def sent(replay_endpoint: str, batches: int, timeout: float = 10.0) -> None:

@@ -4,7 +4,10 @@ vLLM's ``ZmqEventPublisher`` sends each batch as a PUB multipart ``[topic, seq, 
 (``seq``: 8 bytes big-endian, counting from 0 in each engine process) and keeps the last
 ``buffer_steps`` batches for replay: a DEALER sends ``[b"", start_seq]`` to its ROUTER
 and receives ``[b"", topic, seq, payload]`` for every buffered ``seq >= start_seq``,
-then ``[b"", b"", END, b""]`` with ``END`` = -1 as a signed 8-byte integer.
+then ``[b"", b"", END, b""]`` with ``END`` = -1 as a signed 8-byte integer. It sends the
+whole answer at once, and its ROUTER socket drops whatever exceeds ZMQ's send high-water
+mark (1,000 messages; vLLM sets none): a long answer arrives with holes, or without its
+tail and its end marker.
 
 :class:`EventFeed` turns those frames into :data:`FeedItem` values the index applies.
 Invariants:
@@ -15,13 +18,21 @@ Invariants:
    forgets. This is what rules out stale affinity.
 2. A lost stretch is replayed when the engine has a replay endpoint: live frames that
    arrive meanwhile are buffered (bounded) and applied after the replayed ones, in
-   ``seq`` order, each exactly once.
+   ``seq`` order, each exactly once. A replayed batch that follows on is applied as it
+   arrives; one past a hole is held (bounded) until the hole is filled. An answer is
+   over at its end marker or after ``replay_timeout_s`` without a frame (it may flow for
+   longer). If it left a hole, stopped short of the live batches held, or lost its end
+   marker, the feed asks again from the first missing ``seq`` -- at most
+   ``replay_reasks`` times, and only after an answer that moved the feed on -- and a
+   replay never outlasts ``replay_budget_s``. What is still missing then is a hole
+   (invariant 1).
 3. ``seq`` going back means a new engine process (vLLM restarts counting at 0): reset
    with ``restarted=True`` (block hashes are salted per process, so even the hash
    mapping is void), then learn the new process from its first batch (replaying from 0
    if frames before the first one seen were missed).
-4. :class:`StreamSynced` is emitted once the feed follows the stream from a known point:
-   from then on the engine counts as learned, until the next reset.
+4. :class:`StreamSynced` is emitted once the feed follows the stream from a known point
+   (never before a replay's end): from then on the engine counts as learned, until the
+   next reset.
 5. Whether a publisher is still the process the feed followed is *proven*, never
    guessed (:meth:`EventFeed.verify`): the feed remembers the ``seq`` and a digest of
    the last batch it applied (an :class:`Anchor`) and asks the replay endpoint for every
@@ -31,14 +42,19 @@ Invariants:
    replay. Other bytes at that ``seq``, nothing from it on, ``seq`` going back, or a
    restart the feed saw since the anchor: :attr:`Continuity.NEW` (reset as in 3). No
    replay endpoint, no anchor, a replay already under way, a buffer that no longer
-   reaches back to the anchor, a timeout: :attr:`Continuity.UNKNOWN`.
-6. Nothing here raises on what the network sent; bad frames are counted by reason.
+   reaches back to the anchor, no frame within ``replay_timeout_s``:
+   :attr:`Continuity.UNKNOWN`.
+6. Nothing here raises on what the network sent; bad frames are counted by reason. A
+   replayed ``seq`` never asked for is dropped, one applied or held already is skipped,
+   and any other is taken as the engine's word: a huge one is a hole over what lies
+   before it, and honest batches below it then read as a new process (invariant 3).
    Time is an argument; :meth:`EventFeed.next_deadline` says when to call
    :meth:`EventFeed.poll`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -119,10 +135,47 @@ class FeedOutput:
 
 @dataclass(frozen=True, slots=True)
 class FeedLimits:
+    """Bounds on a replay (invariant 2); each is checked here, naming a bad value.
+
+    ``replay_timeout_s`` is an idle timeout: an answer is over once this long passes
+    without a frame from the replay endpoint, however long it has been flowing.
+    ``replay_budget_s`` bounds a whole replay, every ask of it together, so an endpoint
+    that trickles frames forever cannot keep the feed replaying (and holding live
+    batches). ``replay_reasks``: how often one replay asks again from its first missing
+    ``seq`` after an answer that left a gap -- vLLM's replay socket drops what exceeds
+    ZMQ's send high-water mark -- each only after an answer that moved the feed on.
+    """
+
     replay_timeout_s: float = 5.0
-    max_replay_frames: int = 20_000  # vLLM keeps buffer_steps=10_000 by default
+    replay_budget_s: float = 120.0
+    replay_reasks: int = 16
+    max_replay_frames: int = 20_000  # held past a hole; vLLM keeps buffer_steps=10_000
     max_buffered_frames: int = 4_096  # live frames held while a replay runs
     max_buffered_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("replay_timeout_s", "replay_budget_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < math.inf
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if self.replay_budget_s < self.replay_timeout_s:
+            raise ValueError(
+                f"replay_budget_s ({self.replay_budget_s!r}) must be at least "
+                f"replay_timeout_s ({self.replay_timeout_s!r})"
+            )
+        for name, least in (
+            ("replay_reasks", 0),
+            ("max_replay_frames", 1),
+            ("max_buffered_frames", 1),
+            ("max_buffered_bytes", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +192,8 @@ class FeedStatistics:
     replays_requested: int
     replays_completed: int
     replays_incomplete: int
+    replays_reasked: int  # asks again from a replay's first missing seq
+    replays_over_budget: int  # replays abandoned at replay_budget_s
     verified: tuple[tuple[str, int], ...]  # verify() answers, by Continuity value
     dropped: tuple[tuple[str, int], ...]  # frames/batches dropped, by reason
     skipped: tuple[tuple[str, int], ...]  # events left out by the decoder, by reason
@@ -155,10 +210,17 @@ def _digest(payload: bytes) -> bytes:
 
 @dataclass(slots=True)
 class _Replay:
-    start: int
-    deadline: float
+    """One replay: its first ask and the re-asks that fill the holes of its answers."""
+
+    origin: int  # the seq first asked for: a live seq below it is a new process
+    start: int  # the seq the current ask asked for
+    asked: int | None  # the feed's next seq when the current ask went out (progress)
+    deadline: float  # the current answer is over without a frame by then
+    budget: float  # the whole replay is abandoned then
     probe: Anchor | None = None  # a verify() waiting for the anchor batch
-    frames: list[tuple[int, bytes]] = field(default_factory=list)
+    asks: int = 1
+    answered: bool = False  # a frame of the current answer arrived
+    held: dict[int, bytes] = field(default_factory=dict)  # replayed past a hole
     live: list[tuple[int, bytes]] = field(default_factory=list)
     nbytes: int = 0
 
@@ -254,51 +316,56 @@ class EventFeed:
         return self._output(items, replay_from)
 
     def on_replay(self, parts: Sequence[bytes], now: float) -> FeedOutput:
-        """One DEALER message from the replay endpoint (a batch, or the end marker)."""
+        """One DEALER message from the replay endpoint (a batch, or the end marker).
+
+        A replayed batch that follows on from what the feed applied is applied at once;
+        one past a hole is held until the hole is filled or the replay ends."""
         self._bump("frames")
         replay = self._replay
         if replay is None:
             self._drop("replay_unexpected")
             return FeedOutput()
+        items = self._items()
+        if now >= replay.budget:
+            self._over_budget(items)
+            return self._output(items)
+        replay.deadline = now + self._limits.replay_timeout_s  # the answer still flows
         if (
             len(parts) == 4
             and not parts[0]
             and not parts[1]
             and bytes(parts[2]) == REPLAY_END_SEQ.to_bytes(8, "big")
         ):
-            items = self._items()
             if replay.probe is not None:  # nothing from the anchor on: not that process
                 self._new_process(items)
-            else:
-                self._finish_replay(complete=True, items=items)
-            return self._output(items)
+                return self._output(items)
+            return self._output(items, self._answer_over(replay, now, ended=True, items=items))
         frame = self._parse(parts[1:] if len(parts) == 4 and not parts[0] else parts, True)
         if frame is None:
-            return FeedOutput()
-        if replay.probe is not None:
-            items = self._items()
-            if self._probe(replay, replay.probe, frame, items):
-                return self._output(items)
-        if len(replay.frames) >= self._limits.max_replay_frames or not self._hold(
-            replay, frame
-        ):
-            self._drop("replay_over_limit")
-            items = self._items()
-            self._finish_replay(complete=False, items=items)
             return self._output(items)
-        replay.frames.append(frame)
-        return self._output([])
-
-    def poll(self, now: float) -> FeedOutput:
-        """Expire a replay that did not finish in time (applies what arrived)."""
-        if self._replay is None or now < self._replay.deadline:
-            return FeedOutput()
-        items = self._items()
-        self._finish_replay(complete=False, items=items)
+        probe, replay.probe = replay.probe, None
+        if probe is not None and self._probe(probe, frame, items):
+            replay.answered = True
+        else:
+            self._replayed(replay, frame, items)
         return self._output(items)
 
+    def poll(self, now: float) -> FeedOutput:
+        """End a replay answer that went quiet for ``replay_timeout_s`` (asking again
+        from its first missing ``seq``, or applying what arrived), or a replay past
+        ``replay_budget_s``."""
+        replay = self._replay
+        if replay is None or now < min(replay.deadline, replay.budget):
+            return FeedOutput()
+        items = self._items()
+        if now >= replay.budget:
+            self._over_budget(items)
+            return self._output(items)
+        return self._output(items, self._answer_over(replay, now, ended=False, items=items))
+
     def next_deadline(self) -> float | None:
-        return None if self._replay is None else self._replay.deadline
+        replay = self._replay
+        return None if replay is None else min(replay.deadline, replay.budget)
 
     def reset(self, *, restarted: bool) -> FeedOutput:
         """The edge learned out of band that the engine restarted (or wants a resync)."""
@@ -325,6 +392,8 @@ class EventFeed:
             replays_requested=c("replays_requested", 0),
             replays_completed=c("replays_completed", 0),
             replays_incomplete=c("replays_incomplete", 0),
+            replays_reasked=c("replays_reasked", 0),
+            replays_over_budget=c("replays_over_budget", 0),
             verified=tuple(
                 (v.value, c(f"verified_{v.value}", 0))
                 for v in Continuity
@@ -339,7 +408,7 @@ class EventFeed:
     def _live(self, seq: int, payload: bytes, now: float, items: list[FeedItem]) -> int | None:
         replay = self._replay
         if replay is not None:
-            floor = replay.live[-1][0] + 1 if replay.live else replay.start
+            floor = replay.live[-1][0] + 1 if replay.live else replay.origin
             if seq < floor:  # seq went back while we waited: a new process (invariant 3)
                 if replay.probe is not None:
                     self._verdict = Continuity.NEW
@@ -384,15 +453,13 @@ class EventFeed:
         self._reset("restart", True, items)
         self._next = None
 
-    def _probe(
-        self, replay: _Replay, anchor: Anchor, frame: tuple[int, bytes], items: list[FeedItem]
-    ) -> bool:
-        """The first frame of a verify() replay decides; True if it ended the replay."""
-        replay.probe = None
+    def _probe(self, anchor: Anchor, frame: tuple[int, bytes], items: list[FeedItem]) -> bool:
+        """The first frame of a verify() replay decides; True if that frame is done with
+        (the anchor batch itself, or another process's)."""
         seq, payload = frame
         if seq == anchor.seq and _digest(payload) == anchor.digest:
             self._verdict = Continuity.SAME  # the rest of the replay is the gap
-            return False
+            return True
         if seq == anchor.seq:  # other bytes at the same seq: another process
             self._verdict = Continuity.NEW
             self._new_process(items)
@@ -404,7 +471,13 @@ class EventFeed:
 
     def _begin_replay(self, start: int, now: float) -> int:
         self._bump("replays_requested")
-        self._replay = _Replay(start=start, deadline=now + self._limits.replay_timeout_s)
+        self._replay = _Replay(
+            origin=start,
+            start=start,
+            asked=self._next,
+            deadline=now + self._limits.replay_timeout_s,
+            budget=now + self._limits.replay_budget_s,
+        )
         return start
 
     def _begin_replay_with(self, start: int, seq: int, payload: bytes, now: float) -> int:
@@ -419,7 +492,81 @@ class EventFeed:
         replay.nbytes += len(frame[1])
         if live:
             replay.live.append(frame)
+        else:
+            replay.held[frame[0]] = frame[1]
         return True
+
+    def _replayed(self, replay: _Replay, frame: tuple[int, bytes], items: list[FeedItem]) -> None:
+        """One replayed batch: applied if it follows on, else held past the hole."""
+        first, replay.answered = not replay.answered, True
+        seq, payload = frame
+        if self._next is not None and seq < self._next:
+            if seq < replay.start:
+                self._drop("replay_stale")  # never asked for
+            return  # else applied already (the anchor's successors, say)
+        if seq in replay.held:
+            return  # a re-ask's answer repeats what the last one delivered past its hole
+        if self._next is None or seq == self._next:  # fresh: any start is a subset
+            self._apply(seq, payload, items)
+            self._apply_held(replay, items, through=seq)
+            return
+        if len(replay.held) >= self._limits.max_replay_frames or not self._hold(replay, frame):
+            self._drop("replay_over_limit")
+            self._finish_replay(complete=False, items=items)
+            return
+        if first:
+            # An answer starts at the oldest batch the buffer keeps from the seq asked
+            # for: what it skipped is gone from the buffer, never to be replayed.
+            self._apply_held(replay, items, through=seq)
+
+    def _apply_held(self, replay: _Replay, items: list[FeedItem], *, through: int) -> None:
+        """Apply the held batches up to ``through`` (past holes that cannot be filled),
+        then those that follow on from them."""
+        for seq in sorted(s for s in replay.held if s <= through):
+            self._step(seq, self._unhold(replay, seq), items)
+        while self._next in replay.held:
+            self._step(self._next, self._unhold(replay, self._next), items)
+
+    @staticmethod
+    def _unhold(replay: _Replay, seq: int) -> bytes:
+        payload = replay.held.pop(seq)
+        replay.nbytes -= len(payload)
+        return payload
+
+    def _step(self, seq: int, payload: bytes, items: list[FeedItem]) -> None:
+        """Apply a batch at or past the next ``seq``; batches skipped are a hole."""
+        if self._next is not None and seq > self._next:
+            self._hole(items)
+        self._apply(seq, payload, items)
+
+    def _answer_over(
+        self, replay: _Replay, now: float, *, ended: bool, items: list[FeedItem]
+    ) -> int | None:
+        """An answer ended (its end marker: ``ended``) or went quiet. Ask again from the
+        first missing ``seq`` when the answer left a hole, stopped short of the live
+        batches held, or lost its end marker -- if it moved the feed on, re-asks are
+        left -- else finish; returns the ``seq`` to ask."""
+        position = self._next
+        missing = position is not None and (
+            not ended
+            or bool(replay.held)
+            or (bool(replay.live) and replay.live[0][0] > position)
+        )
+        progressed = position is not None and (replay.asked is None or position > replay.asked)
+        if missing and progressed and replay.asks <= self._limits.replay_reasks:
+            assert position is not None
+            self._bump("replays_reasked")
+            replay.asks += 1
+            replay.start = replay.asked = position
+            replay.answered = False
+            replay.deadline = now + self._limits.replay_timeout_s
+            return position
+        self._finish_replay(complete=ended and not missing, items=items)
+        return None
+
+    def _over_budget(self, items: list[FeedItem]) -> None:
+        self._bump("replays_over_budget")
+        self._finish_replay(complete=False, items=items)
 
     def _finish_replay(self, *, complete: bool, items: list[FeedItem]) -> None:
         replay = self._replay
@@ -428,18 +575,15 @@ class EventFeed:
         if replay.probe is not None:  # timed out or over a limit before its first frame
             self._verdict = Continuity.UNKNOWN
         self._bump("replays_completed" if complete else "replays_incomplete")
-        for seq, payload in [*sorted(replay.frames, key=lambda f: f[0]), *replay.live]:
+        for seq, payload in [*sorted(replay.held.items()), *replay.live]:
             if self._next is None:
                 self._apply(seq, payload, items)  # fresh: any starting point is a subset
-            elif seq < self._next:
-                continue  # already applied (replayed and also buffered live)
-            else:
-                if seq > self._next:
-                    self._hole(items)
-                self._apply(seq, payload, items)
+            elif seq >= self._next:  # else applied already (replayed and buffered live)
+                self._step(seq, payload, items)
         if complete and self._next is None:
-            # The publisher holds nothing from `start` on: the stream is known up to there.
-            self._next = replay.start
+            # The publisher holds nothing from `origin` on: the stream is known up to there.
+            self._next = replay.origin
+        if self._next is not None:
             self._mark_synced(items)
 
     def _hole(self, items: list[FeedItem]) -> None:
@@ -467,7 +611,9 @@ class EventFeed:
             items.extend(decoded.events)
 
     def _mark_synced(self, items: list[FeedItem]) -> None:
-        if not self._synced:
+        """Synced once the stream is followed (invariant 4): during a replay, batches are
+        applied as they arrive, but the engine counts as learned only at its end."""
+        if not self._synced and self._replay is None:
             self._synced = True
             items.append(StreamSynced())
 

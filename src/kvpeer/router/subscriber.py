@@ -43,9 +43,15 @@ from kvpeer.router.feed import (
 )
 from kvpeer.router.index import PrefixIndex
 
-__all__ = ["EventSubscriber"]
+__all__ = ["REPLAY_RCVHWM", "EventSubscriber"]
 
 _MAX_MESSAGES_PER_WAKE = 256  # then yield to the loop, so HTTP requests are not starved
+#: Replayed frames libzmq may queue for the feed (ZMQ's default is 1,000). vLLM sends a
+#: whole answer at once and its replay socket drops what exceeds its own send
+#: high-water mark (1,000): room for vLLM's whole default buffer (10,000 batches) on
+#: this side drains that socket as fast as the connection moves frames, so far fewer are
+#: dropped; the feed asks again for the rest.
+REPLAY_RCVHWM = 16_384
 
 
 class EventSubscriber:
@@ -137,6 +143,7 @@ class EventSubscriber:
             sub.connect(self._endpoint)
             if dealer is not None:
                 assert self._replay_endpoint is not None
+                dealer.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
                 dealer.connect(self._replay_endpoint)
                 poller.register(dealer, zmq.POLLIN)
             self._dealer = dealer
