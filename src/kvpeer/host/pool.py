@@ -252,6 +252,12 @@ class BlockPool:
 
     # -- observability -----------------------------------------------------------
 
+    @property
+    def pinned(self) -> int:
+        """Slots holding at least one pin: :meth:`statistics`' count, for a caller
+        that asks every step and wants nothing else."""
+        return self._pinned
+
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
             num_blocks=self._num_blocks,
