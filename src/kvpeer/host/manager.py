@@ -180,8 +180,11 @@ class TieringHost:
         if not keys:
             return hits, deferred
         request = self._engine_request(context)  # a lookup never ends a request
+        primary = self._pool.lookup
         for key in keys:
-            result = self._lookup(key, request, exclude=None)
+            result = primary(key)  # most of a scan: resident blocks
+            if result is _MISS:
+                result = self._lookup_tiers(key, request, exclude=None)
             if result is _MISS:
                 break
             if result is not _RETRY:
@@ -367,6 +370,10 @@ class TieringHost:
         primary = self._pool.lookup(key)
         if primary is not _MISS:
             return primary
+        return self._lookup_tiers(key, request, exclude)
+
+    def _lookup_tiers(self, key: Key, request: _Request, exclude: int | None) -> LookupResult:
+        """A key the primary misses: the tiers in order, but ``exclude``."""
         undecided = False
         for index, tier in enumerate(self._tiers):
             if index == exclude:
