@@ -123,7 +123,7 @@ class SimDataPlane(FakeDataPlane):
         return super().read_block(slot)
 
     def poll(self, peer_id: str) -> list[TransferEvent]:
-        if self.auto_complete and not self.network.carries(self.node_id, peer_id):
+        if self.auto_complete and self.pending and not self.network.carries(self.node_id, peer_id):
             self.auto_complete = False
             try:
                 return super().poll(peer_id)
