@@ -380,7 +380,9 @@ class PeerSession:
         return False  # the session ended inside the guard
 
     def flush_lookups(self) -> None:
-        if self._closed is None:
+        """Send the probes registered since the last flush (every engine step: most
+        steps have none, and skip the guard)."""
+        if self._closed is None and self._consumer.has_lookup_work():
             with self._guard():
                 self._consumer.flush()
 
