@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -179,8 +180,11 @@ class TieringHost:
         if not keys:
             return hits, deferred
         request = self._engine_request(context)  # a lookup never ends a request
+        primary = self._pool.lookup
         for key in keys:
-            result = self._lookup(key, request, exclude=None)
+            result = primary(key)  # most of a scan: resident blocks
+            if result is _MISS:
+                result = self._lookup_tiers(key, request, exclude=None)
             if result is _MISS:
                 break
             if result is not _RETRY:
@@ -266,7 +270,7 @@ class TieringHost:
     def step(self) -> StepReport:
         """One engine step, in vLLM's order; returns what it did."""
         self._check_open()
-        before = dict(self._totals)
+        before = tuple(self._totals.values())
         self.complete_writes()
         for index in range(len(self._tiers)):
             self._poll(index)
@@ -280,7 +284,10 @@ class TieringHost:
         for tier in self._tiers:
             tier.on_schedule_end()
         self._release_ready_finishes()
-        return StepReport(**{name: self._totals[name] - before[name] for name in _REPORT_FIELDS})
+        after = tuple(self._totals.values())
+        if after == before:
+            return _IDLE_STEP  # most steps (frozen, so one instance serves them all)
+        return StepReport(*map(operator.sub, after, before))
 
     def has_pending_work(self) -> bool:
         if self._pending_writes or self._promotions or self._jobs:
@@ -363,6 +370,10 @@ class TieringHost:
         primary = self._pool.lookup(key)
         if primary is not _MISS:
             return primary
+        return self._lookup_tiers(key, request, exclude)
+
+    def _lookup_tiers(self, key: Key, request: _Request, exclude: int | None) -> LookupResult:
+        """A key the primary misses: the tiers in order, but ``exclude``."""
         undecided = False
         for index, tier in enumerate(self._tiers):
             if index == exclude:
@@ -506,7 +517,9 @@ class TieringHost:
             raise RuntimeError("the host was shut down")
 
 
+# The order of the totals (TieringHost.__init__) and of StepReport's positional fields.
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport))
+_IDLE_STEP = StepReport()
 
 
 class _TierParent:

@@ -252,6 +252,12 @@ class BlockPool:
 
     # -- observability -----------------------------------------------------------
 
+    @property
+    def pinned(self) -> int:
+        """Slots holding at least one pin: :meth:`statistics`' count, for a caller
+        that asks every step and wants nothing else."""
+        return self._pinned
+
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
             num_blocks=self._num_blocks,
@@ -289,7 +295,9 @@ class BlockPool:
     # -- internals ---------------------------------------------------------------
 
     def _check_slot(self, slot: int) -> int:
-        if isinstance(slot, bool) or not isinstance(slot, int):
+        """``slot`` as an index; a plain int (every call but a caller's mistake) is
+        told apart by its type alone, before the isinstance tests (a bool is an int)."""
+        if type(slot) is not int and (isinstance(slot, bool) or not isinstance(slot, int)):
             raise ValueError(f"slot must be an int, got {slot!r}")
         if not 0 <= slot < self._num_blocks:
             raise ValueError(f"slot {slot} out of range [0, {self._num_blocks})")

@@ -247,7 +247,7 @@ class PeerTable:
         if peer is not None:
             if peer.session.alive:
                 return peer
-            self._reap(peer_id, peer, now, polled)  # the dead one first
+            polled.append(self._reap(peer_id, peer, now))  # the dead one first
         address = split_peer_id(peer_id)
         if (
             address is None
@@ -293,7 +293,7 @@ class PeerTable:
         *_, peer_id = min(idle)
         peer = self._peers[peer_id]
         peer.session.close("evicted: idle and the peer cap was reached")
-        self._reap(peer_id, peer, now, polled)
+        polled.append(self._reap(peer_id, peer, now))
         return True
 
     def _resolved_hash_seed(self) -> str:
@@ -394,7 +394,9 @@ class PeerTable:
             self._trace.received(peer_id, message)
         peer.session.deliver(message, now)
         if not peer.session.alive:
-            closed = self._reap(peer_id, peer, now, polled)
+            reaped = self._reap(peer_id, peer, now)
+            polled.append(reaped)
+            closed = reaped.result.closed
             if closed is not None and closed.kind is CloseKind.REJECTED:
                 self._remember_refusal(peer_id, inbound.frame, message, closed.reason, now)
             if closed is not None and (
@@ -493,28 +495,22 @@ class PeerTable:
         for peer_id, peer in list(self._peers.items()):
             if not peer.link.alive and peer.session.alive:
                 peer.session.close("control link lost", CloseKind.UNREACHABLE)
-            polled: list[Polled] = []
-            self._reap(peer_id, peer, now, polled)
-            yield from polled
+            yield self._reap(peer_id, peer, now)
 
     def close_all(self, reason: str, now: float) -> list[Polled]:
         """End every session (the tier shuts down): what each yielded."""
         polled: list[Polled] = []
         for peer_id, peer in list(self._peers.items()):
             peer.session.close(reason)
-            self._reap(peer_id, peer, now, polled)
+            polled.append(self._reap(peer_id, peer, now))
         return polled
 
-    def _reap(
-        self, peer_id: str, peer: Peer, now: float, polled: list[Polled]
-    ) -> SessionClosed | None:
-        """Poll ``peer``'s session into ``polled``; if it closed, end it here."""
+    def _reap(self, peer_id: str, peer: Peer, now: float) -> Polled:
+        """Poll ``peer``'s session; if it closed, end it here."""
         result = peer.session.poll(now)
-        polled.append(Polled(peer_id, peer, result))
-        closed = result.closed
-        if closed is not None:
-            self._ended(peer_id, peer, closed, now)
-        return closed
+        if result.closed is not None:
+            self._ended(peer_id, peer, result.closed, now)
+        return Polled(peer_id, peer, result)
 
     def _ended(self, peer_id: str, peer: Peer, closed: SessionClosed, now: float) -> None:
         """``peer``'s session ended: drop it, close its link, then back the peer off

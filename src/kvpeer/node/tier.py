@@ -617,6 +617,8 @@ class Tier:
 
     def _apply_one(self, polled: Polled, now: float) -> None:
         peer_id, peer, result = polled.peer_id, polled.peer, polled.result
+        if result.is_empty():
+            return  # most polls of most sessions
         counters = self._counters
         for seconds in result.lookup_seconds:
             counters.lookup_seconds.observe(seconds)

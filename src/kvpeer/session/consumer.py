@@ -130,7 +130,7 @@ class ConsumerRole:
 
     def register_probe(self, kv_request_id: str, key: Key, now: float) -> bool | None:
         """Probe ``key``: None while unanswered (RETRY), else the peer's answer."""
-        request = self._requests.setdefault(kv_request_id, _Request())
+        request = self._request(kv_request_id)
         request.finished = False  # a reused id continues counting rounds
         if key in request.probes:
             return request.probes[key]
@@ -187,7 +187,7 @@ class ConsumerRole:
                 raise ProtocolError(
                     f"load job {job_id}: slot {slot} outside our {self._num_blocks} blocks"
                 )
-        request = self._requests.setdefault(kv_request_id, _Request())
+        request = self._request(kv_request_id)
         request.finished = False
         # The peer pinned only confirmed hits; asking for more can only fail. A resolve
         # fetch has the peer look up what it was not asked yet (or has not answered).
@@ -418,6 +418,13 @@ class ConsumerRole:
         )
 
     # -- internals -------------------------------------------------------------
+
+    def _request(self, kv_request_id: str) -> _Request:
+        """The id's entry, made on first use (not built to be thrown away when it exists)."""
+        request = self._requests.get(kv_request_id)
+        if request is None:
+            request = self._requests[kv_request_id] = _Request()
+        return request
 
     def _abort(
         self, kv_request_id: str, round_seq: int, load: _Load, now: float, reason: str

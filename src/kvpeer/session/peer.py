@@ -296,9 +296,9 @@ class PeerSession:
             self._fire_timers(now)
         loads, expired = self._consumer.take_results()
         stores, fetched = self._producer.take_results()
-        prefilled = tuple(kv_id for kv_id, done in fetched if done)
-        loads.extend(self._late_loads)
-        self._late_loads = []
+        if self._late_loads:
+            loads.extend(self._late_loads)
+            self._late_loads = []
         closed = None
         if self._closed is not None and not self._close_reported:
             closed = self._closed
@@ -310,7 +310,7 @@ class PeerSession:
             loads=tuple(loads),
             stores=tuple(stores),
             fetched_ids=tuple(kv_id for kv_id, _ in fetched),
-            prefilled_ids=prefilled,
+            prefilled_ids=tuple(kv_id for kv_id, done in fetched if done),
             expired_probe_ids=tuple(expired),
             closed=closed,
             lookup_seconds=tuple(lookup_seconds),
@@ -380,7 +380,9 @@ class PeerSession:
         return False  # the session ended inside the guard
 
     def flush_lookups(self) -> None:
-        if self._closed is None:
+        """Send the probes registered since the last flush (every engine step: most
+        steps have none, and skip the guard)."""
+        if self._closed is None and self._consumer.has_lookup_work():
             with self._guard():
                 self._consumer.flush()
 

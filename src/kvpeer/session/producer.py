@@ -139,7 +139,7 @@ class ProducerRole:
                 f"its answer may take at most max_peer_bytes/{ANSWER_SHARE} "
                 f"({self._settings.max_peer_bytes // ANSWER_SHARE})"
             )
-        request = self._requests.setdefault(message.kv_request_id, ProducerRequest())
+        request = self._request(message.kv_request_id)
         if message.round_seq <= request.closed_through:
             self._budget.check(keys_cost(message.keys) + LOOKUP_BYTES, message.kv_request_id,
                                "a lookup")  # fmt: skip
@@ -162,7 +162,7 @@ class ProducerRole:
                     )
         if len(set(message.keys)) != len(message.keys):
             raise ProtocolError(f"fetch {kv_request_id!r}: duplicate keys")
-        request = self._requests.setdefault(kv_request_id, ProducerRequest())
+        request = self._request(kv_request_id)
         round_ = request.rounds.get(message.round_seq)
         if round_ is not None and (round_.demand is not None or round_.reply is not None):
             raise ProtocolError(f"second fetch for {kv_request_id!r} round {message.round_seq}")
@@ -238,7 +238,7 @@ class ProducerRole:
         slots = self._held_supply.pin(self._peer_id, keys)
         if slots is None:
             return False
-        request = self._requests.setdefault(kv_request_id, ProducerRequest())
+        request = self._request(kv_request_id)
         round_ = request.rounds.setdefault(round_seq, Round(round_seq))
         round_.charge += charge
         self._budget.held += charge
@@ -264,7 +264,7 @@ class ProducerRole:
     ) -> None:
         """Pinned blocks to serve: pool supply, or one round's lookup supply
         (``held``: pinned from held blocks, invariant 9)."""
-        request = self._requests.setdefault(kv_request_id, ProducerRequest())
+        request = self._request(kv_request_id)
         tracked = PinnedJob(job.job_id, kv_request_id, now, len(job.keys), held=held)
         self._jobs_by_age[job.job_id] = tracked
         self._unreported[job.job_id] = tracked
@@ -600,6 +600,13 @@ class ProducerRole:
             return
         self._jobs_open -= 1
         self._results.append(StoreFinished(job.job_id, not job.failed, job.reason))
+
+    def _request(self, kv_request_id: str) -> ProducerRequest:
+        """The id's entry, made on first use (not built to be thrown away when it exists)."""
+        request = self._requests.get(kv_request_id)
+        if request is None:
+            request = self._requests[kv_request_id] = ProducerRequest()
+        return request
 
     def _prune(self, kv_request_id: str) -> None:
         request = self._requests.get(kv_request_id)

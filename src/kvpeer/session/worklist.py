@@ -93,31 +93,15 @@ class WorkMap(Generic[K, V]):
             self._high = size
 
 
-class WorkSet(Generic[K]):
-    """An insertion-ordered set that trims itself as it empties."""
+class WorkSet(WorkMap[K, None]):
+    """An insertion-ordered set that trims itself as it empties: a :class:`WorkMap`
+    whose values are all None (a subclass, not a wrapper: the timers test and walk
+    these sets on every poll, and a wrapper doubles each call)."""
 
-    __slots__ = ("_map",)
-
-    def __init__(self) -> None:
-        self._map: WorkMap[K, None] = WorkMap()
+    __slots__ = ()
 
     def add(self, key: K) -> None:
-        self._map[key] = None
+        self[key] = None
 
     def discard(self, key: K) -> None:
-        self._map.pop(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._map
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def __bool__(self) -> bool:
-        return bool(self._map)
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._map)
-
-    def clear(self) -> None:
-        self._map.clear()
+        self.pop(key)

@@ -168,7 +168,7 @@ class FakeDataPlane:
         return transfer_id
 
     def poll(self, peer_id: str) -> list[TransferEvent]:
-        if self.auto_complete:
+        if self.auto_complete and self.pending:
             for transfer_id in [t for t, w in self.pending.items() if w.peer_id == peer_id]:
                 if not self.pending[transfer_id].busy:
                     self.complete(transfer_id)

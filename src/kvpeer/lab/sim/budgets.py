@@ -68,6 +68,8 @@ class Reach:
         state, disturbed = self._state, self._disturbed
         up = {node: net.is_up(node) for node in nodes}
         silent = {node: bool(net.frozen_since(node)) for node in nodes}
+        if not (busy or state or net.cuts() or any(silent.values())) and all(up.values()):
+            return  # every pair healthy and was: nothing to record (most ticks)
         for consumer in nodes:
             still = up[consumer] and consumer not in busy
             for peer in nodes:

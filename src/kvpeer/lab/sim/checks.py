@@ -120,7 +120,7 @@ class Checker:
                     expected[slot] = expected.get(slot, 0) + 1
         pool = live.pool
         # Each tick: as many slots pinned as open jobs hold; every pin count when full.
-        if pool.statistics().pinned == len(expected) and (
+        if pool.pinned == len(expected) and (
             not full or all(pool.pin_count(slot) == count for slot, count in expected.items())
         ):
             return

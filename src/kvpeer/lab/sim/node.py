@@ -123,7 +123,7 @@ class SimDataPlane(FakeDataPlane):
         return super().read_block(slot)
 
     def poll(self, peer_id: str) -> list[TransferEvent]:
-        if self.auto_complete and not self.network.carries(self.node_id, peer_id):
+        if self.auto_complete and self.pending and not self.network.carries(self.node_id, peer_id):
             self.auto_complete = False
             try:
                 return super().poll(peer_id)
@@ -411,14 +411,13 @@ class SimNode:
     stalled_until: int = -1  # a busy engine: no steps before this tick
     stalled_at: float = 0.0
     frozen: bool = False  # the stall is a frozen process (SIGSTOP), not a busy engine
+    # Fixed by the index; fields, not properties: the checks ask for them every tick.
+    name: str = field(init=False)
+    peer_id: str = field(init=False)
 
-    @property
-    def name(self) -> str:
-        return f"n{self.index}"
-
-    @property
-    def peer_id(self) -> str:
-        return f"n{self.index}:5710"
+    def __post_init__(self) -> None:
+        self.name = f"n{self.index}"
+        self.peer_id = f"n{self.index}:5710"
 
     def boot(self, boot_id: bytes) -> Incarnation:
         config = self.timeouts.tier_config(self.name)
@@ -506,7 +505,7 @@ class SimNode:
                 if (
                     request.deferred_since is None
                     or hits > request.best_hits
-                    or max(loaded.get(key, 0.0) for key in part) > request.deferred_since
+                    or max([loaded.get(key, 0.0) for key in part]) > request.deferred_since
                 ):
                     request.deferred_since, request.best_hits = now, hits
                 elif not request.overdue and now - request.deferred_since > ctx.bounds.deferred:

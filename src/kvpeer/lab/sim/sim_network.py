@@ -207,14 +207,14 @@ class SimNetwork:
             elif now >= link.tcp_at + ZMQ_HANDSHAKE_S:
                 link.die("ZMQ handshake timed out (the peer does not answer)")
             return
-        broken = [t for t in (cut, frozen) if t is not None]
-        if broken:
-            if now >= self._broken_from(link, min(broken)) + link.detection:
+        if cut is None and frozen is None:
+            link.broken_from = None  # heartbeats got through at this update
+        else:
+            since = min(t for t in (cut, frozen) if t is not None)
+            if now >= self._broken_from(link, since) + link.detection:
                 link.die("heartbeat timeout")
                 return
-        else:
-            link.broken_from = None  # heartbeats got through at this update
-        if not self.is_cut(link.sender, link.peer_id):
+        if link.held and not self.is_cut(link.sender, link.peer_id):
             self._release(link, now)
 
     @staticmethod

@@ -232,6 +232,7 @@ class World:
         self.held_copies: list[WatchedHeld] = []  # of every incarnation
         self.peer_ids = [node.peer_id for node in self.nodes] + [GHOST_PEER]
         self.reach = Reach(self.ctx, self.net, self.peer_ids[:-1], GHOST_PEER)
+        self._others = [[p for p in self.peer_ids if p != node.peer_id] for node in self.nodes]
         self.ctx.reach = self.reach
         self._cuts: dict[tuple[str, str], int] = {}  # (from, to) -> tick it heals
         self.router = Router(rng, self.nodes, PromptBook(rng, max_blocks=min(16, num_blocks // 4)))
@@ -405,7 +406,7 @@ class World:
         self._kill(node)
 
     def _peers_of(self, node: SimNode) -> list[str]:
-        return [peer_id for peer_id in self.peer_ids if peer_id != node.peer_id]
+        return self._others[node.index]
 
     def _delay(self, sender: str, receiver: str) -> float:
         if not self.max_delay:
