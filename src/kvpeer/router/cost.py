@@ -139,6 +139,7 @@ class CostModel:
         self._busy_s = self.priors.source_busy_s
         self._busy_at: float | None = None  # when _busy_s was last relaxed or learned
         self._warm: set[tuple[str, str]] = set()
+        self._warm_sources: frozenset[str] | None = None  # of _warm, until it changes
         self._floor_s: float | None = None  # pull_floor_s(), until a pull line learns
         self._compute_floor: tuple[float, float] | None = None  # compute_floor_s()'s line
 
@@ -156,14 +157,19 @@ class CostModel:
         """No engine's :meth:`compute_s` at this load is less: the same sum over the least
         base and rate of any compute line, so a decision can pass over engines that
         cannot win without predicting each one."""
-        if self._compute_floor is None:
-            lines = [self._pooled.params, *(line.params for line in self._compute.values())]
-            p = self.priors
-            self._compute_floor = (min([p.overhead_s, *(a for a, _ in lines)]),
-                                   min([p.prefill_s_per_token, *(b for _, b in lines)]))
-        a, b = self._compute_floor
+        a, b = self._floor_line()
         ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
         return a + b * ahead + max(0, load.in_flight) * self.priors.in_flight_s
+
+    def consumer_steps_floor_s(self, load: EngineLoad) -> float:
+        """No :meth:`consumer_steps_s` of an engine without ``sync`` pulls at this load
+        is less (the floor line at its serve wait): a decision's bound on a pull then
+        says what the pull costs the busy consumer, and passes over more engines."""
+        if load.in_flight <= 0:
+            return 0.0
+        a, b = self._floor_line()
+        tokens = min(max(0, load.queued_prompt_tokens), self.priors.step_tokens)
+        return CONSUMER_PULL_STEPS * (a + b * tokens)
 
     def pull_s(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, *,
@@ -192,11 +198,13 @@ class CostModel:
 
     def pull_floor_s(self) -> float:
         """No :meth:`pull_s` is less (each adds only non-negative terms to a pull line,
-        which is at least its base at zero tokens): lets a decision skip the engines a
-        pull cannot make fastest without predicting their pulls."""
+        which is at least its base at zero tokens, and, while no session is warm, the
+        cold-session penalty): lets a decision skip the engines a pull cannot make
+        fastest without predicting their pulls."""
         if self._floor_s is None:
             bases = [line.params[0] for line in self._pull.values()]
-            self._floor_s = min([self.priors.pull_base_s, *bases])
+            floor = min([self.priors.pull_base_s, *bases])
+            self._floor_s = floor if self._warm else floor + self._cold_s
         return self._floor_s
 
     def consumer_steps_s(self, engine: str, load: EngineLoad, *, sync: bool = False) -> float:
@@ -217,6 +225,13 @@ class CostModel:
 
     def is_warm(self, engine: str, source: str) -> bool:
         return (engine, source) in self._warm
+
+    def warm_source(self, source: str) -> bool:
+        """Whether some engine's session with ``source`` is warm: if none is, every pull
+        from it is quoted cold."""
+        if self._warm_sources is None:
+            self._warm_sources = frozenset(source for _, source in self._warm)
+        return source in self._warm_sources
 
     def relax(self, now: float) -> None:
         """Let the busy-source cost drift toward its prior, at ``stale_half_life_s``."""
@@ -257,6 +272,7 @@ class CostModel:
             seconds -= wait + self._busy_s
         if (engine, source) not in self._warm:
             self._warm.add((engine, source))
+            self._warm_sources = None
             excess = seconds - line.predict(tokens)
             alpha = self.priors.cold_alpha
             self._cold_s = max(0.0, (1 - alpha) * self._cold_s + alpha * excess)
@@ -266,6 +282,8 @@ class CostModel:
     def forget_sessions(self, engine: str) -> None:
         """``engine`` restarted: its kvpeer sessions are new, so its pairs are cold."""
         self._warm = {pair for pair in self._warm if engine not in pair}
+        self._warm_sources = None
+        self._floor_s = None
 
     def rates(self) -> dict[str, float]:
         """The learned parameters, as plain numbers for export."""
@@ -280,6 +298,15 @@ class CostModel:
             out[f"pull_base_s:{name}"] = a
             out[f"pull_s_per_token:{name}"] = b
         return out
+
+    def _floor_line(self) -> tuple[float, float]:
+        """The least base and the least rate of any compute line (and the prior's)."""
+        if self._compute_floor is None:
+            lines = [self._pooled.params, *(line.params for line in self._compute.values())]
+            p = self.priors
+            self._compute_floor = (min([p.overhead_s, *(a for a, _ in lines)]),
+                                   min([p.prefill_s_per_token, *(b for _, b in lines)]))
+        return self._compute_floor
 
     def _new_compute_line(self) -> Line:
         p = self.priors

@@ -32,9 +32,11 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
 from typing import Final
 
 from kvpeer.router.cost import CostModel
@@ -168,6 +170,46 @@ class _Option:
     rejected: _Option | None = None
 
 
+@dataclass(slots=True)
+class _Pool:
+    """One decision's pull sources: in plan order, by the prefix they hold, and what was
+    quoted and located for them so far."""
+
+    sources: list[tuple[str, int]]  # (name, CPU-tier prefix), in plan order
+    groups: dict[int, list[str]] = field(default_factory=dict)  # by prefix, plan order
+    places: dict[int, list[int]] = field(default_factory=dict)  # their places in sources
+    lengths: list[int] = field(default_factory=list)  # the groups' prefixes, longest first
+    quotes: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    unseen: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    def interleaved(
+        self, predicted: Sequence[tuple[int, str, int, float]], at: int, local: int
+    ) -> list[tuple[str, int, float | None]]:
+        """Rule 2's candidates for an engine holding ``local`` that predicted the groups
+        before ``lengths[at]`` (``predicted``: place, source, prefix, prediction), in
+        plan order, each run of sources it did not predict as one ``None``: the pick
+        treats every one of a run alike (its pick so far cannot change within the run),
+        so it walks the few predicted sources, not the fleet (a second turn's holder
+        and the hundreds of engines holding its system prompt: 110 sources walked per
+        pulling engine made the slowest decisions of ``kvpeer bench router-scale``)."""
+        unseen = self.unseen.get((at, local))
+        if unseen is None:
+            runs = [self.places[cpu] for cpu in self.lengths[at:] if cpu > local]
+            unseen = runs[0] if len(runs) == 1 else sorted(chain.from_iterable(runs))
+            self.unseen[(at, local)] = unseen
+        out: list[tuple[str, int, float | None]] = []
+        after = 0  # the first place a run may start at
+        for place, source, cpu, ttft in sorted(predicted):
+            i = bisect_left(unseen, after)
+            if i < len(unseen) and unseen[i] < place:
+                out.append(("", 0, None))
+            out.append((source, cpu, ttft))
+            after = place + 1
+        if bisect_left(unseen, after) < len(unseen):
+            out.append(("", 0, None))
+        return out
+
+
 class RouterPolicy:
     """The decision core (module docstring). Implements ``policy.Policy``."""
 
@@ -194,6 +236,9 @@ class RouterPolicy:
         # pays the engine's warm-up (seconds here) and would teach the model nonsense.
         self._warming: set[str] = set(self._specs)
         self._since_explore = 0  # plans since the last exploring pull (rule 6)
+        # Some engine lands pulls without extra steps: a bound shared by engines alike in
+        # load cannot count the steps a pull costs the others.
+        self._sync_pulls = any(spec.sync_pulls for spec in engines)
 
     # --- Policy -----------------------------------------------------------------------
 
@@ -317,10 +362,11 @@ class RouterPolicy:
                 cpu = held.get(name, _NOTHING)[1]
                 if cpu > 0:
                     sources.append((name, cpu))
-        groups: dict[int, list[str]] = {}  # the sources by the prefix they hold
-        for source, cpu in sources:
-            groups.setdefault(cpu, []).append(source)
-        lengths = sorted(groups, reverse=True)
+        pool = _Pool(sources)
+        for place, (source, cpu) in enumerate(sources):
+            pool.groups.setdefault(cpu, []).append(source)
+            pool.places.setdefault(cpu, []).append(place)
+        lengths = pool.lengths = sorted(pool.groups, reverse=True)
         top = lengths[0] if lengths else 0
         floor = cost.pull_floor_s() if sources else 0.0
         # Every server's least possible prediction (the cost model's floor lines: one
@@ -331,20 +377,20 @@ class RouterPolicy:
             load = healthy[name]
             local = held.get(name, _NOTHING)[0]
             alike.setdefault((local, load.queued_prompt_tokens, load.in_flight), []).append(name)
-        top_floor, second = self._top_floor(groups, lengths, held, healthy, floor)
+        top_floor, second = self._top_floor(pool, held, healthy, floor)
         entries: list[tuple[float, int, int, int]] = []
         for (local, queued, in_flight), names in alike.items():
             load = healthy[names[0]]
             bound = cost.compute_floor_s(n - local, load)
             if local < top:  # a source holds more: a pull may be faster (sources != name)
-                bound = min(bound, cost.compute_floor_s(n - top, load) + top_floor)
+                steps = 0.0 if self._sync_pulls else cost.consumer_steps_floor_s(load)
+                bound = min(bound, cost.compute_floor_s(n - top, load) + top_floor + steps)
                 if local < second:
-                    bound = min(bound, cost.compute_floor_s(n - second, load) + floor)
+                    bound = min(bound, cost.compute_floor_s(n - second, load) + floor + steps)
             entries.append((bound, local, queued, in_flight))
         entries.sort()
         best: tuple[float, int, str] | None = None
         option = _Option(0.0, 0)
-        quotes: dict[tuple[str, int], tuple[float, float]] = {}
         for bound, local, queued, in_flight in entries:
             if best is not None and bound > best[0]:
                 break  # sorted: no later one can win either
@@ -353,8 +399,7 @@ class RouterPolicy:
                 found: _Option | None = _Option(alone, local)
                 if local < top:
                     found = self._best_option(
-                        name, n, local, alone, sources, groups, lengths, healthy, quotes,
-                        floor, best, pull_from,
+                        name, n, local, alone, pool, healthy, floor, best, pull_from
                     )
                     if found is None:
                         continue
@@ -391,11 +436,8 @@ class RouterPolicy:
         prompt_tokens: int,
         local: int,
         alone: float,
-        sources: Sequence[tuple[str, int]],
-        groups: Mapping[int, Sequence[str]],
-        lengths: Sequence[int],
+        pool: _Pool,
         healthy: Mapping[str, EngineLoad],
-        quotes: dict[tuple[str, int], tuple[float, float]],
         floor: float,
         best: tuple[float, int, str] | None,
         pull_from: str | None,
@@ -406,13 +448,14 @@ class RouterPolicy:
         cost = self.cost
         load = healthy[engine]
         steps = cost.consumer_steps_s(engine, load, sync=self._specs[engine].sync_pulls)
-        predicted: dict[str, float] = {}
+        predicted: list[tuple[int, str, int, float]] = []  # (place, source, prefix, ttft)
         least = alone
+        quotes = pool.quotes
         # A group's pulls take at least its compute of the rest + the floor: longest
         # prefix first (the lowest bound), stopping once nothing left can beat ``best``,
         # or once the groups left, all above the best pull so far, cannot change the
         # pick (a long prefix's holder beats the many holders of a short one).
-        for cpu in lengths:
+        for at, cpu in enumerate(pool.lengths):
             if cpu <= local:
                 break
             compute = cost.compute_s(engine, prompt_tokens - cpu, load)
@@ -420,10 +463,11 @@ class RouterPolicy:
             if best is not None and min(least, bound) > best[0]:
                 return None
             if predicted and pull_from is None and bound > least:
-                option = self._pick(local, alone, sources, predicted, bound, pull_from)
+                candidates = pool.interleaved(predicted, at, local)
+                option = self._pick(local, alone, candidates, bound, pull_from)
                 if option is not None:
                     return option
-            for source in groups[cpu]:
+            for source, place in zip(pool.groups[cpu], pool.places[cpu], strict=True):
                 quote = quotes.get((source, local))
                 if quote is None:
                     quote = quotes[(source, local)] = cost.pull_quote_s(
@@ -431,11 +475,14 @@ class RouterPolicy:
                         held=self._specs[source].serves_held,
                     )
                 pull = quote[0] if cost.is_warm(engine, source) else quote[1]
-                ttft = predicted[source] = compute + pull + steps  # as pull_s summed
+                ttft = compute + pull + steps  # as pull_s summed
+                predicted.append((place, source, cpu, ttft))
                 least = min(least, ttft)
         if best is not None and least > best[0]:
             return None
-        option = self._pick(local, alone, sources, predicted, None, pull_from)
+        predicted.sort()
+        candidates = [(source, cpu, ttft) for _, source, cpu, ttft in predicted]
+        option = self._pick(local, alone, candidates, None, pull_from)
         assert option is not None  # every candidate predicted: nothing is uncertain
         return option
 
@@ -443,13 +490,14 @@ class RouterPolicy:
         self,
         local: int,
         alone: float,
-        sources: Sequence[tuple[str, int]],
-        predicted: Mapping[str, float],
+        candidates: Iterable[tuple[str, int, float | None]],
         unknown: float | None,
         pull_from: str | None,
     ) -> _Option | None:
         """Rule 2's pick: in plan order, a pull is taken when it beats the pick so far by
-        the margin (a pinned source always). Candidates not in ``predicted`` take at least
+        the margin (a pinned source always). ``candidates`` are the sources holding more
+        than ``local``, in plan order, with their predictions; those not predicted
+        (``None``: one or more in a row, :meth:`_Pool.interleaved`) take at least
         ``unknown``; None when one of them could change the pick. While one of them may
         have been taken, the pick so far is only known to lie in ``[low, ttft]``."""
         margin = self._config.pull_margin_s
@@ -457,10 +505,7 @@ class RouterPolicy:
         low: float | None = None
         rejected: tuple[float, int, str] | None = None
         unpredicted = False
-        for source, cpu in sources:
-            if cpu <= local:
-                continue
-            candidate = predicted.get(source)
+        for source, cpu, candidate in candidates:
             if candidate is None:
                 assert unknown is not None
                 unpredicted = True
@@ -492,8 +537,7 @@ class RouterPolicy:
 
     def _top_floor(
         self,
-        groups: Mapping[int, Sequence[str]],
-        lengths: Sequence[int],
+        pool: _Pool,
         held: Mapping[str, tuple[int, int]],
         healthy: Mapping[str, EngineLoad],
         floor: float,
@@ -501,17 +545,22 @@ class RouterPolicy:
         """The least pull from the sources holding the longest prefix, and the next
         length (0: none): a second turn's one holder is typically busy, and its pulls
         then cost far more than the floor, so others' bounds should say so."""
+        lengths = pool.lengths
         if not lengths:
             return floor, 0
         top, second = lengths[0], lengths[1] if len(lengths) > 1 else 0
-        sources = groups[top]
+        sources = pool.groups[top]
         if len(sources) > _TOP_QUOTES:
             return floor, second
         # Whoever pulls from them pulls at least this many tokens (a pull grows with them).
         fewest = top - max((local for local, _ in held.values() if local < top), default=0)
-        quotes = (self.cost.pull_quote_s(source, fewest, healthy[source],
-                                         held=self._specs[source].serves_held)[0]
-                  for source in sources)  # fmt: skip
+        cost = self.cost
+        quotes = []
+        for source in sources:
+            warm, cold = cost.pull_quote_s(source, fewest, healthy[source],
+                                           held=self._specs[source].serves_held)
+            # No session with it is warm: whoever pulls from it pays the cold one.
+            quotes.append(warm if cost.warm_source(source) else cold)
         return min(quotes), second
 
     def _explorable(self, option: _Option) -> _Option | None:
