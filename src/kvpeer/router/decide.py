@@ -175,9 +175,8 @@ class _Pool:
     """One decision's pull sources: in plan order, by the prefix they hold, and what was
     quoted and located for them so far."""
 
-    sources: list[tuple[str, int]]  # (name, CPU-tier prefix), in plan order
     groups: dict[int, list[str]] = field(default_factory=dict)  # by prefix, plan order
-    places: dict[int, list[int]] = field(default_factory=dict)  # their places in sources
+    places: dict[int, list[int]] = field(default_factory=dict)  # their places in plan order
     lengths: list[int] = field(default_factory=list)  # the groups' prefixes, longest first
     quotes: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     unseen: dict[tuple[int, int], list[int]] = field(default_factory=dict)
@@ -362,7 +361,7 @@ class RouterPolicy:
                 cpu = held.get(name, _NOTHING)[1]
                 if cpu > 0:
                     sources.append((name, cpu))
-        pool = _Pool(sources)
+        pool = _Pool()
         for place, (source, cpu) in enumerate(sources):
             pool.groups.setdefault(cpu, []).append(source)
             pool.places.setdefault(cpu, []).append(place)

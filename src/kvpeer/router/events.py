@@ -234,8 +234,9 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     removed_medium = ""
     for index, item in enumerate(wire.events):
         if type(item) is _WireRemoved:
-            skip = _skip_reason(item.group_idx, item.ownership)
-            if skip is not None:
+            if item.group_idx or item.ownership is not None:  # _skip_reason's, inlined
+                skip = _skip_reason(item.group_idx, item.ownership)
+                assert skip is not None
                 skipped[skip] = skipped.get(skip, 0) + 1
             elif item.block_hashes:
                 medium = item.medium or "GPU"

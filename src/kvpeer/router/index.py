@@ -354,31 +354,43 @@ class PrefixIndex:
         width = 4 * size
         unkeyed = parent.startswith(_UNKEYED)
         remapped = 0
+        # Most blocks are known and keyed (re-announced hits, the CPU tier's copies of
+        # the GPU's blocks): each costs a lookup and two moves, its map's bound methods
+        # looked up once per event (the intake's largest Python loop).
+        lookup, touch_hash, unretire = hashes.get, hashes.move_to_end, retired.pop
+        held, touch = present.get, present.move_to_end
         for i, block_hash in enumerate(event.block_hashes):
-            previous = hashes.get(block_hash)
-            if previous is None:
-                previous = retired.pop(block_hash, None)  # held again: live (invariant 2)
-            if previous is None:
-                if unkeyed:
-                    parent = _unkeyed(block_hash)  # a salted block's child (invariant 6)
-                else:
-                    tokens = tokens or array("I", event.token_ids).tobytes()
-                    parent = _chain(parent, tokens[i * width : (i + 1) * width])
-            elif unkeyed or previous.startswith(_UNKEYED):
-                parent = _unkeyed(block_hash)  # a salted block or its child (invariant 6)
-                remapped += previous != parent
-                unkeyed = True
-            else:
+            previous = lookup(block_hash)
+            if previous is not None and not unkeyed and not previous.startswith(_UNKEYED):
                 parent = previous  # a known hash names known content (invariant 8)
-            hashes[block_hash] = parent
-            hashes.move_to_end(block_hash)
-            count = present.get(parent)
+                touch_hash(block_hash)
+            else:
+                live = previous is not None
+                if previous is None:
+                    previous = unretire(block_hash, None)  # held again: live (invariant 2)
+                if previous is None:
+                    if unkeyed:
+                        parent = _unkeyed(block_hash)  # a salted block's child (invariant 6)
+                    else:
+                        tokens = tokens or array("I", event.token_ids).tobytes()
+                        parent = _chain(parent, tokens[i * width : (i + 1) * width])
+                elif unkeyed or previous.startswith(_UNKEYED):
+                    parent = _unkeyed(block_hash)  # a salted block or its child (invariant 6)
+                    remapped += previous != parent
+                    unkeyed = True
+                else:
+                    parent = previous
+                hashes[block_hash] = parent
+                if live:
+                    touch_hash(block_hash)
+            count = held(parent)
             if count is None:
                 present[parent] = 1
                 holders[parent] = holders.get(parent, 0) | bit
             else:
-                present[parent] = count + 1 if refcounted else 1
-                present.move_to_end(parent)
+                if refcounted:  # a set's count stays 1
+                    present[parent] = count + 1
+                touch(parent)
             if speculative and speculative.pop((medium, parent), None) is not None:
                 self._unspeculated((medium, parent), bit)
         if remapped:
@@ -443,11 +455,15 @@ class PrefixIndex:
         hashes, retired, bit = state.hashes, state.retired, state.bit
         holders = self._holders[medium]
         others = [held for other, held in state.present.items() if other != medium]
+        max_retired, lookup, held_count = self._max_retired, hashes.get, present.get
         unknown = 0
         for block_hash in event.block_hashes:
-            key = hashes.get(block_hash)
-            count = present.get(key) if key is not None else None
-            if key is None or count is None:
+            key = lookup(block_hash)
+            if key is None:
+                unknown += 1
+                continue
+            count = held_count(key)
+            if count is None:
                 unknown += 1
                 continue
             if refcounted and count > 1:
@@ -465,7 +481,7 @@ class PrefixIndex:
             else:  # the block left every medium: retire its mapping (invariant 2)
                 del hashes[block_hash]
                 retired[block_hash] = key  # never there while live: goes in as newest
-                if len(retired) > self._max_retired:
+                if len(retired) > max_retired:
                     retired.popitem(last=False)
         if unknown:
             self._bump("unknown_removed", unknown)
