@@ -374,8 +374,13 @@ class RouterPolicy:
         alike: dict[tuple[int, int, int], list[str]] = {}
         for name in servers:
             load = healthy[name]
-            local = held.get(name, _NOTHING)[0]
-            alike.setdefault((local, load.queued_prompt_tokens, load.in_flight), []).append(name)
+            local = held[name][0] if name in held else 0
+            key = (local, load.queued_prompt_tokens, load.in_flight)
+            group = alike.get(key)
+            if group is None:
+                alike[key] = [name]
+            else:
+                group.append(name)
         top_floor, second = self._top_floor(pool, held, healthy, floor)
         entries: list[tuple[float, int, int, int]] = []
         for (local, queued, in_flight), names in alike.items():
@@ -579,10 +584,17 @@ class RouterPolicy:
         every engine holding some of the prompt; any other engine holds ``_NOTHING``."""
         gpu = self._index.prefixes(keys, MEDIUM_GPU, now)
         cpu = self._index.prefixes(keys, MEDIUM_CPU, now)
-        held = {}
-        for name in gpu.keys() | cpu.keys():
-            in_cpu = cpu.get(name, 0)
-            held[name] = (min(max(gpu.get(name, 0), in_cpu), usable), min(in_cpu, usable))
+        if max(gpu.values(), default=0) > usable or max(cpu.values(), default=0) > usable:
+            return {
+                name: (min(max(gpu.get(name, 0), cpu.get(name, 0)), usable),
+                       min(cpu.get(name, 0), usable))
+                for name in gpu.keys() | cpu.keys()
+            }  # fmt: skip
+        # Nothing to cap (the usual case: rule 4 caps only a prompt held whole).
+        held = {name: (local, 0) for name, local in gpu.items()}
+        for name, in_cpu in cpu.items():
+            local = gpu.get(name, 0)
+            held[name] = (local if local > in_cpu else in_cpu, in_cpu)
         return held
 
     # --- pd ---------------------------------------------------------------------------
