@@ -47,6 +47,26 @@ class TestHealthy:
         net.after(DELAY)
         assert frames(net.b) == [b"1", b"2"]
 
+    def test_a_next_link_never_overtakes_an_earlier_one(self) -> None:
+        # A slow frame on a link that then closes, and a fast one on the next link:
+        # the peer's ROUTER reads the old connection's frames first (ZMQ rules 6, 7).
+        # Seed 1005440: an ended session's lookup overtaken by the next session's
+        # connect was taken in by that session, its producer entry never closed.
+        delays = iter([0.3, 0.01])
+        clock = FakeClock()
+        net = SimNetwork(clock, lambda a, b: next(delays), HEARTBEAT, random.Random(1))
+        a, b = net.attach("a"), net.attach("b")
+        old = a.connect("b")
+        assert old.transmit(b"old session's lookup")
+        old.close()
+        clock.advance(0.1)
+        net.update()
+        new = a.connect("b")
+        assert new.transmit(b"next session's connect")
+        clock.advance(0.2)
+        net.update()
+        assert frames(b) == [b"old session's lookup", b"next session's connect"]
+
 
 class TestDeathAndRefusal:
     def test_a_link_to_a_dead_process_dies_at_the_next_update(self, net: Net) -> None:

@@ -26,6 +26,12 @@ from kvpeer.lab.sim.timeouts import Bounds
 from kvpeer.node import peermemory as peermemory_module
 
 SWEEP = [(seed, 3) for seed in range(200)] + [(seed, 4) for seed in range(200, 260)]
+#: Seeds (and node counts) that once failed beyond the sweep, kept as regressions.
+PINNED = [
+    # An ended session's lookup, on its parked link, overtaken by the next session's
+    # connect on a fresh one: a reordering the network model allowed and ZMQ does not.
+    (1005440, 3),
+]
 LAST_LINE = re.compile(r"seeds=(\d+) violations=(\d+) jobs=(\d+) loads_ok=(\d+) loads_failed=(\d+)")
 
 
@@ -62,6 +68,12 @@ def describe(results: list[SeedResult]) -> Iterator[str]:
             f"first: {result.violations[0]}\n    reproduce: python -m kvpeer.sim --seeds 1 "
             f"--first-seed {result.seed} --nodes {result.nodes}"
         )
+
+
+class TestPinnedSeeds:
+    def test_pinned_seeds_keep_every_invariant(self) -> None:
+        failing = [result for result in (run_seed(s, n) for s, n in PINNED) if result.violations]
+        assert not failing, "\n".join(describe(failing))
 
 
 @pytest.mark.slow  # a sweep of many seeds

@@ -4,8 +4,14 @@ Each node attaches with its peer id and gets a :class:`SimControl` (the
 :class:`~kvpeer.transport.base.ControlTransport` contract); attaching again
 under the same id is a restart on the same address (a new incarnation).
 Frames on a link keep their order and spend ``delay(sender, receiver)`` in
-flight. The faults, and what a node sees of them (``kvpeer.transport.zmq_control``
-rule 3: a link that loses its connection is dead, never reconnected):
+flight. Frames from one node to one incarnation of another keep their order
+across links too: a node's next link to a peer never delivers before what its
+earlier links already sent there (``kvpeer.transport.zmq_control`` rules 6 and
+7: the next link rides the parked connection after its last words, or the
+peer's ROUTER reads a fresh connection only once it let go of the old one, or -
+with handover - after the frames already in the old one). The faults, and
+what a node sees of them (``kvpeer.transport.zmq_control`` rule 3: a link that
+loses its connection is dead, never reconnected):
 
 1. **Death** (:meth:`SimNetwork.kill`, the process vanished but its host is
    up; attaching again is a restart on the same address): links toward it
@@ -248,8 +254,10 @@ class SimNetwork:
         if target is None or target.closed:
             self.frames_dropped += 1
             return
-        due = max(now + self._delay(link.sender, link.peer_id), link.last_due)
-        link.last_due = due  # a link never reorders
+        # A link never reorders, nor does a next link overtake an earlier one's frames.
+        due = now + self._delay(link.sender, link.peer_id)
+        due = max(due, target.last_due.get(link.sender, 0.0))
+        target.last_due[link.sender] = due
         self._arrivals[(link.sender, link.peer_id)] = due
         self._seq += 1
         target.inbox.append((due, self._seq, InboundFrame(link.sender, frame)))
@@ -295,7 +303,6 @@ class SimLink:
         self.connected_at: float | None = None
         self.broken_from: float | None = None  # heartbeats lost since (connected links)
         self.held: deque[bytes] = deque()
-        self.last_due = 0.0
         self.closed = False
         self.dead: str | None = None
         self.unread: str | None = None  # a simulated peer always reads
@@ -333,6 +340,8 @@ class SimControl:
         self._network = network
         self._local_id = node_id
         self.inbox: list[tuple[float, int, InboundFrame]] = []
+        #: per sender: when its latest frame to this incarnation arrives (all its links)
+        self.last_due: dict[str, float] = {}
         self.closed = False
         self.links: list[SimLink] = []
 
