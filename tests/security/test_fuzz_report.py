@@ -158,6 +158,19 @@ def test_a_failed_pull_or_a_problem_fails_the_run() -> None:
     assert "problem: after the goodbyes the node still holds 900 fds" in render(result)
 
 
+def test_a_problem_shows_the_end_of_the_nodes_log() -> None:
+    result = _result(crashed=False)
+    result.node_log = "".join(f"line {n}\n" for n in range(100))
+    assert "line 99" not in render(result), "a run without problems keeps the report short"
+    result.problems.append("SIGINT: the node exited with 2")
+    table = render(result)
+    assert "the node's log, last 30 lines:" in table
+    assert "  | line 99" in table
+    assert "  | line 70" in table
+    assert "line 69\n" not in table
+    assert table.rstrip().endswith("kvpeer fuzz FAILED")
+
+
 def test_json_has_every_count() -> None:
     data = json.loads(json.dumps(to_json(_result(crashed=True))))
     assert data["ok"] is False

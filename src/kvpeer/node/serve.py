@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,8 +88,11 @@ def serve(
             Path(ready_file).write_text(peer_id)
         print("kvpeer serve: serving; Ctrl-C to stop", file=out, flush=True)
         started = last_stats = time.monotonic()
+        stop = _StopOnSignal(node)
         try:
-            while duration_s is None or time.monotonic() - started < duration_s:
+            while not stop.requested and (
+                duration_s is None or time.monotonic() - started < duration_s
+            ):
                 node.wait_for_work(0.5)
                 host.step()
                 if time.monotonic() - last_stats >= STATS_EVERY_S:
@@ -101,15 +105,40 @@ def serve(
                         file=out,
                         flush=True,
                     )
+            if stop.requested:
+                print(f"kvpeer serve: stopping ({stop.requested})", file=out, flush=True)
         except KeyboardInterrupt:
             print("kvpeer serve: stopping", file=out, flush=True)
         except DriverCrashed as exc:
             print(f"kvpeer serve: stopping: {exc}", file=out, flush=True)
             status = 1
         finally:
+            stop.restore()
             if detach is not None:
                 detach()
             host.shutdown()
     finally:
         pool.close()
     return status
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM ask the serve loop to stop instead of raising where they
+    land: this thread also polls the tier (:meth:`DrivenTier.wait_for_work`), and an
+    exception raised in the middle of a poll would be taken for a driver crash. The
+    handler only sets a flag and writes the loop's wake-up descriptor (no lock)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, node: DrivenTier) -> None:
+        self.requested = ""
+        self._node = node
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = signal.Signals(signum).name
+        self._node.loop.wake()
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

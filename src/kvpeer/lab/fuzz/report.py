@@ -109,6 +109,9 @@ def memory_line(result: FuzzResult) -> str:
     )
 
 
+NODE_LOG_LINES = 30  # of a node with a problem, in the report
+
+
 def render(result: FuzzResult) -> str:
     lines = [
         f"kvpeer fuzz: {result.frames_sent:,} frames in {result.elapsed_s:.0f} s "
@@ -178,6 +181,10 @@ def render(result: FuzzResult) -> str:
     )
     for problem in result.problems:
         lines.append(f"problem: {problem}")
+    if result.problems and result.node_log:
+        tail = result.node_log.splitlines()[-NODE_LOG_LINES:]
+        lines.append(f"the node's log, last {len(tail)} lines:")
+        lines.extend(f"  | {line}" for line in tail)
     verdict = "ok" if result.ok else "FAILED"
     lines.append(f"kvpeer fuzz {verdict}")
     return "\n".join(lines)
