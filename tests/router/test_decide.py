@@ -92,6 +92,20 @@ def test_longer_prefix_on_a_peer_busy_decoding_is_pulled() -> None:
     assert (plan.engine, plan.source, plan.reason) == ("e0", "e1", REASON_PULL)
     assert plan.predicted_cached_tokens == USABLE
     assert plan.predicted_pulled_tokens == USABLE - 64
+    # The consumer is told all the source holds, the prompt's last block included:
+    # kvpeer's connector loads it too and computes the last token only.
+    assert plan.source_held_tokens == 1024
+
+
+def test_the_source_held_tokens_are_what_it_holds_of_a_partly_held_prompt() -> None:
+    policy, index = shared("e0", "e1")
+    hold(index, "e1", 512, MEDIUM_CPU)
+    plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": idle()}, 0.0, serve_on="e0",
+                       pull_from="e1")  # fmt: skip
+    assert (plan.engine, plan.source) == ("e0", "e1")
+    assert (plan.predicted_cached_tokens, plan.source_held_tokens) == (512, 512)
+    plan = policy.plan("r2", PROMPT, {"e0": idle(), "e1": idle()}, 0.0, serve_on="e1")
+    assert (plan.source, plan.source_held_tokens) == (None, 0)
 
 
 def test_affinity_never_plans_a_pull_the_engines_could_not_make() -> None:

@@ -210,9 +210,11 @@ def reference_plan(
         reason = REASON_PULL_SLOWER
     else:
         reason = REASON_CACHE if cached > 0 else REASON_LOAD
+    source_held = index.longest_prefix(chosen, keys, MEDIUM_CPU, now) if chosen else 0
     return Plan(engine=engine, source=chosen, predicted_cached_tokens=cached,
                 predicted_pulled_tokens=cached - local if chosen else 0,
-                predicted_ttft_s=ttft, reason=reason)  # fmt: skip
+                predicted_ttft_s=ttft, reason=reason,
+                source_held_tokens=source_held)  # fmt: skip
 
 
 def random_priors(rng: random.Random) -> CostPriors:

@@ -16,7 +16,9 @@
    already holds every usable block (a prefill leg would only add latency). Operators
    choose PD to keep prefill off decode engines, so it is not traded for TTFT.
 4. The predicted cached tokens never exceed the prompt's full blocks that vLLM can use:
-   the last prompt token is always computed.
+   the last prompt token is always computed. What a pull source holds is told to the
+   consumer uncapped (``Plan.source_held_tokens``): kvpeer's connector loads the
+   prompt's last block too and computes only its last token.
 5. Every plan, prediction and outcome is counted in :class:`DecisionStats`; nothing here
    raises on engine data, and every table is bounded.
 6. Bounded exploration: a pull the model predicts slower, but by no more than
@@ -354,7 +356,7 @@ class RouterPolicy:
         if not servers:
             return _no_engine(n, healthy)
         cost = self.cost
-        held = self._held(keys, usable, now)
+        held, in_cpu = self._held(keys, usable, now)
         sources: list[tuple[str, int]] = []  # (name, CPU-tier prefix), in plan order
         if self._config.pulls:
             for name in healthy if pull_from is None else (pull_from,):
@@ -430,6 +432,7 @@ class RouterPolicy:
             engine=engine, source=option.source, predicted_cached_tokens=option.cached,
             predicted_pulled_tokens=option.pulled, predicted_ttft_s=option.ttft_s,
             reason=reason,
+            source_held_tokens=in_cpu.get(option.source, 0) if option.source else 0,
         )
         local = held.get(engine, _NOTHING)[0]
         return plan, _Pending(plan, n, local, 0, dict(healthy))
@@ -579,9 +582,12 @@ class RouterPolicy:
         self._stats.add("explorations_total")
         return tried
 
-    def _held(self, keys: PromptKeys, usable: int, now: float) -> dict[str, tuple[int, int]]:
+    def _held(
+        self, keys: PromptKeys, usable: int, now: float
+    ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
         """(local prefix in either medium, prefix in the CPU tier), capped (rule 4), of
-        every engine holding some of the prompt; any other engine holds ``_NOTHING``."""
+        every engine holding some of the prompt (any other engine holds ``_NOTHING``);
+        and each one's CPU-tier prefix uncapped."""
         gpu = self._index.prefixes(keys, MEDIUM_GPU, now)
         cpu = self._index.prefixes(keys, MEDIUM_CPU, now)
         if max(gpu.values(), default=0) > usable or max(cpu.values(), default=0) > usable:
@@ -589,13 +595,13 @@ class RouterPolicy:
                 name: (min(max(gpu.get(name, 0), cpu.get(name, 0)), usable),
                        min(cpu.get(name, 0), usable))
                 for name in gpu.keys() | cpu.keys()
-            }  # fmt: skip
+            }, cpu  # fmt: skip
         # Nothing to cap (the usual case: rule 4 caps only a prompt held whole).
         held = {name: (local, 0) for name, local in gpu.items()}
         for name, in_cpu in cpu.items():
             local = gpu.get(name, 0)
             held[name] = (local if local > in_cpu else in_cpu, in_cpu)
-        return held
+        return held, cpu
 
     # --- pd ---------------------------------------------------------------------------
 
@@ -613,7 +619,7 @@ class RouterPolicy:
         prefillers = [e for e in healthy if self._specs[e].role in (Role.PREFILL, Role.BOTH)]
         if not decoders:
             return _no_engine(n, healthy)
-        held = self._held(keys, usable, now)
+        held, _ = self._held(keys, usable, now)
         local = {e: held.get(e, _NOTHING)[0] for e in healthy}
         # Prefill engines, soonest predicted prefill leg first.
         legs = sorted(

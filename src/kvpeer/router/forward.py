@@ -187,9 +187,7 @@ class Forwarder:
             else:
                 source = self._config.entry(plan.source).spec if plan.source else None
                 source = self._peers().dialable(source)
-                leg = params.shared_leg(
-                    ctx.body, ctx.request_id, source, plan.predicted_cached_tokens
-                )
+                leg = params.shared_leg(ctx.body, ctx.request_id, source, plan.source_held_tokens)
             self._sent(ctx, plan)
             try:
                 return await self.forward(request, ctx, entry, leg, plan, prefill_s)

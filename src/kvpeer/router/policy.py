@@ -77,6 +77,11 @@ class Plan:
     predicted_pulled_tokens: int = 0  # of those, pulled from ``source``/``prefill_engine``
     predicted_ttft_s: float | None = None
     reason: str = ""  # one short phrase for logs and the request trace
+    #: how much of the prompt ``source`` holds in its CPU tier, in whole blocks, the
+    #: prompt's last block included (sent to ``engine`` as ``held_tokens``): more than
+    #: ``predicted_cached_tokens`` when the prompt is held whole, because a consumer
+    #: loading synchronously takes the last block too and computes one token only
+    source_held_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
