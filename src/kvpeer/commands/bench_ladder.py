@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts", type=_rounds, default=5, help="rounds, each with two fresh prompts"
     )
-    parser.add_argument("--idle-seconds", type=float, default=1.0, help="idle before each pull")
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=1.0,
+        help="idle before each measured local hit and pull",
+    )
     parser.add_argument("--held-mib", type=int, default=128, help="held_bytes of each engine, MiB")
     parser.add_argument(
         "--sync-pull-wait",
