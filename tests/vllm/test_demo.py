@@ -76,5 +76,8 @@ def test_demo_json_reports_every_scenario_pulled_from_the_peer_over_http(
         assert s["ttft_pulled_s"] > 0
         assert s["speedup"] == pytest.approx(s["ttft_local_s"] / s["ttft_pulled_s"])
     for name in ("pd", "shared"):
-        assert scenarios[name]["tokens_from_peer"] >= 768 - BLOCK_TOKENS
+        # every block of the prompt, the last one included (the router's held_tokens
+        # names it too): the consumer computes only the prompt's last token
+        assert scenarios[name]["blocks_from_peer"] == 768 // BLOCK_TOKENS, scenarios[name]
+        assert scenarios[name]["tokens_from_peer"] == 768 - 1, scenarios[name]
     assert serve_shm_files() <= shm_before, "the demo left region files in /dev/shm"
