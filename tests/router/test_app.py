@@ -137,7 +137,23 @@ class TestShared:
                 (body,) = f.engines["a"].generation_bodies()
                 assert body["kv_transfer_params"]["remote_kv_source"]["remote_host"] == "127.0.0.2"
                 assert body["kv_transfer_params"]["remote_kv_source"]["remote_port"] == 5711
+                assert "held_tokens" not in body["kv_transfer_params"]["remote_kv_source"]
                 assert f.engines["b"].generation_bodies() == []
+
+        run(scenario())
+
+    def test_the_source_held_tokens_go_to_the_consumer_uncapped(self) -> None:
+        """The plan's prediction stops a block short of a prompt held whole; the leg
+        names all the source holds, so the consumer loads the last block too."""
+
+        async def scenario() -> None:
+            plan = Plan(engine="a", source="b", predicted_cached_tokens=1504,
+                        predicted_pulled_tokens=1504, source_held_tokens=1536)  # fmt: skip
+            async with fleet(choose=lambda loads: plan) as f:
+                status, _ = await f.post("/v1/completions", completion())
+                assert status == 200
+                (body,) = f.engines["a"].generation_bodies()
+                assert body["kv_transfer_params"]["remote_kv_source"]["held_tokens"] == 1536
 
         run(scenario())
 
