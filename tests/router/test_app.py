@@ -25,6 +25,7 @@ from tests.router.conftest import (
     read_events,
     run,
     spawn_engine,
+    until,
 )
 
 PROMPT = list(range(40))
@@ -250,6 +251,43 @@ class TestFailures:
                 assert f.policy.restarts == ["a"]
                 metrics = await f.metrics()
                 assert metrics["kvpeer_router_engine_restarts_total"] == 1
+
+        run(scenario())
+
+    def test_with_no_engine_healthy_one_down_but_not_gone_is_tried(self) -> None:
+        """Rule 6 of router/app.py. Engine b misses its health checks but still serves
+        (under load in CI: one slow /health), and a is gone (its port refuses): the
+        request goes to b instead of a 503. With b gone too, a 503."""
+
+        async def scenario() -> None:
+            settings = {"health_interval_s": 0.05, "health_timeout_s": 0.2}
+            async with fleet(settings=settings) as f:
+                health = f.router.health
+                f.engines["b"].behaviour.health_delay_s = 1.0  # a loaded API server
+                await health.wait_for(lambda h: not h.healthy("b"), 5)
+                await f.engines["a"].stop()
+                await until(lambda: not health.healthy("a") and not health.reachable("a"),
+                            "a's port to refuse")  # fmt: skip
+                assert health.reachable("b")
+                status, _ = await f.post("/v1/completions", completion())
+                assert status == 200
+                assert len(f.engines["b"].generation_bodies()) == 1
+                metrics = await f.metrics()
+                assert metrics["kvpeer_router_last_resort_total"] == 1
+                # An engine that answers its check with an error says it is unwell: not tried.
+                f.engines["b"].behaviour.health_status = 503
+                f.engines["b"].behaviour.health_delay_s = 0.0
+                await until(lambda: not health.reachable("b"), "b's check to answer 503")
+                status, _ = await f.post("/v1/completions", completion())
+                assert status == 503
+                f.engines["b"].behaviour.health_status = 200
+                f.engines["b"].behaviour.health_delay_s = 1.0
+                await until(lambda: health.reachable("b"), "b's check to time out again")
+                await f.engines["b"].stop()
+                await until(lambda: not health.reachable("b"), "b's port to refuse")
+                status, answer = await f.post("/v1/completions", completion())
+                assert status == 503, answer
+                assert answer["error"]["message"] == "no healthy engine"
 
         run(scenario())
 

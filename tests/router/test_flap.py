@@ -426,6 +426,32 @@ def test_router_a_restart_forgets_at_once_and_relearns_from_zero() -> None:
     run(router_scenario(body, start_time=False))
 
 
+def test_the_rest_of_an_abandoned_answer_is_not_the_next_replays() -> None:
+    """vLLM's replay answers carry no request id. The verify's answer is decided by its
+    first frame (another process); its end marker, still on its way when the history is
+    asked for, must not end that history's replay. Seen under load in CI: the end marker
+    closed the history's replay, the history was dropped as unexpected, and the router
+    held nothing of the restarted engine."""
+
+    async def body(router: Router, engine: FakeEngine, publisher: Publisher,
+                   b: FakeEngine) -> None:
+        await flap_down(router, engine)
+        verify, start = await publisher.replay_request()
+        assert start == 2
+        await publisher.replay.send_multipart([verify, *replayed(2, batch(2, ts=7.0))])
+        await router.health.wait_for(lambda h: h.healthy("a"), 10)  # judged restarted
+        await publisher.pub.send_multipart(live(3, batch(3, ts=7.0)))
+        history, start = await publisher.replay_request()
+        assert start == 0
+        await publisher.replay.send_multipart([verify, *REPLAY_END])  # late, and stale
+        await publisher.answer(history, [(seq, batch(seq, ts=7.0)) for seq in range(3)])
+        await until(lambda: held(router, 4) == 4 * BS, "the new process's blocks")
+        stats = router.subscribers["a"].statistics()
+        assert stats.replays_completed == 2, stats  # the first history, then this one
+
+    run(router_scenario(body, start_time=False))
+
+
 def test_router_strictly_an_unanswered_proof_is_a_restart_within_the_health_timeout() -> None:
     async def body(router: Router, engine: FakeEngine, publisher: Publisher,
                    b: FakeEngine) -> None:

@@ -16,6 +16,12 @@ Per generation request (``/v1/completions``, ``/v1/chat/completions``):
    SSE error event, and the connection closes. 4xx answers pass through unchanged.
 5. Stream events go to the client as they arrive; usage is read on the way (and the
    usage chunk the router asked for is dropped), then the policy hears the outcome.
+6. When no engine is healthy, the request goes to one that is down but not known to be
+   gone (seen up, no connection refused since: a missed check, a verdict pending), by
+   load and computing locally, with the same retries; a 503 only when there is none.
+   Under load a health check can miss while the engine still serves, and with the
+   other engine dead that one miss made every request a 503
+   (``kvpeer_router_last_resort_total`` counts these).
 
 Load (requests in flight, prompt tokens whose first byte is not back) is counted here,
 per engine, and handed to the policy with every plan.
@@ -65,6 +71,7 @@ __all__ = ["PIN_HEADER", "Router", "RouterStatistics"]
 log = logging.getLogger(__name__)
 
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
+REASON_LAST_RESORT = "last resort: no healthy engine"  # rule 6
 DNS_CACHE_S = 10  # seconds an answer for an engine URL's host name is reused
 
 
@@ -255,7 +262,7 @@ class Router:
         servers = [e.name for e in self.config.engines
                    if loads[e.name].healthy and (not pd or e.spec.role in DECODE_ROLES)]
         if not servers:
-            return None
+            return self._last_resort(ctx, exclude, loads)
         now = time.monotonic()
         serve_on = ctx.serve_on if ctx.serve_on in servers else None
         try:
@@ -291,6 +298,29 @@ class Router:
                 predicted_cached_tokens=plan.predicted_cached_tokens - plan.predicted_pulled_tokens,
             )
         return replace(plan, source=None) if pd else replace(plan, prefill_engine=None)
+
+    def _last_resort(
+        self, ctx: RoutedRequest, exclude: set[str], loads: dict[str, EngineLoad]
+    ) -> Plan | None:
+        """Rule 6: no engine is healthy, so try one that is down but not known to be gone,
+        by load, computing locally (no pull is named: its cache may be gone). A check
+        missed under load must not turn every request into a 503 while the request path's
+        own retries can find out whether it answers."""
+        pd = self.config.mode is Mode.PD
+        reachable = [e.name for e in self.config.engines
+                     if e.name not in exclude and self.health.reachable(e.name)
+                     and (not pd or e.spec.role in DECODE_ROLES)]  # fmt: skip
+        if not reachable:
+            return None
+        tried = {name: replace(loads[name], healthy=name in reachable) for name in loads}
+        plan = self._fallback.plan(ctx.request_id, ctx.tokens, tried, time.monotonic())
+        if plan.engine not in reachable:
+            return None
+        self._metrics.last_resort.inc()
+        log.warning("request %s: no healthy engine, trying %s (down, not known gone)",
+                    ctx.request_id, plan.engine)
+        return replace(plan, source=None, prefill_engine=None, predicted_pulled_tokens=0,
+                       source_held_tokens=0, reason=REASON_LAST_RESORT)
 
     def _sent(self, ctx: RoutedRequest, plan: Plan) -> None:
         try:

@@ -109,6 +109,7 @@ class _State:
     reason: str = "not checked yet"
     failures: int = 0  # consecutive failed checks while down
     refused: bool = False  # a connection was refused while down
+    said_unhealthy: bool = False  # its last check answered, with another status than 200
 
 
 @dataclass(slots=True)
@@ -155,6 +156,15 @@ class EngineHealth:
 
     def healthy(self, name: str) -> bool:
         return self._states[self._url_of[name]].up
+
+    def reachable(self, name: str) -> bool:
+        """Down, but not known to be gone or unwell: seen up before, no connection to it
+        refused since, and its last check did not answer with an error status (a check
+        timed out or failed to connect otherwise, or it answered 200 and awaits a
+        verdict). A last resort when no engine is healthy (rule 6 of
+        :mod:`kvpeer.router.app`)."""
+        state = self._states[self._url_of[name]]
+        return not state.up and state.seen_up and not state.refused and not state.said_unhealthy
 
     def any_healthy(self) -> bool:
         return any(state.up for state in self._states.values())
@@ -224,14 +234,17 @@ class EngineHealth:
     async def _check(self, session: aiohttp.ClientSession, url: str) -> None:
         self._counts.checks += 1
         refused = False
+        answered = False
         try:
             async with session.get(f"{url}/health", timeout=self._timeout) as response:
                 await response.read()
                 ok, reason = response.status == 200, f"/health answered {response.status}"
+                answered = True
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok, reason = False, f"/health failed: {type(exc).__name__}"
             refused = is_refused(exc)
         state = self._states[url]
+        state.said_unhealthy = answered and not ok
         if not ok:
             self._counts.failures += 1
             if state.seen_up:

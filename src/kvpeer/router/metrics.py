@@ -65,6 +65,8 @@ class RouterMetrics:
         self.tokenize_failures = counter("tokenize_failures",
                                          "Prompts routed by load because /tokenize failed")
         self.policy_errors = counter("policy_errors", "Plans replaced by load-only", ["kind"])
+        self.last_resort = counter("last_resort", "Requests sent to an engine that was down "
+                                   "but not known gone, because none was healthy")
         self.restarts = counter("engine_restarts",
                                 "Engines seen down then up again, judged restarted (index "
                                 "forgotten)")

@@ -18,6 +18,15 @@ the request did, and a batch published after the answer reaches it. What remains
 window of about a millisecond in principle (a PUB takes new subscriptions in at a send,
 unless it already did so within the last millisecond): an engine publishing that fast is
 not quiet, and its next batch shows the gap, which is replayed.
+
+Every replay request goes out on a DEALER socket of its own, and the one before it is
+closed. vLLM's replay answers carry no request id, only sequence numbers and an end
+marker, so an answer still in flight when the feed gave its request up (a verify()
+decided by its first frame, a reset, an answer that stalled) would otherwise be read as
+the answer to the next request: its end marker closed the next replay before a frame
+of it arrived, the real answer was dropped as unexpected, and the engine's history was
+lost until its next restart (``tests/router/test_flap.py``, under load). A closed
+socket's pending frames go with it.
 """
 
 from __future__ import annotations
@@ -84,6 +93,8 @@ class EventSubscriber:
             sink=lambda item: index.apply(engine, item),
         )
         self._dealer: zmq.asyncio.Socket | None = None  # while run() runs
+        self._replay_sockets: _ReplaySockets | None = None  # while run() runs
+        self._ask: int | None = None  # a replay request verify() left for run() to send
         self._wake = asyncio.Event()  # run() re-reads the feed's deadline
         self._verdict: asyncio.Future[Continuity] | None = None
 
@@ -106,7 +117,7 @@ class EventSubscriber:
         """Whether the publisher is still the process that published ``anchor`` (the
         feed's invariant 5). Not bounded here: the caller bounds it (the feed's replay
         deadline answers UNKNOWN at the latest)."""
-        if self._dealer is None or self._verdict is not None:
+        if self._replay_sockets is None or self._verdict is not None:
             return Continuity.UNKNOWN  # not running, or another verify is pending
         out = self._feed.verify(anchor, self._clock())
         if out.continuity is not None:
@@ -115,8 +126,10 @@ class EventSubscriber:
         verdict: asyncio.Future[Continuity] = asyncio.get_running_loop().create_future()
         self._verdict = verdict
         try:
-            await self._handle(out, self._dealer)
-            self._wake.set()  # the feed has a replay deadline now
+            # run() sends the request: its sockets change only while nothing polls them
+            self._apply(out)
+            self._ask = out.replay_from
+            self._wake.set()  # and the feed has a replay deadline now
             return await verdict
         finally:
             self._verdict = None
@@ -126,28 +139,25 @@ class EventSubscriber:
         own_context = self._context is None
         context = self._context or zmq.asyncio.Context()
         sub = context.socket(zmq.SUB)
-        dealer = context.socket(zmq.DEALER) if self._replay_endpoint is not None else None
         # Tells when the subscription is on its way: only then is the history asked for.
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if dealer else None
+        replay = self._replay_endpoint is not None
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if replay else None
         stop_wait = asyncio.ensure_future(stop.wait())
         try:
-            for sock in (sub, dealer):
-                if sock is not None:
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
             sub.setsockopt(zmq.SUBSCRIBE, self._topic)
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             if monitor is not None:
                 poller.register(monitor, zmq.POLLIN)
             sub.connect(self._endpoint)
-            if dealer is not None:
-                assert self._replay_endpoint is not None
-                dealer.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
-                dealer.connect(self._replay_endpoint)
-                poller.register(dealer, zmq.POLLIN)
-            self._dealer = dealer
+            if self._replay_endpoint is not None:
+                self._replay_sockets = _ReplaySockets(context, poller, self._replay_endpoint)
             while not stop.is_set():
+                if self._ask is not None:
+                    start, self._ask = self._ask, None
+                    await self._handle(FeedOutput(replay_from=start))
                 deadline = self._feed.next_deadline()
                 timeout = -1 if deadline is None else max(0, int((deadline - self._clock()) * 1e3))
                 self._wake.clear()
@@ -164,7 +174,7 @@ class EventSubscriber:
                         await polling
                     if stop_wait in done:
                         break
-                    await self._handle(self._feed.poll(self._clock()), dealer)
+                    await self._handle(self._feed.poll(self._clock()))
                     continue
                 ready = dict(polling.result())
                 if monitor is not None and monitor in ready and await self._subscribed(monitor):
@@ -172,14 +182,16 @@ class EventSubscriber:
                     sub.disable_monitor()
                     monitor.close(linger=0)
                     monitor = None
-                    await self._handle(self._feed.start(self._clock()), dealer)
+                    await self._handle(self._feed.start(self._clock()))
                 if sub in ready:
-                    await self._drain(sub, dealer, replay=False)
+                    await self._drain(sub, replay=False)
+                dealer = self._dealer
                 if dealer is not None and dealer in ready:
-                    await self._drain(dealer, dealer, replay=True)
-                await self._handle(self._feed.poll(self._clock()), dealer)
+                    await self._drain(dealer, replay=True)
+                await self._handle(self._feed.poll(self._clock()))
         finally:
             self._dealer = None
+            self._ask = None
             if self._verdict is not None and not self._verdict.done():
                 self._verdict.set_result(Continuity.UNKNOWN)
             stop_wait.cancel()
@@ -187,8 +199,9 @@ class EventSubscriber:
                 sub.disable_monitor()
                 monitor.close(linger=0)
             sub.close(linger=0)
-            if dealer is not None:
-                dealer.close(linger=0)
+            if self._replay_sockets is not None:
+                self._replay_sockets.close()
+                self._replay_sockets = None
             if own_context:
                 context.term()
 
@@ -204,22 +217,24 @@ class EventSubscriber:
             if parse_monitor_message(parts)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 return True
 
-    async def _drain(
-        self, sock: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket | None, *, replay: bool
-    ) -> None:
+    async def _drain(self, sock: zmq.asyncio.Socket, *, replay: bool) -> None:
         for _ in range(_MAX_MESSAGES_PER_WAKE):
+            if replay and sock is not self._dealer:
+                return  # a new request replaced it: what it still holds is stale
             try:
                 parts = await sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             now = self._clock()
             out = self._feed.on_replay(parts, now) if replay else self._feed.on_live(parts, now)
-            await self._handle(out, dealer)
+            await self._handle(out)
 
-    async def _handle(self, out: FeedOutput, dealer: zmq.asyncio.Socket | None) -> None:
+    async def _handle(self, out: FeedOutput) -> None:
         self._apply(out)
-        if out.replay_from is not None and dealer is not None:
-            await dealer.send_multipart(encode_replay_request(out.replay_from))
+        sockets = self._replay_sockets
+        if out.replay_from is not None and sockets is not None:
+            self._dealer = sockets.fresh()
+            await self._dealer.send_multipart(encode_replay_request(out.replay_from))
 
     def _apply(self, out: FeedOutput) -> None:
         for item in out.items:
@@ -227,3 +242,35 @@ class EventSubscriber:
         verdict = self._verdict
         if out.continuity is not None and verdict is not None and not verdict.done():
             verdict.set_result(out.continuity)
+
+
+class _ReplaySockets:
+    """The DEALER sockets of one subscriber's replay requests: one per request, the
+    previous one closed (with whatever of its answer is still queued) when the next is
+    made. Requests are rare (subscribing, a gap, a verify, a stalled answer)."""
+
+    def __init__(self, context: zmq.asyncio.Context, poller: zmq.asyncio.Poller,
+                 endpoint: str) -> None:  # fmt: skip
+        self._context = context
+        self._poller = poller
+        self._endpoint = endpoint
+        self._socket: zmq.asyncio.Socket | None = None
+        self.made = 0
+
+    def fresh(self) -> zmq.asyncio.Socket:
+        self.close()
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+        sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+        sock.connect(self._endpoint)
+        self._poller.register(sock, zmq.POLLIN)
+        self._socket = sock
+        self.made += 1
+        return sock
+
+    def close(self) -> None:
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            self._poller.unregister(sock)
+            sock.close(linger=0)
