@@ -17,7 +17,7 @@ Per generation request (``/v1/completions``, ``/v1/chat/completions``):
 5. Stream events go to the client as they arrive; usage is read on the way (and the
    usage chunk the router asked for is dropped), then the policy hears the outcome.
 6. When no engine is healthy, the request goes to one that is down but not known to be
-   gone (seen up, no connection refused since: a missed check, a verdict pending), by
+   gone or unwell (:meth:`EngineHealth.reachable`: a missed check, a verdict pending), by
    load and computing locally, with the same retries; a 503 only when there is none.
    Under load a health check can miss while the engine still serves, and with the
    other engine dead that one miss made every request a 503
@@ -312,8 +312,8 @@ class Router:
                      and (not pd or e.spec.role in DECODE_ROLES)]  # fmt: skip
         if not reachable:
             return None
-        tried = {name: replace(loads[name], healthy=name in reachable) for name in loads}
-        plan = self._fallback.plan(ctx.request_id, ctx.tokens, tried, time.monotonic())
+        as_up = {name: replace(loads[name], healthy=name in reachable) for name in loads}
+        plan = self._fallback.plan(ctx.request_id, ctx.tokens, as_up, time.monotonic())
         if plan.engine not in reachable:
             return None
         self._metrics.last_resort.inc()

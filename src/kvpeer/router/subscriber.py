@@ -92,7 +92,6 @@ class EventSubscriber:
             limits=limits,
             sink=lambda item: index.apply(engine, item),
         )
-        self._dealer: zmq.asyncio.Socket | None = None  # while run() runs
         self._replay_sockets: _ReplaySockets | None = None  # while run() runs
         self._ask: int | None = None  # a replay request verify() left for run() to send
         self._wake = asyncio.Event()  # run() re-reads the feed's deadline
@@ -185,12 +184,11 @@ class EventSubscriber:
                     await self._handle(self._feed.start(self._clock()))
                 if sub in ready:
                     await self._drain(sub, replay=False)
-                dealer = self._dealer
+                dealer = self._replay_sockets.current if self._replay_sockets else None
                 if dealer is not None and dealer in ready:
                     await self._drain(dealer, replay=True)
                 await self._handle(self._feed.poll(self._clock()))
         finally:
-            self._dealer = None
             self._ask = None
             if self._verdict is not None and not self._verdict.done():
                 self._verdict.set_result(Continuity.UNKNOWN)
@@ -219,7 +217,9 @@ class EventSubscriber:
 
     async def _drain(self, sock: zmq.asyncio.Socket, *, replay: bool) -> None:
         for _ in range(_MAX_MESSAGES_PER_WAKE):
-            if replay and sock is not self._dealer:
+            if replay and (
+                self._replay_sockets is None or sock is not self._replay_sockets.current
+            ):
                 return  # a new request replaced it: what it still holds is stale
             try:
                 parts = await sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -233,8 +233,7 @@ class EventSubscriber:
         self._apply(out)
         sockets = self._replay_sockets
         if out.replay_from is not None and sockets is not None:
-            self._dealer = sockets.fresh()
-            await self._dealer.send_multipart(encode_replay_request(out.replay_from))
+            await sockets.fresh().send_multipart(encode_replay_request(out.replay_from))
 
     def _apply(self, out: FeedOutput) -> None:
         for item in out.items:
@@ -254,8 +253,7 @@ class _ReplaySockets:
         self._context = context
         self._poller = poller
         self._endpoint = endpoint
-        self._socket: zmq.asyncio.Socket | None = None
-        self.made = 0
+        self.current: zmq.asyncio.Socket | None = None  # the latest request's socket
 
     def fresh(self) -> zmq.asyncio.Socket:
         self.close()
@@ -265,12 +263,11 @@ class _ReplaySockets:
         sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         sock.connect(self._endpoint)
         self._poller.register(sock, zmq.POLLIN)
-        self._socket = sock
-        self.made += 1
+        self.current = sock
         return sock
 
     def close(self) -> None:
-        sock, self._socket = self._socket, None
+        sock, self.current = self.current, None
         if sock is not None:
             self._poller.unregister(sock)
             sock.close(linger=0)
