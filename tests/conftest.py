@@ -1,7 +1,8 @@
 """Suite-wide setup: optional dependencies that a run declares required must be present.
 
-``scripts/test`` installs NIXL and vLLM and sets ``KVPEER_REQUIRE=nixl,vllm``, so on
-CI a missing or broken one fails the run instead of silently skipping its tests.
+``scripts/test`` installs NIXL and vLLM, builds the router's C intake, and sets
+``KVPEER_REQUIRE=nixl,vllm,native``, so on CI a missing or broken one fails the run
+instead of silently skipping its tests.
 """
 
 from __future__ import annotations
@@ -25,3 +26,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
         if importlib.util.find_spec("vllm") is None:
             pytest.exit(f"KVPEER_REQUIRE=vllm but {VLLM_INSTALL_HINT}", returncode=3)
+    if "native" in required:
+        from kvpeer.router.index import PrefixIndex
+
+        if not PrefixIndex().native:
+            pytest.exit(
+                "KVPEER_REQUIRE=native but kvpeer.router._intake is not built: reinstall "
+                "kvpeer (pip install -e .) with gcc and the Python headers",
+                returncode=3,
+            )

@@ -15,7 +15,8 @@ ensure_venv() {
     # shellcheck disable=SC1091
     . .venv/bin/activate
     local stamp=.venv/.kvpeer-installed want f
-    want=$(cat "$@" pyproject.toml | sha256sum | cut -d' ' -f1)
+    # The C extension's source too: pip builds it into src/ at the editable install.
+    want=$(cat "$@" pyproject.toml setup.py src/kvpeer/router/_intake.c | sha256sum | cut -d' ' -f1)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         # One resolver run for every normal file, so their pins hold together.
         local normal=() nodeps=()

@@ -181,6 +181,13 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=DNS_CACHE_S),
             timeout=self._timeout,
         )
+        if self.index is not None:
+            if self.index.native:
+                log.info("KV event intake: C loops (kvpeer.router._intake)")
+            else:
+                log.warning("KV event intake: Python loops, about twice the CPU per event: "
+                            "kvpeer.router._intake was not built (install kvpeer with a C "
+                            "compiler and the Python headers; docs/scale.md)")
         self._event_tasks = [
             asyncio.create_task(sub.run(self._events_stop), name=f"kv-events-{name}")
             for name, sub in self.subscribers.items()

@@ -14,7 +14,9 @@ Invariants:
    router restart, an engine restart or lost events, routing for that engine is by load
    only until its stream is followed again (never stale affinity).
 2. Memory is bounded: at most ``max_blocks`` chain keys per engine and medium (oldest
-   stored first out), ``2 * max_blocks`` hash mappings, ``max_speculative`` speculative
+   stored first out, down to seven eighths of the bound at a time: a plain dict finds
+   its oldest by walking past the slots of earlier deletions), ``2 * max_blocks`` hash
+   mappings, ``max_speculative`` speculative
    entries per engine. A block removed from every medium keeps its hash mapping only
    among the ``max_retired`` most recently removed (a child stored soon after its
    parent's eviction still attaches): the mappings track what engines hold, not
@@ -49,17 +51,27 @@ Invariants:
    keyed parent: vLLM derives a block's hash from its parent's hash and its tokens, so a
    known hash names known content, and its key is not hashed again. The CPU tier
    announces the blocks the GPU prefix cache announced, under the same hashes, and the
-   prefix cache re-announces every hit: this halves the intake's hashing. (Only a
+   prefix cache may announce a block again: this halves the intake's hashing. (Only a
    change between keyed and unkeyed counts as ``hash_remapped``.)
+9. The large maps (hash mappings, blocks held, holder masks) are plain dicts of bytes and
+   ints, in insertion order (a touch deletes and re-inserts), which the garbage
+   collector never tracks. As ``OrderedDict`` they were tracked, and every full
+   collection -- set off by the decoder's short-lived objects -- walked every block of
+   every engine: at 256 engines, half of the intake's CPU (``docs/scale.md``).
+10. Stored and removed blocks go through the C loops of ``kvpeer.router._intake`` when
+    that extension is built (``native``), else through the Python loops below, which are
+    its reference: both leave the same state, order included
+    (``tests/router/test_index_native.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
+from types import ModuleType
 from typing import Final, TypeVar
 
 from kvpeer.router.events import (
@@ -71,6 +83,12 @@ from kvpeer.router.events import (
 )
 from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
 
+_native_intake: ModuleType | None
+try:  # the per-block loops in C, when built (setup.py: an optional extension)
+    from kvpeer.router import _intake as _native_intake
+except ImportError:  # pragma: no cover - a machine without a C compiler
+    _native_intake = None
+
 __all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "IndexStatistics", "PrefixIndex", "PromptKeys"]
 
 MEDIUM_GPU: Final = "GPU"
@@ -79,6 +97,7 @@ _ROOT: Final = b"kvpeer-router-chain-root"
 _CHAIN_BYTES: Final = 16
 _UNKEYED: Final = b"kvpeer-unkeyed:"
 _K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +124,11 @@ class IndexStatistics:
 class _Engine:
     bit: int  # this engine's bit in the masks (invariant 7)
     learned: bool = False
-    hashes: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
-    retired: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)
-    present: dict[str, OrderedDict[bytes, int]] = field(default_factory=dict)
+    # Plain dicts in insertion order, oldest first (a touch deletes and re-inserts):
+    # holding only bytes and ints, the garbage collector never tracks them (invariant 9).
+    hashes: dict[BlockHash, bytes] = field(default_factory=dict)
+    retired: dict[BlockHash, bytes] = field(default_factory=dict)
+    present: dict[str, dict[bytes, int]] = field(default_factory=dict)
     speculative: dict[tuple[str, bytes], float] = field(default_factory=dict)
 
 
@@ -123,8 +144,14 @@ class PrefixIndex:
         max_blocks: int = 200_000,
         max_speculative: int = 20_000,
         max_retired: int = 2_048,
+        native: bool | None = None,
     ) -> None:
-        """``block_size`` as the engines run (``None``: adopt the first stored event's)."""
+        """``block_size`` as the engines run (``None``: adopt the first stored event's).
+
+        ``native``: apply stored and removed blocks with the C loops of
+        ``kvpeer.router._intake`` (``None``: when built; ``True``: required) or with the
+        Python ones below (``False``), which are the reference: both leave the same state.
+        """
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self._block_size = block_size
@@ -133,6 +160,11 @@ class PrefixIndex:
         self._max_blocks = max_blocks
         self._max_speculative = max_speculative
         self._max_retired = max_retired
+        if native and _native_intake is None:
+            raise RuntimeError(
+                "native=True, but kvpeer.router._intake is not built (no C compiler at install?)"
+            )
+        self._native = _native_intake if native is not False else None
         self._engines: dict[str, _Engine] = {}
         self._names: list[str] = []  # by bit
         self._learned_bits = 0
@@ -143,6 +175,11 @@ class PrefixIndex:
     @property
     def block_size(self) -> int | None:
         return self._block_size
+
+    @property
+    def native(self) -> bool:
+        """Whether stored and removed blocks go through the C loops."""
+        return self._native is not None
 
     # --- queries ----------------------------------------------------------------------
 
@@ -350,20 +387,28 @@ class PrefixIndex:
         holders = self._holders[medium]
         refcounted = medium in self._refcounted
         speculative, bit = state.speculative, state.bit
+        if self._native is not None:
+            remapped, unkeyed = self._native.stored(
+                hashes, retired, present, holders, speculative, medium, bit, refcounted,
+                parent, tuple(event.block_hashes), tuple(event.token_ids), 4 * size,
+                _UNKEYED, _chain, _unkeyed, self._unspeculated,
+            )
+            self._stored_counts(remapped, unkeyed)
+            self._bound(state, medium)
+            return
         tokens = b""  # the event's tokens packed once, when a block needs hashing
         width = 4 * size
         unkeyed = parent.startswith(_UNKEYED)
         remapped = 0
-        # Most blocks are known and keyed (re-announced hits, the CPU tier's copies of
-        # the GPU's blocks): each costs a lookup and two moves, its map's bound methods
-        # looked up once per event (the intake's largest Python loop).
-        lookup, touch_hash, unretire = hashes.get, hashes.move_to_end, retired.pop
-        held, touch = present.get, present.move_to_end
+        # Most blocks are known and keyed (the CPU tier's copies of the GPU's blocks):
+        # each costs a lookup and two moves to the newest end.
+        lookup, unretire, held = hashes.get, retired.pop, present.get
         for i, block_hash in enumerate(event.block_hashes):
             previous = lookup(block_hash)
             if previous is not None and not unkeyed and not previous.startswith(_UNKEYED):
                 parent = previous  # a known hash names known content (invariant 8)
-                touch_hash(block_hash)
+                del hashes[block_hash]
+                hashes[block_hash] = parent
             else:
                 live = previous is not None
                 if previous is None:
@@ -380,24 +425,26 @@ class PrefixIndex:
                     unkeyed = True
                 else:
                     parent = previous
-                hashes[block_hash] = parent
                 if live:
-                    touch_hash(block_hash)
+                    del hashes[block_hash]
+                hashes[block_hash] = parent
             count = held(parent)
             if count is None:
                 present[parent] = 1
                 holders[parent] = holders.get(parent, 0) | bit
             else:
-                if refcounted:  # a set's count stays 1
-                    present[parent] = count + 1
-                touch(parent)
+                del present[parent]
+                present[parent] = count + 1 if refcounted else count  # a set's stays 1
             if speculative and speculative.pop((medium, parent), None) is not None:
                 self._unspeculated((medium, parent), bit)
+        self._stored_counts(remapped, unkeyed)
+        self._bound(state, medium)
+
+    def _stored_counts(self, remapped: int, unkeyed: bool) -> None:
         if remapped:
             self._bump("hash_remapped", remapped)
         if unkeyed:
             self._bump("unkeyable_stores")
-        self._bound(state, medium)
 
     def _stored_unkeyable(self, state: _Engine, event: BlocksUnkeyable) -> None:
         medium = event.medium
@@ -414,34 +461,33 @@ class PrefixIndex:
             key = _unkeyed(block_hash)
             if previous is not None and previous != key:
                 self._bump("hash_remapped")
+            state.hashes.pop(block_hash, None)
             state.hashes[block_hash] = key
-            state.hashes.move_to_end(block_hash)
-            count = present.get(key)
+            count = present.pop(key, None)
             if count is None:
                 present[key] = 1
                 holders[key] = holders.get(key, 0) | state.bit
             else:
                 present[key] = count + 1 if refcounted else 1
-                present.move_to_end(key)
             if state.speculative.pop((medium, key), None) is not None:
                 self._unspeculated((medium, key), state.bit)
         self._bound(state, medium)
 
-    def _present(self, state: _Engine, medium: str) -> OrderedDict[bytes, int]:
+    def _present(self, state: _Engine, medium: str) -> dict[bytes, int]:
         self._holders.setdefault(medium, {})
-        present = state.present[medium] = OrderedDict()
+        present: dict[bytes, int] = {}
+        state.present[medium] = present
         return present
 
     def _bound(self, state: _Engine, medium: str) -> None:
         present = state.present[medium]
         if len(present) > self._max_blocks:
             holders = self._holders[medium]
-            while len(present) > self._max_blocks:
-                key, _ = present.popitem(last=False)
+            gone = _oldest_out(present, self._max_blocks)
+            for key in gone:
                 _drop_bit(holders, key, state.bit)
-                self._bump("evicted_blocks")
-        while len(state.hashes) > 2 * self._max_blocks:
-            state.hashes.popitem(last=False)
+            self._bump("evicted_blocks", len(gone))
+        _oldest_out(state.hashes, 2 * self._max_blocks)
 
     def _removed(self, state: _Engine, event: BlocksRemoved) -> None:
         """One event may name many blocks (the decoder joins a step's removals): the
@@ -455,6 +501,14 @@ class PrefixIndex:
         hashes, retired, bit = state.hashes, state.retired, state.bit
         holders = self._holders[medium]
         others = [held for other, held in state.present.items() if other != medium]
+        if self._native is not None:
+            unknown = self._native.removed(
+                hashes, retired, present, holders, others, bit, refcounted,
+                self._max_retired, tuple(event.block_hashes),
+            )
+            if unknown:
+                self._bump("unknown_removed", unknown)
+            return
         max_retired, lookup, held_count = self._max_retired, hashes.get, present.get
         unknown = 0
         for block_hash in event.block_hashes:
@@ -482,7 +536,7 @@ class PrefixIndex:
                 del hashes[block_hash]
                 retired[block_hash] = key  # never there while live: goes in as newest
                 if len(retired) > max_retired:
-                    retired.popitem(last=False)
+                    _oldest_out(retired, max_retired)
         if unknown:
             self._bump("unknown_removed", unknown)
 
@@ -535,6 +589,18 @@ class PrefixIndex:
 
     def _bump(self, name: str, by: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + by
+
+
+def _oldest_out(entries: dict[_K, _V], limit: int) -> list[_K]:
+    """Past ``limit``, the oldest entries out down to ``limit - limit // 8``: the keys
+    gone. A plain dict finds its oldest by a walk from the front past the slots of
+    entries deleted before, so they go an eighth of the bound at a time (invariant 2)."""
+    if len(entries) <= limit:
+        return []
+    gone = list(islice(entries, len(entries) - (limit - limit // 8)))
+    for key in gone:
+        del entries[key]
+    return gone
 
 
 def _drop_bit(masks: dict[_K, int], key: _K, bit: int) -> None:

@@ -1,0 +1,479 @@
+/* The router's event intake, per block, in C: the two loops of kvpeer.router.index that
+ * every stored and removed block goes through (PrefixIndex._stored / _removed).
+ *
+ * They work on the index's own Python containers (exact dicts, in insertion order) with
+ * exactly the semantics of the pure-Python loops in index.py, which stay as the reference and
+ * the fallback when this module is not built; tests/router/test_index_native.py applies
+ * random event streams to both and compares every container, order included.
+ *
+ * Nothing here trusts its arguments: every object is type-checked before use, every
+ * container is touched only through the C API's checked calls, and every error is a
+ * Python exception (a peer's values never reach memory unchecked). Hashing (blake2b)
+ * and the unkeyed keys are the index's own Python functions, passed in.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Is `obj` a bytes object that starts with `prefix`? -1 on a non-bytes object. */
+static int
+starts_with(PyObject *obj, PyObject *prefix)
+{
+    if (!PyBytes_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "chain keys are bytes, not %.50s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(prefix);
+    return PyBytes_GET_SIZE(obj) >= n
+           && memcmp(PyBytes_AS_STRING(obj), PyBytes_AS_STRING(prefix), (size_t)n) == 0;
+}
+
+/* Past `limit`, the oldest entries of `dict` out down to limit - limit / 8 (index.py's
+ * _oldest_out): 0, or -1 with an exception. */
+static int
+oldest_out(PyObject *dict, Py_ssize_t limit)
+{
+    Py_ssize_t excess = PyDict_GET_SIZE(dict) - (limit - limit / 8);
+    if (PyDict_GET_SIZE(dict) <= limit || excess <= 0) {
+        return 0;
+    }
+    PyObject *gone = PyList_New(0);
+    if (gone == NULL) {
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyList_GET_SIZE(gone) < excess && PyDict_Next(dict, &pos, &key, &value)) {
+        if (PyList_Append(gone, key) < 0) {
+            Py_DECREF(gone);
+            return -1;
+        }
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(gone) && rc == 0; i++) {
+        rc = PyDict_DelItem(dict, PyList_GET_ITEM(gone, i));
+    }
+    Py_DECREF(gone);
+    return rc;
+}
+
+/* dict[key] = value as the newest entry (deleted first if there): 0, or -1. */
+static int
+set_newest(PyObject *dict, PyObject *key, PyObject *value, int present)
+{
+    if (present && PyDict_DelItem(dict, key) < 0) {
+        return -1;
+    }
+    return PyDict_SetItem(dict, key, value);
+}
+
+/* Every container is an exact dict: a subclass could run code inside the loops. */
+static int
+expect_dict(PyObject *obj, const char *name)
+{
+    if (!PyDict_CheckExact(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a dict, not %.50s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* removed(hashes, retired, present, holders, others, bit, refcounted, max_retired,
+ *         block_hashes) -> blocks unknown
+ *
+ * PrefixIndex._removed's loop: each block leaves `present` (a refcounted medium's count
+ * goes down first), its bit leaves `holders`, and a block left in none of `others` has
+ * its hash mapping retired (invariant 2). */
+static PyObject *
+intake_removed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "removed() takes 9 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *hashes = args[0], *retired = args[1], *present = args[2];
+    PyObject *holders = args[3], *others = args[4], *bit = args[5];
+    int refcounted = PyObject_IsTrue(args[6]);
+    Py_ssize_t max_retired = PyLong_AsSsize_t(args[7]);
+    PyObject *block_hashes = args[8];
+    if (refcounted < 0 || (max_retired == -1 && PyErr_Occurred())) {
+        return NULL;
+    }
+    if (expect_dict(hashes, "hashes") || expect_dict(retired, "retired")
+        || expect_dict(present, "present") || expect_dict(holders, "holders")) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(others) || !PyTuple_CheckExact(block_hashes) || !PyLong_Check(bit)) {
+        PyErr_SetString(PyExc_TypeError, "others is a list, block_hashes a tuple, bit an int");
+        return NULL;
+    }
+    Py_ssize_t n_others = PyList_GET_SIZE(others);
+    for (Py_ssize_t j = 0; j < n_others; j++) {
+        if (!PyDict_Check(PyList_GET_ITEM(others, j))) {
+            PyErr_SetString(PyExc_TypeError, "others holds dicts");
+            return NULL;
+        }
+    }
+    Py_ssize_t unknown = 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(block_hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block_hash = PyTuple_GET_ITEM(block_hashes, i);
+        PyObject *key = PyDict_GetItemWithError(hashes, block_hash);
+        if (key == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            unknown++;
+            continue;
+        }
+        Py_INCREF(key); /* hashes' own reference goes when the mapping is retired */
+        PyObject *count = PyDict_GetItemWithError(present, key);
+        if (count == NULL) {
+            Py_DECREF(key);
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            unknown++;
+            continue;
+        }
+        if (refcounted) {
+            long c = PyLong_AsLong(count);
+            if (c == -1 && PyErr_Occurred()) {
+                Py_DECREF(key);
+                return NULL;
+            }
+            if (c > 1) {
+                PyObject *less = PyLong_FromLong(c - 1);
+                int rc = less == NULL ? -1 : PyDict_SetItem(present, key, less);
+                Py_XDECREF(less);
+                Py_DECREF(key);
+                if (rc < 0) {
+                    return NULL;
+                }
+                continue;
+            }
+        }
+        if (PyDict_DelItem(present, key) < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyObject *mask = PyDict_GetItemWithError(holders, key);
+        if (mask == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetObject(PyExc_KeyError, key); /* invariant 7 broken */
+            }
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyObject *bits = PyNumber_Xor(mask, bit);
+        if (bits == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        int rc = PyObject_IsTrue(bits);
+        if (rc > 0) {
+            rc = PyDict_SetItem(holders, key, bits);
+        } else if (rc == 0) {
+            rc = PyDict_DelItem(holders, key);
+        }
+        Py_DECREF(bits);
+        if (rc < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        int elsewhere = 0;
+        for (Py_ssize_t j = 0; j < n_others && !elsewhere; j++) {
+            elsewhere = PyDict_Contains(PyList_GET_ITEM(others, j), key);
+            if (elsewhere < 0) {
+                Py_DECREF(key);
+                return NULL;
+            }
+        }
+        if (!elsewhere) { /* the block left every medium: retire its mapping */
+            Py_INCREF(block_hash);
+            rc = PyDict_DelItem(hashes, block_hash);
+            if (rc == 0) {
+                rc = PyDict_SetItem(retired, block_hash, key);
+            }
+            if (rc == 0) {
+                rc = oldest_out(retired, max_retired);
+            }
+            Py_DECREF(block_hash);
+            if (rc < 0) {
+                Py_DECREF(key);
+                return NULL;
+            }
+        }
+        Py_DECREF(key);
+    }
+    return PyLong_FromSsize_t(unknown);
+}
+
+/* The packed tokens (uint32, native order, as array("I")) of `token_ids`, a tuple of
+ * ints: a new bytes object, or NULL with OverflowError/TypeError as array("I") raises. */
+static PyObject *
+pack_tokens(PyObject *token_ids)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(token_ids);
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint32_t));
+    if (packed == NULL) {
+        return NULL;
+    }
+    char *out = PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *token = PyTuple_GET_ITEM(token_ids, i);
+        if (!PyLong_Check(token)) {
+            PyErr_Format(PyExc_TypeError, "token ids are ints, not %.50s",
+                         Py_TYPE(token)->tp_name);
+            Py_DECREF(packed);
+            return NULL;
+        }
+        unsigned long value = PyLong_AsUnsignedLong(token);
+        if (value == (unsigned long)-1 && PyErr_Occurred()) {
+            Py_DECREF(packed);
+            return NULL;
+        }
+        if (value > UINT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "token id above 2**32 - 1");
+            Py_DECREF(packed);
+            return NULL;
+        }
+        uint32_t word = (uint32_t)value;
+        memcpy(out + i * (Py_ssize_t)sizeof(word), &word, sizeof(word));
+    }
+    return packed;
+}
+
+/* tokens[start:stop] as Python slices it (clipped to the bytes there are). */
+static PyObject *
+slice_bytes(PyObject *tokens, Py_ssize_t start, Py_ssize_t stop)
+{
+    Py_ssize_t size = PyBytes_GET_SIZE(tokens);
+    start = start < size ? start : size;
+    stop = stop < size ? stop : size;
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(tokens) + start,
+                                     stop > start ? stop - start : 0);
+}
+
+/* stored(hashes, retired, present, holders, speculative, medium, bit, refcounted, parent,
+ *        block_hashes, token_ids, width, unkeyed_prefix, chain, unkeyed_of,
+ *        unspeculated) -> (hash_remapped, unkeyed)
+ *
+ * PrefixIndex._stored's loop, from the chain key of the event's parent: each block gets
+ * its chain key (a known keyed hash keeps its own: invariant 8; a new one is
+ * chain(parent, its tokens); a salted block or its child is unkeyed_of(hash):
+ * invariant 6), is mapped, then counted in `present` (its bit into `holders` when new),
+ * and confirms a speculative entry if there is one (unspeculated(entry, bit)). */
+static PyObject *
+intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 16) {
+        PyErr_Format(PyExc_TypeError, "stored() takes 16 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *hashes = args[0], *retired = args[1], *present = args[2];
+    PyObject *holders = args[3], *speculative = args[4], *medium = args[5];
+    PyObject *bit = args[6];
+    int refcounted = PyObject_IsTrue(args[7]);
+    PyObject *parent = args[8], *block_hashes = args[9], *token_ids = args[10];
+    Py_ssize_t width = PyLong_AsSsize_t(args[11]);
+    PyObject *prefix = args[12], *chain = args[13], *unkeyed_of = args[14];
+    PyObject *unspeculated = args[15];
+    if (refcounted < 0 || (width == -1 && PyErr_Occurred())) {
+        return NULL;
+    }
+    if (expect_dict(hashes, "hashes") || expect_dict(retired, "retired")
+        || expect_dict(present, "present") || expect_dict(holders, "holders")
+        || expect_dict(speculative, "speculative")) {
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(block_hashes) || !PyTuple_CheckExact(token_ids)
+        || !PyBytes_CheckExact(prefix) || !PyLong_Check(bit) || width < 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "block_hashes and token_ids are tuples, unkeyed_prefix bytes, bit "
+                        "an int, width not negative");
+        return NULL;
+    }
+    int unkeyed = starts_with(parent, prefix);
+    if (unkeyed < 0) {
+        return NULL;
+    }
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *tokens = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t remapped = 0;
+    Py_INCREF(parent); /* owned from here on: each block's key becomes the next parent */
+    if (one == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(block_hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block_hash = PyTuple_GET_ITEM(block_hashes, i);
+        PyObject *previous = PyDict_GetItemWithError(hashes, block_hash);
+        if (previous == NULL && PyErr_Occurred()) {
+            goto done;
+        }
+        Py_XINCREF(previous);
+        int keyed_known = 0;
+        if (previous != NULL && !unkeyed) {
+            int salted = starts_with(previous, prefix);
+            if (salted < 0) {
+                Py_DECREF(previous);
+                goto done;
+            }
+            keyed_known = !salted;
+        }
+        PyObject *key; /* owned */
+        if (keyed_known) { /* a known hash names known content (invariant 8) */
+            key = previous;
+            if (set_newest(hashes, block_hash, key, 1) < 0) {
+                Py_DECREF(key);
+                goto done;
+            }
+        } else {
+            int live = previous != NULL;
+            if (previous == NULL) { /* held again: live (invariant 2) */
+                previous = PyDict_GetItemWithError(retired, block_hash);
+                if (previous == NULL && PyErr_Occurred()) {
+                    goto done;
+                }
+                if (previous != NULL) {
+                    Py_INCREF(previous);
+                    if (PyDict_DelItem(retired, block_hash) < 0) {
+                        Py_DECREF(previous);
+                        goto done;
+                    }
+                }
+            }
+            if (previous == NULL) {
+                if (unkeyed) { /* a salted block's child (invariant 6) */
+                    key = PyObject_CallOneArg(unkeyed_of, block_hash);
+                } else {
+                    if (tokens == NULL && (tokens = pack_tokens(token_ids)) == NULL) {
+                        goto done;
+                    }
+                    PyObject *block = slice_bytes(tokens, i * width, (i + 1) * width);
+                    key = block == NULL ? NULL : PyObject_CallFunctionObjArgs(chain, parent,
+                                                                             block, NULL);
+                    Py_XDECREF(block);
+                }
+            } else {
+                int salted = unkeyed ? 1 : starts_with(previous, prefix);
+                if (salted < 0) {
+                    Py_DECREF(previous);
+                    goto done;
+                }
+                if (salted) { /* a salted block or its child (invariant 6) */
+                    key = PyObject_CallOneArg(unkeyed_of, block_hash);
+                    int differs = key == NULL ? -1
+                                              : PyObject_RichCompareBool(previous, key, Py_NE);
+                    if (differs < 0) {
+                        Py_XDECREF(key);
+                        Py_DECREF(previous);
+                        goto done;
+                    }
+                    remapped += differs;
+                    unkeyed = 1;
+                    Py_DECREF(previous);
+                } else {
+                    key = previous;
+                }
+            }
+            if (key == NULL) {
+                goto done;
+            }
+            if (set_newest(hashes, block_hash, key, live) < 0) {
+                Py_DECREF(key);
+                goto done;
+            }
+        }
+        Py_SETREF(parent, key);
+        PyObject *count = PyDict_GetItemWithError(present, parent);
+        if (count == NULL) {
+            if (PyErr_Occurred() || PyDict_SetItem(present, parent, one) < 0) {
+                goto done;
+            }
+            PyObject *mask = PyDict_GetItemWithError(holders, parent);
+            if (mask == NULL && PyErr_Occurred()) {
+                goto done;
+            }
+            PyObject *bits = mask == NULL ? Py_NewRef(bit) : PyNumber_Or(mask, bit);
+            if (bits == NULL) {
+                goto done;
+            }
+            int rc = PyDict_SetItem(holders, parent, bits);
+            Py_DECREF(bits);
+            if (rc < 0) {
+                goto done;
+            }
+        } else {
+            /* a set's count stays 1 */
+            PyObject *now = refcounted ? PyNumber_Add(count, one) : Py_NewRef(count);
+            int rc = now == NULL ? -1 : set_newest(present, parent, now, 1);
+            Py_XDECREF(now);
+            if (rc < 0) {
+                goto done;
+            }
+        }
+        if (PyDict_GET_SIZE(speculative)) {
+            PyObject *entry = PyTuple_Pack(2, medium, parent);
+            if (entry == NULL) {
+                goto done;
+            }
+            PyObject *expiry = PyDict_GetItemWithError(speculative, entry);
+            int rc = 0;
+            if (expiry != NULL) {
+                rc = PyDict_DelItem(speculative, entry);
+                if (rc == 0) {
+                    PyObject *r = PyObject_CallFunctionObjArgs(unspeculated, entry, bit, NULL);
+                    rc = r == NULL ? -1 : 0;
+                    Py_XDECREF(r);
+                }
+            } else if (PyErr_Occurred()) {
+                rc = -1;
+            }
+            Py_DECREF(entry);
+            if (rc < 0) {
+                goto done;
+            }
+        }
+    }
+    result = Py_BuildValue("(nO)", remapped, unkeyed ? Py_True : Py_False);
+done:
+    Py_DECREF(parent);
+    Py_XDECREF(tokens);
+    Py_XDECREF(one);
+    return result;
+}
+
+static PyMethodDef intake_methods[] = {
+    {"removed", (PyCFunction)(void (*)(void))intake_removed, METH_FASTCALL,
+     "PrefixIndex._removed's per-block loop; returns the blocks unknown."},
+    {"stored", (PyCFunction)(void (*)(void))intake_stored, METH_FASTCALL,
+     "PrefixIndex._stored's per-block loop; returns (hash_remapped, unkeyed)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyModuleDef_Slot intake_slots[] = {
+    {0, NULL},
+};
+
+static struct PyModuleDef intake_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvpeer.router._intake",
+    .m_doc = "The router's per-block event intake in C (see index.py).",
+    .m_size = 0,
+    .m_methods = intake_methods,
+    .m_slots = intake_slots,
+};
+
+PyMODINIT_FUNC
+PyInit__intake(void)
+{
+    return PyModuleDef_Init(&intake_module);
+}

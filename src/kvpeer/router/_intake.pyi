@@ -1,0 +1,37 @@
+"""Types of the C extension kvpeer.router._intake (src/kvpeer/router/_intake.c)."""
+
+from collections.abc import Callable
+
+from kvpeer.router.events import BlockHash
+
+def removed(
+    hashes: dict[BlockHash, bytes],
+    retired: dict[BlockHash, bytes],
+    present: dict[bytes, int],
+    holders: dict[bytes, int],
+    others: list[dict[bytes, int]],
+    bit: int,
+    refcounted: bool,
+    max_retired: int,
+    block_hashes: tuple[BlockHash, ...],
+    /,
+) -> int: ...
+def stored(
+    hashes: dict[BlockHash, bytes],
+    retired: dict[BlockHash, bytes],
+    present: dict[bytes, int],
+    holders: dict[bytes, int],
+    speculative: dict[tuple[str, bytes], float],
+    medium: str,
+    bit: int,
+    refcounted: bool,
+    parent: bytes,
+    block_hashes: tuple[BlockHash, ...],
+    token_ids: tuple[int, ...],
+    width: int,
+    unkeyed_prefix: bytes,
+    chain: Callable[[bytes, bytes], bytes],
+    unkeyed_of: Callable[[BlockHash], bytes],
+    unspeculated: Callable[[tuple[str, bytes], int], None],
+    /,
+) -> tuple[int, bool]: ...

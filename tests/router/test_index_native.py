@@ -1,0 +1,319 @@
+"""The router's per-block intake in C (``kvpeer.router._intake``) against the Python loops
+of ``index.py``, its reference: the same event streams leave the same state, containers'
+order included; hostile arguments raise, never crash; nothing leaks a reference."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpeer.lab.engines.fakeengine import FakeEngine
+from kvpeer.router import index as index_module
+from kvpeer.router.app import Router
+from kvpeer.router.events import (
+    AllCleared,
+    BlockHash,
+    BlocksRemoved,
+    BlocksStored,
+    BlocksUnkeyable,
+)
+from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
+from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from tests.router.conftest import make_config, run
+
+native = index_module._native_intake
+needs_native = pytest.mark.skipif(
+    native is None, reason="kvpeer.router._intake is not built (no C compiler at install)"
+)
+
+BS = 2
+ENGINES = ("e0", "e1", "e2")
+# Few hashes and few token values: the streams revisit blocks, parents and contents.
+HASHES: tuple[BlockHash, ...] = (*range(1, 9), *(bytes([i]) * 4 for i in range(1, 5)))
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, "disk")  # "disk": not indexed, counted as ignored
+
+hash_st = st.sampled_from(HASHES)
+medium_st = st.sampled_from(MEDIA)
+
+
+@st.composite
+def stored_st(draw: st.DrawFn) -> BlocksStored:
+    n = draw(st.integers(1, 4))
+    blocks = tuple(draw(st.lists(hash_st, min_size=n, max_size=n)))
+    tokens = tuple(draw(st.lists(st.integers(0, 2), min_size=n * BS, max_size=n * BS)))
+    size = draw(st.sampled_from((BS, BS, BS, 3)))  # now and then a size the index refuses
+    parent = draw(st.none() | hash_st)
+    return BlocksStored(draw(medium_st), blocks, parent, tokens, size)
+
+
+item_st = st.one_of(
+    stored_st(),
+    stored_st(),
+    st.builds(BlocksRemoved, medium_st, st.lists(hash_st, min_size=1, max_size=5).map(tuple)),
+    st.builds(BlocksRemoved, medium_st, st.lists(hash_st, min_size=1, max_size=5).map(tuple)),
+    st.builds(BlocksUnkeyable, st.lists(hash_st, min_size=1, max_size=3).map(tuple), medium_st),
+    st.just(AllCleared()),
+    st.builds(StreamReset, st.just("gap"), st.booleans()),
+    st.just(StreamSynced()),
+)
+prompt_st = st.lists(st.integers(0, 2), min_size=0, max_size=4 * BS)
+step_st = st.tuples(
+    st.sampled_from(ENGINES),
+    item_st | st.tuples(st.just("speculate"), prompt_st, medium_st, st.floats(0.5, 3.0)),
+)
+
+
+def state(index: PrefixIndex) -> dict[str, Any]:
+    """Everything the index holds, with every ordered container's order."""
+    engines = {
+        name: (
+            e.bit,
+            e.learned,
+            list(e.hashes.items()),
+            list(e.retired.items()),
+            {m: list(p.items()) for m, p in e.present.items()},
+            list(e.speculative.items()),
+        )
+        for name, e in index._engines.items()
+    }
+    return {
+        "engines": engines,
+        "holders": {m: dict(h) for m, h in index._holders.items()},
+        "speculating": dict(index._speculating),
+        "counts": dict(index._counts),
+        "block_size": index.block_size,
+        "learned": index._learned_bits,
+    }
+
+
+def both() -> tuple[PrefixIndex, PrefixIndex]:
+    python = PrefixIndex(BS, native=False, max_blocks=6, max_retired=3, max_speculative=5)
+    c = PrefixIndex(BS, native=True, max_blocks=6, max_retired=3, max_speculative=5)
+    assert not python.native
+    assert c.native
+    return python, c
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(st.lists(step_st, max_size=60), st.lists(prompt_st, min_size=1, max_size=3))
+def test_any_stream_leaves_the_same_state_as_the_python_loops(
+    steps: list[tuple[str, Any]], prompts: list[list[int]]
+) -> None:
+    python, c = both()
+    now = 0.0
+    for engine, item in steps:
+        now += 0.25
+        for index in (python, c):
+            if isinstance(item, tuple):
+                _, prompt, medium, ttl = item
+                index.speculate(engine, index.keys(prompt), medium, now, ttl)
+            else:
+                index.apply(engine, item)
+        assert state(c) == state(python)
+    for prompt in prompts:
+        for medium in MEDIA:
+            keys = python.keys(prompt)
+            assert c.prefixes(keys, medium, now) == python.prefixes(keys, medium, now)
+
+
+@needs_native
+def test_a_recorded_kind_of_stream_leaves_the_same_state() -> None:
+    """A larger stream with vLLM's shapes: chained stores on both media, re-stores, the
+    CPU tier's repeated announcements, evictions past the bounds, salted blocks."""
+    python, c = both()
+    items: list[tuple[str, FeedItem]] = []
+    for engine in ENGINES:
+        items.append((engine, StreamSynced()))
+    for round_ in range(40):
+        engine = ENGINES[round_ % 3]
+        base = round_ % 5
+        chain = tuple(100 * base + i for i in range(4))
+        tokens = tuple((base * 7 + i) % 3 for i in range(4 * BS))
+        items.append((engine, BlocksStored(MEDIUM_GPU, chain, None, tokens, BS)))
+        items.append((engine, BlocksStored(MEDIUM_CPU, chain[:2], None, tokens[: 2 * BS], BS)))
+        items.append((engine, BlocksStored(MEDIUM_CPU, chain[1:3], chain[0],
+                                           tokens[BS : 3 * BS], BS)))
+        if round_ % 4 == 3:
+            items.append((engine, BlocksUnkeyable((chain[0],), MEDIUM_GPU)))
+        items.append((engine, BlocksRemoved(MEDIUM_GPU, chain[2:])))
+        items.append((engine, BlocksRemoved(MEDIUM_CPU, chain[:2])))
+    for engine, item in items:
+        python.apply(engine, item)
+        c.apply(engine, item)
+        assert state(c) == state(python)
+
+
+def test_native_true_without_the_extension_names_the_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(index_module, "_native_intake", None)
+    with pytest.raises(RuntimeError, match="_intake is not built"):
+        PrefixIndex(BS, native=True)
+    assert not PrefixIndex(BS).native  # None: the Python loops, quietly
+
+
+def _args_removed() -> list[Any]:
+    return [{}, {}, {}, {}, [], 1, False, 3, (1, 2)]
+
+
+def _args_stored() -> list[Any]:
+    return [
+        {}, {}, {}, {}, {}, MEDIUM_GPU, 1, False,
+        b"root", (5,), (1, 2), 4 * BS, b"kvpeer-unkeyed:", index_module._chain,
+        index_module._unkeyed, lambda entry, bit: None,
+    ]
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("position", "value"),
+    [
+        (0, OrderedDict()),  # a dict subclass could run code inside the loops
+        (1, None),
+        (2, [1]),
+        (3, OrderedDict()),
+        (4, [1]),  # others: not a list of dicts
+        (5, "bit"),
+        (7, "many"),
+        (8, [1, 2]),  # block hashes: a list, not a tuple
+    ],
+)
+def test_removed_refuses_wrong_types(position: int, value: Any) -> None:
+    assert native is not None
+    args = _args_removed()
+    if position == 4:
+        value = [value]
+    args[position] = value
+    with pytest.raises(TypeError):
+        native.removed(*args)
+    with pytest.raises(TypeError):
+        native.removed(*args[:-1])  # too few
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("position", "value", "error"),
+    [
+        (0, OrderedDict(), TypeError),
+        (4, OrderedDict(), TypeError),
+        (6, 1.5, TypeError),
+        (8, "root", TypeError),  # a parent key that is not bytes
+        (9, [5], TypeError),
+        (10, (1, "2"), TypeError),  # a token id that is not an int
+        (10, (1, -2), OverflowError),  # array("I") refuses them alike
+        (10, (1, 1 << 32), OverflowError),
+        (10, (1, 1 << 80), OverflowError),
+        (11, -4, TypeError),
+        (12, "kvpeer-unkeyed:", TypeError),
+    ],
+)
+def test_stored_refuses_wrong_types_and_token_ids(position: int, value: Any,
+                                                  error: type[Exception]) -> None:
+    assert native is not None
+    args = _args_stored()
+    args[position] = value
+    with pytest.raises(error):
+        native.stored(*args)
+
+
+@needs_native
+def test_a_failing_or_lying_hash_function_raises_without_leaving_a_mapping() -> None:
+    assert native is not None
+
+    def boom(parent: bytes, tokens: bytes) -> bytes:
+        raise ValueError("hash failed")
+
+    args = _args_stored()
+    args[13] = boom
+    with pytest.raises(ValueError, match="hash failed"):
+        native.stored(*args)
+    assert not args[0]
+    assert not args[2]
+    args = _args_stored()
+    args[13] = lambda parent, tokens: 42  # not bytes: mapped, and refused once seen again
+    native.stored(*args)
+    assert args[0] == {5: 42}
+    with pytest.raises(TypeError, match="chain keys are bytes, not int"):
+        native.stored(*args)
+
+
+@needs_native
+def test_tokens_past_the_event_are_sliced_as_python_slices_them() -> None:
+    """A store with fewer tokens than its blocks (the decoder refuses such events; the
+    loops must still not read past the tokens): each block hashes what is there."""
+    python, c = both()
+    short = BlocksStored(MEDIUM_GPU, (1, 2, 3), None, (1, 2, 0), BS)
+    for index in (python, c):
+        index.apply("e0", StreamSynced())
+        index.apply("e0", short)
+    assert state(c) == state(python)
+
+
+@needs_native
+def test_no_reference_is_leaked() -> None:
+    """Store, re-store, speculate and remove the same blocks many times: the objects the
+    loops handle end with the references they started with."""
+    index = PrefixIndex(BS, native=True)
+    index.apply("e0", StreamSynced())
+    blocks = (1 << 70, 2 << 70, 3 << 70)  # ints outside the small-int cache
+    medium = "GPU-" + "x" * 8  # a str of its own, indexed below
+    index._media = frozenset({medium})
+    tokens = tuple(range(1000, 1000 + 3 * BS))
+    event = BlocksStored(medium, blocks, None, tokens, BS)
+    gone = BlocksRemoved(medium, blocks)
+    prompt = index.keys(list(tokens))
+
+    def cycle() -> None:
+        index.apply("e0", event)
+        index.apply("e0", event)
+        index.apply("e0", gone)
+        index.speculate("e0", prompt, medium, 0.0, 10.0)
+        index.apply("e0", event)  # confirms the speculative entries
+        index.apply("e0", gone)
+
+    cycle()
+    keys = list(index._engines["e0"].retired.values())  # the index's own chain keys
+    assert len(keys) == 3
+    watched = (*blocks, medium, event, gone, *prompt.keys, *keys)
+    before = [sys.getrefcount(o) for o in watched]
+    for _ in range(500):
+        cycle()
+    assert [sys.getrefcount(o) for o in watched] == before
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_the_router_says_which_intake_it_runs(
+    built: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if built and native is None:
+        pytest.skip("kvpeer.router._intake is not built")
+    if not built:
+        monkeypatch.setattr(index_module, "_native_intake", None)
+
+    async def scenario() -> None:
+        fake = FakeEngine("a")
+        await fake.start()
+        router = Router(make_config("shared", {"a": (fake, "both")}))
+        try:
+            await router.start()
+        finally:
+            await router.stop()
+            await fake.stop()
+
+    with caplog.at_level(logging.INFO, logger="kvpeer.router.app"):
+        run(scenario())
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "intake" in r.getMessage()]
+    if built:
+        assert said == [(logging.INFO, "KV event intake: C loops (kvpeer.router._intake)")]
+    else:
+        assert len(said) == 1
+        assert said[0][0] == logging.WARNING
+        assert "Python loops" in said[0][1]
+        assert "was not built" in said[0][1]
