@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 from collections.abc import Awaitable
 from typing import Any
@@ -487,15 +488,53 @@ def test_stores_are_ordered_parents_first_within_a_run() -> None:
     parent = stored([H2], H1, [5, 6, 7, 8], medium="CPU")
     root = stored([H1], None, [1, 2, 3, 4], medium="CPU")
     events = decoded(batch(child, parent, removed([H1]), root)).events
-    assert [type(e).__name__ for e in events] == [
-        "BlocksStored", "BlocksStored", "BlocksRemoved", "BlocksStored",
-    ]
-    assert [e.block_hashes for e in events if not isinstance(e, AllCleared)] == [
-        (H2,), (H3,), (H1,), (H1,),
-    ]
+    # parent then child, joined into one chain; the removal stays between the runs
+    assert events == (
+        BlocksStored("CPU", (H2, H3), H1, (5, 6, 7, 8, 9, 10, 11, 12), 4),
+        BlocksRemoved("GPU", (H1,)),
+        BlocksStored("CPU", (H1,), None, (1, 2, 3, 4), 4),
+    )
+
+
+def test_a_prompt_stored_block_by_block_in_any_order_is_one_chain() -> None:
+    """vLLM's CPU tier announces each block in an event of its own, in any order: the
+    index gets one store per chain, and holds what the blocks one by one would give."""
+    rng = random.Random(5)
+    hashes = [bytes([i]) * 8 for i in range(1, 17)]
+    tokens = [list(range(4 * i, 4 * i + 4)) for i in range(16)]
+    events = [stored([h], hashes[i - 1] if i else None, tokens[i], medium="CPU")
+              for i, h in enumerate(hashes)]
+    rng.shuffle(events)
+    joined = decoded(batch(*events)).events
+    assert joined == (
+        BlocksStored("CPU", tuple(hashes), None, tuple(t for ts in tokens for t in ts), 4),
+    )
+    one_by_one = PrefixIndex(4, native=False)
+    together = PrefixIndex(4)
+    for index in (one_by_one, together):
+        index.apply("e0", StreamSynced())
+    for i, h in enumerate(hashes):
+        one_by_one.apply("e0", BlocksStored("CPU", (h,), hashes[i - 1] if i else None,
+                                            tuple(tokens[i]), 4))
+    for event in joined:
+        together.apply("e0", event)
+    prompt = together.keys([t for ts in tokens for t in ts])
+    assert together.prefixes(prompt, "CPU", 0.0) == one_by_one.prefixes(prompt, "CPU", 0.0)
+    assert together.prefixes(prompt, "CPU", 0.0) == {"e0": 64}
+
+
+def test_only_a_store_continuing_the_last_block_of_the_same_medium_and_size_joins() -> None:
+    root = stored([H1, H2], None, list(range(8)), medium="CPU")
+    after_middle = stored([H3], H1, [9, 9, 9, 9], medium="CPU")  # parent is not the last
+    other_medium = stored([H3], H2, [9, 9, 9, 9], medium="GPU")
+    other_size = stored([H3], H2, [9, 9, 9, 9, 9, 9, 9, 9], medium="CPU", block_size=8)
+    for follower in (after_middle, other_medium, other_size):
+        assert len(decoded(batch(root, follower)).events) == 2
 
 
 def test_a_hostile_parent_cycle_terminates() -> None:
     a = stored([H1], H2, [1, 2, 3, 4])
     b = stored([H2], H1, [5, 6, 7, 8])
-    assert len(decoded(batch(a, b)).events) == 2
+    events = decoded(batch(a, b)).events
+    assert sorted(h for e in events if isinstance(e, BlocksStored) for h in e.block_hashes) \
+        == sorted([H1, H2])

@@ -229,9 +229,11 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     skipped: dict[str, int] = {}
     # A step's removals come one block per event (vLLM's block pool): consecutive ones of
     # one medium become one BlocksRemoved, applied block by block in the same order, so
-    # the intake costs a Python object per run instead of per block.
+    # the intake costs a Python object per run instead of per block. Consecutive valid
+    # stores (a run) are ordered parents first and joined into chains (_stores_of).
     removed: list[BlockHash] = []
     removed_medium = ""
+    run: list[_WireStored] = []
     for index, item in enumerate(wire.events):
         if type(item) is _WireRemoved:
             if item.group_idx or item.ownership is not None:  # _skip_reason's, inlined
@@ -239,6 +241,9 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
                 assert skip is not None
                 skipped[skip] = skipped.get(skip, 0) + 1
             elif item.block_hashes:
+                if run:
+                    events.extend(_stores_of(run))
+                    run = []
                 medium = item.medium or "GPU"
                 if medium != removed_medium and removed:
                     events.append(BlocksRemoved(removed_medium, tuple(removed)))
@@ -249,66 +254,92 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
         if removed:
             events.append(BlocksRemoved(removed_medium, tuple(removed)))
             removed = []
-        if isinstance(item, _WireCleared):
+        if type(item) is _WireCleared:
+            if run:
+                events.extend(_stores_of(run))
+                run = []
             events.append(AllCleared())
             continue
-        assert isinstance(item, _WireStored)
-        hashes = tuple(item.block_hashes)
-        outcome = _translate_stored(item, hashes)
-        if isinstance(outcome, BatchRejected):
+        assert type(item) is _WireStored
+        outcome = _store_check(item)
+        if outcome is None:
+            run.append(item)
+        elif isinstance(outcome, BatchRejected):
             return BatchRejected(outcome.reason, f"event {index}: {outcome.detail}")
-        if isinstance(outcome, str):
+        else:
             skipped[outcome] = skipped.get(outcome, 0) + 1
             if outcome in UNKEYABLE_REASONS:
-                unkeyable.append(BlocksUnkeyable(hashes, item.medium or "GPU"))
-        else:
-            events.append(outcome)
+                unkeyable.append(BlocksUnkeyable(tuple(item.block_hashes), item.medium or "GPU"))
     if removed:
         events.append(BlocksRemoved(removed_medium, tuple(removed)))
+    if run:
+        events.extend(_stores_of(run))
     return BatchDecoded(
         ts=wire.ts,
         data_parallel_rank=wire.data_parallel_rank,
         # Unkeyable blocks first: a step's CPU-tier store of such a block may come
         # before the store that says it is salted.
-        events=(*unkeyable, *_parents_first(events)),
+        events=(*unkeyable, *events),
         skipped=tuple(sorted(skipped.items())),
     )
 
 
-def _parents_first(events: list[KVEvent]) -> tuple[KVEvent, ...]:
-    """Order each run of consecutive stores so a parent's store precedes its children's.
+def _stores_of(run: list[_WireStored]) -> list[BlocksStored]:
+    """A run of consecutive valid stores as the index applies them: parents first, and
+    each store that continues the one before it (same medium and block size, its parent
+    that store's last block) joined into it.
 
     vLLM's offloading tracker emits a step's stores in any order ("events are
     self-contained") -- a recorded CPU-tier batch stores block 3 before block 2 -- and
-    the index can only place a block whose parent it has placed. Stores and removals
-    keep their relative order (invariant 2 of the feed depends on it).
+    the index can only place a block whose parent it has placed; stores and removals
+    keep their relative order (invariant 2 of the feed depends on it). The CPU tier
+    also announces every block in a store of its own, so a 64-block prompt offloaded
+    in one step is 64 events: joined, the index applies them block by block in the
+    same order, paying its per-event costs once per chain instead of once per block.
     """
-    out: list[KVEvent] = []
-    run: list[BlocksStored] = []
-    for event in [*events, AllCleared()]:  # a sentinel closes the last run
-        if isinstance(event, BlocksStored):
-            run.append(event)
+    if len(run) > 1:
+        run = _topological(run)
+    out: list[BlocksStored] = []
+    head = run[0]
+    hashes, tokens = list(head.block_hashes), list(head.token_ids)
+    for item in run[1:]:
+        if (
+            item.parent_block_hash is not None
+            and item.parent_block_hash == hashes[-1]
+            and item.medium == head.medium
+            and item.block_size == head.block_size
+        ):
+            hashes.extend(item.block_hashes)
+            tokens.extend(item.token_ids)
             continue
-        out.extend(_topological(run))
-        run = []
-        out.append(event)
-    out.pop()
-    return tuple(out)
+        out.append(_store(head, hashes, tokens))
+        head = item
+        hashes, tokens = list(item.block_hashes), list(item.token_ids)
+    out.append(_store(head, hashes, tokens))
+    return out
 
 
-def _topological(run: list[BlocksStored]) -> list[BlocksStored]:
-    if len(run) < 2:
-        return run
-    owner = {h: i for i, event in enumerate(run) for h in event.block_hashes}
+def _store(head: _WireStored, hashes: list[BlockHash], tokens: list[int]) -> BlocksStored:
+    return BlocksStored(
+        medium=head.medium or "GPU",
+        block_hashes=tuple(hashes),
+        parent_hash=head.parent_block_hash,
+        token_ids=tuple(tokens),
+        block_size=head.block_size,
+    )
+
+
+def _topological(run: list[_WireStored]) -> list[_WireStored]:
+    owner = {h: i for i, item in enumerate(run) for h in item.block_hashes}
     placed = [False] * len(run)
-    order: list[BlocksStored] = []
+    order: list[_WireStored] = []
     for first in range(len(run)):
         chain: list[int] = []
         i: int | None = first
         while i is not None and not placed[i]:
             placed[i] = True  # marked on the way up: a hostile cycle ends here
             chain.append(i)
-            parent = run[i].parent_hash
+            parent = run[i].parent_block_hash
             i = owner.get(parent) if parent is not None else None
         order.extend(run[j] for j in reversed(chain))
     return order
@@ -322,33 +353,26 @@ def _skip_reason(group_idx: int | None, ownership: str | None) -> str | None:
     return None
 
 
-def _translate_stored(
-    item: _WireStored, hashes: tuple[BlockHash, ...]
-) -> BlocksStored | BatchRejected | str:
-    """A valid store, a reason to skip it, or why the whole batch is malformed."""
+def _store_check(item: _WireStored) -> BatchRejected | str | None:
+    """None for a valid store, else a reason to skip it or why the whole batch is
+    malformed."""
     if not item.token_ids and item.block_size == 0:
         return "placeholder"  # checked first: placeholders are not malformed
-    if not hashes:
+    if not item.block_hashes:
         return BatchRejected("empty_store", "no block hashes")
-    if item.block_size == 0 or len(item.token_ids) != len(hashes) * item.block_size:
+    if item.block_size == 0 or len(item.token_ids) != len(item.block_hashes) * item.block_size:
         return BatchRejected(
             "token_count_mismatch",
-            f"{len(item.token_ids)} tokens, {len(hashes)} blocks of {item.block_size}",
+            f"{len(item.token_ids)} tokens, {len(item.block_hashes)} blocks of "
+            f"{item.block_size}",
         )
-    skip = _skip_reason(item.group_idx, item.ownership)
-    if skip is not None:
-        return skip
+    if item.group_idx or item.ownership is not None:
+        return _skip_reason(item.group_idx, item.ownership)
     if item.lora_name is not None or item.lora_id is not None:
         return "lora"
     if item.extra_keys is not None and _any_not_none(item.extra_keys):
         return "extra_keys"
-    return BlocksStored(
-        medium=item.medium or "GPU",
-        block_hashes=hashes,
-        parent_hash=item.parent_block_hash,
-        token_ids=tuple(item.token_ids),
-        block_size=item.block_size,
-    )
+    return None
 
 
 def _any_not_none(values: Iterable[object]) -> bool:
