@@ -35,10 +35,11 @@ import statistics
 import sys
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from itertools import islice
 from types import BuiltinFunctionType, FunctionType, ModuleType
 from typing import Any
 
@@ -121,7 +122,11 @@ class _Cache:
     """One medium of one engine: an LRU of block hashes (vLLM evicts the least recent)."""
 
     capacity: int
-    blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    # A plain dict in LRU order (a touch deletes and re-inserts): holding only bytes, it
+    # is never tracked by the garbage collector, whose full collections would otherwise
+    # walk 256 engines' caches inside the router's timed intake (a router has no such
+    # caches; the index's own maps are untracked the same way).
+    blocks: dict[bytes, None] = field(default_factory=dict)
 
 
 class SyntheticEngine:
@@ -171,20 +176,16 @@ class SyntheticEngine:
             hashes = self.hashes(prompt)
             self.served.append(prompt)
             for medium, cache in self._media.items():
-                held = 0
-                while held < len(hashes) and hashes[held] in cache.blocks:
-                    cache.blocks.move_to_end(hashes[held])
-                    held += 1
-                if held and medium == MEDIUM_GPU:  # vLLM re-announces reused blocks
-                    events.append(_stored(hashes[:held], None, prompt[:held * size], size,
-                                          medium))
-                # Stores announce only blocks the medium lacks (a CPU tier counts
-                # announcements): a run of absent blocks per event, parent before it.
+                gpu = medium == MEDIUM_GPU
+                # A hit announces nothing (vLLM marks a request's hit blocks cached);
+                # the rest is stored, a run of absent blocks per event on the GPU, one
+                # event per block on the CPU tier (its events are self-contained).
                 run: list[int] = []
-                for i in range(held, len(hashes) + 1):
+                for i in range(len(hashes) + 1):
                     if i < len(hashes) and hashes[i] not in cache.blocks:
                         run.append(i)
-                        continue
+                        if gpu:
+                            continue
                     if run:
                         first, last = run[0], run[-1] + 1
                         events.append(_stored(hashes[first:last],
@@ -194,10 +195,15 @@ class SyntheticEngine:
                             cache.blocks[block_hash] = None
                         run = []
                     if i < len(hashes):
-                        cache.blocks.move_to_end(hashes[i])
-                while len(cache.blocks) > cache.capacity:
-                    evicted, _ = cache.blocks.popitem(last=False)
-                    events.append({"type": "BlockRemoved", "block_hashes": [evicted],
+                        del cache.blocks[hashes[i]]
+                        cache.blocks[hashes[i]] = None
+                # Evictions: one BlockRemoved per block from the GPU block pool, one per
+                # store from the CPU tier (its manager evicts a store's room at once).
+                evicted = list(islice(cache.blocks, max(0, len(cache.blocks) - cache.capacity)))
+                for block_hash in evicted:
+                    del cache.blocks[block_hash]
+                for chunk in ([[h] for h in evicted] if gpu else [evicted] if evicted else []):
+                    events.append({"type": "BlockRemoved", "block_hashes": chunk,
                                    "medium": medium, "group_idx": 0})
         if not events:
             return None
@@ -239,8 +245,9 @@ class _Router:
     feeds: dict[str, EventFeed]
 
     @classmethod
-    def of(cls, engines: Sequence[SyntheticEngine], spec: RouterScaleSpec) -> _Router:
-        index = PrefixIndex(spec.block_size)
+    def of(cls, engines: Sequence[SyntheticEngine], spec: RouterScaleSpec,
+           native: bool) -> _Router:
+        index = PrefixIndex(spec.block_size, native=native)
         feeds = {e.name: EventFeed(can_replay=False, sink=partial(index.apply, e.name))
                  for e in engines}
         return cls(index, feeds)
@@ -301,7 +308,13 @@ def run_fleet(spec: RouterScaleSpec, engines_n: int, progress: Progress) -> dict
     rng = random.Random(spec.seed * 1_000_003 + engines_n)
     workload = _Workload(spec, rng)
     engines = [SyntheticEngine(f"e{i}", spec, rng) for i in range(engines_n)]
-    router = _Router.of(engines, spec)
+    # The router as it runs (the C loops when built), and beside it the same intake
+    # with the Python loops (the fallback without a C compiler): the same-run baseline.
+    probe = PrefixIndex(spec.block_size)
+    routers = [_Router.of(engines, spec, native=False)]
+    if probe.native:
+        routers.insert(0, _Router.of(engines, spec, native=True))
+    router = routers[0]
     now = 0.0
     # Warm-up: fill the caches (fast), then evict for warmup_s, all traced.
     blocks_per_request = (spec.prompt_tokens - spec.prefix_tokens) // spec.block_size
@@ -309,28 +322,37 @@ def run_fleet(spec: RouterScaleSpec, engines_n: int, progress: Progress) -> dict
     warm_steps = fill_steps + int(spec.warmup_s / STEP_S)
     for _ in range(warm_steps):
         now += STEP_S
-        router.take(_steps(engines, workload, rng, spec.requests_per_s, now), now)
+        batches = _steps(engines, workload, rng, spec.requests_per_s, now)
+        for each in routers:
+            each.take(batches, now)
     memory = deep_size(router.index)
     held = _held(router.index, now)
     progress(f"{engines_n} engines: warmed up ({held:,} blocks held, "
              f"{memory / max(1, held):.0f} bytes per block)")
     # Window: only the intake is on the clock.
     before = sum(e.events for e in engines)
-    cpu = wall = 0.0
+    cpus = [0.0] * len(routers)
+    wall = 0.0
     batches_n = 0
-    for _ in range(int(spec.seconds / STEP_S)):
+    for step in range(int(spec.seconds / STEP_S)):
         now += STEP_S
         batches = _steps(engines, workload, rng, spec.requests_per_s, now)
         batches_n += len(batches)
-        c0, w0 = time.process_time(), time.perf_counter()
-        router.take(batches, now)
-        cpu += time.process_time() - c0
-        wall += time.perf_counter() - w0
+        for i in (0, 1) if step % 2 else (1, 0):  # neither always after the other
+            if i < len(routers):
+                c0, w0 = time.process_time(), time.perf_counter()
+                routers[i].take(batches, now)
+                cpus[i] += time.process_time() - c0
+                if i == 0:
+                    wall += time.perf_counter() - w0
+    cpu, python_cpu = cpus[0], cpus[-1]
     events = sum(e.events for e in engines) - before
     applied = sum(f.statistics().batches_applied for f in router.feeds.values())
     published = sum(e.batches for e in engines)
     progress(f"{engines_n} engines: {events:,} events in {spec.seconds:g} s, intake "
-             f"{cpu:.2f} CPU-s")
+             f"{cpu:.2f} CPU-s ({'C' if router.index.native else 'Python'} loops), "
+             f"{python_cpu:.2f} with the Python loops")
+    del routers[1:]  # the baseline's index goes before the decisions are timed
     decisions = _decide(spec, engines, workload, router.index, rng, now)
     return {
         "engines": engines_n,
@@ -343,7 +365,10 @@ def run_fleet(spec: RouterScaleSpec, engines_n: int, progress: Progress) -> dict
         "intake_wall_s": wall,
         "cpu_ms_per_1000_events": cpu / events * 1e6 if events else 0.0,
         "events_per_cpu_s": events / cpu if cpu else 0.0,
-        "cores_needed": events / spec.seconds / (events / cpu) if cpu and events else 0.0,
+        "cores_needed": cpu / spec.seconds,
+        "intake_loops": "C" if router.index.native else "Python",
+        "python_intake_cpu_s": python_cpu,
+        "python_cores_needed": python_cpu / spec.seconds,
         "blocks_held": held,
         "index_bytes": memory,
         "index_mib_per_million_blocks": memory / max(1, held) * 1e6 / (1 << 20),
@@ -423,20 +448,25 @@ def render(result: dict[str, Any]) -> str:
         f"{s['block_size']}, caches {s['gpu_blocks']} GPU + {s['cpu_blocks']} CPU blocks per "
         f"engine; {s['seconds']:g} s of events timed, {s['decisions']} decisions",
         f"{'engines':>8} {'events/s':>10} {'CPU ms/1k ev':>12} {'events/CPU-s':>12} "
-        f"{'cores':>6} {'blocks held':>12} {'MiB/M blocks':>12} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'cores':>6} {'Py loops':>8} {'blocks held':>12} {'MiB/M blocks':>12} "
+        f"{'p50 ms':>8} {'p99 ms':>8} "
         f"{'p50 CPU':>8} {'p99 CPU':>8} {'wrong':>6} {'turn 2 to holder':>16}",
     ]
     for r in result["fleets"]:
         lines.append(
             f"{r['engines']:8d} {r['events_per_s']:10.0f} {r['cpu_ms_per_1000_events']:12.2f} "
-            f"{r['events_per_cpu_s']:12.0f} {r['cores_needed']:6.2f} {r['blocks_held']:12,d} "
+            f"{r['events_per_cpu_s']:12.0f} {r['cores_needed']:6.2f} "
+            f"{r['python_cores_needed']:8.2f} {r['blocks_held']:12,d} "
             f"{r['index_mib_per_million_blocks']:12.1f} {r['decision_p50_ms']:8.3f} "
             f"{r['decision_p99_ms']:8.3f} {r['decision_cpu_p50_ms']:8.3f} "
             f"{r['decision_cpu_p99_ms']:8.3f} "
             f"{r['decisions_naming_a_non_holder']:>6} "
             f"{r['second_turns_to_holder']:>7}/{r['second_turns_held']:<8}"
         )
-    lines.append("(cores: router cores the fleet's events need, intake only; p50/p99: decision "
+    loops = {r["intake_loops"] for r in result["fleets"]}
+    lines.append("(cores: router cores the fleet's events need, intake only, with the "
+                 f"{'/'.join(sorted(loops))} loops; Py loops: the same intake with the Python "
+                 "loops, in the same run; p50/p99: decision "
                  "wall time, p50/p99 CPU: its thread CPU time, which a shared machine's scheduler "
                  "does not inflate; wrong: decisions predicting cached tokens the named engine "
                  "does not hold)")
