@@ -9,11 +9,13 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpeer.lab.engines.fakeengine import FakeEngine
+from kvpeer.router import events as events_module
 from kvpeer.router import index as index_module
 from kvpeer.router.app import Router
 from kvpeer.router.events import (
@@ -317,3 +319,47 @@ def test_the_router_says_which_intake_it_runs(
         assert said[0][0] == logging.WARNING
         assert "Python loops" in said[0][1]
         assert "was not built" in said[0][1]
+
+
+wire_store_st = st.builds(
+    events_module._WireStored,
+    block_hashes=st.lists(hash_st, min_size=1, max_size=3),
+    parent_block_hash=st.none() | hash_st,
+    token_ids=st.just([]),  # filled to the right length below
+    block_size=st.sampled_from((2, 3)),
+    lora_id=st.none(),
+    medium=st.sampled_from((None, "GPU", "CPU")),
+    lora_name=st.none(),
+)
+
+
+def _with_tokens(item: Any, seed: int) -> Any:
+    count = len(item.block_hashes) * item.block_size
+    return msgspec.structs.replace(item, token_ids=[(seed + i) % 7 for i in range(count)])
+
+
+@needs_native
+@settings(max_examples=500, deadline=None)
+@given(st.lists(wire_store_st, min_size=1, max_size=12))
+def test_a_run_of_stores_orders_and_joins_as_the_python_does(items: list[Any]) -> None:
+    """Parents first (hostile cycles and hashes named twice included), then joined."""
+    run = [_with_tokens(item, i) for i, item in enumerate(items)]
+    native_out = events_module._stores_of(list(run))
+    saved = events_module._native_intake
+    events_module._native_intake = None
+    try:
+        python_out = events_module._stores_of(list(run))
+    finally:
+        events_module._native_intake = saved
+    assert native_out == python_out
+
+
+@needs_native
+def test_stores_of_refuses_what_is_not_a_run() -> None:
+    assert native is not None
+    with pytest.raises(TypeError):
+        native.stores_of([])
+    with pytest.raises(TypeError):
+        native.stores_of((1,))
+    with pytest.raises(AttributeError):
+        native.stores_of([object()])

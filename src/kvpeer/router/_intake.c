@@ -451,15 +451,218 @@ done:
     return result;
 }
 
+/* Attribute names of the decoder's wire stores, interned once. */
+static PyObject *str_block_hashes, *str_parent_block_hash, *str_token_ids, *str_medium,
+    *str_block_size;
+
+/* run[i].name as a new reference, or NULL with an exception. */
+static PyObject *
+field(PyObject *run, Py_ssize_t i, PyObject *name)
+{
+    return PyObject_GetAttr(PyList_GET_ITEM(run, i), name);
+}
+
+/* list.extend(items): 0, or -1 with an exception. */
+static int
+append_all(PyObject *list, PyObject *items)
+{
+    return PyList_SetSlice(list, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, items);
+}
+
+/* Appends (head, tuple(hashes), tuple(tokens)) to out: 0, or -1 with an exception. */
+static int
+close_chain(PyObject *out, PyObject *head, PyObject *hashes, PyObject *tokens)
+{
+    PyObject *h = PyList_AsTuple(hashes), *t = h == NULL ? NULL : PyList_AsTuple(tokens);
+    PyObject *chain = t == NULL ? NULL : PyTuple_Pack(3, head, h, t);
+    int rc = chain == NULL ? -1 : PyList_Append(out, chain);
+    Py_XDECREF(chain);
+    Py_XDECREF(t);
+    Py_XDECREF(h);
+    return rc;
+}
+
+/* The order of events.py's _topological: each store after the store of its parent
+ * block (the last store naming a hash owns it), a hostile cycle cut where it closes.
+ * Fills order[0..n): 0, or -1 with an exception. */
+static int
+parents_first(PyObject *run, Py_ssize_t n, Py_ssize_t *order)
+{
+    PyObject *owner = PyDict_New();
+    char *placed = PyMem_Calloc((size_t)n, 1);
+    Py_ssize_t *chain = PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
+    int rc = owner == NULL || placed == NULL || chain == NULL ? -1 : 0;
+    if (rc < 0 && !PyErr_Occurred()) {
+        PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        PyObject *hashes = field(run, i, str_block_hashes);
+        PyObject *at = hashes == NULL ? NULL : PyLong_FromSsize_t(i);
+        PyObject *seq = at == NULL ? NULL : PySequence_Fast(hashes, "block_hashes is a list");
+        rc = seq == NULL ? -1 : 0;
+        for (Py_ssize_t j = 0; rc == 0 && j < PySequence_Fast_GET_SIZE(seq); j++) {
+            rc = PyDict_SetItem(owner, PySequence_Fast_GET_ITEM(seq, j), at);
+        }
+        Py_XDECREF(seq);
+        Py_XDECREF(at);
+        Py_XDECREF(hashes);
+    }
+    Py_ssize_t placed_n = 0;
+    for (Py_ssize_t first = 0; first < n && rc == 0; first++) {
+        Py_ssize_t length = 0, i = first;
+        while (i >= 0 && !placed[i]) {
+            placed[i] = 1; /* marked on the way up: a hostile cycle ends here */
+            chain[length++] = i;
+            PyObject *parent = field(run, i, str_parent_block_hash);
+            if (parent == NULL) {
+                rc = -1;
+                break;
+            }
+            PyObject *at = parent == Py_None ? NULL : PyDict_GetItemWithError(owner, parent);
+            Py_DECREF(parent);
+            if (at == NULL && PyErr_Occurred()) {
+                rc = -1;
+                break;
+            }
+            i = at == NULL ? -1 : PyLong_AsSsize_t(at);
+            if (i == -1 && PyErr_Occurred()) {
+                rc = -1;
+            }
+        }
+        while (rc == 0 && length > 0) {
+            order[placed_n++] = chain[--length];
+        }
+    }
+    Py_XDECREF(owner);
+    PyMem_Free(placed);
+    PyMem_Free(chain);
+    return rc;
+}
+
+/* stores_of(run) -> [(head, hashes, tokens), ...]
+ *
+ * events.py's _stores_of, up to building the router's events: a run of valid wire
+ * stores (a list of at least one) ordered parents first, and each store that continues
+ * the one before it (same medium and block size, its parent that store's last block)
+ * joined into it. Each chain is its first store and the chain's hashes and tokens. */
+static PyObject *
+intake_stores_of(PyObject *module, PyObject *run)
+{
+    (void)module;
+    if (!PyList_CheckExact(run) || PyList_GET_SIZE(run) == 0) {
+        PyErr_SetString(PyExc_TypeError, "stores_of() takes a non-empty list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(run);
+    Py_ssize_t *order = PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
+    if (order == NULL) {
+        return PyErr_NoMemory();
+    }
+    int rc = 0;
+    if (n > 1) {
+        rc = parents_first(run, n, order);
+    } else {
+        order[0] = 0;
+    }
+    PyObject *out = rc < 0 ? NULL : PyList_New(0);
+    PyObject *head = NULL, *hashes = NULL, *tokens = NULL;
+    PyObject *medium = NULL, *size = NULL;
+    for (Py_ssize_t k = 0; out != NULL && k < n; k++) {
+        PyObject *item = PyList_GET_ITEM(run, order[k]);
+        if (head != NULL) {
+            PyObject *parent = PyObject_GetAttr(item, str_parent_block_hash);
+            PyObject *item_medium = NULL, *item_size = NULL;
+            int joins = parent == NULL ? -1 : 0;
+            if (joins == 0 && parent != Py_None && PyList_GET_SIZE(hashes) > 0) {
+                joins = PyObject_RichCompareBool(
+                    parent, PyList_GET_ITEM(hashes, PyList_GET_SIZE(hashes) - 1), Py_EQ);
+            }
+            if (joins > 0) {
+                item_medium = PyObject_GetAttr(item, str_medium);
+                joins = item_medium == NULL ? -1
+                                            : PyObject_RichCompareBool(item_medium, medium, Py_EQ);
+            }
+            if (joins > 0) {
+                item_size = PyObject_GetAttr(item, str_block_size);
+                joins = item_size == NULL ? -1
+                                          : PyObject_RichCompareBool(item_size, size, Py_EQ);
+            }
+            Py_XDECREF(item_size);
+            Py_XDECREF(item_medium);
+            Py_XDECREF(parent);
+            if (joins > 0) {
+                PyObject *more = PyObject_GetAttr(item, str_block_hashes);
+                PyObject *more_tokens = more == NULL ? NULL : PyObject_GetAttr(item, str_token_ids);
+                int extended = more_tokens == NULL ? -1 : append_all(hashes, more);
+                if (extended == 0) {
+                    extended = append_all(tokens, more_tokens);
+                }
+                Py_XDECREF(more_tokens);
+                Py_XDECREF(more);
+                if (extended < 0) {
+                    Py_CLEAR(out);
+                }
+                continue;
+            }
+            if (joins < 0 || close_chain(out, head, hashes, tokens) < 0) {
+                Py_CLEAR(out);
+                continue;
+            }
+        }
+        Py_XSETREF(head, Py_NewRef(item));
+        PyObject *h = PyObject_GetAttr(item, str_block_hashes);
+        PyObject *t = h == NULL ? NULL : PyObject_GetAttr(item, str_token_ids);
+        Py_XSETREF(hashes, h == NULL ? NULL : PySequence_List(h));
+        Py_XSETREF(tokens, t == NULL ? NULL : PySequence_List(t));
+        Py_XDECREF(t);
+        Py_XDECREF(h);
+        Py_XSETREF(medium, PyObject_GetAttr(item, str_medium));
+        Py_XSETREF(size, PyObject_GetAttr(item, str_block_size));
+        if (hashes == NULL || tokens == NULL || medium == NULL || size == NULL) {
+            Py_CLEAR(out);
+        }
+    }
+    if (out != NULL && close_chain(out, head, hashes, tokens) < 0) {
+        Py_CLEAR(out);
+    }
+    Py_XDECREF(head);
+    Py_XDECREF(hashes);
+    Py_XDECREF(tokens);
+    Py_XDECREF(medium);
+    Py_XDECREF(size);
+    PyMem_Free(order);
+    return out;
+}
+
 static PyMethodDef intake_methods[] = {
     {"removed", (PyCFunction)(void (*)(void))intake_removed, METH_FASTCALL,
      "PrefixIndex._removed's per-block loop; returns the blocks unknown."},
     {"stored", (PyCFunction)(void (*)(void))intake_stored, METH_FASTCALL,
      "PrefixIndex._stored's per-block loop; returns (hash_remapped, unkeyed)."},
+    {"stores_of", intake_stores_of, METH_O,
+     "events.py's _stores_of up to the events: [(head, hashes, tokens), ...]."},
     {NULL, NULL, 0, NULL},
 };
 
+static int
+intake_exec(PyObject *module)
+{
+    (void)module;
+    if (str_block_hashes == NULL) {
+        str_block_hashes = PyUnicode_InternFromString("block_hashes");
+        str_parent_block_hash = PyUnicode_InternFromString("parent_block_hash");
+        str_token_ids = PyUnicode_InternFromString("token_ids");
+        str_medium = PyUnicode_InternFromString("medium");
+        str_block_size = PyUnicode_InternFromString("block_size");
+    }
+    return str_block_hashes && str_parent_block_hash && str_token_ids && str_medium
+                   && str_block_size
+               ? 0
+               : -1;
+}
+
 static PyModuleDef_Slot intake_slots[] = {
+    {Py_mod_exec, intake_exec},
     {0, NULL},
 };
 

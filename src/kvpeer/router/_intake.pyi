@@ -1,6 +1,7 @@
 """Types of the C extension kvpeer.router._intake (src/kvpeer/router/_intake.c)."""
 
 from collections.abc import Callable
+from typing import Any
 
 from kvpeer.router.events import BlockHash
 
@@ -35,3 +36,4 @@ def stored(
     unspeculated: Callable[[tuple[str, bytes], int], None],
     /,
 ) -> tuple[int, bool]: ...
+def stores_of(run: list[Any], /) -> list[tuple[Any, tuple[BlockHash, ...], tuple[int, ...]]]: ...

@@ -26,11 +26,18 @@ into :class:`BlocksStored` / :class:`BlocksRemoved` / :class:`AllCleared`. Invar
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Annotated, Any, Final
 
 import msgspec
+
+_native_intake: ModuleType | None
+try:  # the run of stores joined in C, when built (setup.py; index.py's loops likewise)
+    from kvpeer.router import _intake as _native_intake
+except ImportError:  # pragma: no cover - a machine without a C compiler
+    _native_intake = None
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
@@ -297,6 +304,9 @@ def _stores_of(run: list[_WireStored]) -> list[BlocksStored]:
     in one step is 64 events: joined, the index applies them block by block in the
     same order, paying its per-event costs once per chain instead of once per block.
     """
+    if _native_intake is not None:
+        return [_store(head, hashes, tokens) for head, hashes, tokens in
+                _native_intake.stores_of(run)]
     if len(run) > 1:
         run = _topological(run)
     out: list[BlocksStored] = []
@@ -319,7 +329,9 @@ def _stores_of(run: list[_WireStored]) -> list[BlocksStored]:
     return out
 
 
-def _store(head: _WireStored, hashes: list[BlockHash], tokens: list[int]) -> BlocksStored:
+def _store(
+    head: _WireStored, hashes: Sequence[BlockHash], tokens: Sequence[int]
+) -> BlocksStored:
     return BlocksStored(
         medium=head.medium or "GPU",
         block_hashes=tuple(hashes),
