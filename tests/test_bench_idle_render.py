@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +148,26 @@ def test_render_without_a_baseline_or_lookups() -> None:
     assert "0.010x" in next(
         line for line in text.splitlines() if line.startswith(f"  {KVPEER_TCP}")
     )
+
+
+def test_the_ready_line_counts_only_once_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI read the tier's ready line while the engine was still writing it and failed to
+    parse its first half: a line counts once its newline is there, and only the tier's
+    own ready line gives the block length."""
+    from concurrent.futures import Future
+
+    from kvpeer.lab.bench import idle
+
+    log = tmp_path / "engine.log"
+    engines: Future[list[EngineOutcome]] = Future()
+    log.write_text("INFO kvpeer tier e0 starting\nINFO kvpeer tier e0 ready: 12 blocks x 9")
+    monkeypatch.setattr(idle, "SIGNAL_TIMEOUT_S", 0.2)
+    with pytest.raises(TimeoutError):  # half a line, never finished
+        idle._wait_for_text(log, idle.READY_LINE, engines, "ready")
+    log.write_text(log.read_text() + "8304 bytes, data planes tcp\n")
+    line = idle._wait_for_text(log, idle.READY_LINE, engines, "ready")
+    assert idle._block_len(line) == 98304
+    with pytest.raises(ValueError, match="not the kvpeer tier's ready line"):
+        idle._block_len("INFO kvpeer tier e0 starting")

@@ -48,6 +48,9 @@ def test_demo_json_on_a_fresh_checkout_prints_only_json(tmp_path: Path) -> None:
     shutil.copy(ROOT / "scripts" / "lib" / "venv.sh", project / "scripts" / "lib" / "venv.sh")
     shutil.copytree(ROOT / "requirements", project / "requirements")
     shutil.copy(ROOT / "pyproject.toml", project / "pyproject.toml")
+    shutil.copy(ROOT / "setup.py", project / "setup.py")  # the install's stamp hashes
+    (project / "src" / "kvpeer" / "router").mkdir(parents=True)  # these two with the C
+    shutil.copy(ROOT / "src/kvpeer/router/_intake.c", project / "src/kvpeer/router/_intake.c")
     stubs = tmp_path / "stubs"
     stubs.mkdir()
     _executable(stubs / "python", VENV_PYTHON)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import shutil
 import statistics
 import tempfile
@@ -63,7 +64,8 @@ SPINNING_CORES = 0.2  # an idle row above this keeps a thread busy
 BASELINE, VLLM_P2P, KVPEER_TCP, KVPEER_NIXL = "none", "vllm-p2p", "kvpeer-tcp", "kvpeer-nixl"
 LOOKUP_TARGETS = (VLLM_P2P, KVPEER_TCP)  # the order they are asked in
 CONSUMER_PLANE = {KVPEER_TCP: "tcp", VLLM_P2P: "nixl"}
-READY_LINE = "kvpeer tier "  # logged by KVPeerTier: "... ready: N blocks x B bytes, ..."
+# logged by KVPeerTier: "kvpeer tier NAME ready: N blocks x B bytes, data planes ..."
+READY_LINE = re.compile(r"kvpeer tier \S+ ready: \d+ blocks x (\d+) bytes")
 
 Progress = Callable[[str], None]
 
@@ -172,14 +174,19 @@ def _wait_for(path: Path, engines: Future[list[EngineOutcome]], what: str) -> No
         time.sleep(0.05)
 
 
-def _wait_for_text(path: Path, text: str, engines: Future[list[EngineOutcome]], what: str) -> str:
-    """The first line of ``path`` containing ``text``, once it is there."""
+def _wait_for_text(path: Path, text: str | re.Pattern[str],
+                   engines: Future[list[EngineOutcome]], what: str) -> str:
+    """The first whole line of ``path`` containing ``text`` (or matching it), once it is
+    there: a line still being written does not count (CI once read the ready line's
+    first half and failed to parse it)."""
     deadline = time.monotonic() + SIGNAL_TIMEOUT_S
     while True:
         with contextlib.suppress(OSError):
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                if text in line:
-                    return line
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines(True):
+                whole = line.endswith("\n")
+                found = text.search(line) if isinstance(text, re.Pattern) else text in line
+                if whole and found:
+                    return line.rstrip("\n")
         if engines.done():
             engines.result()
             raise RuntimeError(f"the engines exited before {what}")
@@ -190,7 +197,10 @@ def _wait_for_text(path: Path, text: str, engines: Future[list[EngineOutcome]], 
 
 def _block_len(ready_line: str) -> int:
     """``B`` of KVPeerTier's "... ready: N blocks x B bytes, ..." log line."""
-    return int(ready_line.split(" blocks x ", 1)[1].split(" bytes", 1)[0])
+    found = READY_LINE.search(ready_line)
+    if found is None:
+        raise ValueError(f"not the kvpeer tier's ready line: {ready_line!r}")
+    return int(found.group(1))
 
 
 # -- the consumer ------------------------------------------------------------------------
