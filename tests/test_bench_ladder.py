@@ -54,6 +54,8 @@ def test_ratios_are_judged_against_the_issues_goals() -> None:
         "pulled_idle": [0.25, 0.2, 0.3],
         "pulled_busy": [0.5, 0.45, 0.6],
         "local_busy": [0.3, 0.25, 0.2],
+        "ahead_idle": [0.21, 0.2, 0.25],
+        "ahead_busy": [0.3, 0.28, 0.35],
     }
     pulls = [
         _Pull("pulled_idle", 0.3, "x", "a", True),
@@ -69,13 +71,18 @@ def test_ratios_are_judged_against_the_issues_goals() -> None:
         "pulled_idle/local": True,  # 1.25 <= 1.5
         "pulled_busy/local": False,  # 2.5 > 2
         "pulled_idle/computed": False,  # 0.25 / 2.2 = 0.114 > 0.1
+        "ahead_idle/local": True,  # 1.05
+        "ahead_busy/local": True,  # 1.5
+        "ahead_idle/computed": True,  # 0.095
     }
+    assert result["ratios"]["ahead_busy/pulled_busy"] == 0.3 / 0.5
     assert (result["pulled_from_producer"], result["same_output"], result["pulls"]) == (2, 2, 3)
     text = render(result)
     assert "goal <= 2x: missed" in text
     assert "goal <= 1.5x: met" in text
     assert f"slowest pull: pulled_busy 600 ms (request {PULL_ID})" in text
-    assert "busy pulls that finished while the producer's long prefill ran: 2/3" in text
+    assert "busy pulls that finished while the producer's long prefill ran: 2/6" in text
+    assert "what pulling ahead saves" in text
 
 
 def test_a_rung_without_samples_renders_a_dash_and_misses_its_goal() -> None:

@@ -69,7 +69,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "integrations": frozenset(
         {"config", "errors", "host", "metrics", "node", "transport", "types"}
     ),
-    "router": frozenset({"errors"}),
+    "router": frozenset({"errors", "protocol"}),  # protocol: the prefetch it sends (ahead)
     "metrics": frozenset({"kvpeer", "node", "protocol", "session"}),
     "node": frozenset({"config", "errors", "host", "protocol", "session", "transport", "types"}),
     "host": frozenset({"session.ports", "types"}),

@@ -41,6 +41,8 @@ PUBLIC_SURFACE: dict[str, list[str]] = {
         "PROTOCOL_VERSION",
         "Ping",
         "Pong",
+        "Prefetch",
+        "PrefetchRefused",
         "RESOLVE_VERSION",
         "TransferDone",
         "TransportChoice",

@@ -351,6 +351,14 @@ def _nixl_peers(value: object) -> AllowList | None:
     return _allow_list(_names(value, "null, a list of CIDR / host:port strings"))
 
 
+def _prefetch_from(value: object) -> AllowList:
+    if value is None:
+        return AllowList()  # nobody: pulling ahead is off
+    if isinstance(value, list | tuple) and not value:
+        raise _Invalid("an empty list obeys no router: leave it null (the default) for that")
+    return _allow_list(_names(value, "null, a list of CIDR / host:port strings"))
+
+
 def _curve(value: object) -> CurveConfig | None:
     if value is None:
         return None
@@ -402,6 +410,9 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "data_transports": _transports,
         "allowed_peers": _allowed_peers,
         "nixl_peers": _nixl_peers,
+        "prefetch_from": _prefetch_from,
+        "staging_blocks": _count(0, 1 << 24),
+        "prefetch_ttl_s": _seconds,
         "hash_seed": _optional_name,
         "config_fingerprint": _fingerprint,
         "curve": _curve,
@@ -488,6 +499,14 @@ class TierConfig:
     data_transports: tuple[str, ...] = DATA_TRANSPORTS
     allowed_peers: AllowList = field(default_factory=AllowList.allow_all)
     nixl_peers: AllowList | None = None
+    #: routers whose ``prefetch`` this node obeys (kvpeer.node.ahead: pulling ahead);
+    #: null, the default, obeys none
+    prefetch_from: AllowList = field(default_factory=AllowList)
+    #: rows of the primary region withheld from the engine's own cache, once, at start,
+    #: to stage prefetched blocks in (only with ``prefetch_from``)
+    staging_blocks: int = 256
+    #: how long a staged block waits for the request it was fetched for
+    prefetch_ttl_s: float = 10.0
     hash_seed: str | None = None
     config_fingerprint: str = ""
     curve: CurveConfig | None = None
@@ -513,6 +532,9 @@ class TierConfig:
         result["data_transports"] = list(self.data_transports)
         result["allowed_peers"] = self.allowed_peers.to_entries()
         result["nixl_peers"] = None if self.nixl_peers is None else self.nixl_peers.to_entries()
+        result["prefetch_from"] = (
+            None if self.prefetch_from.nobody else self.prefetch_from.to_entries()
+        )
         result["curve"] = None if self.curve is None else self.curve.to_dict()
         return result
 

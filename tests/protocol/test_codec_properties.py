@@ -34,6 +34,8 @@ from kvpeer.protocol import (
     Message,
     Ping,
     Pong,
+    Prefetch,
+    PrefetchRefused,
     TransferDone,
     TransportChoice,
     UnknownMessage,
@@ -128,6 +130,11 @@ MESSAGE_STRATEGIES: dict[str, st.SearchStrategy[Message]] = {
     "abort_ack": st.builds(AbortAck, kv_request_id=names, round_seq=wire_ints),
     "ping": st.builds(Ping),
     "pong": st.builds(Pong),
+    "prefetch": st.builds(
+        Prefetch, kv_request_id=names, source=names,
+        tokens=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64).map(tuple),
+    ),
+    "prefetch_refused": st.builds(PrefetchRefused, kv_request_id=names, reason=reasons),
 }
 
 

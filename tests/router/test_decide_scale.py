@@ -189,9 +189,12 @@ def reference_plan(
                 continue
             if pinned is not None and source != pinned:
                 continue
-            ttft = cost.compute_s(engine, n - cpu, load) + cost.pull_s(
+            pull = cost.pull_s(
                 engine, source, cpu - local, healthy[source], held=specs[source].serves_held
-            ) + cost.consumer_steps_s(engine, load, sync=specs[engine].sync_pulls)
+            )
+            hidden = cost.pull_hidden_s(engine, load, ahead=specs[engine].pulls_ahead)
+            ttft = cost.compute_s(engine, n - cpu, load) + max(0.0, pull - hidden) + (
+                cost.consumer_steps_s(engine, load, sync=specs[engine].sync_pulls))
             if source == pinned or ttft + config.pull_margin_s < best[0]:
                 best = (ttft, cpu, source)
             elif rejected is None or ttft < rejected[0]:
@@ -256,7 +259,8 @@ def test_plans_are_those_of_one_prediction_per_server_and_source(seed: int) -> N
     fleet.churn(rng.randrange(20, 400))
     specs = {name: EngineSpec(name, f"http://{name}", "127.0.0.1", 5710,
                               serves_held=rng.random() < 0.3,
-                              sync_pulls=rng.random() < 0.3)
+                              sync_pulls=rng.random() < 0.3,
+                              pulls_ahead=rng.random() < 0.3)
              for name in fleet.names}  # fmt: skip
     explore_every = rng.choice((0, 1))
     config = DecideConfig(pulls=rng.random() < 0.9, explore_every=explore_every,

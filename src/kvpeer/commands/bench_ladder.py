@@ -34,11 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="idle before each measured local hit and pull",
     )
-    parser.add_argument("--held-mib", type=int, default=128, help="held_bytes of each engine, MiB")
+    parser.add_argument("--held-mib", type=int, default=384, help="held_bytes of each engine, MiB")
     parser.add_argument(
         "--sync-pull-wait",
         type=float,
         help="the tiers' sync_pull_wait_s (default: the tier's own, 0.05)",
+    )
+    parser.add_argument(
+        "--no-ahead", dest="ahead", action="store_false",
+        help="skip the rungs the router starts ahead (prefetch: kvpeer.node.ahead)",
     )
     parser.add_argument(
         "--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)"
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         idle_s=args.idle_seconds,
         held_bytes=args.held_mib << 20,
         sync_pull_wait_s=args.sync_pull_wait,
+        ahead=args.ahead,
     )
     result = ladder.run(
         spec,

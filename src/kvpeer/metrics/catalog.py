@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass
 
 from kvpeer.node.counters import (
+    AHEAD_EVENTS,
     FETCH_SECONDS_BUCKETS,
     FETCH_SIZE_BUCKETS,
     LOOKUP_SECONDS_BUCKETS,
@@ -203,6 +204,21 @@ CATALOG: tuple[Metric, ...] = (
         "held_blocks", MetricType.GAUGE, "blocks", "Blocks kvpeer holds a copy of (held_bytes)."
     ),
     Metric("held_bytes", MetricType.GAUGE, "bytes", "Bytes of held blocks now (<= held_bytes)."),
+    Metric(
+        "staged_blocks",
+        MetricType.GAUGE,
+        "blocks",
+        "Blocks pulled ahead of their request, in staging rows now (staging_blocks).",
+    ),
+    Metric(
+        "pull_ahead_total",
+        MetricType.COUNTER,
+        "events",
+        "Pulling ahead: prefetches received and refused, blocks fetched, staged, used, "
+        "expired or evicted, fetches failed, engine jobs served from staging or failed.",
+        ("event",),
+        _one_label(*AHEAD_EVENTS),
+    ),
     Metric("parked_stores", MetricType.GAUGE, "jobs", "PD store jobs waiting for their fetch now."),
     Metric(
         "protocol_errors_total",

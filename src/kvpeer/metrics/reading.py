@@ -21,7 +21,12 @@ from kvpeer.metrics.catalog import (
     TIMEOUT_KINDS,
     MetricType,
 )
-from kvpeer.node.counters import PULL_WAIT_OUTCOMES, CounterSnapshot, HistogramSnapshot
+from kvpeer.node.counters import (
+    AHEAD_EVENTS,
+    PULL_WAIT_OUTCOMES,
+    CounterSnapshot,
+    HistogramSnapshot,
+)
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.tier import Tier, TierStatistics
 from kvpeer.protocol import PROTOCOL_VERSION
@@ -134,6 +139,8 @@ def values(reading: NodeReading) -> dict[str, dict[tuple[str, ...], Value]]:
         "pinned_blocks": _one(s.pinned_blocks),
         "held_blocks": _one(s.held_blocks),
         "held_bytes": _one(s.held_bytes),
+        "staged_blocks": _one(s.staged_blocks),
+        "pull_ahead_total": _by(AHEAD_EVENTS, c.ahead),
         "parked_stores": _one(s.parked_batches),
         "protocol_errors_total": _by(PROTOCOL_ERROR_REASONS, errors),
         "idle_wakeups_total": _one(reading.wakeups),

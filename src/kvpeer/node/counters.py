@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "AHEAD_EVENTS",
     "FETCH_SECONDS_BUCKETS",
     "FETCH_SIZE_BUCKETS",
     "LOOKUP_SECONDS_BUCKETS",
@@ -40,6 +41,12 @@ FETCH_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 STEP_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 PULL_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 PULL_WAIT_OUTCOMES = ("landed", "missed")  # the engine's wait in a lookup for a pull
+#: What pulling ahead counted (kvpeer.node.ahead): prefetches received and refused,
+#: blocks fetched, staged, used by the engine, expired unused or evicted for room,
+#: fetches failed, engine jobs served from staging or failed there.
+AHEAD_EVENTS = ("prefetches", "refused", "already_staged", "blocks_fetched", "blocks_staged",
+                "blocks_used", "blocks_expired", "blocks_evicted", "fetches_failed",
+                "jobs_served", "jobs_failed")  # fmt: skip
 FETCH_SIZE_BUCKETS = tuple(float(4096 * 4**i) for i in range(10))  # 4 KiB .. 1 GiB
 
 
@@ -112,6 +119,7 @@ class TierCounters:
     pull_wait_seconds: Histogram = field(
         default_factory=lambda: Histogram(PULL_WAIT_SECONDS_BUCKETS)
     )
+    ahead: Counter[str] = field(default_factory=Counter)  # by AHEAD_EVENTS
 
     def activity(self) -> int:
         """A number that grows whenever a load, lookup answer or session event is counted.
@@ -144,3 +152,4 @@ class CounterSnapshot:
     step_wait_seconds: HistogramSnapshot
     pull_waits: dict[str, int]
     pull_wait_seconds: HistogramSnapshot
+    ahead: dict[str, int] = field(default_factory=dict)

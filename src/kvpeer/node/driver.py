@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvpeer.errors import KVPeerError
+from kvpeer.node.ahead import KeysOf, RowCopy
 from kvpeer.node.counters import CounterSnapshot
 from kvpeer.node.loop import Block, NodeLoop, Polled, Source, poll_block
 from kvpeer.node.tier import Tier, TierStatistics
@@ -200,6 +201,13 @@ class DrivenTier:
 
     def promotion_waited(self, request: RequestContext, waited_s: float, done: bool) -> None:
         self._call(lambda t: t.promotion_waited(request, waited_s, done), _constant(None))
+
+    def configure_staging(
+        self, rows: list[int], keys_of: KeysOf, copy: RowCopy, block_len: int
+    ) -> None:
+        """The host withheld ``rows`` for pulling ahead (:meth:`Tier.configure_staging`)."""
+        self._call(lambda t: t.configure_staging(rows, keys_of, copy, block_len),
+                   _constant(None))  # fmt: skip
 
     def submit_store(self, job: TransferJob) -> None:
         self._call(lambda t: t.submit_store(job), lambda t: t.fail_job(job.job_id))

@@ -105,6 +105,8 @@ from kvpeer.protocol import (
     ConnectExtension,
     Disconnect,
     Inbound,
+    Prefetch,
+    PrefetchRefused,
 )
 from kvpeer.session import CloseKind, PeerSession, PollResult, SessionClosed
 from kvpeer.session.ports import HeldSupply
@@ -209,6 +211,7 @@ class PeerTable:
         self._peers: dict[str, Peer] = {}
         self._refused = 0
         self._stray = 0  # frames from peers without a live session (not a connect)
+        self._prefetches: list[tuple[InboundFrame, Prefetch]] = []
         self._memory = PeerMemory(config)  # refused connects, back-offs, endings
         self._held = HeldFrames(config.max_peer_bytes, config.handshake_timeout_s)
 
@@ -339,6 +342,9 @@ class PeerTable:
         peer_id = inbound.peer_id
         if peer_id == self._control.local_id:
             self._stray += 1  # someone using our own identity: never a session with us
+            return
+        if isinstance(message, Prefetch):
+            self._prefetches.append((inbound, message))  # a router's, outside any session
             return
         if self._held.holds(peer_id):  # invariant 9: after its connect, in order
             if not self._held.add(peer_id, inbound, message):
@@ -481,6 +487,18 @@ class PeerTable:
         if not quiet:
             log.warning("refusing %s: %s", peer_id, reason)
         self._control.refuse(peer_id, self._codec.encode(Disconnect(reason=reason)))
+
+    def take_prefetches(self) -> list[tuple[InboundFrame, Prefetch]]:
+        """Routers' prefetches received since the last call (kvpeer.node.ahead)."""
+        taken, self._prefetches = self._prefetches, []
+        return taken
+
+    def refuse_prefetch(self, inbound: InboundFrame, message: Prefetch, reason: str) -> None:
+        """Answer a prefetch with a named refusal, on the sender's own connection."""
+        log.info("prefetch %s from %s refused: %s", message.kv_request_id[:64],
+                 inbound.source or inbound.peer_id[:64], reason)  # fmt: skip
+        refusal = PrefetchRefused(kv_request_id=message.kv_request_id, reason=reason[:512])
+        self._control.refuse(inbound.peer_id, self._codec.encode(refusal))
 
     # -- polling and ending ------------------------------------------------------------------
 

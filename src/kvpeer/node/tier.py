@@ -53,6 +53,7 @@ from typing import Final
 
 from kvpeer.config import TierConfig
 from kvpeer.errors import ProtocolError
+from kvpeer.node.ahead import KeysOf, PullAhead, RowCopy
 from kvpeer.node.bindings import Bindings
 from kvpeer.node.counters import CounterSnapshot, TierCounters
 from kvpeer.node.held import HeldBlocks
@@ -60,9 +61,10 @@ from kvpeer.node.params import LOCAL, Routing, Source, parse_transfer_params
 from kvpeer.node.peertable import Peer, PeerTable, PeerView, Polled
 from kvpeer.node.pullwaits import PullWaits
 from kvpeer.node.trace import Trace
+from kvpeer.protocol import Prefetch
 from kvpeer.session import CloseKind, PeerSession
 from kvpeer.session.ports import Parent
-from kvpeer.transport.base import ControlTransport, NodeDataPlane
+from kvpeer.transport.base import ControlTransport, InboundFrame, NodeDataPlane
 from kvpeer.types import (
     JobResult,
     Key,
@@ -109,6 +111,8 @@ class TierStatistics:
     sessions_ended: dict[str, int] = field(default_factory=dict)
     held_blocks: int = 0  # blocks held now (kvpeer.node.held)
     held_bytes: int = 0
+    staged_blocks: int = 0  # pulled ahead, waiting for their request (kvpeer.node.ahead)
+    staging_free: int = 0  # staging rows free now
 
 
 class Tier:
@@ -171,6 +175,18 @@ class Tier:
         self._shut_down = False
         self._steps = 0  # on_schedule_end calls: the engine's scheduler steps
         self._waits = PullWaits(config.max_peers)  # sources the engine may wait for
+        self._ahead = PullAhead(config, self._counters, control.local_id)
+
+    def configure_staging(
+        self, rows: list[int], keys_of: KeysOf, copy: RowCopy, block_len: int
+    ) -> None:
+        """The host withheld ``rows`` of its primary region for blocks pulled ahead
+        (:mod:`kvpeer.node.ahead`); ``keys_of`` hashes a prompt as the engine does."""
+        self._ahead.configure(rows, keys_of, copy, block_len)
+
+    @property
+    def ahead(self) -> PullAhead:
+        return self._ahead
 
     # -- SecondaryTier -----------------------------------------------------------
 
@@ -220,6 +236,9 @@ class Tier:
         return result
 
     def _lookup(self, key: Key, request: RequestContext) -> LookupResult:
+        if self._ahead.holds(key):  # pulled ahead (kvpeer.node.ahead): no peer to ask
+            self._ahead.found(request.req_id)
+            return _HIT
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None or source.kv_request_id in self._failed:
             return _MISS
@@ -268,6 +287,8 @@ class Tier:
         probe or named by the router (symmetric), or a PD prefill the orchestrator saw
         answer (``prefill_done``); a PD consumer sent before that may wait for a prefill
         still being computed, and a session still shaking hands is slow by nature."""
+        if self._ahead.confirmed(request.req_id):
+            return True  # its keys are staged, or being fetched into staging now
         source = self._requests.get(request.req_id, LOCAL).source
         if source is None or source.kv_request_id in self._failed:
             return False
@@ -296,6 +317,10 @@ class Tier:
             self._waits.missed(source.peer_id, self._clock())
 
     def submit_load(self, job: TransferJob) -> None:
+        staged = self._ahead.take(job, self._clock())
+        if staged is not None:  # every key staged or being fetched ahead
+            self._results.extend(staged)
+            return
         source = self._requests.get(job.request.req_id, LOCAL).source
         if source is None or self._shut_down:
             self._results.append(JobResult(job.job_id, False))
@@ -358,6 +383,7 @@ class Tier:
             self._peers.next_deadline(),
             self._bindings.next_deadline(),
             self._control.next_deadline(),
+            self._ahead.next_deadline(),
         ]
         return min((d for d in deadlines if d is not None), default=None)
 
@@ -395,6 +421,7 @@ class Tier:
             peer.session.flush_lookups()
 
     def on_request_finished(self, request: RequestContext) -> None:
+        self._ahead.forget(request.req_id)
         routing = self._requests.pop(request.req_id, LOCAL)
         now = self._clock()
         source = routing.source
@@ -447,6 +474,7 @@ class Tier:
         now = self._clock()
         self._apply(self._peers.close_all("tier shutting down", now), now)
         self._results.extend(self._bindings.fail_parked())
+        self._results.extend(self._ahead.shutdown())
         self._control.close()
         self._data.close()
         if self._held is not None:
@@ -467,6 +495,7 @@ class Tier:
         table = self._peers.statistics()
         bindings = self._bindings.statistics()
         held = self._held.statistics() if self._held is not None else None
+        staged, _, staging_free = self._ahead.statistics()
         return TierStatistics(
             sessions=table.sessions,
             requests=len(self._requests),
@@ -488,6 +517,8 @@ class Tier:
             sessions_ended=dict(self._ended),
             held_blocks=held.blocks if held is not None else 0,
             held_bytes=held.bytes if held is not None else 0,
+            staged_blocks=staged,
+            staging_free=staging_free,
         )
 
     def held(self) -> HeldBlocks | None:
@@ -530,6 +561,7 @@ class Tier:
             step_wait_seconds=c.step_wait_seconds.snapshot(),
             pull_waits=dict(c.pull_waits),
             pull_wait_seconds=c.pull_wait_seconds.snapshot(),
+            ahead=dict(c.ahead),
         )
 
     def peers(self, limit: int = 256) -> tuple[list[PeerView], int]:
@@ -590,14 +622,41 @@ class Tier:
     def _tick(self, now: float) -> None:
         for inbound in self._control.receive():
             self._apply(self._peers.route(inbound, now), now)
+        for inbound, prefetch in self._peers.take_prefetches():
+            self._prefetch(inbound, prefetch, now)
         for polled in self._peers.poll(now):
             self._apply_one(polled, now)
         self._results.extend(self._bindings.expire(now))
+        self._ahead.expire(now)
         self._peers.expire(now)
         for peer in self._peers:  # peer work reached us: its wait for a step starts
             if peer.serve_wait_since is None and peer.session.needs_serve():
                 peer.serve_wait_since = now
         self._control.flush()  # what this tick queued goes out now, not next loop
+
+    def _prefetch(self, inbound: InboundFrame, message: Prefetch, now: float) -> None:
+        """A router's prefetch (kvpeer.node.ahead): fetch into staging now, or refuse."""
+        fetch = self._ahead.admit(inbound.source, message, now)
+        if isinstance(fetch, str):
+            self._peers.refuse_prefetch(inbound, message, fetch)
+            return
+        backed_off = self._peers.backed_off(fetch.peer_id, now)
+        peer = None if backed_off else self._open(fetch.peer_id, now)
+        if peer is None:
+            self._ahead.abandon(fetch)
+            self._peers.refuse_prefetch(inbound, message, f"cannot reach {fetch.peer_id} now "
+                                        "(backed off, allowed_peers or max_peers)")  # fmt: skip
+            return
+        peer.last_used = now
+        if self._trace.enabled:
+            self._trace.emit(fetch.kv_request_id, "prefetch", peer=fetch.peer_id,
+                             request=message.kv_request_id, blocks=len(fetch.keys))  # fmt: skip
+        try:
+            peer.session.request_blocks(fetch.job_id, fetch.kv_request_id, fetch.keys,
+                                        fetch.rows, now, resolve=True)  # fmt: skip
+        except ProtocolError as exc:
+            self._ahead.abandon(fetch)
+            self._peers.refuse_prefetch(inbound, message, f"fetch refused: {exc}")
 
     def _pulled_from(self) -> set[str]:
         """Peers a live request pulls from (eviction spares their sessions)."""
@@ -623,6 +682,9 @@ class Tier:
         for seconds in result.lookup_seconds:
             counters.lookup_seconds.observe(seconds)
         for load in result.loads:
+            if self._ahead.owns(load.job_id):
+                self._ahead_landed(peer, load.job_id, load.kv_request_id, load.success, now)
+                continue
             if self._trace.enabled:
                 self._trace.emit(load.kv_request_id, "load_done" if load.success else "load_failed",
                                  peer=peer_id, blocks=load.blocks,
@@ -669,7 +731,11 @@ class Tier:
         self._ended[closed.kind.value] += 1
         counters.loads_failed += len(closed.loads)
         self._retire(peer.session)
-        self._results.extend(JobResult(x.job_id, x.success) for x in closed.loads)
+        for x in closed.loads:
+            if self._ahead.owns(x.job_id):
+                self._ahead_landed(peer, x.job_id, x.kv_request_id, x.success, now)
+            else:
+                self._results.append(JobResult(x.job_id, x.success))
         self._results.extend(JobResult(x.job_id, x.success) for x in closed.stores)
         for kv_request_id in closed.failed_request_ids:
             self._fail_id(kv_request_id)
@@ -683,6 +749,16 @@ class Tier:
                     self._fail_id(routing.source.kv_request_id)
         self._unreleased.extend(closed.unreleased_serves)
         self._bindings.peer_gone(peer_id)
+
+    def _ahead_landed(
+        self, peer: Peer, job_id: int, kv_request_id: str, success: bool, now: float
+    ) -> None:
+        if self._trace.enabled:
+            self._trace.emit(kv_request_id, "prefetch_done", peer=peer.session.peer_id,
+                             success=success)  # fmt: skip
+        self._results.extend(self._ahead.landed(job_id, success, now))
+        if peer.session.alive:
+            peer.session.finish_consumer(kv_request_id, now)
 
     def _fail_id(self, kv_request_id: str) -> None:
         if kv_request_id in self._consumer_refs:

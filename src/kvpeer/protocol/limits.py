@@ -22,3 +22,5 @@ MAX_TRANSPORT_FIELDS: Final = 32
 MAX_TRANSPORT_NAME_CHARS: Final = 32
 MAX_TRANSPORT_VALUE_BYTES: Final = 4096
 MAX_TYPE_CHARS: Final = 64
+#: Tokens of one prefetch's prompt prefix (4 MiB of msgpack at most).
+MAX_PREFETCH_TOKENS: Final = 1_048_576

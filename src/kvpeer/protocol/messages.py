@@ -39,6 +39,8 @@ __all__ = [
     "Message",
     "Ping",
     "Pong",
+    "Prefetch",
+    "PrefetchRefused",
     "TransferDone",
     "TransportChoice",
     "TransportOffer",
@@ -58,6 +60,7 @@ WireInt: TypeAlias = Annotated[int, Meta(ge=0, le=L.INT_LIMIT - 1)]
 PositiveInt: TypeAlias = Annotated[int, Meta(gt=0, le=L.INT_LIMIT - 1)]
 Name: TypeAlias = Annotated[str, Meta(min_length=1, max_length=L.MAX_NAME_CHARS)]
 Reason: TypeAlias = Annotated[str, Meta(max_length=L.MAX_NAME_CHARS)]
+TokenId: TypeAlias = Annotated[int, Meta(ge=0, lt=2**32)]
 Fingerprint: TypeAlias = Annotated[str, Meta(max_length=L.MAX_FINGERPRINT_CHARS)]
 AgentMetadata: TypeAlias = Annotated[bytes, Meta(max_length=L.MAX_AGENT_METADATA_BYTES)]
 VersionPart: TypeAlias = Annotated[int, Meta(ge=0, lt=2**16)]
@@ -224,6 +227,25 @@ class Pong(_Base, tag="pong", frozen=True):
     """kvpeer only: the answer to :class:`Ping`."""
 
 
+class Prefetch(_Base, tag="prefetch", frozen=True):
+    """kvpeer only, router -> node, outside any session: the router just sent this
+    node's engine request ``kv_request_id``, whose prompt starts with ``tokens``, which
+    peer ``source`` (``host:port``) holds; fetch those blocks now (pull-ahead,
+    :mod:`kvpeer.node.ahead`). Accepted only from ``prefetch_from``; anyone else is
+    answered :class:`PrefetchRefused`."""
+
+    kv_request_id: Name
+    source: Name
+    tokens: Annotated[tuple[TokenId, ...], Meta(min_length=1, max_length=L.MAX_PREFETCH_TOKENS)]
+
+
+class PrefetchRefused(_Base, tag="prefetch_refused", frozen=True):
+    """kvpeer only, node -> router: nothing of prefetch ``kv_request_id`` was staged."""
+
+    kv_request_id: Name
+    reason: Reason
+
+
 Message: TypeAlias = (
     Connect
     | ConnectAck
@@ -236,6 +258,8 @@ Message: TypeAlias = (
     | AbortAck
     | Ping
     | Pong
+    | Prefetch
+    | PrefetchRefused
 )
 
 

@@ -42,6 +42,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpeer.router import params
+from kvpeer.router.ahead import PrefetchSender
 from kvpeer.router.config import RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
@@ -157,10 +158,15 @@ class Router:
         self._runner: web.AppRunner | None = None
         self._counts = {"requests": 0, "retries": 0, "fallbacks": 0, "policy_errors": 0,
                         "stripped": 0}
+        #: prefetches to tiers that pull ahead (engine key ``ahead``; shared mode only)
+        self.ahead: PrefetchSender | None = None
+        if config.mode is Mode.SHARED and any(e.spec.pulls_ahead for e in config.engines):
+            counter = self._metrics.prefetches
+            self.ahead = PrefetchSender(count=lambda outcome: counter.labels(outcome).inc())
         self._forwarder = Forwarder(
             config, lambda: self.session, self._loads, self._metrics, self.health,
             lambda: self.peers, self._counts,
-            plan=self._plan, sent=self._sent, outcome=self._outcome,
+            plan=self._plan, sent=self._sent, outcome=self._outcome, ahead=self.ahead,
         )  # fmt: skip
         self.url = ""
         app = web.Application(client_max_size=config.max_body_bytes)
@@ -193,6 +199,9 @@ class Router:
             for name, sub in self.subscribers.items()
         ]
         await asyncio.gather(self.health.check_once(self._session), self.peers.refresh())
+        if self.ahead is not None:
+            tiers = (self.peers.dialable(e.spec) for e in self.config.engines if e.spec.pulls_ahead)
+            self.ahead.connect(tier for tier in tiers if tier is not None)
         self._health_task = asyncio.create_task(self.health.run(self._session))
         self._peers_task = asyncio.create_task(self.peers.run(self.config.health_interval_s))
         if self.engine_load is not None:
@@ -220,6 +229,8 @@ class Router:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if self.ahead is not None:
+            self.ahead.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -41,7 +41,7 @@ __all__ = [
 
 ENGINE_KEYS = frozenset(
     {"name", "url", "peer", "role", "kv_events", "kv_events_replay", "dp_size", "held",
-     "sync_pulls"}
+     "sync_pulls", "ahead"}
 )
 DP_RANK_HEADER = "X-data-parallel-rank"
 
@@ -320,6 +320,7 @@ def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
             raise ConfigError(f"{where}: {key} {value!r} is not an endpoint like tcp://h:p")
     held = _number(f"{where}: held", _flag_text(table.get("held", False)), bool)
     sync_pulls = _number(f"{where}: sync_pulls", _flag_text(table.get("sync_pulls", False)), bool)
+    ahead = _number(f"{where}: ahead", _flag_text(table.get("ahead", False)), bool)
     entries = []
     for rank in range(dp_size):
         spec = EngineSpec(
@@ -332,6 +333,7 @@ def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
             kv_events_replay=replay,
             serves_held=held,
             sync_pulls=sync_pulls,
+            pulls_ahead=ahead,
         )
         entries.append(EngineEntry(spec, rank if shared_url else None))
     return entries
@@ -415,9 +417,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="NAME=URL,peer=HOST:PORT[,role=prefill|decode|both][,dp_size=N]"
-        "[,kv_events=tcp://H:P][,held=true][,sync_pulls=true] (repeatable; adds to the "
-        "file's engines; held: its kvpeer tier serves held blocks without waiting for its "
-        "engine; sync_pulls: it runs kvpeer's connector, so a pull costs it no extra step)",
+        "[,kv_events=tcp://H:P][,held=true][,sync_pulls=true][,ahead=true] (repeatable; adds "
+        "to the file's engines; held: its kvpeer tier serves held blocks without waiting for "
+        "its engine; sync_pulls: it runs kvpeer's connector, so a pull costs it no extra step; "
+        "ahead: its tier obeys this router's prefetch (its prefetch_from names the router), "
+        "so a pull into it starts when the router sends the request)",
     )
     parser.add_argument("--retries", help="attempts on another engine before the first byte")
     parser.add_argument("--health-interval", dest="health_interval_s", help="seconds")

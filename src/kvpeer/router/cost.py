@@ -25,6 +25,13 @@ prefill, up to one step's budget: :meth:`CostModel.consumer_steps_s` is that man
 consumer's steps at its queue, zero when it runs nothing. It is added to every pull's
 prediction and taken out of a pull's residual before the pull line learns it.
 
+A consumer whose tier pulls ahead (engine key ``ahead``: the router's prefetch starts the
+pull when it sends the request, kvpeer.node.ahead) pays only the part of a pull longer
+than its queue wait, the consumer's compute of nothing at its load
+(:meth:`CostModel.pull_hidden_s`): ``max(0, pull - wait)`` in the prediction. A residual
+of such a pull is the pull less that wait; a residual of zero or less says only that the
+pull hid, and teaches the pull line nothing.
+
 The busy-source cost is only learned from pulls from busy sources, which the model stops
 planning once it has learned that they are slow; so it relaxes toward its prior with a
 half-life of ``stale_half_life_s`` seconds without such a pull (:meth:`CostModel.relax`):
@@ -212,6 +219,13 @@ class CostModel:
         ``sync``: the engine runs kvpeer's connector and manager, which land a pull in
         the step that looked it up (no extra step)."""
         return 0.0 if sync else CONSUMER_PULL_STEPS * self.serve_wait_s(engine, load)
+
+    def pull_hidden_s(self, engine: str, load: EngineLoad, *, ahead: bool) -> float:
+        """How much of a pull into ``engine`` hides behind its queue: with ``ahead`` (its
+        tier fetches when the router sends the request, kvpeer.node.ahead) the pull runs
+        while the request waits for the requests ahead of it; the prediction of that wait
+        is ``engine``'s compute of nothing of ours at this load. Zero without."""
+        return self.compute_s(engine, 0, load) if ahead else 0.0
 
     def serve_wait_s(self, source: str, source_load: EngineLoad) -> float:
         """How long a busy ``source``'s engine takes to reach its next serve window."""

@@ -240,6 +240,7 @@ class RouterPolicy:
         # Some engine lands pulls without extra steps: a bound shared by engines alike in
         # load cannot count the steps a pull costs the others.
         self._sync_pulls = any(spec.sync_pulls for spec in engines)
+        self._pulls_ahead = any(spec.pulls_ahead for spec in engines)
 
     # --- Policy -----------------------------------------------------------------------
 
@@ -390,9 +391,12 @@ class RouterPolicy:
             bound = cost.compute_floor_s(n - local, load)
             if local < top:  # a source holds more: a pull may be faster (sources != name)
                 steps = 0.0 if self._sync_pulls else cost.consumer_steps_floor_s(load)
-                bound = min(bound, cost.compute_floor_s(n - top, load) + top_floor + steps)
+                # a pull ahead may hide behind the queue wait: no pull cost is certain
+                ahead = self._pulls_ahead and any(self._specs[x].pulls_ahead for x in names)
+                lowest, least = (0.0, 0.0) if ahead else (top_floor, floor)
+                bound = min(bound, cost.compute_floor_s(n - top, load) + lowest + steps)
                 if local < second:
-                    bound = min(bound, cost.compute_floor_s(n - second, load) + floor + steps)
+                    bound = min(bound, cost.compute_floor_s(n - second, load) + least + steps)
             entries.append((bound, local, queued, in_flight))
         entries.sort()
         best: tuple[float, int, str] | None = None
@@ -455,6 +459,8 @@ class RouterPolicy:
         cost = self.cost
         load = healthy[engine]
         steps = cost.consumer_steps_s(engine, load, sync=self._specs[engine].sync_pulls)
+        hidden = cost.pull_hidden_s(engine, load, ahead=self._specs[engine].pulls_ahead)
+        floor = max(0.0, floor - hidden)
         predicted: list[tuple[int, str, int, float]] = []  # (place, source, prefix, ttft)
         least = alone
         quotes = pool.quotes
@@ -482,7 +488,7 @@ class RouterPolicy:
                         held=self._specs[source].serves_held,
                     )
                 pull = quote[0] if cost.is_warm(engine, source) else quote[1]
-                ttft = compute + pull + steps  # as pull_s summed
+                ttft = compute + max(0.0, pull - hidden) + steps  # as pull_s summed
                 predicted.append((place, source, cpu, ttft))
                 least = min(least, ttft)
         if best is not None and least > best[0]:
@@ -691,9 +697,14 @@ class RouterPolicy:
             return
         residual = ttft - self.cost.compute_s(plan.engine, computed, engine_load)
         if plan.prefill_engine is None:  # shared mode: the consumer's own extra steps
-            residual -= self.cost.consumer_steps_s(
-                plan.engine, engine_load, sync=self._specs[plan.engine].sync_pulls
-            )
+            spec = self._specs[plan.engine]
+            residual -= self.cost.consumer_steps_s(plan.engine, engine_load, sync=spec.sync_pulls)
+            hidden = self.cost.pull_hidden_s(plan.engine, engine_load, ahead=spec.pulls_ahead)
+            if hidden > 0.0:
+                if residual <= 0.0:  # the pull hid behind the queue wait: its length is unseen
+                    self._stats.add("pulls_hidden_total")
+                    return
+                residual += hidden
         self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
                                parked=plan.prefill_engine is not None,
                                held=self._specs[source].serves_held)  # fmt: skip

@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpeer.router import params
+from kvpeer.router.ahead import PrefetchSender
 from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.health import EngineHealth, is_refused
 from kvpeer.router.metrics import RouterMetrics
@@ -140,11 +141,13 @@ class Forwarder:
         plan: Callable[[RoutedRequest, set[str]], Plan | None],
         sent: Callable[[RoutedRequest, Plan], None],
         outcome: Callable[[Outcome], None],
+        ahead: PrefetchSender | None = None,
     ) -> None:
         """``session`` and ``peers`` are read when used (the edge's, which start() opens
         and a test may replace); ``plan``, ``sent`` and ``outcome``: the edge's policy,
         guarded."""
         self._config = config
+        self._ahead = ahead
         self._session = session
         self._loads = loads
         self._metrics = metrics
@@ -188,6 +191,7 @@ class Forwarder:
                 source = self._config.entry(plan.source).spec if plan.source else None
                 source = self._peers().dialable(source)
                 leg = params.shared_leg(ctx.body, ctx.request_id, source, plan.source_held_tokens)
+                self._pull_ahead(ctx, entry.spec, source, plan.source_held_tokens)
             self._sent(ctx, plan)
             try:
                 return await self.forward(request, ctx, entry, leg, plan, prefill_s)
@@ -204,6 +208,16 @@ class Forwarder:
             return error_response(503, "no healthy engine", "service_unavailable"), "unavailable"
         failed = error_response(502, f"engines failed: {failure.reason}", "upstream_error")
         return failed, "upstream_error"
+
+    def _pull_ahead(self, ctx: RoutedRequest, engine: EngineSpec, source: EngineSpec | None,
+                    held_tokens: int | None) -> None:  # fmt: skip
+        """Tell ``engine``'s tier to fetch the prefix ``source`` holds now (kvpeer.router.ahead),
+        if it pulls ahead; the request itself goes out right after, unchanged."""
+        if self._ahead is None or source is None or not engine.pulls_ahead or not held_tokens:
+            return
+        tier = self._peers().dialable(engine)
+        if tier is not None:
+            self._ahead.send(tier, ctx.request_id, source, ctx.tokens[:held_tokens])
 
     async def _prefill_leg(self, request: web.Request, ctx: RoutedRequest,
                            name: str) -> tuple[EngineSpec | None, float | None]:

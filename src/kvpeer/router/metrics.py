@@ -58,6 +58,9 @@ class RouterMetrics:
                                 ["mode", "outcome"])
         self.retries = counter("retries", "Serving legs re-sent to another engine")
         self.fallbacks = counter("fallbacks", "PD prefill legs that failed: decode-only")
+        self.prefetches = counter("prefetches", "Prefetches to serving engines' tiers (pulling "
+                                  "ahead): sent, dropped (queue full), refused by the tier",
+                                  ["outcome"])
         self.upstream_errors = counter("upstream_errors", "Failed engine calls by reason",
                                        ["reason"])
         self.stripped = counter("client_kv_params_stripped",

@@ -45,6 +45,9 @@ class EngineSpec:
     #: it runs kvpeer's connector and manager (docs/vllm.md): a pull into it lands in
     #: the step that looked it up, so it costs no extra engine step of its own
     sync_pulls: bool = False
+    #: its kvpeer tier obeys this router's ``prefetch`` (its ``prefetch_from`` names the
+    #: router): a pull into it starts when the router sends the request (kvpeer.node.ahead)
+    pulls_ahead: bool = False
 
     @property
     def peer(self) -> str:

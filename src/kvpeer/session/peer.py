@@ -85,6 +85,8 @@ from kvpeer.protocol import (
     Message,
     Ping,
     Pong,
+    Prefetch,
+    PrefetchRefused,
     TransferDone,
     TransportChoice,
     Undecodable,
@@ -463,8 +465,8 @@ class PeerSession:
     # -- dispatch --------------------------------------------------------------
 
     def _dispatch(self, message: Message | UnknownMessage, now: float) -> None:
-        if isinstance(message, UnknownMessage):
-            self._unknown += 1
+        if isinstance(message, UnknownMessage | Prefetch | PrefetchRefused):
+            self._unknown += 1  # router <-> node messages belong to no session
             return
         if isinstance(message, Connect):
             self._on_connect(message)

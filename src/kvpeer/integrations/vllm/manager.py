@@ -32,6 +32,9 @@ Invariants:
 4. Only a request whose source holds its blocks is promoted this way; every other
    promotion is vLLM's own (deferred, one job per request and step), because a
    source's promise for a PD request is one fetch for all its keys.
+5. Staging rows (pulling ahead) are taken from the CPU tier's allocator at
+   construction and never given back: no key of vLLM's ever lives in one, and the
+   CPU tier's free count excludes them, so its evictions stay exact.
 """
 
 from __future__ import annotations
@@ -91,6 +94,28 @@ class KVPeerTieringManager(TieringOffloadingManager):
         self._promoted_now: dict[OffloadKey, LookupResult] = {}
         self.sync_promotions = 0  # promotions that finished inside their lookup
         self.late_promotions = 0  # promotions submitted at once that missed the wait
+        for tier in self._kvpeer.values():
+            self._withhold_staging(tier)
+
+    def _withhold_staging(self, tier: KVPeerTier) -> None:
+        """Give ``tier`` the staging rows it wants for pulling ahead (kvpeer.node.ahead):
+        rows of the primary region taken from the CPU tier's allocator now, before it
+        allocated any, and never returned, so vLLM's own cache never uses them
+        (invariant 5). At most a quarter of the region."""
+        wanted = tier.staging_wanted()
+        if wanted <= 0:
+            return
+        primary = self.primary_tier
+        available = primary._get_num_free_chunks() // 4
+        if wanted > available:
+            log.warning("kvpeer: staging_blocks=%d is over a quarter of the CPU tier's %d "
+                        "free rows; withholding %d", wanted, primary._get_num_free_chunks(),
+                        available)  # fmt: skip
+            wanted = available
+        if wanted <= 0:
+            return
+        chunks = primary._allocate_chunks([OffloadKey(b"")] * wanted)
+        tier.configure_staging([int(chunk.chunk_id) for chunk in chunks])
 
     def lookup(
         self,

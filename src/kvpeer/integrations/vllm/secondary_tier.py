@@ -22,7 +22,6 @@ import os
 import time
 import weakref
 from collections.abc import Collection, Iterable
-from types import FrameType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -57,6 +56,8 @@ from kvpeer.config import TierConfig
 from kvpeer.errors import ConfigError
 from kvpeer.host.claims import Claim
 from kvpeer.integrations.vllm.metrics import StatsSource, metric_definitions
+from kvpeer.integrations.vllm.prompt_keys import PromptKeys, find_engine_core
+from kvpeer.node.ahead import row_copier
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
 from kvpeer.node.trace import TRACE_ENV, TRACE_LOGGER
@@ -213,17 +214,11 @@ class _EngineWaker:
 
     @staticmethod
     def _find_input_queue() -> Any:
-        import sys
-
         from vllm.v1.engine.core import EngineCoreProc
 
-        for top in sys._current_frames().values():
-            frame: FrameType | None = top
-            while frame is not None:
-                owner = frame.f_locals.get("self")
-                if isinstance(owner, EngineCoreProc):
-                    return owner.input_queue
-                frame = frame.f_back
+        engine = find_engine_core(EngineCoreProc)
+        if engine is not None:
+            return engine.input_queue
         log.info("no EngineCore busy loop in this process: idle serving waits for steps")
         return None
 
@@ -266,6 +261,7 @@ class KVPeerTier(SecondaryTierManager):
         finally:
             if claim is not None:
                 _drop_region_name(self._region.shm_path, claim)
+        self._prompt_keys = PromptKeys(offloading_spec)
         self._serve_contexts: dict[str, ReqContext] = {}
         self._early: list[JobResult] = []  # collected while a promotion was waited for
         self._stats = StatsSource(self._node)
@@ -377,6 +373,21 @@ class KVPeerTier(SecondaryTierManager):
     def _collected(self, job_id: int) -> bool:
         self._early.extend(self._node.get_finished_jobs())
         return any(result.job_id == job_id for result in self._early)
+
+    def staging_wanted(self) -> int:
+        """Rows this tier wants withheld for pulling ahead (``staging_blocks`` when
+        ``prefetch_from`` names routers; else none)."""
+        return 0 if self._config.prefetch_from.nobody else self._config.staging_blocks
+
+    def configure_staging(self, rows: list[int]) -> None:
+        """The manager withheld ``rows`` of the primary region for this tier."""
+        region = self._region
+        self._node.configure_staging(rows, self._prompt_keys, row_copier(region),
+                                     region.block_len)  # fmt: skip
+        routers = ",".join(self._config.prefetch_from.to_entries() or [])
+        log.warning("kvpeer tier %s pulls ahead for %s: %d staging rows (%.0f MiB)",
+                    self._node.tier.peer_id, routers, len(rows),
+                    len(rows) * region.block_len / 2**20)  # fmt: skip
 
     def has_pending_work(self) -> bool:
         return self._node.has_pending_work()

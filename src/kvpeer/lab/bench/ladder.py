@@ -17,6 +17,12 @@ first token at the client (streamed) of:
     share a machine's cores slow each other down with or without kvpeer; (d) / (e) is
     the part of (d) that is the pull's.
 
+With ``ahead`` (the default) both tiers obey prefetches (``prefetch_from``) and a second
+router, which knows ``b`` pulls ahead, sends (c) and (d) again for two more fresh prompts
+of the round: *ahead idle* and *ahead busy*, the pull started by the router's prefetch
+(kvpeer.node.ahead) rather than by ``b``'s lookup. The first router never prefetches,
+so both ways are measured on the same engines in the same run.
+
 The ratios are the issue's goals: (c) <= 1.5x (b), (d) <= 2x (b), (c) <= 0.1x (a). The
 step timeline of the slowest pulled request is read from both engines' traces
 (``KVPEER_TRACE=1``, kvpeer.node.trace), the router's trace of it, and the client's own
@@ -25,6 +31,7 @@ times (sent, first token), so it spans the whole request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
@@ -34,7 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +50,13 @@ from kvpeer.node.trace import TRACE_LOGGER
 __all__ = ["LadderSpec", "render", "run", "timeline"]
 
 Progress = Callable[[str], None]
-RUNGS = ("computed", "local", "pulled_idle", "pulled_busy", "local_busy")
-GOALS = {"pulled_idle/local": 1.5, "pulled_busy/local": 2.0, "pulled_idle/computed": 0.1}
-#: not goals: what the busy producer's CPU costs the consumer on this machine by itself
-CONTEXT = ("pulled_busy/local_busy",)
+RUNGS = ("computed", "local", "pulled_idle", "pulled_busy", "local_busy", "ahead_idle",
+         "ahead_busy")  # fmt: skip
+GOALS = {"pulled_idle/local": 1.5, "pulled_busy/local": 2.0, "pulled_idle/computed": 0.1,
+         "ahead_idle/local": 1.5, "ahead_busy/local": 2.0, "ahead_idle/computed": 0.1}
+#: not goals: what the busy producer's CPU costs the consumer on this machine by itself,
+#: and what pulling ahead saves over a pull started by the lookup
+CONTEXT = ("pulled_busy/local_busy", "ahead_idle/pulled_idle", "ahead_busy/pulled_busy")
 BUSY_START_S = 0.25  # after sending the long prompt: its prefill has started
 
 
@@ -56,9 +66,11 @@ class LadderSpec:
     prompt_tokens: int = 1536
     busy_tokens: int = 2000  # the other client's long prompt (the model has 2,048 positions)
     idle_s: float = 1.0
-    held_bytes: int = 128 << 20
+    held_bytes: int = 384 << 20  # a round stores seven prompts on a: all held
     #: the tiers' ``sync_pull_wait_s`` (None: the product's default)
     sync_pull_wait_s: float | None = None
+    #: also measure pulls the router starts ahead (a second router; kvpeer.node.ahead)
+    ahead: bool = True
 
 
 @dataclass
@@ -142,9 +154,17 @@ def run(
     options: dict[str, Any] = {"held_bytes": spec.held_bytes}
     if spec.sync_pull_wait_s is not None:
         options["sync_pull_wait_s"] = spec.sync_pull_wait_s
+    if spec.ahead:
+        options["prefetch_from"] = ["127.0.0.1/32"]  # the routers of this process
+        options["staging_blocks"] = 128  # two prompts' blocks
     trace_env = {TRACE_ENV: "1"}
-    a = ServeSpec("a", model, data_plane="shm", tier_options=options, env=trace_env)
-    b = ServeSpec("b", model, data_plane="shm", tier_options=options, env=trace_env)
+    # a round stores up to seven prompts on ``a``: room for all, so none is evicted
+    # before ``b`` pulls it
+    region = 768 << 20
+    a = ServeSpec("a", model, data_plane="shm", tier_options=options, env=trace_env,
+                  cpu_bytes=region)  # fmt: skip
+    b = ServeSpec("b", model, data_plane="shm", tier_options=options, env=trace_env,
+                  cpu_bytes=region)  # fmt: skip
     rng = random.Random(20261203)
 
     def fresh(tokens: int) -> list[int]:
@@ -160,59 +180,85 @@ def run(
     try:
         progress("starting two vllm serve engines with the kvpeer tier (held blocks, shm)")
         fleet.start([a, b])
-        with BackgroundRouter(shared_pinned_config(a, b)) as router:
+        plain_config = shared_pinned_config(a, b)
+        plain_config = replace(plain_config, engines=tuple(
+            replace(e, spec=replace(e.spec, pulls_ahead=False)) for e in plain_config.engines
+        ))  # fmt: skip
+        routers = [plain_config, shared_pinned_config(a, b)] if spec.ahead else [plain_config]
+        with contextlib.ExitStack() as stack:
+            started = [stack.enter_context(BackgroundRouter(config)) for config in routers]
+            router = started[0]
+            ahead = started[-1] if spec.ahead else None
             client = OpenAIClient(router.url, MODEL_NAME)
             other = OpenAIClient(router.url, MODEL_NAME)
-            try:
-                progress("warm-up: a computes and b pulls once")
-                warm = fresh(spec.prompt_tokens)
-                client.complete(warm, 2, _pin("a"))
-                _wait_indexed(router, "a", warm)
-                client.complete(warm, 2, _pin("b"))
-                for n in range(spec.prompts):
-                    p, q = fresh(spec.prompt_tokens), fresh(spec.prompt_tokens)
-                    samples["computed"].append(client.complete(p, 2, _pin("a")).ttft_s)
-                    client.complete(q, 2, _pin("a"))
-                    _wait_indexed(router, "a", p)
-                    _wait_indexed(router, "a", q)
-                    # (b) and (c) each start from the same idle fleet: an engine's first
-                    # step after an idle second costs more than one right after another
+            ahead_client = OpenAIClient(ahead.url, MODEL_NAME) if ahead is not None else None
+            stack.callback(client.close)
+            stack.callback(other.close)
+            if ahead_client is not None:
+                stack.callback(ahead_client.close)
+
+            def indexed(*prompts: list[int]) -> None:
+                for each in started:
+                    for prompt in prompts:
+                        _wait_indexed(each, "a", prompt)
+
+            def busy_pull(via: Any, prompt: list[int]) -> Any:
+                """``b`` serves ``prompt`` (pulled from ``a``) while ``a`` prefills."""
+                nonlocal busy_overlapped
+                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
+                time.sleep(BUSY_START_S)
+                got = client_log.complete(via, prompt, _pin("b"))
+                busy_overlapped += not long_prefill.done.is_set()
+                long_prefill.join()
+                return got
+
+            progress("warm-up: a computes and b pulls once")
+            warm = fresh(spec.prompt_tokens)
+            client.complete(warm, 2, _pin("a"))
+            indexed(warm)
+            client.complete(warm, 2, _pin("b"))
+            for n in range(spec.prompts):
+                p, q = fresh(spec.prompt_tokens), fresh(spec.prompt_tokens)
+                samples["computed"].append(client.complete(p, 2, _pin("a")).ttft_s)
+                client.complete(q, 2, _pin("a"))
+                extra = [fresh(spec.prompt_tokens) for _ in range(2 if ahead_client else 0)]
+                for prompt in extra:
+                    client.complete(prompt, 2, _pin("a"))
+                indexed(p, q, *extra)
+                # (b) and (c) each start from the same idle fleet: an engine's first
+                # step after an idle second costs more than one right after another
+                time.sleep(spec.idle_s)
+                local = client.complete(p, 2, _pin("a"))
+                samples["local"].append(local.ttft_s)
+                time.sleep(spec.idle_s)
+                measured = [("pulled_idle", client_log.complete(client, p, _pin("b")), local)]
+                reference_q = client.complete(q, 2, _pin("a"))  # a local hit: the reference
+                time.sleep(spec.idle_s)
+                measured.append(("pulled_busy", busy_pull(client, q), reference_q))
+                time.sleep(spec.idle_s)
+                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
+                time.sleep(BUSY_START_S)
+                samples["local_busy"].append(client.complete(p, 2, _pin("b")).ttft_s)
+                long_prefill.join()
+                if ahead_client is not None:
+                    p2, q2 = extra
+                    references = [client.complete(x, 2, _pin("a")) for x in extra]
                     time.sleep(spec.idle_s)
-                    local = client.complete(p, 2, _pin("a"))
-                    samples["local"].append(local.ttft_s)
+                    got = client_log.complete(ahead_client, p2, _pin("b"))
+                    measured.append(("ahead_idle", got, references[0]))
                     time.sleep(spec.idle_s)
-                    pulled = client_log.complete(client, p, _pin("b"))
-                    reference_q = client.complete(q, 2, _pin("a"))  # a local hit: the reference
-                    time.sleep(spec.idle_s)
-                    long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
-                    time.sleep(BUSY_START_S)
-                    busy = client_log.complete(client, q, _pin("b"))
-                    busy_overlapped += not long_prefill.done.is_set()
-                    long_prefill.join()
-                    time.sleep(spec.idle_s)
-                    long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
-                    time.sleep(BUSY_START_S)
-                    samples["local_busy"].append(client.complete(p, 2, _pin("b")).ttft_s)
-                    long_prefill.join()
-                    for rung, got, reference in (
-                        ("pulled_idle", pulled, local),
-                        ("pulled_busy", busy, reference_q),
-                    ):
-                        samples[rung].append(got.ttft_s)
-                        pulls.append(_Pull(
-                            rung, got.ttft_s, got.headers.get("x-kvpeer-request-id", ""),
-                            got.headers.get("x-kvpeer-source"),
-                            got.tokens == reference.tokens
-                            and got.max_logprob_delta(reference) <= LOGPROB_TOLERANCE,
-                        ))  # fmt: skip
-                    progress(
-                        f"round {n + 1}/{spec.prompts}: local {local.ttft_s * 1000:.0f} ms, "
-                        f"pulled idle {pulled.ttft_s * 1000:.0f} ms, "
-                        f"pulled busy {busy.ttft_s * 1000:.0f} ms"
-                    )
-            finally:
-                client.close()
-                other.close()
+                    measured.append(("ahead_busy", busy_pull(ahead_client, q2), references[1]))
+                for rung, got, reference in measured:
+                    samples[rung].append(got.ttft_s)
+                    pulls.append(_Pull(
+                        rung, got.ttft_s, got.headers.get("x-kvpeer-request-id", ""),
+                        got.headers.get("x-kvpeer-source"),
+                        got.tokens == reference.tokens
+                        and got.max_logprob_delta(reference) <= LOGPROB_TOLERANCE,
+                    ))  # fmt: skip
+                progress(f"round {n + 1}/{spec.prompts}: local {local.ttft_s * 1000:.0f} ms, "
+                         + ", ".join(f"{rung.replace('_', ' ')} {got.ttft_s * 1000:.0f} ms"
+                                     for rung, got, _ in measured))  # fmt: skip
         ok = True
     finally:
         fleet.close()
@@ -262,7 +308,8 @@ def summarize(
     slowest: _Pull | None,
     steps: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    medians = {rung: statistics.median(v) if v else None for rung, v in samples.items()}
+    medians = {rung: statistics.median(v) if v else None
+               for rung, v in {r: samples.get(r, []) for r in RUNGS}.items()}  # fmt: skip
     ratios: dict[str, float | None] = {}
     for name in (*GOALS, *CONTEXT):
         top, bottom = name.split("/")
@@ -295,14 +342,18 @@ def render(result: dict[str, Any]) -> str:
         f"kvpeer bench ladder: {spec['prompts']} rounds of fresh {spec['prompt_tokens']}-token "
         f"prompts; TTFT medians (ms)",
         f"{'computed':>9} {'local hit':>10} {'pulled idle':>12} {'pulled busy':>12} "
-        f"{'local busy':>11}",
+        f"{'local busy':>11} {'ahead idle':>11} {'ahead busy':>11}",
         " ".join(
             f"{_ms(medians[rung]):>{width}}"
-            for rung, width in zip(RUNGS, (9, 10, 12, 12, 11), strict=True)
+            for rung, width in zip(RUNGS, (9, 10, 12, 12, 11, 11, 11), strict=True)
         ),
     ]
     for name, ratio in result["ratios"].items():
-        if name in result["goals"]:
+        if ratio is None and name.startswith("ahead"):
+            continue  # --no-ahead
+        if name.endswith("/pulled_idle") or name.endswith("/pulled_busy"):
+            note = "what pulling ahead saves over a pull the lookup starts"
+        elif name in result["goals"]:
             verdict = "met" if result["met"][name] else "missed"
             note = f"goal <= {result['goals'][name]:g}x: {verdict}"
         else:
@@ -311,7 +362,8 @@ def render(result: dict[str, Any]) -> str:
     lines.append(
         f"pulls from the producer: {result['pulled_from_producer']}/{result['pulls']}; same output "
         f"as the local hit: {result['same_output']}/{result['pulls']}; busy pulls that finished "
-        f"while the producer's long prefill ran: {result['busy_overlapped']}/{spec['prompts']}"
+        f"while the producer's long prefill ran: {result['busy_overlapped']}/"
+        f"{len(result['samples']['pulled_busy']) + len(result['samples']['ahead_busy'])}"
     )
     slowest = result["slowest"]
     if slowest is not None:

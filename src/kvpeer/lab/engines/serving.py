@@ -148,7 +148,8 @@ class ServeSpec:
     def router_engine(self, role: Role = Role.BOTH) -> EngineSpec:
         """This engine as ``kvpeer router`` names it (``held`` if its kvpeer tier keeps
         held blocks, which it serves without its engine; ``sync_pulls``: kvpeer engines
-        run kvpeer's connector and manager, so a pull costs them no extra step)."""
+        run kvpeer's connector and manager, so a pull costs them no extra step; ``ahead``
+        if its tier obeys prefetches, ``prefetch_from``)."""
         return EngineSpec(
             name=self.name,
             url=self.url,
@@ -159,6 +160,7 @@ class ServeSpec:
             kv_events_replay=f"tcp://{HOST}:{self.replay_port}",
             serves_held=self.tier == "kvpeer" and int(self.tier_options.get("held_bytes", 0)) > 0,
             sync_pulls=self.tier == "kvpeer",
+            pulls_ahead=self.tier == "kvpeer" and bool(self.tier_options.get("prefetch_from")),
         )
 
 

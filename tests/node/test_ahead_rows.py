@@ -1,0 +1,132 @@
+"""``kvpeer.node.ahead`` alone, under random operation sequences: every staging row is
+free or in exactly one entry (invariant 1), only rows whose fetch succeeded are copied
+out (2), every engine job is reported exactly once (5), nothing outlives its TTL
+unclaimed (3), and after shutdown every row is free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpeer.config import TierConfig
+from kvpeer.node.ahead import AheadFetch, PullAhead
+from kvpeer.node.counters import TierCounters
+from kvpeer.protocol import Prefetch
+from kvpeer.types import JobResult, Key, RequestContext, TransferJob
+
+ROWS = list(range(100, 106))
+TTL_S = 5.0
+
+
+def key(n: int) -> Key:
+    return b"k%04d" % n + bytes(4)
+
+
+def keys_of(tokens: Sequence[int]) -> list[Key]:
+    return [key(t) for t in tokens]
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("prefetch"), st.lists(st.integers(0, 9), min_size=1, max_size=5)),
+        st.tuples(st.just("land"), st.booleans()),
+        st.tuples(st.just("job"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+        st.tuples(st.just("time"), st.floats(0.0, 4.0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(operations)
+def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]) -> None:
+    config = TierConfig.from_dict({"prefetch_from": ["10.0.0.0/8"], "prefetch_ttl_s": TTL_S})
+    ahead = PullAhead(config, TierCounters(), "127.0.0.1:1")
+    fetched_ok: set[int] = set()  # rows whose current fetch succeeded
+    copied: list[tuple[int, int]] = []
+
+    def copy(pairs: Sequence[tuple[int, int]]) -> None:
+        for src, _ in pairs:
+            assert src in fetched_ok, f"row {src} copied before its fetch succeeded"
+        copied.extend(pairs)
+
+    ahead.configure(ROWS, keys_of, copy, 8)
+    now = 0.0
+    fetches: list[AheadFetch] = []
+    submitted: set[int] = set()
+    reported: dict[int, bool] = {}
+    next_job = 1
+
+    def report(results: list[JobResult] | None) -> None:
+        for result in results or []:
+            assert result.job_id > 0, "an ahead fetch reached the engine"
+            assert result.job_id not in reported, f"job {result.job_id} reported twice"
+            assert result.job_id in submitted
+            reported[result.job_id] = result.success
+
+    def check() -> None:
+        staged, fetching, free = ahead.statistics()
+        assert staged + fetching + free == len(ROWS)
+        assert len(ahead._free) == len(set(ahead._free))
+        in_use = {e.row for e in ahead._entries.values()}
+        assert not in_use & set(ahead._free)
+        assert in_use | set(ahead._free) == set(ROWS)
+
+    for op, arg in ops:
+        if op == "prefetch":
+            assert isinstance(arg, list)
+            message = Prefetch(kv_request_id="r", source="10.0.0.2:5710", tokens=tuple(arg))
+            fetch = ahead.admit("10.0.0.1", message, now)
+            if isinstance(fetch, AheadFetch):
+                fetches.append(fetch)
+                for row in fetch.rows:
+                    fetched_ok.discard(row)
+        elif op == "land" and fetches:
+            fetch = fetches.pop(0)
+            if arg:
+                fetched_ok.update(fetch.rows)
+            report(ahead.landed(fetch.job_id, bool(arg), now))
+        elif op == "job":
+            assert isinstance(arg, list)
+            job = TransferJob(next_job, tuple(key(n) for n in arg),
+                              tuple(range(len(arg))), RequestContext("c"))  # fmt: skip
+            submitted.add(next_job)
+            next_job += 1
+            results = ahead.take(job, now)
+            if results is None:
+                submitted.discard(job.job_id)  # the ordinary path takes it
+            report(results)
+        elif op == "time":
+            assert isinstance(arg, float)
+            now += arg
+            ahead.expire(now)
+            for entry in ahead._entries.values():
+                assert entry.fetch is not None or entry.claimed or entry.deadline > now
+        check()
+    for fetch in fetches:  # the sessions end: every fetch is reported, failed
+        report(ahead.landed(fetch.job_id, False, now))
+    report(ahead.shutdown())
+    check()
+    assert ahead.statistics() == (0, 0, len(ROWS))
+    assert set(reported) == submitted, "a job was never reported"
+
+
+def test_a_sender_outside_prefetch_from_changes_nothing() -> None:
+    config = TierConfig.from_dict({"prefetch_from": ["10.0.0.0/8"]})
+    ahead = PullAhead(config, TierCounters(), "127.0.0.1:1")
+    ahead.configure(ROWS, keys_of, lambda pairs: None, 8)
+    message = Prefetch(kv_request_id="r", source="10.0.0.2:5710", tokens=(1, 2))
+    reason = ahead.admit("192.168.1.1", message, 0.0)
+    assert isinstance(reason, str)
+    assert "192.168.1.1" in reason
+    assert "prefetch_from" in reason
+    assert ahead.statistics() == (0, 0, len(ROWS))
+
+
+def test_configure_refuses_rows_named_twice() -> None:
+    ahead = PullAhead(TierConfig(), TierCounters(), "127.0.0.1:1")
+    with pytest.raises(ValueError, match="distinct"):
+        ahead.configure([1, 1], keys_of, lambda pairs: None, 8)
