@@ -214,3 +214,30 @@ def test_close_removes_the_file_even_while_a_view_is_still_exported() -> None:
         assert not os.path.exists(path)
     finally:
         held.release()
+
+
+class TestWithhold:
+    def test_withheld_slots_are_never_allocated_or_evicted(self) -> None:
+        pool = BlockPool(6, 8)
+        taken = pool.withhold(2)
+        assert taken == [4, 5]
+        slots = []
+        for i in range(12):  # twice the pool's room: evictions happen
+            slot = pool.allocate(b"k%02d" % i)
+            assert slot is not None
+            slots.append(slot)
+            pool.complete_write(slot, True)
+        assert not set(slots) & set(taken)
+        stats = pool.statistics()
+        assert stats.withheld == 2
+        assert stats.free + stats.writing + stats.ready + stats.withheld == 6
+
+    def test_more_than_is_free_is_refused_by_count(self) -> None:
+        pool = BlockPool(3, 8)
+        slot = pool.allocate(b"k")
+        assert slot is not None
+        with pytest.raises(ValueError, match="cannot withhold 3 slots: 2 are free"):
+            pool.withhold(3)
+        with pytest.raises(ValueError, match="count must be an int >= 0"):
+            pool.withhold(-1)
+        assert pool.statistics().withheld == 0

@@ -35,6 +35,7 @@ operations = st.lists(
         st.tuples(st.just("land"), st.booleans()),
         st.tuples(st.just("job"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
         st.tuples(st.just("time"), st.floats(0.0, 4.0)),
+        st.tuples(st.just("adopt"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
     ),
     max_size=60,
 )
@@ -67,13 +68,17 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
             assert result.job_id in submitted
             reported[result.job_id] = result.success
 
+    engine_rows = iter(range(1000, 2000))  # rows the engine allocates and gives away
+    adopted_rows: set[int] = set()  # staging rows the engine took into its cache
+
     def check() -> None:
         staged, fetching, free = ahead.statistics()
-        assert staged + fetching + free == len(ROWS)
+        assert staged + fetching + free == len(ROWS) == len(ahead.rows)
         assert len(ahead._free) == len(set(ahead._free))
         in_use = {e.row for e in ahead._entries.values()}
         assert not in_use & set(ahead._free)
-        assert in_use | set(ahead._free) == set(ROWS)
+        assert in_use | set(ahead._free) == set(ahead.rows)
+        assert not adopted_rows & set(ahead.rows), "a row is the engine's and staging's"
 
     for op, arg in ops:
         if op == "prefetch":
@@ -99,6 +104,17 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
             if results is None:
                 submitted.discard(job.job_id)  # the ordinary path takes it
             report(results)
+        elif op == "adopt":
+            assert isinstance(arg, list)
+            wanted = [key(n) for n in dict.fromkeys(arg)]
+            ready = ahead.state(wanted) is True
+            given = [next(engine_rows) for _ in wanted]
+            taken = ahead.adopt(wanted, given)
+            assert (taken is not None) == ready
+            if taken is not None:
+                assert all(row in fetched_ok for row in taken)
+                adopted_rows.update(taken)
+                assert ahead.state(wanted) is None  # the engine holds them now
         elif op == "time":
             assert isinstance(arg, float)
             now += arg
@@ -111,6 +127,7 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
     report(ahead.shutdown())
     check()
     assert ahead.statistics() == (0, 0, len(ROWS))
+    assert len(ahead.rows) == len(ROWS)
     assert set(reported) == submitted, "a job was never reported"
 
 

@@ -14,7 +14,15 @@ from collections.abc import Sequence
 
 from kvpeer.node.ahead import row_copier
 from kvpeer.protocol import Codec, Prefetch, PrefetchRefused
-from kvpeer.testing.cluster import BLOCK_LEN, NUM_BLOCKS, Cluster, TierNode, keys
+from kvpeer.testing.cluster import (
+    BLOCK_LEN,
+    NUM_BLOCKS,
+    Cluster,
+    TierNode,
+    keys,
+    kv_source,
+    prefiller,
+)
 from kvpeer.transport.base import InboundFrame
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.types import Key, LookupResult, TransferJob
@@ -124,6 +132,40 @@ class TestStaged:
         assert router.refusals() == []
         rows_accounted(a)
 
+    def test_staged_rows_are_adopted_by_the_engine_in_exchange_for_its_own(self) -> None:
+        cluster, a, b = setup()
+        produce(b, KEYS)
+        Router(cluster).prefetch(a, b, TOKENS)
+        poll(a, b)
+        ctx = a.request("c")
+        assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3
+        assert a.tier.staged_state(list(KEYS)) is True
+        given = [10, 11, 12]  # rows the engine just allocated for KEYS
+        taken = a.tier.adopt_staged(list(KEYS), given, ctx)
+        assert taken is not None
+        assert set(taken) <= set(ROWS)
+        assert [a.block(row) for row in taken] == [b.parent.expected(k) for k in KEYS]
+        assert a.tier.ahead.rows == frozenset(ROWS).difference(taken).union(given)
+        assert a.stats().staging_free == len(ROWS)
+        assert a.tier.staged_state(list(KEYS)) is None
+        assert ahead_counts(a)["jobs_adopted"] == 1
+        rows_accounted(a)
+
+    def test_nothing_is_adopted_unless_every_key_is_staged(self) -> None:
+        cluster, a, b = setup()
+        produce(b, KEYS)
+        Router(cluster).prefetch(a, b, TOKENS[:2])
+        a.tier.poll()  # being fetched
+        ctx = a.request("c")
+        assert a.tier.staged_state(list(KEYS[:2])) is False
+        assert a.tier.adopt_staged(list(KEYS[:2]), [10, 11], ctx) is None
+        poll(a, b)
+        assert a.tier.adopt_staged(list(KEYS), [10, 11, 12], ctx) is None  # KEYS[2] absent
+        assert a.tier.adopt_staged(list(KEYS[:2]), [10, 10], ctx) is None  # a row twice
+        assert a.tier.adopt_staged(list(KEYS[:2]), [10], ctx) is None  # too few rows
+        assert a.stats().staged_blocks == 2
+        assert a.tier.ahead.rows == frozenset(ROWS)
+
     def test_a_load_submitted_while_the_fetch_runs_waits_for_it(self) -> None:
         cluster, a, b = setup()
         produce(b, KEYS)
@@ -150,6 +192,33 @@ class TestStaged:
         a.record(a.tier.take_results())
         assert a.outcome(job_id) is False  # not ours, and no source: the engine computes
         assert a.stats().staged_blocks == 2  # still there for its own request
+
+    def test_a_pd_consumer_never_takes_staged_blocks(self) -> None:
+        """Its producer parks its stores for the one fetch of them all: a load served
+        from staging would leave them waiting for a fetch that never comes."""
+        cluster, a, b = setup()
+        produce(b, KEYS)
+        Router(cluster).prefetch(a, b, TOKENS)
+        poll(a, b)
+        ctx = a.request("decode", prefiller("pd1", b))
+        a.lookup(ctx, *KEYS)
+        job_id, _ = a.load(ctx, KEYS)
+        a.record(a.tier.take_results())
+        assert a.outcome(job_id) is None  # sent to the producer, not copied
+        assert a.stats().staged_blocks == 3
+        assert ahead_counts(a).get("jobs_served", 0) == 0
+
+    def test_a_prefetch_behind_its_request_fetches_nothing(self) -> None:
+        cluster, a, b = setup()
+        produce(b, KEYS)
+        ctx = a.request("c", kv_source("r1", b))  # the router's request won the race
+        router = Router(cluster)
+        router.prefetch(a, b, TOKENS, kv_id="r1")
+        poll(a, b)
+        (refusal,) = router.refusals()
+        assert refusal.reason == "its request is here already"
+        assert ahead_counts(a).get("blocks_fetched", 0) == 0
+        a.finish(ctx)
 
     def test_a_second_prefetch_of_staged_keys_fetches_nothing(self) -> None:
         cluster, a, b = setup()

@@ -350,7 +350,7 @@ def run_variant(template: str, seed: int) -> str:
 
 WITHOUT_THE_SILENCE_RULE = """
 %(old_silence_rule)sfrom kvpeer.lab.sim import run_seed
-for violation in run_seed(%(seed)d).violations:
+for violation in run_seed(%(seed)d, ahead=False).violations:  # the world as it was
     print(violation)
 """
 
@@ -364,7 +364,7 @@ def refuse(self, peer_id, frame, reason, *, quiet=False):
         answer(self, peer_id, frame, reason)
 peertable.PeerTable._refuse = refuse
 %(old_silence_rule)sfrom kvpeer.lab.sim import run_seed
-for violation in run_seed(%(seed)d).violations:
+for violation in run_seed(%(seed)d, ahead=False).violations:  # the world as it was
     print(violation)
 """
 

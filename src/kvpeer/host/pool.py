@@ -13,10 +13,10 @@ Invariants:
 2. A key maps to at most one slot and a mapped slot to exactly one key.
 3. Only READY slots are pinned; a pinned slot is never evicted, reused or rewritten.
    Pin counts never go below zero: an unbalanced :meth:`BlockPool.unpin` raises.
-4. :meth:`BlockPool.allocate` takes the lowest FREE slot, otherwise evicts the least
-   recently used unpinned READY slot; WRITING and pinned slots are never taken. A READY
-   slot becomes most recently used when written and on every :meth:`BlockPool.lookup`
-   HIT.
+4. :meth:`BlockPool.allocate` takes the lowest FREE slot (never a withheld one),
+   otherwise evicts the least recently used unpinned READY slot; WRITING and pinned
+   slots are never taken. A READY slot becomes most recently used when written and on
+   every :meth:`BlockPool.lookup` HIT.
 5. :meth:`BlockPool.write` only fills WRITING slots and :meth:`BlockPool.read` only
    reads READY ones. Data planes may instead copy through :attr:`BlockPool.view` /
    :meth:`BlockPool.slot_view` under the same rule.
@@ -70,7 +70,8 @@ _READY: Final = SlotState.READY
 
 @dataclass(frozen=True, slots=True)
 class PoolStatistics:
-    """Snapshot of a :class:`BlockPool`; ``free + writing + ready == num_blocks``."""
+    """Snapshot of a :class:`BlockPool`; ``free + writing + ready + withheld ==
+    num_blocks``."""
 
     num_blocks: int
     block_len: int
@@ -79,6 +80,7 @@ class PoolStatistics:
     ready: int
     pinned: int  # READY slots with a pin count above zero
     evictions: int  # READY slots reclaimed by allocate() since creation
+    withheld: int = 0  # slots given away for good (:meth:`BlockPool.withhold`)
 
 
 class BlockPool:
@@ -124,6 +126,7 @@ class BlockPool:
         self._writing = 0
         self._pinned = 0
         self._evictions = 0
+        self._withheld: list[int] = []
 
     # -- geometry ----------------------------------------------------------------
 
@@ -194,6 +197,26 @@ class BlockPool:
         self._keys[slot] = key
         self._slots[key] = slot
         return slot
+
+    def withhold(self, count: int) -> list[int]:
+        """Take ``count`` FREE slots out of the pool for good (a tier's staging rows,
+        kvpeer.node.ahead): the highest free ones, never allocated, evicted or read by
+        the pool again. Raises ``ValueError`` naming the counts if fewer are free."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if count > len(self._free):
+            raise ValueError(f"cannot withhold {count} slots: {len(self._free)} are free")
+        taken = sorted(self._free)[len(self._free) - count :]
+        remaining = set(taken)
+        self._free = [slot for slot in self._free if slot not in remaining]
+        heapq.heapify(self._free)
+        self._withheld.extend(taken)
+        return taken
+
+    @property
+    def withheld(self) -> frozenset[int]:
+        """Slots :meth:`withhold` took out of the pool."""
+        return frozenset(self._withheld)
 
     def complete_write(self, slot: int, success: bool) -> None:
         """End the write into ``slot``: READY, or FREE with its key forgotten on failure."""
@@ -267,6 +290,7 @@ class BlockPool:
             ready=len(self._recency),
             pinned=self._pinned,
             evictions=self._evictions,
+            withheld=len(self._withheld),
         )
 
     @property

@@ -29,10 +29,15 @@ Invariants:
    with a named refusal (:meth:`PullAhead.admit`), as is every prefetch this node
    cannot carry out (no staging rows, no way to hash, a bad source, staging full).
 5. An engine job is served from staging only if every key of it is staged or being
-   fetched; it is reported exactly once: copied at once, or when the fetches it waits
-   for end (failed if any of them failed). Any other job goes the ordinary way.
+   fetched, and never a PD consumer's (its producer parks its stores for one fetch).
+   It is reported exactly once: copied at once, or when the fetches it waits for end
+   (failed if any of them failed). Any other job goes the ordinary way.
 6. Ahead fetches carry job ids below zero (the engine's are not), so their results
    never reach the engine.
+7. A host that can (kvpeer's vLLM manager) takes staged rows into its cache as they
+   are (:meth:`PullAhead.adopt`) and gives back as many rows it had just allocated for
+   those keys: the set of staging rows changes, its size never does, and a row is
+   never in both the engine's cache and staging.
 """
 
 from __future__ import annotations
@@ -242,6 +247,46 @@ class PullAhead:
 
     def forget(self, req_id: str) -> None:
         self._requests.discard(req_id)
+
+    def state(self, keys: Sequence[Key]) -> bool | None:
+        """True: every key staged (and unclaimed); False: every key staged or being
+        fetched, some still fetching; None: a key is not here."""
+        fetching = False
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.claimed:
+                return None
+            fetching |= entry.fetch is not None
+        return not fetching
+
+    def adopt(self, keys: Sequence[Key], rows: Sequence[int]) -> list[int] | None:
+        """Hand the staged rows of ``keys`` to the engine, which takes them into its own
+        cache as they are, and take ``rows`` (as many, just allocated by the engine and
+        used by nothing) as staging rows in their place: a staged prompt with no copy
+        (invariant 7). None, and nothing changes, unless every key is staged."""
+        if self._shut or len(rows) != len(keys) or self.state(keys) is not True:
+            return None
+        if any(row < 0 for row in rows) or len(set(rows)) != len(rows):
+            return None
+        taken = [self._entries.pop(key).row for key in keys]
+        mine = self._rows.difference(taken).union(rows)
+        if len(mine) != len(self._rows):
+            for key, row in zip(keys, taken, strict=True):  # a row named twice: undo
+                self._entries[key] = _Entry(row, None, 0.0)
+            return None
+        self._rows = frozenset(mine)
+        self._free.extend(rows)
+        self._counters["blocks_used"] += len(keys)
+        self._counters["jobs_adopted"] += 1
+        return taken
+
+    def fetching(self) -> list[tuple[str, str]]:
+        """(peer id, kv request id on the wire) of every fetch into staging running now."""
+        return [(f.peer_id, f.kv_request_id) for f in self._fetches.values()]
+
+    def staged(self) -> list[tuple[Key, int]]:
+        """(key, row) of every staged block (fetched, not yet handed to the engine)."""
+        return [(key, e.row) for key, e in self._entries.items() if e.fetch is None]
 
     def take(self, job: TransferJob, now: float) -> list[JobResult] | None:
         """Serve ``job`` from staging (invariant 5): its results now (empty while it

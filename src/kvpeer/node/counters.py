@@ -46,7 +46,7 @@ PULL_WAIT_OUTCOMES = ("landed", "missed")  # the engine's wait in a lookup for a
 #: fetches failed, engine jobs served from staging or failed there.
 AHEAD_EVENTS = ("prefetches", "refused", "already_staged", "blocks_fetched", "blocks_staged",
                 "blocks_used", "blocks_expired", "blocks_evicted", "fetches_failed",
-                "jobs_served", "jobs_failed")  # fmt: skip
+                "jobs_served", "jobs_adopted", "jobs_failed")  # fmt: skip
 FETCH_SIZE_BUCKETS = tuple(float(4096 * 4**i) for i in range(10))  # 4 KiB .. 1 GiB
 
 

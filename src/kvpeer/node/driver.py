@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvpeer.errors import KVPeerError
@@ -208,6 +208,14 @@ class DrivenTier:
         """The host withheld ``rows`` for pulling ahead (:meth:`Tier.configure_staging`)."""
         self._call(lambda t: t.configure_staging(rows, keys_of, copy, block_len),
                    _constant(None))  # fmt: skip
+
+    def staged_state(self, keys: Sequence[Key]) -> bool | None:
+        return self._call(lambda t: t.staged_state(keys), _constant(None))
+
+    def adopt_staged(
+        self, keys: Sequence[Key], rows: list[int], request: RequestContext
+    ) -> list[int] | None:
+        return self._call(lambda t: t.adopt_staged(keys, rows, request), _constant(None))
 
     def submit_store(self, job: TransferJob) -> None:
         self._call(lambda t: t.submit_store(job), lambda t: t.fail_job(job.job_id))

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -188,6 +188,23 @@ class Tier:
     def ahead(self) -> PullAhead:
         return self._ahead
 
+    def staged_state(self, keys: Sequence[Key]) -> bool | None:
+        """Pulled ahead: every key staged (True), some still being fetched (False), or
+        not (None) (:meth:`PullAhead.state`)."""
+        return self._ahead.state(keys)
+
+    def adopt_staged(
+        self, keys: Sequence[Key], rows: list[int], request: RequestContext
+    ) -> list[int] | None:
+        """The engine takes the staged rows of ``keys`` into its cache and gives ``rows``
+        in their place (:meth:`PullAhead.adopt`); None: not every key is staged."""
+        taken = self._ahead.adopt(keys, rows)
+        if taken is not None and self._trace.enabled:
+            source = self._requests.get(request.req_id, LOCAL).source
+            self._trace.emit(source.kv_request_id if source else request.req_id,
+                             "staged_adopted", blocks=len(keys), step=self._steps)  # fmt: skip
+        return taken
+
     # -- SecondaryTier -----------------------------------------------------------
 
     def on_new_request(self, request: RequestContext) -> OffloadPolicy:
@@ -236,10 +253,12 @@ class Tier:
         return result
 
     def _lookup(self, key: Key, request: RequestContext) -> LookupResult:
-        if self._ahead.holds(key):  # pulled ahead (kvpeer.node.ahead): no peer to ask
+        source = self._requests.get(request.req_id, LOCAL).source
+        if (source is None or source.probe) and self._ahead.holds(key):
+            # pulled ahead (kvpeer.node.ahead): no peer to ask. Not for a PD consumer:
+            # its producer parks its stores for one fetch of them all.
             self._ahead.found(request.req_id)
             return _HIT
-        source = self._requests.get(request.req_id, LOCAL).source
         if source is None or source.kv_request_id in self._failed:
             return _MISS
         if not source.probe:
@@ -317,11 +336,11 @@ class Tier:
             self._waits.missed(source.peer_id, self._clock())
 
     def submit_load(self, job: TransferJob) -> None:
-        staged = self._ahead.take(job, self._clock())
+        source = self._requests.get(job.request.req_id, LOCAL).source
+        staged = self._ahead.take(job, self._clock()) if source is None or source.probe else None
         if staged is not None:  # every key staged or being fetched ahead
             self._results.extend(staged)
             return
-        source = self._requests.get(job.request.req_id, LOCAL).source
         if source is None or self._shut_down:
             self._results.append(JobResult(job.job_id, False))
             return
@@ -636,6 +655,13 @@ class Tier:
 
     def _prefetch(self, inbound: InboundFrame, message: Prefetch, now: float) -> None:
         """A router's prefetch (kvpeer.node.ahead): fetch into staging now, or refuse."""
+        if message.kv_request_id in self._consumer_refs:
+            # the request came first and pulls for itself: a second fetch would only
+            # move the same blocks twice
+            self._counters.ahead["prefetches"] += 1
+            self._counters.ahead["refused"] += 1
+            self._peers.refuse_prefetch(inbound, message, "its request is here already")
+            return
         fetch = self._ahead.admit(inbound.source, message, now)
         if isinstance(fetch, str):
             self._peers.refuse_prefetch(inbound, message, fetch)

@@ -33,8 +33,15 @@ Invariants:
    promotion is vLLM's own (deferred, one job per request and step), because a
    source's promise for a PD request is one fetch for all its keys.
 5. Staging rows (pulling ahead) are taken from the CPU tier's allocator at
-   construction and never given back: no key of vLLM's ever lives in one, and the
-   CPU tier's free count excludes them, so its evictions stay exact.
+   construction and never given back: no key of vLLM's ever lives in one while it is
+   a staging row, and the CPU tier's free count excludes them, so its evictions stay
+   exact.
+6. A promotion whose keys were pulled ahead exchanges rows instead of copying: each
+   key's ``ChunkStatus`` (just allocated by ``prepare_write``, not yet readable) is
+   pointed at the staging row holding its block, and the allocated row becomes a
+   staging row. Nothing else holds a freshly allocated row, so after the exchange every
+   row is either the CPU tier's or staging's, never both; the job is then reported
+   done through vLLM's job table like any other (invariant 1).
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ class KVPeerTieringManager(TieringOffloadingManager):
         self._promoted_now: dict[OffloadKey, LookupResult] = {}
         self.sync_promotions = 0  # promotions that finished inside their lookup
         self.late_promotions = 0  # promotions submitted at once that missed the wait
+        self.adopted_promotions = 0  # promotions whose rows were staged ahead (no copy)
         for tier in self._kvpeer.values():
             self._withhold_staging(tier)
 
@@ -154,14 +162,42 @@ class KVPeerTieringManager(TieringOffloadingManager):
             is_promotion=True,
             req_context=req_context,
         )
+        adopted = self._adopt_staged(tier, job)
+        if adopted is not None:
+            job.chunk_ids = np.asarray(adopted, dtype=np.int32)
         self._register_job(job, tier_idx)
-        if tier.promote_now(job):
+        if adopted is not None:
+            tier.report_adopted(job)
+        if adopted is not None or tier.promote_now(job):
             self._process_finished_jobs()  # type: ignore[no-untyped-call]  # completes it
             self.sync_promotions += 1
             self._promoted_now[key] = self.primary_tier.lookup(key, req_context)
         else:
             self.late_promotions += 1
         return True
+
+    def _adopt_staged(self, tier: KVPeerTier, job: TransferJob) -> list[int] | None:
+        """Pulled ahead (invariant 6): the staging rows holding ``job``'s keys become
+        those keys' rows in the CPU tier, and the rows ``prepare_write`` just allocated
+        for them become staging rows; the job then moves nothing. None: not staged, or
+        the CPU tier's records are not what this expects (the job goes the ordinary
+        way, copying from staging)."""
+        keys = list(job.keys)
+        if not keys or not tier.stages(keys[0]):
+            return None
+        policy = getattr(self.primary_tier, "_policy", None)
+        chunks = [policy.get(key) if policy is not None else None for key in keys]
+        allocated = [int(c) for c in job.chunk_ids]
+        if any(getattr(chunk, "chunk_id", None) != row
+               for chunk, row in zip(chunks, allocated, strict=True)):  # fmt: skip
+            return None
+        rows = tier.take_staged(job)
+        if rows is None:
+            return None
+        for chunk, row in zip(chunks, rows, strict=True):
+            chunk.chunk_id = row  # type: ignore[union-attr]
+        self.adopted_promotions += 1
+        return rows
 
     def _also_held(
         self, tier: KVPeerTier, key: OffloadKey, req_context: ReqContext

@@ -356,6 +356,41 @@ class KVPeerTier(SecondaryTierManager):
         self._node.promotion_waited(request, time.monotonic() - start, done)
         return done
 
+    def stages(self, key: OffloadKey) -> bool:
+        """``key`` was pulled ahead, or is being (kvpeer.node.ahead)."""
+        return self._node.staged_state([key]) is not None
+
+    def take_staged(self, job: VllmTransferJob) -> list[int] | None:
+        """Pulled ahead (kvpeer.node.ahead): the staging rows holding every key of
+        promotion ``job``, which the manager puts in the CPU tier's cache in place of the
+        rows it allocated (``job.chunk_ids``, which staging takes in exchange). Waits up
+        to ``sync_pull_wait_s`` for a prefetch still running; None: not every key is
+        staged by then (the job then goes the ordinary way)."""
+        keys = list(job.keys)
+        state = self._node.staged_state(keys)
+        if state is None:
+            return None
+        request = self._context(job.req_context)
+        start = time.monotonic()
+        deadline = start + self._config.sync_pull_wait_s
+        while state is False:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._node.wait_for_work(min(remaining, 0.002))
+            state = self._node.staged_state(keys)
+        if state is None:
+            return None
+        rows = self._node.adopt_staged(keys, [int(c) for c in job.chunk_ids], request)
+        if rows is not None:
+            self._node.promotion_waited(request, time.monotonic() - start, True)
+        return rows
+
+    def report_adopted(self, job: VllmTransferJob) -> None:
+        """``job``'s keys are in the CPU tier already (:meth:`take_staged`): it succeeded,
+        moving nothing; the next ``get_finished_jobs`` reports it."""
+        self._early.append(JobResult(int(job.job_id), True, 0.0, 0))
+
     def _wait_collected(self, job_id: int, deadline: float) -> bool:
         woken = False
         while not self._collected(job_id):

@@ -16,11 +16,16 @@ first token at the client (streamed) of:
     holds (it pulled P in (c)): a local hit on ``b`` while ``a`` prefills. Engines that
     share a machine's cores slow each other down with or without kvpeer; (d) / (e) is
     the part of (d) that is the pull's.
+(f) *pulled, queued*: another client sends ``b`` itself a fresh long prompt, and while
+    ``b`` prefills it, ``b`` is sent a third fresh prompt R, pulled from ``a``: the
+    request waits in ``b``'s queue before its lookup. Its reference is (g) *local,
+    queued*: ``b`` serves P (a local hit) behind such a prefill.
 
 With ``ahead`` (the default) both tiers obey prefetches (``prefetch_from``) and a second
-router, which knows ``b`` pulls ahead, sends (c) and (d) again for two more fresh prompts
-of the round: *ahead idle* and *ahead busy*, the pull started by the router's prefetch
-(kvpeer.node.ahead) rather than by ``b``'s lookup. The first router never prefetches,
+router, which knows ``b`` pulls ahead, sends (c), (d) and (f) again for three more fresh
+prompts of the round: *ahead idle*, *ahead busy* and *ahead queued*, the pull started by
+the router's prefetch (kvpeer.node.ahead) rather than by ``b``'s lookup; queued, the pull
+can hide behind the wait. The first router never prefetches,
 so both ways are measured on the same engines in the same run.
 
 The ratios are the issue's goals: (c) <= 1.5x (b), (d) <= 2x (b), (c) <= 0.1x (a). The
@@ -51,12 +56,14 @@ __all__ = ["LadderSpec", "render", "run", "timeline"]
 
 Progress = Callable[[str], None]
 RUNGS = ("computed", "local", "pulled_idle", "pulled_busy", "local_busy", "ahead_idle",
-         "ahead_busy")  # fmt: skip
+         "ahead_busy", "pulled_queued", "ahead_queued", "local_queued")  # fmt: skip
 GOALS = {"pulled_idle/local": 1.5, "pulled_busy/local": 2.0, "pulled_idle/computed": 0.1,
          "ahead_idle/local": 1.5, "ahead_busy/local": 2.0, "ahead_idle/computed": 0.1}
 #: not goals: what the busy producer's CPU costs the consumer on this machine by itself,
 #: and what pulling ahead saves over a pull started by the lookup
-CONTEXT = ("pulled_busy/local_busy", "ahead_idle/pulled_idle", "ahead_busy/pulled_busy")
+CONTEXT = ("pulled_busy/local_busy", "ahead_idle/pulled_idle", "ahead_busy/pulled_busy",
+           "pulled_queued/local_queued", "ahead_queued/local_queued",
+           "ahead_queued/pulled_queued")  # fmt: skip
 BUSY_START_S = 0.25  # after sending the long prompt: its prefill has started
 
 
@@ -173,6 +180,7 @@ def run(
     samples: dict[str, list[float]] = {rung: [] for rung in RUNGS}
     pulls: list[_Pull] = []
     busy_overlapped = 0
+    staged: dict[str, float] = {}  # b's pulling-ahead counters at the end
     fleet = ServeFleet(logs, progress)
     client_log = _ClientLog(logs / "client.log")
     router_log = _router_trace(logs / "router.log")
@@ -212,19 +220,27 @@ def run(
                 long_prefill.join()
                 return got
 
+            def queued_pull(via: Any, prompt: list[int]) -> Any:
+                """``b`` serves ``prompt`` (pulled from ``a``) behind another client's
+                long prefill on ``b`` itself: the request waits in ``b``'s queue."""
+                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("b"))
+                time.sleep(BUSY_START_S)
+                got = client_log.complete(via, prompt, _pin("b"))
+                long_prefill.join()
+                return got
+
             progress("warm-up: a computes and b pulls once")
             warm = fresh(spec.prompt_tokens)
             client.complete(warm, 2, _pin("a"))
             indexed(warm)
             client.complete(warm, 2, _pin("b"))
             for n in range(spec.prompts):
-                p, q = fresh(spec.prompt_tokens), fresh(spec.prompt_tokens)
+                p, q, r = (fresh(spec.prompt_tokens) for _ in range(3))
                 samples["computed"].append(client.complete(p, 2, _pin("a")).ttft_s)
-                client.complete(q, 2, _pin("a"))
-                extra = [fresh(spec.prompt_tokens) for _ in range(2 if ahead_client else 0)]
-                for prompt in extra:
+                extra = [fresh(spec.prompt_tokens) for _ in range(3 if ahead_client else 0)]
+                for prompt in (q, r, *extra):
                     client.complete(prompt, 2, _pin("a"))
-                indexed(p, q, *extra)
+                indexed(p, q, r, *extra)
                 # (b) and (c) each start from the same idle fleet: an engine's first
                 # step after an idle second costs more than one right after another
                 time.sleep(spec.idle_s)
@@ -240,14 +256,25 @@ def run(
                 time.sleep(BUSY_START_S)
                 samples["local_busy"].append(client.complete(p, 2, _pin("b")).ttft_s)
                 long_prefill.join()
+                reference_r = client.complete(r, 2, _pin("a"))
+                time.sleep(spec.idle_s)
+                measured.append(("pulled_queued", queued_pull(client, r), reference_r))
+                time.sleep(spec.idle_s)
+                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("b"))
+                time.sleep(BUSY_START_S)
+                samples["local_queued"].append(client.complete(p, 2, _pin("b")).ttft_s)
+                long_prefill.join()
                 if ahead_client is not None:
-                    p2, q2 = extra
+                    p2, q2, r2 = extra
                     references = [client.complete(x, 2, _pin("a")) for x in extra]
                     time.sleep(spec.idle_s)
                     got = client_log.complete(ahead_client, p2, _pin("b"))
                     measured.append(("ahead_idle", got, references[0]))
                     time.sleep(spec.idle_s)
                     measured.append(("ahead_busy", busy_pull(ahead_client, q2), references[1]))
+                    time.sleep(spec.idle_s)
+                    got = queued_pull(ahead_client, r2)
+                    measured.append(("ahead_queued", got, references[2]))
                 for rung, got, reference in measured:
                     samples[rung].append(got.ttft_s)
                     pulls.append(_Pull(
@@ -259,6 +286,7 @@ def run(
                 progress(f"round {n + 1}/{spec.prompts}: local {local.ttft_s * 1000:.0f} ms, "
                          + ", ".join(f"{rung.replace('_', ' ')} {got.ttft_s * 1000:.0f} ms"
                                      for rung, got, _ in measured))  # fmt: skip
+            staged = _ahead_counts(b.url) if spec.ahead else {}
         ok = True
     finally:
         fleet.close()
@@ -269,7 +297,29 @@ def run(
     steps = timeline(fleet_logs(logs), slowest.request_id) if slowest is not None else []
     if ok and log_dir is None:
         shutil.rmtree(logs, ignore_errors=True)
-    return summarize(spec, samples, pulls, busy_overlapped, slowest, steps)
+    result = summarize(spec, samples, pulls, busy_overlapped, slowest, steps)
+    result["ahead_counts"] = staged
+    return result
+
+
+_AHEAD_LINE = re.compile(r'^vllm:kvpeer_(pull_ahead_total|staged_blocks)\{([^}]*)\} ([0-9.e+-]+)$')
+
+
+def _ahead_counts(url: str) -> dict[str, float]:
+    """Engine ``url``'s pulling-ahead counters and staged blocks, from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _AHEAD_LINE.match(line)
+        if match is None:
+            continue
+        event = re.search(r'event="([a-z_]+)"', match[2])
+        name = event[1] if event else match[1]
+        counts[name] = counts.get(name, 0.0) + float(match[3])
+    return counts
 
 
 def fleet_logs(logs: Path) -> list[Path]:
@@ -342,17 +392,20 @@ def render(result: dict[str, Any]) -> str:
         f"kvpeer bench ladder: {spec['prompts']} rounds of fresh {spec['prompt_tokens']}-token "
         f"prompts; TTFT medians (ms)",
         f"{'computed':>9} {'local hit':>10} {'pulled idle':>12} {'pulled busy':>12} "
-        f"{'local busy':>11} {'ahead idle':>11} {'ahead busy':>11}",
+        f"{'local busy':>11} {'ahead idle':>11} {'ahead busy':>11} {'pulled queued':>14} "
+        f"{'ahead queued':>13} {'local queued':>13}",
         " ".join(
             f"{_ms(medians[rung]):>{width}}"
-            for rung, width in zip(RUNGS, (9, 10, 12, 12, 11, 11, 11), strict=True)
+            for rung, width in zip(RUNGS, (9, 10, 12, 12, 11, 11, 11, 14, 13, 13), strict=True)
         ),
     ]
     for name, ratio in result["ratios"].items():
         if ratio is None and name.startswith("ahead"):
             continue  # --no-ahead
-        if name.endswith("/pulled_idle") or name.endswith("/pulled_busy"):
+        if name.startswith("ahead") and name.split("/")[1].startswith("pulled"):
             note = "what pulling ahead saves over a pull the lookup starts"
+        elif name.endswith("/local_queued"):
+            note = "a pull into a busy consumer over its local hit (both queued)"
         elif name in result["goals"]:
             verdict = "met" if result["met"][name] else "missed"
             note = f"goal <= {result['goals'][name]:g}x: {verdict}"
@@ -363,8 +416,17 @@ def render(result: dict[str, Any]) -> str:
         f"pulls from the producer: {result['pulled_from_producer']}/{result['pulls']}; same output "
         f"as the local hit: {result['same_output']}/{result['pulls']}; busy pulls that finished "
         f"while the producer's long prefill ran: {result['busy_overlapped']}/"
-        f"{len(result['samples']['pulled_busy']) + len(result['samples']['ahead_busy'])}"
+        f"{len(result['samples']['pulled_busy']) + len(result['samples'].get('ahead_busy', []))}"
     )
+    counts = result.get("ahead_counts") or {}
+    if counts:
+        lines.append(
+            "pulled ahead into b: " + ", ".join(
+                f"{name} {int(counts.get(name, 0))}"
+                for name in ("prefetches", "refused", "blocks_staged", "jobs_adopted",
+                             "jobs_served", "blocks_expired", "staged_blocks")
+            ) + " (jobs_adopted: taken into the cache with no copy; staged_blocks: left now)"
+        )  # fmt: skip
     slowest = result["slowest"]
     if slowest is not None:
         lines.append(

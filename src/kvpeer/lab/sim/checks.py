@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from kvpeer.host import SlotState
+from kvpeer.lab.sim.ahead import staged_bytes_problems
 from kvpeer.lab.sim.node import LOAD, STORE, Incarnation, OpenJob, SimNode
 from kvpeer.lab.sim.timeouts import SimContext
 
@@ -87,6 +88,8 @@ class Checker:
         self._pins(node.name, live, full)
         self._held(node.name, live)
         self._written(node.name, live)
+        if node.ahead is not None:
+            self._ahead(node.name, live, full)
         if full:
             self._tier_counts(node, live, peers)
 
@@ -153,6 +156,32 @@ class Checker:
                 f"held blocks count {stats.pinned_blocks} pinned rows, but peers were "
                 f"promised {len(held.promised)} rows and hold them",
             )
+
+    def _ahead(self, where: str, live: Incarnation, full: bool) -> None:
+        """kvpeer.lab.sim.ahead checks 1 and 2: staging rows conserved, staged bytes
+        right."""
+        ahead = live.tier.ahead
+        # An ahead fetch is a consumer entry of its session while it runs and for as
+        # long after as a request's (the tier finishes it when it lands).
+        now_fetching = set(ahead.fetching())
+        probe = live.probe
+        for ended in probe.ahead_fetching - now_fetching:
+            probe.finished_sources[ended] = self.ctx.clock.now
+        probe.ahead_fetching = now_fetching
+        staged, fetching, free = ahead.statistics()
+        if staged + fetching + free != len(ahead.rows) or not ahead.rows:
+            self.once(where, "staging rows",
+                      f"staging counts {staged} staged + {fetching} fetching + {free} free, "
+                      f"but holds {len(ahead.rows)} rows")  # fmt: skip
+        pool = live.pool
+        if ahead.rows != pool.withheld:  # this host copies out of staging, never adopts
+            self.once(where, "staging rows in the pool",
+                      f"staging rows {sorted(ahead.rows)} are not the rows the pool "
+                      f"withheld, {sorted(pool.withheld)}")  # fmt: skip
+        if full:
+            for problem in staged_bytes_problems(ahead, self.ctx.blocks.content, pool.view,
+                                                 pool.block_len):  # fmt: skip
+                self.ctx.violate(where, problem)
 
     def _written(self, where: str, live: Incarnation) -> None:
         pool, region = live.pool, live.region
@@ -260,6 +289,7 @@ class Checker:
         pulling = {
             (r.source.peer_id, r.source.kv_request_id) for r in probe.routing.values() if r.source
         }
+        pulling |= probe.ahead_fetching
         for problem in unexplained_consumer_entries(entries, pulling | finished.keys()):
             expect("consumer_entries", False, problem)
         pins = sum(len(job.slots) for job in probe.open_jobs.values() if job.kind != LOAD)
@@ -334,6 +364,9 @@ class Checker:
                 live.plane.open_slots_for(peer_id)
             )
         leftovers["data plane pending writes"] = len(live.plane.pending)
+        staged, fetching, _ = live.tier.ahead.statistics()
+        leftovers["staged blocks"] = staged
+        leftovers["blocks being fetched into staging"] = fetching
         if live.held is not None:
             leftovers["pinned held rows"] = live.held.statistics().pinned_blocks
             leftovers["held pins promised to peers"] = live.held.promised_pins

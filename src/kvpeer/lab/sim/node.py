@@ -25,13 +25,16 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from kvpeer.host import BlockPool, TieringHost
+from kvpeer.lab.sim.ahead import ALLOWED, AheadProfile, TokenBook
 from kvpeer.lab.sim.held import HeldProfile, WatchedHeld
 from kvpeer.lab.sim.sim_network import SimNetwork
 from kvpeer.lab.sim.timeouts import SimContext, Timeouts
+from kvpeer.node.ahead import row_copier
 from kvpeer.node.params import Routing, parse_transfer_params
 from kvpeer.node.tier import Tier
 from kvpeer.session.ports import Parent, TransferEvent
 from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
+from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.types import (
     JobResult,
     Key,
@@ -185,6 +188,8 @@ class TierProbe:
         # last finished: our session toward each peer keeps its own entry per id
         self.finished_sources: dict[tuple[str, str], float] = {}
         self.key_loaded: dict[Key, float] = {}  # key -> when a load of it last reported
+        # (source peer, wire id) of the fetches into staging running at the last check
+        self.ahead_fetching: set[tuple[str, str]] = set()
         # req id -> key -> since when the tier answers RETRY for it (symmetric probes)
         self.retry_since: dict[str, dict[Key, float]] = {}
         self._answered: set[str] = set()  # PD requests the tier answered a lookup of
@@ -405,6 +410,8 @@ class SimNode:
     busy_p: float = 0.0
     held: HeldProfile | None = None  # its tier keeps held blocks (kvpeer.lab.sim.held)
     held_type: type[WatchedHeld] = WatchedHeld  # another one: a negative control
+    ahead: AheadProfile | None = None  # its tier pulls ahead (kvpeer.lab.sim.ahead)
+    tokens: TokenBook | None = None  # the world's, when any node pulls ahead
     live: Incarnation | None = None
     boots: int = 0
     requests: dict[str, SimRequest] = field(default_factory=dict)
@@ -430,7 +437,14 @@ class SimNode:
             held = self.held_type(pool, self.held, self.ctx, self.name)
         plane = SimDataPlane(self.net, self.fabric, self.peer_id, region, slow=self.slow, held=held)
         control = self.net.attach(self.peer_id)
+        if self.ahead is not None:
+            config = replace(config, prefetch_from=ALLOWED, prefetch_ttl_s=self.ahead.ttl_s,
+                             staging_blocks=self.ahead.rows)  # fmt: skip
         tier = Tier(config, control, plane, clock=self.ctx.clock, boot_id=boot_id, held=held)
+        if self.ahead is not None and self.tokens is not None:
+            whole = PrimaryRegion(pool.view, pool.num_blocks, pool.block_len)
+            tier.configure_staging(pool.withhold(self.ahead.rows), self.tokens.keys_of,
+                                   row_copier(whole), pool.block_len)  # fmt: skip
         probe = TierProbe(tier, self.name, pool, self.ctx)
         host = TieringHost(pool, [probe])
         self.live = Incarnation(pool, region, plane, tier, probe, host, held)

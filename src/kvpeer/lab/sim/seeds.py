@@ -1,17 +1,19 @@
 """``python -m kvpeer.sim --seeds N [--first-seed S] [--nodes K]``: run seeded worlds.
 
-Exit status 1 if any seed found a violation. The last stdout line is always
-``seeds=N violations=V jobs=J loads_ok=L loads_failed=F``; the one before it
-counts the faults injected, and the one before that what the worlds' held blocks
-did (:mod:`kvpeer.lab.sim.held`). Each failing seed prints a one-line command that
-reproduces it. A run of at least :data:`HELD_SELF_CHECK_WORLDS` worlds with held
-blocks (of the default length or longer) in which no peer was ever written a block
-from them fails too, counted as one violation: the model of engine-less serving
-went dead, and its checks with it. The tier iterates some sets of strings, so a
-run is reproducible only under a fixed ``PYTHONHASHSEED``: when none is set, the
-CLI re-executes itself with ``PYTHONHASHSEED=0``. With ``--jobs N`` seeds run in N
-worker processes (forked, so they share the hash seed); each world is still one
-process, one thread, and the output is the same.
+Exit status 1 if any seed found a violation. The last stdout line is always ``seeds=N
+violations=V jobs=J loads_ok=L loads_failed=F``; the one before it counts the faults
+injected, the one before that what the worlds' held blocks did
+(:mod:`kvpeer.lab.sim.held`), and the one before that what pulling ahead did
+(:mod:`kvpeer.lab.sim.ahead`; a run of at least as many worlds that pulled ahead in
+which no load used a staged block fails the same way). Each failing seed prints a
+one-line command that reproduces it. A run of at least :data:`HELD_SELF_CHECK_WORLDS`
+worlds with held blocks (of the default length or longer) in which no peer was ever
+written a block from them fails too, counted as one violation: the model of engine-less
+serving went dead, and its checks with it. The tier iterates some sets of strings, so a
+run is reproducible only under a fixed ``PYTHONHASHSEED``: when none is set, the CLI
+re-executes itself with ``PYTHONHASHSEED=0``. With ``--jobs N`` seeds run in N worker
+processes (forked, so they share the hash seed); each world is still one process, one
+thread, and the output is the same.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
+from kvpeer.lab.sim.ahead import AheadCounts
 from kvpeer.lab.sim.world import HeldCounts, SeedResult, run_seed
 
 DEFAULT_TICKS = 200
@@ -77,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     violations = jobs = loads_ok = loads_failed = 0
     faults = {"deaths": 0, "partitions": 0, "freezes": 0, "restarts": 0}
     held, held_worlds = HeldCounts(), 0
+    ahead, ahead_worlds = AheadCounts(), 0
     started = time.monotonic()
     cpu_started = _cpu_seconds()
     every = max(1, args.seeds // 10)
@@ -91,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if result.held is not None:
             held += result.held
             held_worlds += 1
+        if result.ahead is not None:
+            ahead += result.ahead
+            ahead_worlds += 1
         if args.verbose:
             print(result.summary())
             for violation in result.violations:
@@ -108,10 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         sys.stdout.flush()
-    dead = _held_dead(args, held_worlds, held)
-    if dead:
-        violations += 1
-        print(f"FAILED self-check: {dead}")
+    for dead in (_held_dead(args, held_worlds, held), _ahead_dead(args, ahead_worlds, ahead)):
+        if dead:
+            violations += 1
+            print(f"FAILED self-check: {dead}")
+    print(f"ahead: worlds={ahead_worlds} {ahead.summary()}")
     print(f"held: worlds={held_worlds} {held.summary()}")
     print("faults: " + " ".join(f"{name}={count}" for name, count in faults.items()))
     print(_timing(args, time.monotonic() - started, _cpu_seconds() - cpu_started), file=sys.stderr)
@@ -132,6 +140,17 @@ def _held_dead(args: argparse.Namespace, worlds: int, held: HeldCounts) -> str |
         f"{worlds} worlds kept held blocks ({held.kept} copied) but served {held.served} "
         f"pins and wrote {held.written} blocks to peers from them: engine-less serving "
         "is not exercised"
+    )
+
+
+def _ahead_dead(args: argparse.Namespace, worlds: int, ahead: AheadCounts) -> str | None:
+    """Why the run's pulling ahead proves nothing, if it doesn't: no staged block was
+    ever used by a load (then the copy out of staging, and its checks, never ran)."""
+    if worlds < HELD_SELF_CHECK_WORLDS or args.ticks < DEFAULT_TICKS or ahead.used:
+        return None
+    return (
+        f"{worlds} worlds pulled ahead ({ahead.sent} prefetches, {ahead.staged} blocks "
+        "staged) but no load ever used a staged block: pulling ahead is not exercised"
     )
 
 

@@ -48,6 +48,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass
 
 from kvpeer.host import SlotState
+from kvpeer.lab.sim.ahead import AheadCounts, PrefetchSource, TokenBook, draw_ahead
 from kvpeer.lab.sim.budgets import Reach
 from kvpeer.lab.sim.checks import Checker
 from kvpeer.lab.sim.held import WatchedHeld, draw_held
@@ -95,6 +96,7 @@ class SeedResult:
     freezes: int = 0
     restarts: int = 0
     held: HeldCounts | None = None  # the world's nodes kept held blocks
+    ahead: AheadCounts | None = None  # the world's nodes pulled ahead
 
     @property
     def loads_ok(self) -> int:
@@ -107,7 +109,9 @@ class SeedResult:
             f"loads_failed={self.loads_failed} requests={self.requests} deaths={self.deaths} "
             f"partitions={self.partitions} freezes={self.freezes} restarts={self.restarts}"
         )
-        return line if self.held is None else f"{line} held: {self.held.summary()}"
+        if self.held is not None:
+            line = f"{line} held: {self.held.summary()}"
+        return line if self.ahead is None else f"{line} ahead: {self.ahead.summary()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,11 +176,14 @@ class World:
         tier_overrides: dict[str, float] | None = None,
         held: bool | None = None,
         held_type: type[WatchedHeld] = WatchedHeld,
+        ahead: bool | None = None,
     ) -> None:
-        """``tier_overrides``: config keys the tiers get instead of the seed's (a
-        negative control: the checker still expects the seed's budgets). ``held``:
-        the world keeps held blocks (True), not (False), or as its seed draws it
-        (None); ``held_type``: what its nodes keep them in (a negative control)."""
+        """``ahead``: the world's nodes pull ahead (True), not (False), or as its seed
+        draws it (None; kvpeer.lab.sim.ahead). ``tier_overrides``: config keys the
+        tiers get instead of the seed's (a negative control: the checker still expects
+        the seed's budgets). ``held``: the world keeps held blocks (True), not (False),
+        or as its seed draws it (None); ``held_type``: what its nodes keep them in (a
+        negative control)."""
         if nodes < 2:
             raise ValueError(f"a world needs at least 2 nodes, got {nodes}")
         self.seed = seed
@@ -230,6 +237,15 @@ class World:
                 node.held = profiles.get(node.peer_id)
                 node.held_type = held_type
         self.held_copies: list[WatchedHeld] = []  # of every incarnation
+        self.prefetches: PrefetchSource | None = None
+        if ahead is not False:
+            profiles_ahead = draw_ahead(seed, [n.peer_id for n in self.nodes], always=ahead is True)
+            if profiles_ahead:
+                book = TokenBook()
+                self.prefetches = PrefetchSource(self.net, seed, book)
+                for node in self.nodes:
+                    node.ahead = profiles_ahead.get(node.peer_id)
+                    node.tokens = book
         self.peer_ids = [node.peer_id for node in self.nodes] + [GHOST_PEER]
         self.reach = Reach(self.ctx, self.net, self.peer_ids[:-1], GHOST_PEER)
         self._others = [[p for p in self.peer_ids if p != node.peer_id] for node in self.nodes]
@@ -283,7 +299,18 @@ class World:
             freezes=self.freezes,
             restarts=self.restarts,
             held=self._held_counts(),
+            ahead=self._ahead_counts(),
         )
+
+    def _ahead_counts(self) -> AheadCounts | None:
+        if self.prefetches is None:
+            return None
+        source = self.prefetches
+        counts = AheadCounts(nodes=sum(node.ahead is not None for node in self.nodes),
+                             sent=source.sent, refused=source.refused)  # fmt: skip
+        for probe in self.probes:
+            counts += AheadCounts.of(probe.tier.counters().ahead)
+        return counts
 
     def _held_counts(self) -> HeldCounts | None:
         nodes = sum(node.held is not None for node in self.nodes)
@@ -299,6 +326,8 @@ class World:
 
     def step(self, tick: int, full_check: bool) -> None:
         self.net.update()
+        if self.prefetches is not None:
+            self.prefetches.drain()
         self.reach.update(node.peer_id for node in self.nodes if node.stalled_until > tick)
         frames = self.net.frames_sent
         live = [node for node in self.nodes if node.live is not None]
@@ -533,6 +562,10 @@ class World:
             if node.live is None:
                 request.done = True  # the router sent it to a node that is down
                 continue
+            if self.prefetches is not None:  # the router's prefetch leaves first
+                self.prefetches.request_started(node.peer_id, node.ahead,
+                                                request.ctx.kv_transfer_params, request.keys,
+                                                self.peer_ids)  # fmt: skip
             try:
                 node.start(request)
                 self.requests += 1
@@ -552,6 +585,7 @@ def run_seed(
     tier_overrides: dict[str, float] | None = None,
     held: bool | None = None,
     held_type: type[WatchedHeld] = WatchedHeld,
+    ahead: bool | None = None,
 ) -> SeedResult:
     """Build the world of ``seed``, run it, return what the checker found."""
     world = World(
@@ -565,5 +599,6 @@ def run_seed(
         tier_overrides=tier_overrides,
         held=held,
         held_type=held_type,
+        ahead=ahead,
     )
     return world.run()
