@@ -108,3 +108,27 @@ def test_the_command_names_a_wait_the_tier_would_refuse() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "sync_pull_wait_s: expected 0 to 1 seconds, got 5.0" in done.stderr
+
+
+def test_a_pull_started_ahead_shows_its_prefetchs_fetch(tmp_path: Path) -> None:
+    (tmp_path / "a.log").write_text(
+        "\n".join([
+            trace(200.004, "127.0.0.1:1", "ahead:3", "fetch_received", "blocks=48 round=0"),
+            trace(200.009, "127.0.0.1:1", "ahead:7", "fetch_received", "blocks=48 round=0"),
+        ])
+    )  # fmt: skip
+    (tmp_path / "b.log").write_text(
+        "\n".join([
+            trace(200.001, "127.0.0.1:2", "ahead:3", "prefetch", f"peer=x request={PULL_ID}"),
+            trace(200.002, "127.0.0.1:2", "ahead:7", "prefetch", "peer=x request=other"),
+            trace(200.012, "127.0.0.1:2", "ahead:3", "prefetch_done", "success=True"),
+            trace(200.020, "127.0.0.1:2", PULL_ID, "staged_adopted", "blocks=48 step=9"),
+        ])
+    )  # fmt: skip
+    events = timeline(sorted(tmp_path.glob("*.log")), PULL_ID)
+    assert [(e["engine"], e["event"]) for e in events] == [
+        ("b", "prefetch"),
+        ("a", "fetch_received"),
+        ("b", "prefetch_done"),
+        ("b", "staged_adopted"),
+    ]

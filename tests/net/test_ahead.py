@@ -27,9 +27,9 @@ BLOCKS = 8
 STAGING = list(range(48, 64))
 
 
-def synthetic_keys(tokens: Sequence[int]) -> list[Key]:
+def synthetic_keys(tokens: Sequence[int], max_keys: int) -> list[Key]:
     """A stand-in for the engine's hash: token i names synthetic block i."""
-    return keys_of(list(tokens))
+    return keys_of(list(tokens[:max_keys]))
 
 
 def staged(consumer: LocalNode) -> LocalNode:

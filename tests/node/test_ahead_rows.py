@@ -25,8 +25,8 @@ def key(n: int) -> Key:
     return b"k%04d" % n + bytes(4)
 
 
-def keys_of(tokens: Sequence[int]) -> list[Key]:
-    return [key(t) for t in tokens]
+def keys_of(tokens: Sequence[int], max_keys: int) -> list[Key]:
+    return [key(t) for t in tokens[:max_keys]]
 
 
 operations = st.lists(

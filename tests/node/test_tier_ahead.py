@@ -35,10 +35,10 @@ ROUTER = "10.0.0.9:7000"
 TTL_S = 10.0
 
 
-def keys_of(tokens: Sequence[int]) -> list[Key]:
+def keys_of(tokens: Sequence[int], max_keys: int) -> list[Key]:
     if any(t == 666 for t in tokens):
         raise ValueError("token 666 is cursed")
-    return list(keys(*tokens))
+    return list(keys(*tokens[:max_keys]))
 
 
 def setup(

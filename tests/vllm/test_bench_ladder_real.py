@@ -1,11 +1,14 @@
 """``kvpeer bench ladder --prompts 1`` for real: two ``vllm serve`` engines with the whole
 kvpeer stack (held blocks, kvpeer's manager and connector) behind the router.
 
-Checked, as a user would read the result: every rung measured, both pulls came from the
+Checked, as a user would read the result: every rung measured, the pulls came from the
 producer with the producer's own tokens and logprobs, and the slowest pull's timeline
 shows the pull landing inside the lookup (``promotion`` with ``landed=1``) and the load
 scheduled synchronously in the same engine step, from the client's send to its first
-token. No speed is asserted (docs/benchmarks.md has the measured ratios).
+token. The rungs started ahead (a second router's prefetches, kvpeer.node.ahead) staged
+their blocks in b before its lookup and b took them into its cache with no copy; b's
+staging is empty again by the end. No speed is asserted (docs/benchmarks.md has the
+measured ratios).
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ def test_one_round_of_the_ladder_lands_its_pulls_in_the_lookup(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     result = json.loads(done.stdout)
     assert all(len(result["samples"][rung]) == 1 for rung in RUNGS)
-    assert (result["pulls"], result["pulled_from_producer"], result["same_output"]) == (2, 2, 2)
+    assert (result["pulls"], result["same_output"]) == (6, 6)
+    # a router may judge one pull slower than computing (it learns from each outcome);
+    # the ones it pulled came from the producer
+    assert result["pulled_from_producer"] >= 5
     events = [(event["engine"], event["event"]) for event in result["timeline"]]
     assert events[0] == ("client", "sent")
     assert ("client", "first_token") in events
@@ -55,4 +61,11 @@ def test_one_round_of_the_ladder_lands_its_pulls_in_the_lookup(
     hit = next(e for e in result["timeline"] if e["event"] == "lookup_hit")
     assert hit["detail"].endswith(f"step={step}")  # looked up and landed in one step
     assert ("b", "sync_load_scheduled") in events
+    ahead = [(event["engine"], event["event"]) for event in result["ahead_timeline"]]
+    assert ("b", "prefetch") in ahead
+    assert ("a", "fetch_received") in ahead  # the prefetch's fetch, served by the producer
+    assert ("b", "prefetch_done") in ahead
+    counts = result["ahead_counts"]
+    assert counts["blocks_staged"] >= 48  # a 1,536-token prompt is 48 blocks
+    assert counts["jobs_adopted"] >= 1
     assert shm_names() <= shm_before  # nothing left in /dev/shm

@@ -52,7 +52,7 @@ import numpy as np
 from kvpeer.config import TierConfig
 from kvpeer.node.counters import TierCounters
 from kvpeer.node.params import split_peer_id
-from kvpeer.protocol import Prefetch
+from kvpeer.protocol import Prefetch, limits
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.types import JobResult, Key, TransferJob
 
@@ -60,8 +60,9 @@ __all__ = ["AheadFetch", "KeysOf", "PullAhead", "RowCopy", "row_copier"]
 
 log = logging.getLogger("kvpeer.ahead")
 
-#: The engine's keys of a prompt prefix (its own hash), None if it cannot tell yet.
-KeysOf = Callable[[Sequence[int]], list[Key] | None]
+#: The engine's keys of a prompt prefix (its own hash), at most about ``max_keys`` of
+#: them (the host may stop hashing there); None if it cannot tell yet.
+KeysOf = Callable[[Sequence[int], int], list[Key] | None]
 #: Copy rows of the primary region: ``(from_row, to_row)`` pairs.
 RowCopy = Callable[[Sequence[tuple[int, int]]], None]
 
@@ -145,8 +146,9 @@ class PullAhead:
         if reason is not None:
             return self._refused(reason)
         assert self._keys_of is not None
+        most = min(len(self._rows), limits.MAX_ITEMS)  # one fetch names at most MAX_ITEMS
         try:
-            keys = self._keys_of(message.tokens)
+            keys = self._keys_of(message.tokens, most)
         except Exception as exc:  # the host's hash refused these tokens
             return self._refused(f"cannot hash the prompt: {exc}")
         if not keys:
@@ -156,6 +158,7 @@ class PullAhead:
         if not wanted:
             self._counters["already_staged"] += 1
             return self._refused("every block is staged or being fetched already")
+        wanted = wanted[:most]
         self._make_room(len(wanted))
         wanted = wanted[: len(self._free)]
         if not wanted:

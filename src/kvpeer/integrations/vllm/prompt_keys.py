@@ -77,7 +77,9 @@ class PromptKeys:
                 log.info("kvpeer: prompts are keyed with %s for pulling ahead", algo)
         return self._hash
 
-    def __call__(self, tokens: Sequence[int]) -> list[Key] | None:
+    def __call__(self, tokens: Sequence[int], max_keys: int) -> list[Key] | None:
+        """The offload keys of ``tokens``' full chunks, hashing no more tokens than
+        ``max_keys`` chunks of every group need."""
         hash_fn = self._hash_function()
         if hash_fn is None:
             return None
@@ -87,6 +89,8 @@ class PromptKeys:
         if root is None:
             return None  # the engine has not set its root up yet
         size = self._tokens_per_hash
+        per_chunk = max((per for _, per in self._groups), default=1)
+        tokens = tokens[: max(0, max_keys) * max(1, per_chunk) * size]
         hashes: list[kv_cache_utils.BlockHash] = []
         parent: kv_cache_utils.BlockHash | None = None
         for start in range(0, len(tokens) - size + 1, size):

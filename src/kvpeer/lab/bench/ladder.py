@@ -29,7 +29,8 @@ can hide behind the wait. The first router never prefetches,
 so both ways are measured on the same engines in the same run.
 
 The ratios are the issue's goals: (c) <= 1.5x (b), (d) <= 2x (b), (c) <= 0.1x (a). The
-step timeline of the slowest pulled request is read from both engines' traces
+step timeline of the slowest pulled request (and of the slowest started ahead, with the
+prefetch's own fetch) is read from both engines' traces
 (``KVPEER_TRACE=1``, kvpeer.node.trace), the router's trace of it, and the client's own
 times (sent, first token), so it spans the whole request.
 """
@@ -200,10 +201,15 @@ def run(
             client = OpenAIClient(router.url, MODEL_NAME)
             other = OpenAIClient(router.url, MODEL_NAME)
             ahead_client = OpenAIClient(ahead.url, MODEL_NAME) if ahead is not None else None
+            # the other client's long prompts go through the router of the pull they
+            # delay: each router then sees the load it is up against, as in production
+            ahead_other = OpenAIClient(ahead.url, MODEL_NAME) if ahead is not None else None
             stack.callback(client.close)
             stack.callback(other.close)
-            if ahead_client is not None:
-                stack.callback(ahead_client.close)
+            for extra_client in (ahead_client, ahead_other):
+                if extra_client is not None:
+                    stack.callback(extra_client.close)
+            beside = {id(client): other, id(ahead_client): ahead_other}
 
             def indexed(*prompts: list[int]) -> None:
                 for each in started:
@@ -213,7 +219,7 @@ def run(
             def busy_pull(via: Any, prompt: list[int]) -> Any:
                 """``b`` serves ``prompt`` (pulled from ``a``) while ``a`` prefills."""
                 nonlocal busy_overlapped
-                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
+                long_prefill = _Background(beside[id(via)], fresh(spec.busy_tokens), _pin("a"))
                 time.sleep(BUSY_START_S)
                 got = client_log.complete(via, prompt, _pin("b"))
                 busy_overlapped += not long_prefill.done.is_set()
@@ -223,7 +229,7 @@ def run(
             def queued_pull(via: Any, prompt: list[int]) -> Any:
                 """``b`` serves ``prompt`` (pulled from ``a``) behind another client's
                 long prefill on ``b`` itself: the request waits in ``b``'s queue."""
-                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("b"))
+                long_prefill = _Background(beside[id(via)], fresh(spec.busy_tokens), _pin("b"))
                 time.sleep(BUSY_START_S)
                 got = client_log.complete(via, prompt, _pin("b"))
                 long_prefill.join()
@@ -293,12 +299,20 @@ def run(
         logging.getLogger(TRACE_LOGGER).removeHandler(router_log)
         router_log.close()
         client_log.close()
-    slowest = max(pulls, key=lambda pull: pull.ttft_s, default=None)
+    plain = [pull for pull in pulls if not pull.rung.startswith("ahead")]
+    slowest = max(plain, key=lambda pull: pull.ttft_s, default=None)
     steps = timeline(fleet_logs(logs), slowest.request_id) if slowest is not None else []
+    ahead_pulls = [pull for pull in pulls if pull.rung.startswith("ahead")]
+    slowest_ahead = max(ahead_pulls, key=lambda pull: pull.ttft_s, default=None)
+    ahead_steps = (
+        timeline(fleet_logs(logs), slowest_ahead.request_id) if slowest_ahead is not None else []
+    )
     if ok and log_dir is None:
         shutil.rmtree(logs, ignore_errors=True)
     result = summarize(spec, samples, pulls, busy_overlapped, slowest, steps)
     result["ahead_counts"] = staged
+    result["slowest_ahead"] = None if slowest_ahead is None else vars(slowest_ahead)
+    result["ahead_timeline"] = ahead_steps
     return result
 
 
@@ -332,16 +346,23 @@ _TRACE = re.compile(r"kvpeer\.trace t=(?P<t>[0-9.]+) node=(?P<node>\S+) id=(?P<i
 
 def timeline(paths: list[Path], request_id: str) -> list[dict[str, Any]]:
     """The trace lines of ``request_id`` in the engines' logs, in time order, with ms
-    since the first."""
+    since the first; with those of the fetch a prefetch for it started (a ``prefetch``
+    line naming ``request=<request_id>`` gives that fetch's own id)."""
     if not request_id:
         return []
-    events: list[dict[str, Any]] = []
+    matched = []
     for path in paths:
         for line in path.read_text(errors="replace").splitlines():
             match = _TRACE.search(line)
-            if match is None or match["id"] != request_id:
-                continue
-            events.append({"t": float(match["t"]), "engine": path.stem, "event": match["event"],
+            if match is not None:
+                matched.append((path.stem, match))
+    ids = {request_id}
+    ids.update(m["id"] for _, m in matched
+               if m["event"] == "prefetch" and f"request={request_id}" in m["rest"])  # fmt: skip
+    events: list[dict[str, Any]] = []
+    for engine, match in matched:
+        if match["id"] in ids:
+            events.append({"t": float(match["t"]), "engine": engine, "event": match["event"],
                            "detail": match["rest"].strip()})  # fmt: skip
     events.sort(key=lambda event: event["t"])
     start = events[0]["t"] if events else 0.0
@@ -421,7 +442,7 @@ def render(result: dict[str, Any]) -> str:
     counts = result.get("ahead_counts") or {}
     if counts:
         lines.append(
-            "pulled ahead into b: " + ", ".join(
+            "pulled ahead into b (its /metrics at the end, a few seconds behind): " + ", ".join(
                 f"{name} {int(counts.get(name, 0))}"
                 for name in ("prefetches", "refused", "blocks_staged", "jobs_adopted",
                              "jobs_served", "blocks_expired", "staged_blocks")
@@ -436,6 +457,16 @@ def render(result: dict[str, Any]) -> str:
         lines.extend(
             f"  {event['ms']:>8.1f} ms  {event['engine']:<7} {event['event']:<24} {event['detail']}"
             for event in result["timeline"]
+        )
+    ahead = result.get("slowest_ahead")
+    if ahead is not None:
+        lines.append(
+            f"slowest pull started ahead: {ahead['rung']} {ahead['ttft_s'] * 1000:.0f} ms "
+            f"(request {ahead['request_id'] or '?'}); its trace, with its prefetch's fetch:"
+        )
+        lines.extend(
+            f"  {event['ms']:>8.1f} ms  {event['engine']:<7} {event['event']:<24} {event['detail']}"
+            for event in result["ahead_timeline"]
         )
     return "\n".join(lines)
 

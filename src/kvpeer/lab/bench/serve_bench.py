@@ -127,6 +127,8 @@ class ServeBenchSpec:
     repeats: int = 1
     #: unpinned workloads' offered loads (requests/s, low and high); None: probe for them
     loads: tuple[float, float] | None = None
+    #: the kvpeer arm's tiers obey its router's prefetches (kvpeer.node.ahead)
+    ahead: bool = True
 
     def __post_init__(self) -> None:
         _check_names("--arms", self.arms, ARMS)
@@ -198,6 +200,7 @@ class ServeBenchSpec:
             step_tokens=args.max_num_batched_tokens,
             repeats=args.repeat,
             loads=args.loads,
+            ahead=args.ahead,
         )
 
     def engine_args(self) -> tuple[str, ...]:
@@ -279,6 +282,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every engine's step budget in tokens, all arms alike (default: "
                              "vLLM's, 2,048 on CPU); smaller steps let a short request "
                              "through sooner while another's long prefill is chunked")
+    parser.add_argument("--no-ahead", dest="ahead", action="store_false",
+                        help="the kvpeer arm does not pull ahead (its router sends no "
+                             "prefetch; by default its tiers obey them)")  # fmt: skip
     parser.add_argument("--trace", action="store_true",
                         help="trace requests (KVPEER_TRACE=1) and print the slowest kvpeer "
                              "request's timeline per workload")

@@ -75,6 +75,7 @@ class VllmArms:
     trace: bool = False
     engine_args: tuple[str, ...] = ()  # added to every engine's command line
     step_tokens: int | None = None  # the engines' step budget (None: vLLM's), told to routers
+    ahead: bool = True  # the kvpeer arm pulls ahead (its tiers obey its routers' prefetches)
     #: every engine's tier peer id (host:port) -> its name, for trace timelines
     peer_names: dict[str, str] = field(default_factory=dict)
 
@@ -96,8 +97,11 @@ class VllmArms:
             raise ArmUnavailable(reason)
         # kvpeer serves held blocks without its engine (a copy of a quarter of the CPU
         # tier); the held rows are read by the shm plane only.
-        held = ({"held_bytes": self.cpu_bytes // HELD_SHARE}
-                if arm == "kvpeer" and self.data_plane == "shm" else {})  # fmt: skip
+        held: dict[str, object] = {}
+        if arm == "kvpeer" and self.data_plane == "shm":
+            held["held_bytes"] = self.cpu_bytes // HELD_SHARE
+        if arm == "kvpeer" and self.ahead:  # the routers run in this process
+            held.update(prefetch_from=[f"{HOST}/32"], staging_blocks=128)
         specs = [
             ServeSpec(name, self.model, tier=ARM_TIERS[arm],  # type: ignore[arg-type]
                       data_plane=self.data_plane, cpu_bytes=self.cpu_bytes,
@@ -268,7 +272,7 @@ def run(
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-serve-"))
     arms = VllmArms(model, logs, spec.data_plane, spec.cpu_bytes(), progress, spec.trace,
-                    spec.engine_args(), spec.step_tokens)
+                    spec.engine_args(), spec.step_tokens, ahead=spec.ahead)
     tokenizer = None
     if "prefix" in spec.workloads:
         from vllm.tokenizers import get_tokenizer

@@ -44,6 +44,7 @@ AHEAD_WORLDS = 0.5  # share of the worlds whose nodes pull ahead
 ROUTER = "router:9000"  # the prefetching router's endpoint on the simulated network
 TTLS = (0.5, 2.0, 8.0)  # prefetch_ttl_s: expiring before use, during, or long after
 PREFETCH_P = 0.6  # a pulling request that starts on a staging node is prefetched first
+LATER_P = 0.7  # ...and reaches its engine a tick after its prefetch, not in the same one
 ALLOWED = AllowList.from_entries(["10.0.0.0/8"])  # the sim's transport names no address
 
 
@@ -109,8 +110,10 @@ class TokenBook:
             out.append(token)
         return tuple(out)
 
-    def keys_of(self, tokens: Sequence[int]) -> list[Key]:
-        """What a node's hash makes of ``tokens``; a token never named fails it."""
+    def keys_of(self, tokens: Sequence[int], max_keys: int) -> list[Key]:
+        """What a node's hash makes of ``tokens`` (the first ``max_keys``); a token
+        never named fails it."""
+        tokens = tokens[:max_keys]
         known = len(self._keys)
         bad = next((t for t in tokens if not 0 <= t < known), None)
         if bad is not None:
@@ -130,17 +133,20 @@ class PrefetchSource:
         self.sent = 0
         self.refused = 0
 
-    def request_started(
+    def request_due(
         self, node_peer_id: str, profile: AheadProfile | None, params: object,
         keys: Sequence[Key], peers: Sequence[str],
-    ) -> None:  # fmt: skip
-        """A request pulling per ``params`` starts on ``node_peer_id``: maybe prefetch."""
+    ) -> bool:  # fmt: skip
+        """A request pulling per ``params`` is due on ``node_peer_id``: maybe prefetch it.
+        True: the request should reach its engine a tick later (it travels while the
+        prefetch is taken in, as it does behind a real router); otherwise it starts now
+        and races its prefetch, which it usually wins (the prefetch is then refused)."""
         rng = self._rng
         if profile is None or not isinstance(params, dict) or rng.random() >= PREFETCH_P:
-            return
+            return False
         role = params.get("remote_kv_source")
         if not isinstance(role, dict):
-            return
+            return False
         source = f"{role.get('remote_host')}:{role.get('remote_port')}"
         cut = rng.randint(1, len(keys)) if rng.random() < 0.3 else len(keys)
         tokens = self._book.tokens(keys[:cut])
@@ -156,6 +162,7 @@ class PrefetchSource:
         if rng.random() < 0.05:  # the router retried: the second finds it staged
             self._send(node_peer_id, Prefetch(kv_request_id="again", source=source,
                                               tokens=tokens))  # fmt: skip
+        return rng.random() < LATER_P
 
     def _send(self, to: str, message: Prefetch) -> None:
         if self._net.is_up(to):

@@ -238,6 +238,7 @@ class World:
                 node.held_type = held_type
         self.held_copies: list[WatchedHeld] = []  # of every incarnation
         self.prefetches: PrefetchSource | None = None
+        self._prefetched: set[str] = set()  # requests the prefetching router has seen
         if ahead is not False:
             profiles_ahead = draw_ahead(seed, [n.peer_id for n in self.nodes], always=ahead is True)
             if profiles_ahead:
@@ -562,10 +563,14 @@ class World:
             if node.live is None:
                 request.done = True  # the router sent it to a node that is down
                 continue
-            if self.prefetches is not None:  # the router's prefetch leaves first
-                self.prefetches.request_started(node.peer_id, node.ahead,
-                                                request.ctx.kv_transfer_params, request.keys,
-                                                self.peer_ids)  # fmt: skip
+            prefetches = self.prefetches
+            if prefetches is not None and request.req_id not in self._prefetched:
+                self._prefetched.add(request.req_id)  # the router's prefetch leaves first
+                if prefetches.request_due(node.peer_id, node.ahead,
+                                          request.ctx.kv_transfer_params, request.keys,
+                                          self.peer_ids):  # fmt: skip
+                    self._planned.append(Planned(tick + 1, node, request))
+                    continue
             try:
                 node.start(request)
                 self.requests += 1
