@@ -117,6 +117,9 @@ class TestStaged:
         router.prefetch(a, b, TOKENS)
         poll(a, b)  # b never reaches a serve window: it serves held blocks
         assert a.stats().staged_blocks == 3
+        # the fetch into staging is a pull from b like any other (kvpeer_pulled_*)
+        assert a.stats().blocks_loaded == 3
+        assert a.tier.counters().loads_ok == 1
         asked = b.parent.lookups
         job_id, dest = engine_pull(a, KEYS)
         results = a.tier.take_results()  # no poll: the copy was done inside submit_load
@@ -336,6 +339,7 @@ class TestFallbacks:
         assert a.stats().staged_blocks == 0
         assert a.stats().staging_free == len(ROWS)
         assert ahead_counts(a)["fetches_failed"] == 1
+        assert a.tier.counters().loads_failed == 1  # counted as any failed pull
         rows_accounted(a)
 
     def test_the_source_dying_mid_fetch_fails_the_waiting_job_and_frees_the_rows(self) -> None:

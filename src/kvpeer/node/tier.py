@@ -708,22 +708,23 @@ class Tier:
         for seconds in result.lookup_seconds:
             counters.lookup_seconds.observe(seconds)
         for load in result.loads:
-            if self._ahead.owns(load.job_id):
-                self._ahead_landed(peer, load.job_id, load.kv_request_id, load.success, now)
-                continue
+            ahead = self._ahead.owns(load.job_id)  # a fetch into staging (kvpeer.node.ahead)
             if self._trace.enabled:
                 self._trace.emit(load.kv_request_id, "load_done" if load.success else "load_failed",
                                  peer=peer_id, blocks=load.blocks,
                                  bytes=load.blocks * self.block_len, seconds=load.seconds,
                                  reason=load.reason or None)  # fmt: skip
-            self._results.append(
-                JobResult(
-                    load.job_id,
-                    load.success,
-                    load.seconds if load.success else None,
-                    load.blocks * self.block_len if load.success else None,
+            if ahead:
+                self._ahead_landed(peer, load.job_id, load.kv_request_id, load.success, now)
+            else:
+                self._results.append(
+                    JobResult(
+                        load.job_id,
+                        load.success,
+                        load.seconds if load.success else None,
+                        load.blocks * self.block_len if load.success else None,
+                    )
                 )
-            )
             self._blocks_loaded += load.blocks
             if load.success:
                 peer.blocks_pulled += load.blocks
@@ -741,7 +742,8 @@ class Tier:
                     peer_id,
                     load.reason,
                 )
-                self._fail_id(load.kv_request_id)
+                if not ahead:
+                    self._fail_id(load.kv_request_id)
         self._results.extend(JobResult(s.job_id, s.success) for s in result.stores)
         for kv_request_id in result.expired_probe_ids:
             log.info("lookups of %s at %s timed out; computing locally", kv_request_id, peer_id)
