@@ -6,14 +6,19 @@ asked and its load is a copy of the right bytes. A sender whose address is not i
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+import pytest
 import zmq
+import zmq.auth
 
+from kvpeer.errors import ConfigError
 from kvpeer.node.ahead import row_copier
 from kvpeer.protocol import Codec, Prefetch, PrefetchRefused
-from kvpeer.router.ahead import PrefetchSender
+from kvpeer.router.ahead import CurveClient, PrefetchSender
 from kvpeer.router.policy import EngineSpec
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.types import Key, LookupResult, RequestContext, TransferJob
@@ -113,3 +118,57 @@ def test_the_senders_count_refusals(serve: StartNode) -> None:
             assert "stages nothing" in reason
         finally:
             sender.close()
+
+
+def curve_keys(root: Path) -> tuple[dict[str, str], CurveClient, CurveClient]:
+    """A tier's CURVE config; a router admitted by it; a rogue router that is not."""
+    keys, allowed = root / "keys", root / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(keys, "fleet")
+    router_public, router_secret = zmq.auth.create_certificates(keys, "router")
+    _, rogue_secret = zmq.auth.create_certificates(keys, "rogue")
+    shutil.copy(router_public, allowed)
+    tier = {"server_secret_key_file": server_secret, "server_public_key_file": server_public,
+            "client_public_keys_dir": str(allowed)}  # fmt: skip
+    admitted = CurveClient.load(router_secret, server_public)
+    rogue = CurveClient.load(rogue_secret, server_public)
+    return tier, admitted, rogue
+
+
+def test_with_curve_only_a_router_whose_key_the_tier_holds_is_read(
+    serve: StartNode, tmp_path: Path
+) -> None:
+    producer = serve(plane="tcp")
+    tier, admitted, rogue = curve_keys(tmp_path)
+    with LocalNode("tcp", prefetch_from=["127.0.0.1/32"], curve=tier) as consumer:  # no rows
+        heard: dict[str, list[str]] = {"admitted": [], "rogue": []}
+        senders = {name: PrefetchSender(zmq.Context(), count=heard[name].append, curve=keys)
+                   for name, keys in (("admitted", admitted), ("rogue", rogue))}  # fmt: skip
+        try:
+            for sender in senders.values():
+                sender.connect([spec(consumer.peer_id)])
+            # the admitted router's prefetch reaches the tier: refused, by name
+            assert wait_until(lambda: senders["admitted"].send(
+                spec(consumer.peer_id), "r1", spec(producer.peer_id), [1, 2]), DEADLINE_S)
+            assert wait_until(lambda: (senders["admitted"].poll_refusals(),
+                                       "refused" in heard["admitted"])[1], DEADLINE_S)  # fmt: skip
+            # the rogue's connection never completes its CURVE handshake: nothing leaves
+            for _ in range(20):
+                senders["rogue"].send(spec(consumer.peer_id), "r2", spec(producer.peer_id), [1])
+                time.sleep(0.01)
+            senders["rogue"].poll_refusals()
+            assert "sent" not in heard["rogue"]
+            assert "refused" not in heard["rogue"]
+            assert consumer.node.counters().ahead["prefetches"] == 1
+        finally:
+            for sender in senders.values():
+                sender.close()
+
+
+def test_a_router_key_file_that_cannot_be_used_is_named(tmp_path: Path) -> None:
+    zmq.auth.create_certificates(tmp_path, "router")
+    with pytest.raises(ConfigError, match=r"prefetch_curve_key: .* holds no secret key"):
+        CurveClient.load(str(tmp_path / "router.key"), str(tmp_path / "router.key"))
+    with pytest.raises(ConfigError, match="prefetch_curve_server_key: cannot load"):
+        CurveClient.load(str(tmp_path / "router.key_secret"), str(tmp_path / "missing.key"))

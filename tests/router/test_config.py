@@ -203,3 +203,34 @@ def test_an_engine_running_kvpeers_connector_is_named_in_the_file_or_the_flag() 
     assert [e.spec.sync_pulls for e in by_flag.engines] == [True, False]
     with pytest.raises(ConfigError, match="sync_pulls"):
         from_mapping(engines(engine(sync_pulls="often")))
+
+
+def test_an_engine_that_pulls_ahead_gets_the_routers_prefetches() -> None:
+    """``ahead`` in a table or a flag; a shared-mode router with such an engine opens a
+    prefetch sender, one without (or a pd router) does not."""
+    from kvpeer.router.app import Router
+
+    table = from_mapping(engines(engine(ahead=True)))
+    assert table.engines[0].spec.pulls_ahead
+    flag = parse_engine_flag("a=http://h:1,peer=h:2,ahead=true")
+    assert flag["ahead"] == "true"
+    assert from_mapping(engines(flag)).engines[0].spec.pulls_ahead
+    assert Router(table).ahead is not None
+    assert Router(from_mapping(engines(engine()))).ahead is None
+    with pytest.raises(ConfigError, match="ahead"):
+        from_mapping(engines(engine(ahead="sometimes")))
+
+
+def test_prefetch_curve_keys_come_both_or_neither(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="give both"):
+        from_mapping({**engines(engine(ahead=True)), "prefetch_curve_key": "/k/router.key"})
+    args = build_parser().parse_args(
+        ["router", "--engine", "a=http://h:1,peer=h:2,ahead=true",
+         "--prefetch-curve-key", str(tmp_path / "nope.key_secret"),
+         "--prefetch-curve-server-key", str(tmp_path / "nope.key")])  # fmt: skip
+    config = from_args(args)
+    assert config.prefetch_curve_key.endswith("nope.key_secret")
+    from kvpeer.router.app import Router
+
+    with pytest.raises(ConfigError, match="prefetch_curve_key: cannot load"):
+        Router(config)

@@ -19,6 +19,10 @@ Rules:
    new per process; a tier obeys by the address the connection comes from
    (``prefetch_from``), never by this name.
 4. Sockets close with the router (linger 0).
+5. Toward tiers that use CURVE (their ROUTER admits only client keys of their
+   directory) the router connects with its own certificate and the tiers' server key
+   (``prefetch_curve_key``, ``prefetch_curve_server_key``); a tier that does not admit
+   it never reads its prefetches, which are then dropped once the queue is full.
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ import logging
 import secrets
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import zmq
+import zmq.auth
 
+from kvpeer.errors import ConfigError
 from kvpeer.protocol import Codec, Prefetch, PrefetchRefused, limits
 from kvpeer.router.policy import EngineSpec
 
-__all__ = ["OUTCOMES", "PrefetchSender"]
+__all__ = ["OUTCOMES", "CurveClient", "PrefetchSender"]
 
 log = logging.getLogger("kvpeer.router")
 
@@ -47,6 +54,33 @@ def format_peer_id(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+@dataclass(frozen=True, slots=True)
+class CurveClient:
+    """CURVE material of a router's prefetch sockets."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+    @classmethod
+    def load(cls, key_file: str, server_key_file: str) -> CurveClient:
+        """This router's certificate (with its secret key) and the tiers' server public key;
+        a ConfigError names the file that cannot be used."""
+        try:
+            public, secret = zmq.auth.load_certificate(key_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"prefetch_curve_key: cannot load {key_file!r}: {exc}") from None
+        if secret is None:
+            raise ConfigError(f"prefetch_curve_key: {key_file!r} holds no secret key")
+        try:
+            server_public, _ = zmq.auth.load_certificate(server_key_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"prefetch_curve_server_key: cannot load {server_key_file!r}: {exc}"
+            ) from None
+        return cls(public, secret, server_public)
+
+
 class PrefetchSender:
     """One DEALER per tier the router has sent a prefetch to."""
 
@@ -54,10 +88,13 @@ class PrefetchSender:
         self,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         count: Callable[[str], None] | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
-        """``count(outcome)`` is called for each of :data:`OUTCOMES` as it happens."""
+        """``count(outcome)`` is called for each of :data:`OUTCOMES` as it happens;
+        ``curve``: connect to the tiers with CURVE (rule 5)."""
         self._context = context or zmq.Context.instance()
         self._count = count
+        self._curve = curve
         self._identity = f"kvpeer-router-{secrets.token_hex(8)}".encode()
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._codec = Codec()
@@ -108,6 +145,10 @@ class PrefetchSender:
             sock.setsockopt(zmq.RCVHWM, SEND_HWM)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a tier not connected
             sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # a refusal is small
+            if self._curve is not None:
+                sock.curve_publickey = self._curve.public
+                sock.curve_secretkey = self._curve.secret
+                sock.curve_serverkey = self._curve.server_public
             sock.connect(f"tcp://{address}")
             self._sockets[address] = sock
         return sock

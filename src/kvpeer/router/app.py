@@ -42,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpeer.router import params
-from kvpeer.router.ahead import PrefetchSender
+from kvpeer.router.ahead import CurveClient, PrefetchSender
 from kvpeer.router.config import RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
@@ -162,7 +162,12 @@ class Router:
         self.ahead: PrefetchSender | None = None
         if config.mode is Mode.SHARED and any(e.spec.pulls_ahead for e in config.engines):
             counter = self._metrics.prefetches
-            self.ahead = PrefetchSender(count=lambda outcome: counter.labels(outcome).inc())
+            curve = None
+            if config.prefetch_curve_key:
+                curve = CurveClient.load(config.prefetch_curve_key,
+                                         config.prefetch_curve_server_key)  # fmt: skip
+            self.ahead = PrefetchSender(count=lambda outcome: counter.labels(outcome).inc(),
+                                        curve=curve)  # fmt: skip
         self._forwarder = Forwarder(
             config, lambda: self.session, self._loads, self._metrics, self.health,
             lambda: self.peers, self._counts,

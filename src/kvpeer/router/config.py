@@ -105,6 +105,11 @@ class RouterConfig:
     # Scrape each engine's /metrics for its running and waiting requests this often, so
     # that routers sharing engines see each other's load (kvpeer.router.engineload); 0: off.
     load_scrape_interval_s: float = 1.0
+    # Prefetches to tiers that pull ahead go over CURVE when the tiers use it: this
+    # router's certificate (public and secret key; its public key in the tiers'
+    # client_public_keys_dir) and the tiers' server public key file. Both or neither.
+    prefetch_curve_key: str = ""
+    prefetch_curve_server_key: str = ""
     _by_name: dict[str, EngineEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +142,8 @@ SCALARS: dict[str, type] = {
     "engine_step_tokens": int,
     "policy": str,
     "load_scrape_interval_s": float,
+    "prefetch_curve_key": str,
+    "prefetch_curve_server_key": str,
 }
 
 
@@ -174,6 +181,12 @@ def _validate(config: RouterConfig) -> None:
         raise ConfigError(
             "policy: 'affinity' never pulls, and mode pd moves every prompt from its prefill "
             "engine to its decode engine; use policy 'pull' (or 'load') with mode pd"
+        )
+    if bool(config.prefetch_curve_key) != bool(config.prefetch_curve_server_key):
+        raise ConfigError(
+            "prefetch_curve_key and prefetch_curve_server_key: give both (this router's "
+            "certificate and the tiers' server public key) or neither, got "
+            f"{config.prefetch_curve_key!r} and {config.prefetch_curve_server_key!r}"
         )
     if config.max_body_bytes < 1024:
         raise ConfigError(f"max_body_bytes: {config.max_body_bytes!r} is below 1024")
@@ -457,6 +470,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between scrapes of each engine's /metrics for its running and waiting "
              "requests (default 1; 0: off): routers sharing engines see each other's load",
     )
+    parser.add_argument(
+        "--prefetch-curve-key", dest="prefetch_curve_key",
+        help="this router's CURVE certificate (public and secret key) for prefetches to tiers "
+             "that use CURVE; its public key must be in their client_public_keys_dir",
+    )
+    parser.add_argument(
+        "--prefetch-curve-server-key", dest="prefetch_curve_server_key",
+        help="the tiers' CURVE server public key file (with --prefetch-curve-key)",
+    )
     parser.add_argument("--ready-file", help="write http://HOST:PORT here once listening")
 
 
@@ -466,7 +488,8 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     for key in ("mode", "listen", "retries", "health_interval_s", "health_timeout_s",
                 "health_restart_failures",
                 "read_timeout_s", "prefill_timeout_s", "allow_pinning", "engine_step_tokens",
-                "policy", "load_scrape_interval_s"):
+                "policy", "load_scrape_interval_s", "prefetch_curve_key",
+                "prefetch_curve_server_key"):
         value = getattr(args, key, None)
         if value is not None:
             mapping[key] = value
