@@ -25,6 +25,8 @@ from kvpeer.protocol import (
     Lookup,
     LookupResponse,
     Message,
+    Prefetch,
+    PrefetchRefused,
     TransferDone,
 )
 from kvpeer.session import CloseKind, PeerSession, SessionSettings
@@ -220,6 +222,19 @@ class TestUnknownMessages:
         pd_fetch(pair, "after-unknown", [b"k1", b"k2"], [7, 8])
         assert pair.a.closed is None
         assert pair.b.closed is None
+
+    def test_a_routers_messages_inside_a_session_are_counted_and_ignored(self) -> None:
+        """A peer that sends ``prefetch`` or ``prefetch_refused`` on its session (they
+        belong to a router and a node, outside sessions) gets nothing from it."""
+        pair = connected()
+        before = len(pair.a.sent())
+        inject(pair, pair.a, Prefetch(kv_request_id="x", source="10.0.0.1:1", tokens=(1,)))
+        inject(pair, pair.a, PrefetchRefused(kv_request_id="x", reason="no"))
+        pair.poll()
+        stats = pair.a.session.statistics()
+        assert stats.unknown_messages == 2
+        assert (stats.ready, stats.closed) == (True, False)
+        assert len(pair.a.sent()) == before
 
 
 class TestFetchValidation:
