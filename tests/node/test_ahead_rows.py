@@ -36,6 +36,7 @@ operations = st.lists(
         st.tuples(st.just("job"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
         st.tuples(st.just("time"), st.floats(0.0, 4.0)),
         st.tuples(st.just("adopt"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+        st.tuples(st.just("clear"), st.none()),
     ),
     max_size=60,
 )
@@ -68,6 +69,7 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
             assert result.job_id in submitted
             reported[result.job_id] = result.success
 
+    discarded: set[int] = set()  # fetches running when the engine reset its cache
     engine_rows = iter(range(1000, 2000))  # rows the engine allocates and gives away
     adopted_rows: set[int] = set()  # staging rows the engine took into its cache
 
@@ -91,7 +93,7 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
                     fetched_ok.discard(row)
         elif op == "land" and fetches:
             fetch = fetches.pop(0)
-            if arg:
+            if arg and fetch.job_id not in discarded:
                 fetched_ok.update(fetch.rows)
             report(ahead.landed(fetch.job_id, bool(arg), now))
         elif op == "job":
@@ -115,6 +117,10 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
                 assert all(row in fetched_ok for row in taken)
                 adopted_rows.update(taken)
                 assert ahead.state(wanted) is None  # the engine holds them now
+        elif op == "clear":
+            report(ahead.clear())
+            discarded.update(f.job_id for f in fetches)
+            assert ahead.statistics()[0] == 0  # nothing staged survives a reset
         elif op == "time":
             assert isinstance(arg, float)
             now += arg

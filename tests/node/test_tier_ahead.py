@@ -329,6 +329,30 @@ class TestBounded:
         assert a.lookup(ctx, *KEYS) == [LookupResult.MISS] * 3
 
 
+class TestEngineReset:
+    def test_a_reset_drops_what_is_staged_and_what_is_still_coming(self) -> None:
+        """vLLM's reset_cache (new weights, sleep): nothing staged before it is handed
+        out after it; the rows stay staging rows."""
+        cluster, a, b = setup()
+        produce(b, keys(1, 2, 3, 4))
+        router = Router(cluster)
+        router.prefetch(a, b, (1, 2))
+        poll(a, b)  # staged
+        router.prefetch(a, b, (3, 4), kv_id="r2")
+        a.tier.poll()  # being fetched
+        ctx = a.request("c")
+        job_id, _ = engine_pull(a, keys(3, 4))  # waits for the fetch
+        rows = a.tier.reset_staging()
+        assert rows == frozenset(ROWS)
+        a.record(a.tier.take_results())
+        assert a.outcome(job_id) is False
+        poll(a, b)  # the fetch that was running lands: discarded
+        assert a.stats().staged_blocks == 0
+        assert a.stats().staging_free == len(ROWS)
+        assert a.lookup(ctx, *keys(1, 2, 3, 4)) == [LookupResult.MISS] * 4
+        rows_accounted(a)
+
+
 class TestFallbacks:
     def test_a_source_without_the_blocks_stages_nothing(self) -> None:
         cluster, a, b = setup()

@@ -111,6 +111,7 @@ class PullAhead:
         self._block_len = 0
         self._next_job = -1
         self._shut = False
+        self._discard: set[int] = set()  # fetches to stage nothing from (clear)
 
     # -- set-up by the host ---------------------------------------------------------
 
@@ -223,6 +224,9 @@ class PullAhead:
 
     def _end_fetch(self, job_id: int, *, success: bool, now: float = 0.0) -> None:
         fetch = self._fetches.pop(job_id)
+        if job_id in self._discard:
+            self._discard.discard(job_id)
+            success = False  # started before the engine dropped its cache
         for key in fetch.keys:
             entry = self._entries.get(key)
             if entry is None or entry.fetch != job_id:
@@ -364,6 +368,23 @@ class PullAhead:
             (e.deadline for e in self._entries.values() if e.fetch is None and not e.claimed),
             default=None,
         )
+
+    def clear(self) -> list[JobResult]:
+        """The engine dropped its cache (vLLM's ``reset_cache``: new weights, sleep):
+        nothing staged may be handed out any more. Staged rows are freed, waiting jobs
+        fail, and fetches still running free their rows when they end, staging nothing;
+        the set of rows stays."""
+        results = [JobResult(w.job.job_id, False) for w in self._waiting]
+        self._waiting = []
+        self._counters["jobs_failed"] += len(results)
+        for key, entry in list(self._entries.items()):
+            if entry.fetch is None:
+                del self._entries[key]
+                self._free.append(entry.row)
+            else:
+                entry.claimed = False
+        self._discard.update(self._fetches)
+        return results
 
     def shutdown(self) -> list[JobResult]:
         """Fail every waiting job; staged rows are free again (fetching ones end with

@@ -209,6 +209,9 @@ class DrivenTier:
         self._call(lambda t: t.configure_staging(rows, keys_of, copy, block_len),
                    _constant(None))  # fmt: skip
 
+    def reset_staging(self) -> frozenset[int]:
+        return self._call(Tier.reset_staging, lambda t: t.ahead.rows)
+
     def staged_state(self, keys: Sequence[Key]) -> bool | None:
         return self._call(lambda t: t.staged_state(keys), _constant(None))
 

@@ -188,6 +188,12 @@ class Tier:
     def ahead(self) -> PullAhead:
         return self._ahead
 
+    def reset_staging(self) -> frozenset[int]:
+        """The engine dropped its cache: drop what is staged (:meth:`PullAhead.clear`);
+        the staging rows, which the engine must keep withholding."""
+        self._results.extend(self._ahead.clear())
+        return self._ahead.rows
+
     def staged_state(self, keys: Sequence[Key]) -> bool | None:
         """Pulled ahead: every key staged (True), some still being fetched (False), or
         not (None) (:meth:`PullAhead.state`)."""

@@ -105,6 +105,20 @@ class KVPeerTieringManager(TieringOffloadingManager):
         for tier in self._kvpeer.values():
             self._withhold_staging(tier)
 
+    def reset_cache(self) -> None:
+        """vLLM's reset (sleep, new weights) clears the CPU tier's allocator, which would
+        hand staging rows out again: after it, what was staged is dropped and the staging
+        rows are withheld again (invariant 5), whichever rows they are by now."""
+        super().reset_cache()
+        staging: set[int] = set()
+        for tier in self._kvpeer.values():
+            staging |= tier.reset_staging()
+        if staging:
+            primary = self.primary_tier
+            total = primary._num_chunks
+            primary._free_list = [row for row in range(total) if row not in staging]
+            primary._num_allocated_chunks = total
+
     def _withhold_staging(self, tier: KVPeerTier) -> None:
         """Give ``tier`` the staging rows it wants for pulling ahead (kvpeer.node.ahead):
         rows of the primary region taken from the CPU tier's allocator now, before it

@@ -356,6 +356,10 @@ class KVPeerTier(SecondaryTierManager):
         self._node.promotion_waited(request, time.monotonic() - start, done)
         return done
 
+    def reset_staging(self) -> frozenset[int]:
+        """vLLM dropped its CPU cache: drop what was staged; the rows staging holds."""
+        return self._node.reset_staging()
+
     def stages(self, key: OffloadKey) -> bool:
         """``key`` was pulled ahead, or is being (kvpeer.node.ahead)."""
         return self._node.staged_state([key]) is not None
