@@ -10,9 +10,10 @@ EngineCore after it built the scheduler (and so this tier), so they are resolved
 the first call, from the EngineCore object running in this process; until one is
 found, no keys (the prefetch is refused, and the request pulls the ordinary way).
 
-Only plain token prompts are keyed: a prompt whose blocks need extra keys (a
-``cache_salt``, LoRA, multi-modal inputs) hashes differently, and the router does not
-pull for those (its index leaves salted blocks unkeyed).
+Only plain token prompts are keyed as the engine keys them: a prompt whose blocks need
+extra keys (a ``cache_salt``, LoRA, multi-modal inputs) hashes differently, so its
+prefetch asks the source for keys it does not hold; the fetch fails and nothing is
+staged.
 """
 
 from __future__ import annotations
