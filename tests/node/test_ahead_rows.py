@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpeer.config import TierConfig
@@ -18,6 +18,7 @@ from kvpeer.protocol import Prefetch
 from kvpeer.types import JobResult, Key, RequestContext, TransferJob
 
 ROWS = list(range(100, 106))
+SOURCE = "10.0.0.2:5710"  # the peer every prefetch here names
 TTL_S = 5.0
 
 
@@ -29,11 +30,12 @@ def keys_of(tokens: Sequence[int], max_keys: int) -> list[Key]:
     return [key(t) for t in tokens[:max_keys]]
 
 
-operations = st.lists(
+operations: st.SearchStrategy[list[tuple[object, ...]]] = st.lists(
     st.one_of(
         st.tuples(st.just("prefetch"), st.lists(st.integers(0, 9), min_size=1, max_size=5)),
         st.tuples(st.just("land"), st.booleans()),
-        st.tuples(st.just("job"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+        st.tuples(st.just("job"), st.lists(st.integers(0, 9), min_size=1, max_size=4),
+                  st.booleans()),
         st.tuples(st.just("time"), st.floats(0.0, 4.0)),
         st.tuples(st.just("adopt"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
         st.tuples(st.just("clear"), st.none()),
@@ -44,7 +46,11 @@ operations = st.lists(
 
 @settings(max_examples=400, deadline=None)
 @given(operations)
-def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]) -> None:
+# simulation seed 2747: a job waiting on two fetches fails over the first; the second
+# lands and must not stay claimed for ever
+@example([("prefetch", [1]), ("prefetch", [2]), ("job", [1, 2], True), ("land", False),
+          ("land", True)])  # fmt: skip
+def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[object, ...]]) -> None:
     config = TierConfig.from_dict({"prefetch_from": ["10.0.0.0/8"], "prefetch_ttl_s": TTL_S})
     ahead = PullAhead(config, TierCounters(), "127.0.0.1:1")
     fetched_ok: set[int] = set()  # rows whose current fetch succeeded
@@ -82,10 +88,10 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
         assert in_use | set(ahead._free) == set(ahead.rows)
         assert not adopted_rows & set(ahead.rows), "a row is the engine's and staging's"
 
-    for op, arg in ops:
+    for op, arg, *more in ops:
         if op == "prefetch":
             assert isinstance(arg, list)
-            message = Prefetch(kv_request_id="r", source="10.0.0.2:5710", tokens=tuple(arg))
+            message = Prefetch(kv_request_id="r", source=SOURCE, tokens=tuple(arg))
             fetch = ahead.admit("10.0.0.1", message, now)
             if isinstance(fetch, AheadFetch):
                 fetches.append(fetch)
@@ -102,7 +108,8 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
                               tuple(range(len(arg))), RequestContext("c"))  # fmt: skip
             submitted.add(next_job)
             next_job += 1
-            results = ahead.take(job, now)
+            # the request names the prefetches' source (it may wait for them), or none
+            results = ahead.take(job, now, SOURCE if more and more[0] else None)
             if results is None:
                 submitted.discard(job.job_id)  # the ordinary path takes it
             report(results)
@@ -130,6 +137,9 @@ def test_rows_are_conserved_and_jobs_reported_once(ops: list[tuple[str, object]]
         check()
     for fetch in fetches:  # the sessions end: every fetch is reported, failed
         report(ahead.landed(fetch.job_id, False, now))
+    ahead.expire(now + 10 * TTL_S)
+    if not ahead._waiting:  # nothing claims a row any more: every staged one expired
+        assert ahead.statistics() == (0, 0, len(ROWS)), "a staged row outlived its TTL"
     report(ahead.shutdown())
     check()
     assert ahead.statistics() == (0, 0, len(ROWS))

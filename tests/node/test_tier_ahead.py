@@ -101,9 +101,12 @@ def ahead_counts(a: TierNode) -> dict[str, int]:
     return a.tier.counters().ahead
 
 
-def engine_pull(a: TierNode, wanted: Sequence[Key], req: str = "c") -> tuple[int, tuple[int, ...]]:
-    """``a``'s engine: a request with no source looks ``wanted`` up and loads them."""
-    ctx = a.request(req)
+def engine_pull(
+    a: TierNode, wanted: Sequence[Key], req: str = "c", source: TierNode | None = None
+) -> tuple[int, tuple[int, ...]]:
+    """``a``'s engine: a request (naming ``source`` as the router would, or none) looks
+    ``wanted`` up and loads them."""
+    ctx = a.request(req, kv_source(f"kv-{req}", source) if source is not None else None)
     assert a.lookup(ctx, *wanted) == [LookupResult.HIT] * len(wanted)
     assert a.tier.pull_confirmed(ctx)
     return a.load(ctx, wanted)
@@ -135,6 +138,24 @@ class TestStaged:
         assert router.refusals() == []
         rows_accounted(a)
 
+    def test_a_fetch_from_another_peer_is_not_waited_for(self) -> None:
+        """Invariant 8: a request naming c never waits for a fetch from b: those keys
+        are absent for it, and it pulls from its own source the ordinary way."""
+        cluster, a, b = setup()
+        c = cluster.add("c", 3)
+        produce(b, KEYS)
+        Router(cluster).prefetch(a, b, TOKENS)
+        a.tier.poll()  # being fetched from b
+        ctx = a.request("x", kv_source("kv-x", c))
+        assert not a.tier.ahead.holds(KEYS[0], c.peer_id)
+        assert a.tier.ahead.holds(KEYS[0], b.peer_id)
+        job_id, _ = a.load(ctx, KEYS)  # the ordinary way: toward c
+        assert a.tier.ahead.statistics()[1] == 3  # still fetching for others
+        a.record(a.tier.take_results())
+        assert a.outcome(job_id) is None  # not joined, not failed by staging
+        poll(a, b)
+        assert a.stats().staged_blocks == 3
+
     def test_staged_rows_are_adopted_by_the_engine_in_exchange_for_its_own(self) -> None:
         cluster, a, b = setup()
         produce(b, KEYS)
@@ -159,8 +180,9 @@ class TestStaged:
         produce(b, KEYS)
         Router(cluster).prefetch(a, b, TOKENS[:2])
         a.tier.poll()  # being fetched
-        ctx = a.request("c")
-        assert a.tier.staged_state(list(KEYS[:2])) is False
+        ctx = a.request("c", kv_source("kv-c", b))
+        assert a.tier.staged_state(list(KEYS[:2]), ctx) is False
+        assert a.tier.staged_state(list(KEYS[:2])) is None  # no source: not waited for
         assert a.tier.adopt_staged(list(KEYS[:2]), [10, 11], ctx) is None
         poll(a, b)
         assert a.tier.adopt_staged(list(KEYS), [10, 11, 12], ctx) is None  # KEYS[2] absent
@@ -175,7 +197,7 @@ class TestStaged:
         Router(cluster).prefetch(a, b, TOKENS)
         a.tier.poll()  # a opens the session and asks; b has not answered
         assert a.stats().staged_blocks == 0
-        job_id, dest = engine_pull(a, KEYS)
+        job_id, dest = engine_pull(a, KEYS, source=b)
         a.record(a.tier.take_results())
         assert a.outcome(job_id) is None
         poll(a, b)
@@ -341,7 +363,7 @@ class TestEngineReset:
         router.prefetch(a, b, (3, 4), kv_id="r2")
         a.tier.poll()  # being fetched
         ctx = a.request("c")
-        job_id, _ = engine_pull(a, keys(3, 4))  # waits for the fetch
+        job_id, _ = engine_pull(a, keys(3, 4), "d", source=b)  # waits for the fetch
         rows = a.tier.reset_staging()
         assert rows == frozenset(ROWS)
         a.record(a.tier.take_results())
@@ -371,7 +393,7 @@ class TestFallbacks:
         produce(b, KEYS)
         Router(cluster).prefetch(a, b, TOKENS)
         a.tier.poll()
-        job_id, _ = engine_pull(a, KEYS)
+        job_id, _ = engine_pull(a, KEYS, source=b)
         cluster.kill(b)
         for _ in range(8):
             a.step()
@@ -385,7 +407,7 @@ class TestFallbacks:
         produce(b, KEYS)
         Router(cluster).prefetch(a, b, TOKENS)
         a.tier.poll()
-        job_id, _ = engine_pull(a, KEYS)
+        job_id, _ = engine_pull(a, KEYS, source=b)
         a.tier.shutdown()
         a.record(a.tier.take_results())
         assert a.outcome(job_id) is False

@@ -55,7 +55,7 @@ class StubTier(KVPeerTier):
         self.staged.clear()
         return frozenset(self.rows)
 
-    def stages(self, key: OffloadKey) -> bool:
+    def stages(self, key: OffloadKey, req_context: ReqContext) -> bool:
         return key in self.staged
 
     def take_staged(self, job: Any) -> list[int] | None:

@@ -38,6 +38,9 @@ Invariants:
    are (:meth:`PullAhead.adopt`) and gives back as many rows it had just allocated for
    those keys: the set of staging rows changes, its size never does, and a row is
    never in both the engine's cache and staging.
+8. An engine job waits only for fetches from its own request's source: one from
+   another peer (a router's mistake, or a source that changed) would give the request
+   that peer's delays instead of its own; such keys count as absent for it.
 """
 
 from __future__ import annotations
@@ -241,9 +244,18 @@ class PullAhead:
 
     # -- the engine's side -----------------------------------------------------------------
 
-    def holds(self, key: Key) -> bool:
-        """Staged or being fetched: a lookup of ``key`` may answer HIT."""
-        return key in self._entries
+    def _usable(self, entry: _Entry, peer_id: str | None) -> bool:
+        """Staged, or being fetched from ``peer_id`` (invariant 8)."""
+        if entry.fetch is None:
+            return True
+        fetch = self._fetches.get(entry.fetch)
+        return fetch is not None and fetch.peer_id == peer_id
+
+    def holds(self, key: Key, peer_id: str | None = None) -> bool:
+        """Staged, or being fetched from ``peer_id`` (the request's own source): a lookup
+        of ``key`` by that request may answer HIT."""
+        entry = self._entries.get(key)
+        return entry is not None and self._usable(entry, peer_id)
 
     def found(self, req_id: str) -> None:
         """Engine request ``req_id`` found a staged key (its load is worth waiting for)."""
@@ -255,13 +267,14 @@ class PullAhead:
     def forget(self, req_id: str) -> None:
         self._requests.discard(req_id)
 
-    def state(self, keys: Sequence[Key]) -> bool | None:
+    def state(self, keys: Sequence[Key], peer_id: str | None = None) -> bool | None:
         """True: every key staged (and unclaimed); False: every key staged or being
-        fetched, some still fetching; None: a key is not here."""
+        fetched from ``peer_id``, some still fetching; None: a key is not here (or is
+        being fetched from another peer)."""
         fetching = False
         for key in keys:
             entry = self._entries.get(key)
-            if entry is None or entry.claimed:
+            if entry is None or entry.claimed or not self._usable(entry, peer_id):
                 return None
             fetching |= entry.fetch is not None
         return not fetching
@@ -295,12 +308,19 @@ class PullAhead:
         """(key, row) of every staged block (fetched, not yet handed to the engine)."""
         return [(key, e.row) for key, e in self._entries.items() if e.fetch is None]
 
-    def take(self, job: TransferJob, now: float) -> list[JobResult] | None:
+    def take(
+        self, job: TransferJob, now: float, peer_id: str | None = None
+    ) -> list[JobResult] | None:
         """Serve ``job`` from staging (invariant 5): its results now (empty while it
-        waits for fetches), or None if it is not ours to serve."""
+        waits for fetches from ``peer_id``, its request's source), or None if it is not
+        ours to serve."""
         entries = self._entries
-        if not job.keys or self._shut or any(key not in entries for key in job.keys):
+        if not job.keys or self._shut:
             return None
+        for key in job.keys:
+            entry = entries.get(key)
+            if entry is None or not self._usable(entry, peer_id):
+                return None
         if len(set(job.keys)) != len(job.keys):
             return None  # the engine's bug, not ours to copy
         for key in job.keys:
@@ -345,11 +365,18 @@ class PullAhead:
         return JobResult(job.job_id, True, seconds, len(pairs) * self._block_len)
 
     def _release(self, keys: Sequence[Key]) -> None:
+        """A job is done with ``keys``: staged rows are freed, and one still being
+        fetched (its job failed over another key) is unclaimed, so it expires or is
+        evicted like any other once it lands."""
         for key in keys:
             entry = self._entries.get(key)
-            if entry is not None and entry.fetch is None:
+            if entry is None:
+                continue
+            if entry.fetch is None:
                 del self._entries[key]
                 self._free.append(entry.row)
+            else:
+                entry.claimed = False
 
     # -- time and the end ------------------------------------------------------------------
 

@@ -212,8 +212,10 @@ class DrivenTier:
     def reset_staging(self) -> frozenset[int]:
         return self._call(Tier.reset_staging, lambda t: t.ahead.rows)
 
-    def staged_state(self, keys: Sequence[Key]) -> bool | None:
-        return self._call(lambda t: t.staged_state(keys), _constant(None))
+    def staged_state(
+        self, keys: Sequence[Key], request: RequestContext | None = None
+    ) -> bool | None:
+        return self._call(lambda t: t.staged_state(keys, request), _constant(None))
 
     def adopt_staged(
         self, keys: Sequence[Key], rows: list[int], request: RequestContext

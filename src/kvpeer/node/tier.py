@@ -194,10 +194,16 @@ class Tier:
         self._results.extend(self._ahead.clear())
         return self._ahead.rows
 
-    def staged_state(self, keys: Sequence[Key]) -> bool | None:
-        """Pulled ahead: every key staged (True), some still being fetched (False), or
-        not (None) (:meth:`PullAhead.state`)."""
-        return self._ahead.state(keys)
+    def staged_state(
+        self, keys: Sequence[Key], request: RequestContext | None = None
+    ) -> bool | None:
+        """Pulled ahead: every key staged (True), some still being fetched from
+        ``request``'s source (False), or not (None) (:meth:`PullAhead.state`)."""
+        routing = self._requests.get(request.req_id, LOCAL) if request is not None else LOCAL
+        source = routing.source
+        if source is not None and not source.probe:
+            return None  # a PD consumer never takes staged blocks
+        return self._ahead.state(keys, source.peer_id if source is not None else None)
 
     def adopt_staged(
         self, keys: Sequence[Key], rows: list[int], request: RequestContext
@@ -260,7 +266,8 @@ class Tier:
 
     def _lookup(self, key: Key, request: RequestContext) -> LookupResult:
         source = self._requests.get(request.req_id, LOCAL).source
-        if (source is None or source.probe) and self._ahead.holds(key):
+        source_peer = source.peer_id if source is not None else None
+        if (source is None or source.probe) and self._ahead.holds(key, source_peer):
             # pulled ahead (kvpeer.node.ahead): no peer to ask. Not for a PD consumer:
             # its producer parks its stores for one fetch of them all.
             self._ahead.found(request.req_id)
@@ -343,7 +350,11 @@ class Tier:
 
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source
-        staged = self._ahead.take(job, self._clock()) if source is None or source.probe else None
+        staged = (
+            self._ahead.take(job, self._clock(), source.peer_id if source else None)
+            if source is None or source.probe
+            else None
+        )
         if staged is not None:  # every key staged or being fetched ahead
             self._results.extend(staged)
             return

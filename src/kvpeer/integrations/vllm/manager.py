@@ -197,7 +197,7 @@ class KVPeerTieringManager(TieringOffloadingManager):
         the CPU tier's records are not what this expects (the job goes the ordinary
         way, copying from staging)."""
         keys = list(job.keys)
-        if not keys or not tier.stages(keys[0]):
+        if not keys or not tier.stages(keys[0], job.req_context):
             return None
         policy = getattr(self.primary_tier, "_policy", None)
         chunks = [policy.get(key) if policy is not None else None for key in keys]

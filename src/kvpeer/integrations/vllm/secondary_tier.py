@@ -360,9 +360,9 @@ class KVPeerTier(SecondaryTierManager):
         """vLLM dropped its CPU cache: drop what was staged; the rows staging holds."""
         return self._node.reset_staging()
 
-    def stages(self, key: OffloadKey) -> bool:
-        """``key`` was pulled ahead, or is being (kvpeer.node.ahead)."""
-        return self._node.staged_state([key]) is not None
+    def stages(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """``key`` was pulled ahead, or is being, for this request (kvpeer.node.ahead)."""
+        return self._node.staged_state([key], self._context(req_context)) is not None
 
     def take_staged(self, job: VllmTransferJob) -> list[int] | None:
         """Pulled ahead (kvpeer.node.ahead): the staging rows holding every key of
@@ -371,10 +371,10 @@ class KVPeerTier(SecondaryTierManager):
         to ``sync_pull_wait_s`` for a prefetch still running; None: not every key is
         staged by then (the job then goes the ordinary way)."""
         keys = list(job.keys)
-        state = self._node.staged_state(keys)
+        request = self._context(job.req_context)
+        state = self._node.staged_state(keys, request)
         if state is None:
             return None
-        request = self._context(job.req_context)
         start = time.monotonic()
         deadline = start + self._config.sync_pull_wait_s
         while state is False:
@@ -382,7 +382,7 @@ class KVPeerTier(SecondaryTierManager):
             if remaining <= 0:
                 return None
             self._node.wait_for_work(min(remaining, 0.002))
-            state = self._node.staged_state(keys)
+            state = self._node.staged_state(keys, request)
         if state is None:
             return None
         rows = self._node.adopt_staged(keys, [int(c) for c in job.chunk_ids], request)
