@@ -89,12 +89,6 @@ class AheadFetch:
     rows: tuple[int, ...]
 
 
-@dataclass(slots=True)
-class _Waiting:
-    job: TransferJob
-    since: float
-
-
 class PullAhead:
     """The staging rows, what they hold, and the engine jobs served from them."""
 
@@ -107,7 +101,7 @@ class PullAhead:
         self._free: list[int] = []
         self._entries: dict[Key, _Entry] = {}  # insertion order: oldest first
         self._fetches: dict[int, AheadFetch] = {}
-        self._waiting: list[_Waiting] = []
+        self._waiting: list[TransferJob] = []  # engine jobs waiting for fetches
         self._requests: set[str] = set()  # engine requests that found staged keys
         self._keys_of: KeysOf | None = None
         self._copy: RowCopy | None = None
@@ -131,10 +125,6 @@ class PullAhead:
         self._keys_of = keys_of
         self._copy = copy
         self._block_len = block_len
-
-    @property
-    def active(self) -> bool:
-        return bool(self._rows)
 
     @property
     def rows(self) -> frozenset[int]:
@@ -325,22 +315,21 @@ class PullAhead:
             return None  # the engine's bug, not ours to copy
         for key in job.keys:
             entries[key].claimed = True
-        self._waiting.append(_Waiting(job, now))
+        self._waiting.append(job)
         return self._settle(now)
 
     def _settle(self, now: float) -> list[JobResult]:
         """Copy out every waiting job whose keys are all staged; fail those that lost one."""
         results: list[JobResult] = []
-        still: list[_Waiting] = []
-        for waiting in self._waiting:
-            job = waiting.job
+        still: list[TransferJob] = []
+        for job in self._waiting:
             entries = [self._entries.get(key) for key in job.keys]
             if any(entry is None for entry in entries):
                 self._release(job.keys)
                 self._counters["jobs_failed"] += 1
                 results.append(JobResult(job.job_id, False))
             elif any(entry is not None and entry.fetch is not None for entry in entries):
-                still.append(waiting)
+                still.append(job)
             else:
                 results.append(self._copy_out(job))
         self._waiting = still
@@ -401,7 +390,7 @@ class PullAhead:
         nothing staged may be handed out any more. Staged rows are freed, waiting jobs
         fail, and fetches still running free their rows when they end, staging nothing;
         the set of rows stays."""
-        results = [JobResult(w.job.job_id, False) for w in self._waiting]
+        results = [JobResult(job.job_id, False) for job in self._waiting]
         self._waiting = []
         self._counters["jobs_failed"] += len(results)
         for key, entry in list(self._entries.items()):
@@ -417,7 +406,7 @@ class PullAhead:
         """Fail every waiting job; staged rows are free again (fetching ones end with
         their sessions, which the tier closes first)."""
         self._shut = True
-        results = [JobResult(w.job.job_id, False) for w in self._waiting]
+        results = [JobResult(job.job_id, False) for job in self._waiting]
         self._waiting = []
         for fetch in list(self._fetches.values()):
             self._end_fetch(fetch.job_id, success=False)
