@@ -38,6 +38,7 @@ times (sent, first token), so it spans the whole request.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import re
@@ -216,23 +217,25 @@ def run(
                     for prompt in prompts:
                         _wait_indexed(each, "a", prompt)
 
-            def busy_pull(via: Any, prompt: list[int]) -> Any:
-                """``b`` serves ``prompt`` (pulled from ``a``) while ``a`` prefills."""
-                nonlocal busy_overlapped
-                long_prefill = _Background(beside[id(via)], fresh(spec.busy_tokens), _pin("a"))
+            def behind(busy: str, via: Any, send: Callable[[], Any]) -> tuple[Any, bool]:
+                """``send()`` while another client's long prefill, sent through ``via``'s
+                router, runs on engine ``busy``; its answer, and whether that prefill still
+                ran when the answer came."""
+                long_prefill = _Background(beside[id(via)], fresh(spec.busy_tokens), _pin(busy))
                 time.sleep(BUSY_START_S)
-                got = client_log.complete(via, prompt, _pin("b"))
-                busy_overlapped += not long_prefill.done.is_set()
+                got = send()
+                still = not long_prefill.done.is_set()
                 long_prefill.join()
-                return got
+                return got, still
 
-            def queued_pull(via: Any, prompt: list[int]) -> Any:
-                """``b`` serves ``prompt`` (pulled from ``a``) behind another client's
-                long prefill on ``b`` itself: the request waits in ``b``'s queue."""
-                long_prefill = _Background(beside[id(via)], fresh(spec.busy_tokens), _pin("b"))
-                time.sleep(BUSY_START_S)
-                got = client_log.complete(via, prompt, _pin("b"))
-                long_prefill.join()
+            def pull_behind(via: Any, prompt: list[int], busy: str) -> Any:
+                """``b`` serves ``prompt`` (pulled from ``a``) while ``a`` (a busy producer,
+                counted in ``busy_overlapped``) or ``b`` itself (the request waits in its
+                queue) prefills another client's long prompt."""
+                nonlocal busy_overlapped
+                got, still = behind(busy, via, lambda: client_log.complete(via, prompt, _pin("b")))
+                if busy == "a":
+                    busy_overlapped += still
                 return got
 
             progress("warm-up: a computes and b pulls once")
@@ -256,20 +259,15 @@ def run(
                 measured = [("pulled_idle", client_log.complete(client, p, _pin("b")), local)]
                 reference_q = client.complete(q, 2, _pin("a"))  # a local hit: the reference
                 time.sleep(spec.idle_s)
-                measured.append(("pulled_busy", busy_pull(client, q), reference_q))
+                measured.append(("pulled_busy", pull_behind(client, q, "a"), reference_q))
                 time.sleep(spec.idle_s)
-                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("a"))
-                time.sleep(BUSY_START_S)
-                samples["local_busy"].append(client.complete(p, 2, _pin("b")).ttft_s)
-                long_prefill.join()
+                on_b = functools.partial(client.complete, p, 2, _pin("b"))  # b holds p
+                samples["local_busy"].append(behind("a", client, on_b)[0].ttft_s)
                 reference_r = client.complete(r, 2, _pin("a"))
                 time.sleep(spec.idle_s)
-                measured.append(("pulled_queued", queued_pull(client, r), reference_r))
+                measured.append(("pulled_queued", pull_behind(client, r, "b"), reference_r))
                 time.sleep(spec.idle_s)
-                long_prefill = _Background(other, fresh(spec.busy_tokens), _pin("b"))
-                time.sleep(BUSY_START_S)
-                samples["local_queued"].append(client.complete(p, 2, _pin("b")).ttft_s)
-                long_prefill.join()
+                samples["local_queued"].append(behind("b", client, on_b)[0].ttft_s)
                 if ahead_client is not None:
                     p2, q2, r2 = extra
                     references = [client.complete(x, 2, _pin("a")) for x in extra]
@@ -277,9 +275,10 @@ def run(
                     got = client_log.complete(ahead_client, p2, _pin("b"))
                     measured.append(("ahead_idle", got, references[0]))
                     time.sleep(spec.idle_s)
-                    measured.append(("ahead_busy", busy_pull(ahead_client, q2), references[1]))
+                    got = pull_behind(ahead_client, q2, "a")
+                    measured.append(("ahead_busy", got, references[1]))
                     time.sleep(spec.idle_s)
-                    got = queued_pull(ahead_client, r2)
+                    got = pull_behind(ahead_client, r2, "b")
                     measured.append(("ahead_queued", got, references[2]))
                 for rung, got, reference in measured:
                     samples[rung].append(got.ttft_s)
