@@ -42,11 +42,12 @@ def keys_of(tokens: Sequence[int], max_keys: int) -> list[Key]:
 
 
 def setup(
-    rows: Sequence[int] = ROWS, *, allow: bool = True, held: bool = True
+    rows: Sequence[int] = ROWS, *, allow: bool = True, held: bool = True,
+    extra: dict[str, object] | None = None,
 ) -> tuple[Cluster, TierNode, TierNode]:
-    """``a`` pulls ahead (staging ``rows``), ``b`` holds blocks for peers."""
+    """``a`` pulls ahead (staging ``rows``; ``extra`` tier keys), ``b`` holds blocks."""
     cluster = Cluster()
-    config: dict[str, object] = {"prefetch_ttl_s": TTL_S}
+    config: dict[str, object] = {"prefetch_ttl_s": TTL_S, **(extra or {})}
     if allow:
         config["prefetch_from"] = ["10.0.0.0/8"]
     a = cluster.add("a", 1, config)
@@ -292,6 +293,20 @@ class TestRefused:
         assert a.stats().staged_blocks == 0
         assert a.stats().staging_free == len(ROWS)
         assert a.tier.session(b.peer_id) is None
+
+    def test_an_obeyed_router_cannot_name_a_peer_outside_allowed_peers(self) -> None:
+        """The prefetch's source goes through the peer table as a request's does: a peer
+        ``allowed_peers`` leaves out is never dialled on a router's word."""
+        cluster, a, b = setup(extra={"allowed_peers": ["c:3"]})
+        produce(b, KEYS)
+        router = Router(cluster)
+        router.prefetch(a, b, TOKENS)
+        poll(a, b)
+        (refusal,) = router.refusals()
+        assert refusal.reason.startswith(f"cannot reach {b.peer_id}")
+        assert a.tier.session(b.peer_id) is None
+        assert a.stats().staged_blocks == 0
+        assert a.stats().staging_free == len(ROWS)
 
     def test_a_hostile_frame_shape_is_dropped(self) -> None:
         cluster, a, b = setup()
