@@ -53,7 +53,7 @@ def hold(index: PrefixIndex, engine: str, tokens: int, medium: str, salt: int = 
     index.apply(engine, StreamSynced())
     blocks = tokens // BS
     hashes = tuple(salt * 10_000 + i for i in range(blocks))
-    index.apply(engine, BlocksStored(medium, hashes, None, tuple(PROMPT[:tokens]), BS))
+    index.apply(engine, BlocksStored.of_ids(medium, hashes, None, tuple(PROMPT[:tokens]), BS))
 
 
 def shared(*names: str, config: DecideConfig | None = None) -> tuple[RouterPolicy, PrefixIndex]:
@@ -180,7 +180,7 @@ def test_gpu_blocks_are_not_a_pull_source() -> None:
 
 def test_unlearned_engine_is_routed_by_load_only() -> None:
     policy, index = shared("e0", "e1")
-    index.apply("e1", BlocksStored(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
+    index.apply("e1", BlocksStored.of_ids(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
     index.apply("e0", StreamSynced())
     # e1 has not synced (router just restarted): its blocks neither attract nor source.
     plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy(queued=10)}, 0.0)

@@ -73,7 +73,7 @@ class Fleet:
                 begin = rng.randrange(0, end)
                 if begin and rng.random() < 0.7:
                     begin = 0  # mostly whole prefixes; sometimes a chunk after its parent
-                self.index.apply(name, BlocksStored(
+                self.index.apply(name, BlocksStored.of_ids(
                     medium, tuple(hs[begin:end]), hs[begin - 1] if begin else None,
                     tuple(prompt[begin * BS : end * BS]), BS))  # fmt: skip
                 self.held.setdefault((name, medium), set()).update(hs[begin:end])
@@ -125,7 +125,7 @@ def test_the_fleet_walk_forgets_removed_blocks_and_lost_engines() -> None:
     prompt = fleet.prompts[0]
     for name in fleet.names:
         hs = fleet.hashes(name, prompt)
-        fleet.index.apply(name, BlocksStored(MEDIUM_CPU, tuple(hs), None, tuple(prompt), BS))
+        fleet.index.apply(name, BlocksStored.of_ids(MEDIUM_CPU, tuple(hs), None, tuple(prompt), BS))
     keys = fleet.index.keys(prompt)
     full = len(prompt) // BS * BS
     assert fleet.index.prefixes(keys, MEDIUM_CPU, 0.0) == dict.fromkeys(fleet.names, full)
@@ -145,7 +145,7 @@ def test_speculative_blocks_count_in_the_fleet_walk_until_they_expire() -> None:
     keys = fleet.index.keys(prompt)
     e0, e1 = fleet.names
     hs = fleet.hashes(e0, prompt)
-    fleet.index.apply(e0, BlocksStored(MEDIUM_GPU, tuple(hs[:2]), None,
+    fleet.index.apply(e0, BlocksStored.of_ids(MEDIUM_GPU, tuple(hs[:2]), None,
                                        tuple(prompt[: 2 * BS]), BS))  # fmt: skip
     fleet.index.speculate(e0, keys, MEDIUM_GPU, now=10.0, ttl=5.0)
     fleet.index.speculate(e1, fleet.index.keys(prompt[: 3 * BS]), MEDIUM_GPU, 12.0, 5.0)
@@ -299,10 +299,12 @@ def second_turn_reasons(seed: int) -> list[str]:
     for holder in holders:
         hs = fleet.hashes(holder, prompt)
         for medium in MEDIA:
-            fleet.index.apply(holder, BlocksStored(medium, tuple(hs), None, tuple(prompt), BS))
+            fleet.index.apply(
+                holder, BlocksStored.of_ids(medium, tuple(hs), None, tuple(prompt), BS)
+            )
     for name in fleet.names[len(holders) :: 2]:  # half the rest hold the opening's start
         hs = fleet.hashes(name, prompt)[:3]
-        fleet.index.apply(name, BlocksStored(MEDIUM_CPU, tuple(hs), None,
+        fleet.index.apply(name, BlocksStored.of_ids(MEDIUM_CPU, tuple(hs), None,
                                              tuple(prompt[: 3 * BS]), BS))  # fmt: skip
     specs = {name: EngineSpec(name, f"http://{name}", "127.0.0.1", 5710)
              for name in fleet.names}  # fmt: skip
@@ -343,7 +345,7 @@ def test_a_pull_the_fast_core_did_not_predict_can_still_be_the_one_taken() -> No
     prompt = fleet.prompts[0][: 11 * BS]
     for name, blocks in ((short, 5), (holder, 10)):
         hs = fleet.hashes(name, prompt)[:blocks]
-        fleet.index.apply(name, BlocksStored(MEDIUM_CPU, tuple(hs), None,
+        fleet.index.apply(name, BlocksStored.of_ids(MEDIUM_CPU, tuple(hs), None,
                                              tuple(prompt[: blocks * BS]), BS))  # fmt: skip
     specs = {name: EngineSpec(name, f"http://{name}", "127.0.0.1", 5710)
              for name in fleet.names}  # fmt: skip

@@ -19,6 +19,7 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpeer.router import events as events_module
 from kvpeer.router.events import (
     AllCleared,
     BatchDecoded,
@@ -43,6 +44,16 @@ from kvpeer.router.subscriber import EventSubscriber
 from tests.router.conftest import until
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+
+@pytest.fixture(params=["C", "Python"])
+def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Decode with the C checks and joins (kvpeer.router._intake) or the Python ones."""
+    if request.param == "Python":
+        monkeypatch.setattr(events_module, "_native_intake", None)
+    elif events_module._native_intake is None:
+        pytest.skip("kvpeer.router._intake is not built")
+    return str(request.param)
 
 BS = 4
 H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
@@ -99,7 +110,7 @@ def decoded(payload: bytes) -> BatchDecoded:
 # --- decoding -----------------------------------------------------------------------------
 
 
-def test_gpu_store_remove_clear_decode_to_typed_events() -> None:
+def test_gpu_store_remove_clear_decode_to_typed_events(loops: str) -> None:
     payload = batch(
         stored([H1, H2], None, list(range(8)), extra_keys=[None, None], group_idx=0),
         removed([H1], group_idx=0),
@@ -109,21 +120,21 @@ def test_gpu_store_remove_clear_decode_to_typed_events() -> None:
     result = decoded(payload)
     assert result.data_parallel_rank == 0
     assert result.events == (
-        BlocksStored(MEDIUM_GPU, (H1, H2), None, tuple(range(8)), BS),
+        BlocksStored.of_ids(MEDIUM_GPU, (H1, H2), None, tuple(range(8)), BS),
         BlocksRemoved(MEDIUM_GPU, (H1,)),
         AllCleared(),
     )
 
 
-def test_int_block_hashes_decode() -> None:
+def test_int_block_hashes_decode(loops: str) -> None:
     payload = batch(stored([2**64 - 1], 7, [1, 2, 3, 4]), removed([5]))
     assert decoded(payload).events == (
-        BlocksStored(MEDIUM_GPU, (2**64 - 1,), 7, (1, 2, 3, 4), BS),
+        BlocksStored.of_ids(MEDIUM_GPU, (2**64 - 1,), 7, (1, 2, 3, 4), BS),
         BlocksRemoved(MEDIUM_GPU, (5,)),
     )
 
 
-def test_cpu_tier_self_describing_chunk_decodes() -> None:
+def test_cpu_tier_self_describing_chunk_decodes(loops: str) -> None:
     event = stored(
         [H2, H3],
         H1,
@@ -134,7 +145,7 @@ def test_cpu_tier_self_describing_chunk_decodes() -> None:
         kv_cache_spec_sliding_window=None,
     )
     assert decoded(batch(event)).events == (
-        BlocksStored(MEDIUM_CPU, (H2, H3), H1, tuple(range(4, 12)), BS),
+        BlocksStored.of_ids(MEDIUM_CPU, (H2, H3), H1, tuple(range(4, 12)), BS),
     )
 
 
@@ -149,7 +160,9 @@ def test_cpu_tier_self_describing_chunk_decodes() -> None:
         (removed([H1], group_idx=2), "other_group"),
     ],
 )
-def test_events_the_router_cannot_key_are_skipped_by_reason(event: Any, reason: str) -> None:
+def test_events_the_router_cannot_key_are_skipped_by_reason(
+    event: Any, reason: str, loops: str
+) -> None:
     result = decoded(batch(event, removed([H2])))
     assert result.skipped == ((reason, 1),)
     # Blocks under extra keys are named, so the index skips the CPU tier's stores of
@@ -190,6 +203,13 @@ def deeply_nested() -> bytes:
         (encode_raw([1.0, [{**GOOD_STORED, "type": "BlockExploded"}]]), "invalid_schema"),
         (encode_raw([1.0, [{**GOOD_STORED, "block_hashes": [b"x" * 65]}]]), "invalid_schema"),
         (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [-1, 2, 3, 4]}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [1, 2, 3, 1 << 32]}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [1, 2.0, 3, 4]}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "token_ids": {"1": 2}}]]), "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "token_ids": None}]]), "invalid_schema"),
+        # a store the router skips is checked all the same: the batch is malformed whole
+        (encode_raw([1.0, [{**GOOD_STORED, "lora_id": 3, "token_ids": [1, 2, 3, -4]}]]),
+         "invalid_schema"),
         (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [1, 2, 3]}]]), "token_count_mismatch"),
         (encode_raw([1.0, [{**GOOD_STORED, "block_hashes": []}]]), "empty_store"),
         (encode_raw([1.0, [GOOD_STORED], 0, "extra"]), "invalid_schema"),
@@ -197,7 +217,9 @@ def deeply_nested() -> bytes:
         (deeply_nested(), "too_deep"),
     ],
 )
-def test_malformed_payloads_are_rejected_with_a_reason(payload: bytes, reason: str) -> None:
+def test_malformed_payloads_are_rejected_with_a_reason(
+    payload: bytes, reason: str, loops: str
+) -> None:
     result = decode_batch(payload)
     assert isinstance(result, BatchRejected)
     assert result.reason == reason
@@ -222,7 +244,7 @@ def test_in_order_stream_syncs_then_yields_events() -> None:
     feed = EventFeed(can_replay=False)
     first = feed.on_live(frame(0, P0), now=0.0)
     assert first.items[0] == StreamSynced()
-    assert first.items[1:] == (BlocksStored(MEDIUM_GPU, (H1,), None, (1, 2, 3, 4), BS),)
+    assert first.items[1:] == (BlocksStored.of_ids(MEDIUM_GPU, (H1,), None, (1, 2, 3, 4), BS),)
     assert feed.on_live(frame(1, P1), 0.0).items == decoded(P1).events
     assert feed.on_live(frame(2, P3), 0.0).items == (AllCleared(),)
     assert feed.statistics().batches_applied == 3
@@ -483,20 +505,20 @@ async def _slow_join_scenario() -> None:
         ctx.term()
 
 
-def test_stores_are_ordered_parents_first_within_a_run() -> None:
+def test_stores_are_ordered_parents_first_within_a_run(loops: str) -> None:
     child = stored([H3], H2, [9, 10, 11, 12], medium="CPU")
     parent = stored([H2], H1, [5, 6, 7, 8], medium="CPU")
     root = stored([H1], None, [1, 2, 3, 4], medium="CPU")
     events = decoded(batch(child, parent, removed([H1]), root)).events
     # parent then child, joined into one chain; the removal stays between the runs
     assert events == (
-        BlocksStored("CPU", (H2, H3), H1, (5, 6, 7, 8, 9, 10, 11, 12), 4),
+        BlocksStored.of_ids("CPU", (H2, H3), H1, (5, 6, 7, 8, 9, 10, 11, 12), 4),
         BlocksRemoved("GPU", (H1,)),
-        BlocksStored("CPU", (H1,), None, (1, 2, 3, 4), 4),
+        BlocksStored.of_ids("CPU", (H1,), None, (1, 2, 3, 4), 4),
     )
 
 
-def test_a_prompt_stored_block_by_block_in_any_order_is_one_chain() -> None:
+def test_a_prompt_stored_block_by_block_in_any_order_is_one_chain(loops: str) -> None:
     """vLLM's CPU tier announces each block in an event of its own, in any order: the
     index gets one store per chain, and holds what the blocks one by one would give."""
     rng = random.Random(5)
@@ -507,15 +529,15 @@ def test_a_prompt_stored_block_by_block_in_any_order_is_one_chain() -> None:
     rng.shuffle(events)
     joined = decoded(batch(*events)).events
     assert joined == (
-        BlocksStored("CPU", tuple(hashes), None, tuple(t for ts in tokens for t in ts), 4),
+        BlocksStored.of_ids("CPU", tuple(hashes), None, tuple(t for ts in tokens for t in ts), 4),
     )
     one_by_one = PrefixIndex(4, native=False)
     together = PrefixIndex(4)
     for index in (one_by_one, together):
         index.apply("e0", StreamSynced())
     for i, h in enumerate(hashes):
-        one_by_one.apply("e0", BlocksStored("CPU", (h,), hashes[i - 1] if i else None,
-                                            tuple(tokens[i]), 4))
+        one_by_one.apply("e0", BlocksStored.of_ids("CPU", (h,), hashes[i - 1] if i else None,
+                                                   tuple(tokens[i]), 4))
     for event in joined:
         together.apply("e0", event)
     prompt = together.keys([t for ts in tokens for t in ts])
@@ -523,7 +545,9 @@ def test_a_prompt_stored_block_by_block_in_any_order_is_one_chain() -> None:
     assert together.prefixes(prompt, "CPU", 0.0) == {"e0": 64}
 
 
-def test_only_a_store_continuing_the_last_block_of_the_same_medium_and_size_joins() -> None:
+def test_only_a_store_continuing_the_last_block_of_the_same_medium_and_size_joins(
+    loops: str,
+) -> None:
     root = stored([H1, H2], None, list(range(8)), medium="CPU")
     after_middle = stored([H3], H1, [9, 9, 9, 9], medium="CPU")  # parent is not the last
     other_medium = stored([H3], H2, [9, 9, 9, 9], medium="GPU")
@@ -532,7 +556,7 @@ def test_only_a_store_continuing_the_last_block_of_the_same_medium_and_size_join
         assert len(decoded(batch(root, follower)).events) == 2
 
 
-def test_a_hostile_parent_cycle_terminates() -> None:
+def test_a_hostile_parent_cycle_terminates(loops: str) -> None:
     a = stored([H1], H2, [1, 2, 3, 4])
     b = stored([H2], H1, [5, 6, 7, 8])
     events = decoded(batch(a, b)).events

@@ -96,7 +96,7 @@ def items(outs: Sequence[FeedOutput]) -> list[FeedItem]:
 
 
 def stored_items(n: int) -> tuple[FeedItem, ...]:
-    return (BlocksStored(MEDIUM_GPU, (block(n),), None, tuple(tokens(n)), BS),)
+    return (BlocksStored.of_ids(MEDIUM_GPU, (block(n),), None, tuple(tokens(n)), BS),)
 
 
 def feed(**limits: Any) -> EventFeed:

@@ -26,7 +26,7 @@ def store(
     hs = hashes(len(prompt) // BS, salt)
     parent = hs[blocks.start - 1] if blocks.start else None
     tokens = tuple(prompt[blocks.start * BS : blocks.stop * BS])
-    return BlocksStored(medium, hs[blocks.start : blocks.stop], parent, tokens, BS)
+    return BlocksStored.of_ids(medium, hs[blocks.start : blocks.stop], parent, tokens, BS)
 
 
 def learned_index(*engines: str) -> PrefixIndex:
@@ -78,8 +78,8 @@ def test_orphans_unknown_removals_and_other_block_sizes_are_counted() -> None:
     index = learned_index("e0")
     index.apply("e0", store(range(2, 3)))  # parent never seen: cannot be placed
     index.apply("e0", BlocksRemoved(MEDIUM_GPU, (999,)))
-    index.apply("e0", BlocksStored(MEDIUM_GPU, (5,), None, (1, 2), 2))
-    index.apply("e0", BlocksStored("STORAGE", (6,), None, (1, 2, 3, 4), BS))
+    index.apply("e0", BlocksStored.of_ids(MEDIUM_GPU, (5,), None, (1, 2), 2))
+    index.apply("e0", BlocksStored.of_ids("STORAGE", (6,), None, (1, 2, 3, 4), BS))
     counts = dict(index.statistics(0.0).counts)
     assert counts == {
         "orphans": 1,
@@ -260,8 +260,10 @@ def test_salted_blocks_offloaded_to_the_cpu_tier_are_not_keyed() -> None:
     for _ in range(50):  # fifty references of the same prompt, each with its own salt
         index.apply("e0", BlocksUnkeyable(salted))  # the GPU store with extra_keys
         tokens = tuple(PROMPT)  # the CPU tier's stores carry no extra keys:
-        index.apply("e0", BlocksStored(MEDIUM_CPU, salted[:2], None, tokens[: 2 * BS], BS))
-        index.apply("e0", BlocksStored(MEDIUM_CPU, salted[2:], salted[1], tokens[2 * BS :], BS))
+        index.apply("e0", BlocksStored.of_ids(MEDIUM_CPU, salted[:2], None, tokens[: 2 * BS], BS))
+        index.apply(
+            "e0", BlocksStored.of_ids(MEDIUM_CPU, salted[2:], salted[1], tokens[2 * BS :], BS)
+        )
         if _ == 0:  # held, under keys no prompt has
             stats = index.statistics(0.0)
             assert dict(((e, m), n) for e, m, n in stats.blocks)[("e0", MEDIUM_CPU)] == 4
@@ -287,14 +289,14 @@ def test_a_salted_block_stays_unkeyed_until_it_is_forgotten() -> None:
     index = learned_index("e0")
     index.apply("e0", BlocksUnkeyable((1, 2), MEDIUM_GPU))
     index.apply("e0", BlocksRemoved(MEDIUM_GPU, (1, 2)))  # retired, still known
-    index.apply("e0", BlocksStored(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
-    index.apply("e0", BlocksStored(MEDIUM_CPU, (5,), 2, tuple(PROMPT[BS : 2 * BS]), BS))
+    index.apply("e0", BlocksStored.of_ids(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
+    index.apply("e0", BlocksStored.of_ids(MEDIUM_CPU, (5,), 2, tuple(PROMPT[BS : 2 * BS]), BS))
     assert held(index, "e0", MEDIUM_CPU) == 0
     assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 2
     index.apply("e0", BlocksUnkeyable((7,), "NVMe"))  # a medium the index does not follow
     assert dict(index.statistics(0.0).counts)["ignored_medium"] == 1
     index.forget("e0")
     index.apply("e0", StreamSynced())
-    index.apply("e0", BlocksStored(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
+    index.apply("e0", BlocksStored.of_ids(MEDIUM_CPU, (1,), None, tuple(PROMPT[:BS]), BS))
     assert held(index, "e0", MEDIUM_CPU) == BS
     assert dict(index.statistics(0.0).counts)["unkeyable_stores"] == 2

@@ -43,9 +43,9 @@ def scrape(index: PrefixIndex) -> dict[str, float]:
 def test_blocks_mappings_and_event_counters_follow_the_events() -> None:
     index = PrefixIndex(BS)
     index.apply("a", StreamSynced())
-    index.apply("a", BlocksStored(MEDIUM_GPU, (1, 2, 3), None, tuple(range(12)), BS))
-    index.apply("a", BlocksStored(MEDIUM_CPU, (1,), None, tuple(range(4)), BS))
-    index.apply("b", BlocksStored(MEDIUM_GPU, (7,), 99, tuple(range(4)), BS))  # orphan
+    index.apply("a", BlocksStored.of_ids(MEDIUM_GPU, (1, 2, 3), None, tuple(range(12)), BS))
+    index.apply("a", BlocksStored.of_ids(MEDIUM_CPU, (1,), None, tuple(range(4)), BS))
+    index.apply("b", BlocksStored.of_ids(MEDIUM_GPU, (7,), 99, tuple(range(4)), BS))  # orphan
 
     held = scrape(index)
     assert held["kvpeer_router_index_blocks{engine=a}{medium=GPU}"] == 3

@@ -213,38 +213,119 @@ intake_removed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(unknown);
 }
 
-/* The packed tokens (uint32, native order, as array("I")) of `token_ids`, a tuple of
- * ints: a new bytes object, or NULL with OverflowError/TypeError as array("I") raises. */
-static PyObject *
-pack_tokens(PyObject *token_ids)
+/* A big-endian unsigned integer of `n` bytes at `p`. */
+static uint64_t
+big_endian(const unsigned char *p, int n)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(token_ids);
-    PyObject *packed = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint32_t));
-    if (packed == NULL) {
+    uint64_t value = 0;
+    for (int i = 0; i < n; i++) {
+        value = value << 8 | p[i];
+    }
+    return value;
+}
+
+/* msgpack_tokens(raw, max_count) -> bytes
+ *
+ * A store's token ids as the decoder kept them (the msgpack of one array, any buffer) packed
+ * as array("I") packs them (uint32, native order). Every byte is the peer's: the array
+ * header and each item are bounds-checked against the buffer, each item must be an integer
+ * in [0, 2**32) in any of msgpack's integer encodings, at most max_count of them, and
+ * nothing may follow the array; anything else is a ValueError that names it. */
+static PyObject *
+intake_msgpack_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "msgpack_tokens() takes 2 arguments (%zd given)", nargs);
         return NULL;
     }
-    char *out = PyBytes_AS_STRING(packed);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *token = PyTuple_GET_ITEM(token_ids, i);
-        if (!PyLong_Check(token)) {
-            PyErr_Format(PyExc_TypeError, "token ids are ints, not %.50s",
-                         Py_TYPE(token)->tp_name);
-            Py_DECREF(packed);
-            return NULL;
+    Py_ssize_t max_count = PyLong_AsSsize_t(args[1]);
+    if (max_count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *p = view.buf, *end = p + view.len;
+    PyObject *packed = NULL;
+    Py_ssize_t count = -1;
+    if (p < end) {
+        unsigned char head = *p++;
+        if ((head & 0xf0) == 0x90) {
+            count = head & 0x0f;
+        } else if (head == 0xdc && end - p >= 2) {
+            count = (Py_ssize_t)big_endian(p, 2);
+            p += 2;
+        } else if (head == 0xdd && end - p >= 4) {
+            count = (Py_ssize_t)big_endian(p, 4);
+            p += 4;
         }
-        unsigned long value = PyLong_AsUnsignedLong(token);
-        if (value == (unsigned long)-1 && PyErr_Occurred()) {
-            Py_DECREF(packed);
-            return NULL;
+    }
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "expected an array of token ids");
+        goto done;
+    }
+    if (count > max_count || count > end - p) { /* each item takes one byte at least */
+        PyErr_Format(PyExc_ValueError, "%zd token ids: more than %s", count,
+                     count > max_count ? "allowed" : "the payload holds");
+        goto done;
+    }
+    packed = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint32_t));
+    if (packed == NULL) {
+        goto done;
+    }
+    char *out = PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned char tag = *p++; /* count <= bytes left: an item's first byte is there */
+        uint64_t value = tag;
+        int width = 0, is_signed = 0;
+        if (tag <= 0x7f) {
+            /* a positive fixint: the tag is the value */
+        } else if (tag >= 0xe0) {
+            PyErr_Format(PyExc_ValueError, "token id %zd is negative", i);
+            Py_CLEAR(packed);
+            goto done;
+        } else if (tag >= 0xcc && tag <= 0xcf) {
+            width = 1 << (tag - 0xcc);
+        } else if (tag >= 0xd0 && tag <= 0xd3) {
+            width = 1 << (tag - 0xd0);
+            is_signed = 1;
+        } else {
+            PyErr_Format(PyExc_ValueError, "token id %zd is not an integer (msgpack 0x%02x)", i,
+                         tag);
+            Py_CLEAR(packed);
+            goto done;
+        }
+        if (width) {
+            if (end - p < width) {
+                PyErr_Format(PyExc_ValueError, "token id %zd is cut short", i);
+                Py_CLEAR(packed);
+                goto done;
+            }
+            value = big_endian(p, width);
+            p += width;
+            /* a signed encoding's sign bit set is a negative id */
+            if (is_signed && value >> (8 * width - 1)) {
+                PyErr_Format(PyExc_ValueError, "token id %zd is negative", i);
+                Py_CLEAR(packed);
+                goto done;
+            }
         }
         if (value > UINT32_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "token id above 2**32 - 1");
-            Py_DECREF(packed);
-            return NULL;
+            PyErr_Format(PyExc_ValueError, "token id %zd is above 2**32 - 1", i);
+            Py_CLEAR(packed);
+            goto done;
         }
         uint32_t word = (uint32_t)value;
         memcpy(out + i * (Py_ssize_t)sizeof(word), &word, sizeof(word));
     }
+    if (packed != NULL && p != end) {
+        PyErr_SetString(PyExc_ValueError, "bytes after the token ids");
+        Py_CLEAR(packed);
+    }
+done:
+    PyBuffer_Release(&view);
     return packed;
 }
 
@@ -260,7 +341,7 @@ slice_bytes(PyObject *tokens, Py_ssize_t start, Py_ssize_t stop)
 }
 
 /* stored(hashes, retired, present, holders, speculative, medium, bit, refcounted, parent,
- *        block_hashes, token_ids, width, unkeyed_prefix, chain, unkeyed_of,
+ *        block_hashes, tokens, width, unkeyed_prefix, chain, unkeyed_of,
  *        unspeculated) -> (hash_remapped, unkeyed)
  *
  * PrefixIndex._stored's loop, from the chain key of the event's parent: each block gets
@@ -280,7 +361,7 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *holders = args[3], *speculative = args[4], *medium = args[5];
     PyObject *bit = args[6];
     int refcounted = PyObject_IsTrue(args[7]);
-    PyObject *parent = args[8], *block_hashes = args[9], *token_ids = args[10];
+    PyObject *parent = args[8], *block_hashes = args[9], *tokens = args[10];
     Py_ssize_t width = PyLong_AsSsize_t(args[11]);
     PyObject *prefix = args[12], *chain = args[13], *unkeyed_of = args[14];
     PyObject *unspeculated = args[15];
@@ -292,11 +373,11 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || expect_dict(speculative, "speculative")) {
         return NULL;
     }
-    if (!PyTuple_CheckExact(block_hashes) || !PyTuple_CheckExact(token_ids)
+    if (!PyTuple_CheckExact(block_hashes) || !PyBytes_CheckExact(tokens)
         || !PyBytes_CheckExact(prefix) || !PyLong_Check(bit) || width < 0) {
         PyErr_SetString(PyExc_TypeError,
-                        "block_hashes and token_ids are tuples, unkeyed_prefix bytes, bit "
-                        "an int, width not negative");
+                        "block_hashes is a tuple, tokens and unkeyed_prefix bytes, bit an "
+                        "int, width not negative");
         return NULL;
     }
     int unkeyed = starts_with(parent, prefix);
@@ -304,7 +385,6 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *one = PyLong_FromLong(1);
-    PyObject *tokens = NULL;
     PyObject *result = NULL;
     Py_ssize_t remapped = 0;
     Py_INCREF(parent); /* owned from here on: each block's key becomes the next parent */
@@ -354,9 +434,6 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 if (unkeyed) { /* a salted block's child (invariant 6) */
                     key = PyObject_CallOneArg(unkeyed_of, block_hash);
                 } else {
-                    if (tokens == NULL && (tokens = pack_tokens(token_ids)) == NULL) {
-                        goto done;
-                    }
                     PyObject *block = slice_bytes(tokens, i * width, (i + 1) * width);
                     key = block == NULL ? NULL : PyObject_CallFunctionObjArgs(chain, parent,
                                                                              block, NULL);
@@ -446,14 +523,12 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     result = Py_BuildValue("(nO)", remapped, unkeyed ? Py_True : Py_False);
 done:
     Py_DECREF(parent);
-    Py_XDECREF(tokens);
     Py_XDECREF(one);
     return result;
 }
 
 /* Attribute names of the decoder's wire stores, interned once. */
-static PyObject *str_block_hashes, *str_parent_block_hash, *str_token_ids, *str_medium,
-    *str_block_size;
+static PyObject *str_block_hashes, *str_parent_block_hash, *str_medium, *str_block_size;
 
 /* run[i].name as a new reference, or NULL with an exception. */
 static PyObject *
@@ -469,16 +544,31 @@ append_all(PyObject *list, PyObject *items)
     return PyList_SetSlice(list, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, items);
 }
 
-/* Appends (head, tuple(hashes), tuple(tokens)) to out: 0, or -1 with an exception. */
+/* Appends (head, tuple(hashes), tokens[at[0]] + ... + tokens[at[n-1]]) to out: 0, or -1
+ * with an exception. */
 static int
-close_chain(PyObject *out, PyObject *head, PyObject *hashes, PyObject *tokens)
+close_chain(PyObject *out, PyObject *head, PyObject *hashes, PyObject *tokens,
+            const Py_ssize_t *at, Py_ssize_t n)
 {
-    PyObject *h = PyList_AsTuple(hashes), *t = h == NULL ? NULL : PyList_AsTuple(tokens);
-    PyObject *chain = t == NULL ? NULL : PyTuple_Pack(3, head, h, t);
+    Py_ssize_t size = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        size += PyBytes_GET_SIZE(PyList_GET_ITEM(tokens, at[k]));
+    }
+    PyObject *joined = PyBytes_FromStringAndSize(NULL, size);
+    if (joined != NULL) {
+        char *to = PyBytes_AS_STRING(joined);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *part = PyList_GET_ITEM(tokens, at[k]);
+            memcpy(to, PyBytes_AS_STRING(part), (size_t)PyBytes_GET_SIZE(part));
+            to += PyBytes_GET_SIZE(part);
+        }
+    }
+    PyObject *h = joined == NULL ? NULL : PyList_AsTuple(hashes);
+    PyObject *chain = h == NULL ? NULL : PyTuple_Pack(3, head, h, joined);
     int rc = chain == NULL ? -1 : PyList_Append(out, chain);
     Py_XDECREF(chain);
-    Py_XDECREF(t);
     Py_XDECREF(h);
+    Py_XDECREF(joined);
     return rc;
 }
 
@@ -539,25 +629,41 @@ parents_first(PyObject *run, Py_ssize_t n, Py_ssize_t *order)
     return rc;
 }
 
-/* stores_of(run) -> [(head, hashes, tokens), ...]
+/* stores_of(run, tokens) -> [(head, hashes, tokens), ...]
  *
  * events.py's _stores_of, up to building the router's events: a run of valid wire
- * stores (a list of at least one) ordered parents first, and each store that continues
- * the one before it (same medium and block size, its parent that store's last block)
- * joined into it. Each chain is its first store and the chain's hashes and tokens. */
+ * stores (a list of at least one; tokens[i] the packed tokens of run[i], bytes) ordered
+ * parents first, and each store that continues the one before it (same medium and block
+ * size, its parent that store's last block) joined into it. Each chain is its first
+ * store, the chain's hashes (a tuple) and its packed tokens (bytes). */
 static PyObject *
-intake_stores_of(PyObject *module, PyObject *run)
+intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (!PyList_CheckExact(run) || PyList_GET_SIZE(run) == 0) {
-        PyErr_SetString(PyExc_TypeError, "stores_of() takes a non-empty list");
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "stores_of() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *run = args[0], *tokens = args[1];
+    if (!PyList_CheckExact(run) || PyList_GET_SIZE(run) == 0 || !PyList_CheckExact(tokens)
+        || PyList_GET_SIZE(tokens) != PyList_GET_SIZE(run)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "stores_of() takes a non-empty list and a list as long of bytes");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(run);
-    Py_ssize_t *order = PyMem_Malloc((size_t)n * sizeof(Py_ssize_t));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_CheckExact(PyList_GET_ITEM(tokens, i))) {
+            PyErr_SetString(PyExc_TypeError, "each store's tokens are bytes");
+            return NULL;
+        }
+    }
+    /* order[0..n): the run parents first; chain[0..length): the positions joined so far */
+    Py_ssize_t *order = PyMem_Malloc(2 * (size_t)n * sizeof(Py_ssize_t));
     if (order == NULL) {
         return PyErr_NoMemory();
     }
+    Py_ssize_t *chain = order + n, length = 0;
     int rc = 0;
     if (n > 1) {
         rc = parents_first(run, n, order);
@@ -565,7 +671,7 @@ intake_stores_of(PyObject *module, PyObject *run)
         order[0] = 0;
     }
     PyObject *out = rc < 0 ? NULL : PyList_New(0);
-    PyObject *head = NULL, *hashes = NULL, *tokens = NULL;
+    PyObject *head = NULL, *hashes = NULL;
     PyObject *medium = NULL, *size = NULL;
     for (Py_ssize_t k = 0; out != NULL && k < n; k++) {
         PyObject *item = PyList_GET_ITEM(run, order[k]);
@@ -592,42 +698,35 @@ intake_stores_of(PyObject *module, PyObject *run)
             Py_XDECREF(parent);
             if (joins > 0) {
                 PyObject *more = PyObject_GetAttr(item, str_block_hashes);
-                PyObject *more_tokens = more == NULL ? NULL : PyObject_GetAttr(item, str_token_ids);
-                int extended = more_tokens == NULL ? -1 : append_all(hashes, more);
-                if (extended == 0) {
-                    extended = append_all(tokens, more_tokens);
-                }
-                Py_XDECREF(more_tokens);
-                Py_XDECREF(more);
-                if (extended < 0) {
+                if (more == NULL || append_all(hashes, more) < 0) {
                     Py_CLEAR(out);
                 }
+                Py_XDECREF(more);
+                chain[length++] = order[k];
                 continue;
             }
-            if (joins < 0 || close_chain(out, head, hashes, tokens) < 0) {
+            if (joins < 0 || close_chain(out, head, hashes, tokens, chain, length) < 0) {
                 Py_CLEAR(out);
                 continue;
             }
         }
         Py_XSETREF(head, Py_NewRef(item));
+        chain[0] = order[k];
+        length = 1;
         PyObject *h = PyObject_GetAttr(item, str_block_hashes);
-        PyObject *t = h == NULL ? NULL : PyObject_GetAttr(item, str_token_ids);
         Py_XSETREF(hashes, h == NULL ? NULL : PySequence_List(h));
-        Py_XSETREF(tokens, t == NULL ? NULL : PySequence_List(t));
-        Py_XDECREF(t);
         Py_XDECREF(h);
         Py_XSETREF(medium, PyObject_GetAttr(item, str_medium));
         Py_XSETREF(size, PyObject_GetAttr(item, str_block_size));
-        if (hashes == NULL || tokens == NULL || medium == NULL || size == NULL) {
+        if (hashes == NULL || medium == NULL || size == NULL) {
             Py_CLEAR(out);
         }
     }
-    if (out != NULL && close_chain(out, head, hashes, tokens) < 0) {
+    if (out != NULL && close_chain(out, head, hashes, tokens, chain, length) < 0) {
         Py_CLEAR(out);
     }
     Py_XDECREF(head);
     Py_XDECREF(hashes);
-    Py_XDECREF(tokens);
     Py_XDECREF(medium);
     Py_XDECREF(size);
     PyMem_Free(order);
@@ -639,8 +738,10 @@ static PyMethodDef intake_methods[] = {
      "PrefixIndex._removed's per-block loop; returns the blocks unknown."},
     {"stored", (PyCFunction)(void (*)(void))intake_stored, METH_FASTCALL,
      "PrefixIndex._stored's per-block loop; returns (hash_remapped, unkeyed)."},
-    {"stores_of", intake_stores_of, METH_O,
+    {"stores_of", (PyCFunction)(void (*)(void))intake_stores_of, METH_FASTCALL,
      "events.py's _stores_of up to the events: [(head, hashes, tokens), ...]."},
+    {"msgpack_tokens", (PyCFunction)(void (*)(void))intake_msgpack_tokens, METH_FASTCALL,
+     "A store's token ids (their msgpack) packed as array('I') packs them."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -651,12 +752,10 @@ intake_exec(PyObject *module)
     if (str_block_hashes == NULL) {
         str_block_hashes = PyUnicode_InternFromString("block_hashes");
         str_parent_block_hash = PyUnicode_InternFromString("parent_block_hash");
-        str_token_ids = PyUnicode_InternFromString("token_ids");
         str_medium = PyUnicode_InternFromString("medium");
         str_block_size = PyUnicode_InternFromString("block_size");
     }
-    return str_block_hashes && str_parent_block_hash && str_token_ids && str_medium
-                   && str_block_size
+    return str_block_hashes && str_parent_block_hash && str_medium && str_block_size
                ? 0
                : -1;
 }

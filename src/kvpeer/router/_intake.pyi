@@ -28,7 +28,7 @@ def stored(
     refcounted: bool,
     parent: bytes,
     block_hashes: tuple[BlockHash, ...],
-    token_ids: tuple[int, ...],
+    tokens: bytes,
     width: int,
     unkeyed_prefix: bytes,
     chain: Callable[[bytes, bytes], bytes],
@@ -36,4 +36,7 @@ def stored(
     unspeculated: Callable[[tuple[str, bytes], int], None],
     /,
 ) -> tuple[int, bool]: ...
-def stores_of(run: list[Any], /) -> list[tuple[Any, tuple[BlockHash, ...], tuple[int, ...]]]: ...
+def stores_of(
+    run: list[Any], tokens: list[bytes], /
+) -> list[tuple[Any, tuple[BlockHash, ...], bytes]]: ...
+def msgpack_tokens(raw: Any, max_count: int, /) -> bytes: ...

@@ -26,6 +26,7 @@ into :class:`BlocksStored` / :class:`BlocksRemoved` / :class:`AllCleared`. Invar
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -105,12 +106,17 @@ _ExtraKeys = Annotated[
 _Hashes = Annotated[list[_Hash], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)]
 
 
-class _WireStored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True, frozen=True):
+# gc=False: msgpack cannot express a reference cycle, so the collector need not track the
+# 400,000 wire events a second of a 256-engine fleet (nor be set off by them).
+class _WireStored(
+    msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True, frozen=True, gc=False
+):
     block_hashes: _Hashes
     parent_block_hash: _Hash | None
-    # The token bound is the decoder's (checked in C): a Python loop over every token id
-    # was a fifth of the router's intake CPU (``kvpeer bench router-scale``).
-    token_ids: Annotated[list[_Token], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
+    # Kept as its msgpack bytes and checked and packed by _packed_tokens (in C when built):
+    # decoded, each token id became a Python int that the index packed again, a third of
+    # msgspec's decoding time at 256 engines (docs/scale.md, session 21).
+    token_ids: msgspec.Raw
     block_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]
     lora_id: int | None
     medium: _Str | None
@@ -124,7 +130,9 @@ class _WireStored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True,
     session_id: _Str | None = None
 
 
-class _WireRemoved(msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=True, frozen=True):
+class _WireRemoved(
+    msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=True, frozen=True, gc=False
+):
     block_hashes: _Hashes
     medium: _Str | None
     group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
@@ -160,7 +168,8 @@ _DECODER: Final = msgspec.msgpack.Decoder(_WireBatch)
 class BlocksStored:
     """The engine now holds these consecutive blocks in ``medium``.
 
-    ``token_ids`` has exactly ``len(block_hashes) * block_size`` tokens;
+    ``tokens`` are the blocks' token ids packed as ``array("I")`` packs them (uint32,
+    native byte order), exactly ``len(block_hashes) * block_size`` of them;
     ``parent_hash`` is the engine's hash of the block before the first one (``None``:
     the first block starts the prompt).
     """
@@ -168,8 +177,24 @@ class BlocksStored:
     medium: str
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
-    token_ids: tuple[int, ...]
+    tokens: bytes
     block_size: int
+
+    @classmethod
+    def of_ids(
+        cls,
+        medium: str,
+        block_hashes: tuple[BlockHash, ...],
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> BlocksStored:
+        """The event with its token ids given as ints (each in ``[0, 2**32)``)."""
+        return cls(medium, block_hashes, parent_hash, array("I", token_ids).tobytes(), block_size)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(array("I", self.tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +266,7 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     removed: list[BlockHash] = []
     removed_medium = ""
     run: list[_WireStored] = []
+    run_tokens: list[bytes] = []  # each store's tokens, packed
     for index, item in enumerate(wire.events):
         if type(item) is _WireRemoved:
             if item.group_idx or item.ownership is not None:  # _skip_reason's, inlined
@@ -249,8 +275,8 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
                 skipped[skip] = skipped.get(skip, 0) + 1
             elif item.block_hashes:
                 if run:
-                    events.extend(_stores_of(run))
-                    run = []
+                    events.extend(_stores_of(run, run_tokens))
+                    run, run_tokens = [], []
                 medium = item.medium or "GPU"
                 if medium != removed_medium and removed:
                     events.append(BlocksRemoved(removed_medium, tuple(removed)))
@@ -263,24 +289,26 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
             removed = []
         if type(item) is _WireCleared:
             if run:
-                events.extend(_stores_of(run))
-                run = []
+                events.extend(_stores_of(run, run_tokens))
+                run, run_tokens = [], []
             events.append(AllCleared())
             continue
         assert type(item) is _WireStored
         outcome = _store_check(item)
-        if outcome is None:
+        if type(outcome) is bytes:
             run.append(item)
+            run_tokens.append(outcome)
         elif isinstance(outcome, BatchRejected):
             return BatchRejected(outcome.reason, f"event {index}: {outcome.detail}")
         else:
+            assert isinstance(outcome, str)
             skipped[outcome] = skipped.get(outcome, 0) + 1
             if outcome in UNKEYABLE_REASONS:
                 unkeyable.append(BlocksUnkeyable(tuple(item.block_hashes), item.medium or "GPU"))
     if removed:
         events.append(BlocksRemoved(removed_medium, tuple(removed)))
     if run:
-        events.extend(_stores_of(run))
+        events.extend(_stores_of(run, run_tokens))
     return BatchDecoded(
         ts=wire.ts,
         data_parallel_rank=wire.data_parallel_rank,
@@ -291,10 +319,10 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     )
 
 
-def _stores_of(run: list[_WireStored]) -> list[BlocksStored]:
-    """A run of consecutive valid stores as the index applies them: parents first, and
-    each store that continues the one before it (same medium and block size, its parent
-    that store's last block) joined into it.
+def _stores_of(run: list[_WireStored], tokens: list[bytes]) -> list[BlocksStored]:
+    """A run of consecutive valid stores as the index applies them (``tokens``: each
+    store's packed tokens): parents first, and each store that continues the one before
+    it (same medium and block size, its parent that store's last block) joined into it.
 
     vLLM's offloading tracker emits a step's stores in any order ("events are
     self-contained") -- a recorded CPU-tier batch stores block 3 before block 2 -- and
@@ -305,14 +333,14 @@ def _stores_of(run: list[_WireStored]) -> list[BlocksStored]:
     same order, paying its per-event costs once per chain instead of once per block.
     """
     if _native_intake is not None:
-        return [_store(head, hashes, tokens) for head, hashes, tokens in
-                _native_intake.stores_of(run)]
-    if len(run) > 1:
-        run = _topological(run)
+        return [_store(head, hashes, packed) for head, hashes, packed in
+                _native_intake.stores_of(run, tokens)]
+    order = _topological(run) if len(run) > 1 else [0]
     out: list[BlocksStored] = []
-    head = run[0]
-    hashes, tokens = list(head.block_hashes), list(head.token_ids)
-    for item in run[1:]:
+    head = run[order[0]]
+    hashes, packed = list(head.block_hashes), [tokens[order[0]]]
+    for at in order[1:]:
+        item = run[at]
         if (
             item.parent_block_hash is not None
             and item.parent_block_hash == hashes[-1]
@@ -320,31 +348,30 @@ def _stores_of(run: list[_WireStored]) -> list[BlocksStored]:
             and item.block_size == head.block_size
         ):
             hashes.extend(item.block_hashes)
-            tokens.extend(item.token_ids)
+            packed.append(tokens[at])
             continue
-        out.append(_store(head, hashes, tokens))
+        out.append(_store(head, tuple(hashes), b"".join(packed)))
         head = item
-        hashes, tokens = list(item.block_hashes), list(item.token_ids)
-    out.append(_store(head, hashes, tokens))
+        hashes, packed = list(item.block_hashes), [tokens[at]]
+    out.append(_store(head, tuple(hashes), b"".join(packed)))
     return out
 
 
-def _store(
-    head: _WireStored, hashes: Sequence[BlockHash], tokens: Sequence[int]
-) -> BlocksStored:
+def _store(head: _WireStored, hashes: tuple[BlockHash, ...], tokens: bytes) -> BlocksStored:
     return BlocksStored(
         medium=head.medium or "GPU",
-        block_hashes=tuple(hashes),
+        block_hashes=hashes,
         parent_hash=head.parent_block_hash,
-        token_ids=tuple(tokens),
+        tokens=tokens,
         block_size=head.block_size,
     )
 
 
-def _topological(run: list[_WireStored]) -> list[_WireStored]:
+def _topological(run: list[_WireStored]) -> list[int]:
+    """The run's positions, each store after the store of its parent block."""
     owner = {h: i for i, item in enumerate(run) for h in item.block_hashes}
     placed = [False] * len(run)
-    order: list[_WireStored] = []
+    order: list[int] = []
     for first in range(len(run)):
         chain: list[int] = []
         i: int | None = first
@@ -353,7 +380,7 @@ def _topological(run: list[_WireStored]) -> list[_WireStored]:
             chain.append(i)
             parent = run[i].parent_block_hash
             i = owner.get(parent) if parent is not None else None
-        order.extend(run[j] for j in reversed(chain))
+        order.extend(reversed(chain))
     return order
 
 
@@ -365,26 +392,50 @@ def _skip_reason(group_idx: int | None, ownership: str | None) -> str | None:
     return None
 
 
-def _store_check(item: _WireStored) -> BatchRejected | str | None:
-    """None for a valid store, else a reason to skip it or why the whole batch is
-    malformed."""
-    if not item.token_ids and item.block_size == 0:
+def _store_check(item: _WireStored) -> BatchRejected | str | bytes:
+    """A valid store's packed tokens, else a reason to skip it or why the whole batch is
+    malformed (every store's tokens are checked, skipped or not: invariant 2)."""
+    try:
+        tokens = _packed_tokens(item.token_ids)
+    except ValueError as exc:
+        return BatchRejected("invalid_schema", f"token_ids: {str(exc)[:150]}")
+    if not tokens and item.block_size == 0:
         return "placeholder"  # checked first: placeholders are not malformed
     if not item.block_hashes:
         return BatchRejected("empty_store", "no block hashes")
-    if item.block_size == 0 or len(item.token_ids) != len(item.block_hashes) * item.block_size:
+    if item.block_size == 0 or len(tokens) != 4 * len(item.block_hashes) * item.block_size:
         return BatchRejected(
             "token_count_mismatch",
-            f"{len(item.token_ids)} tokens, {len(item.block_hashes)} blocks of "
+            f"{len(tokens) // 4} tokens, {len(item.block_hashes)} blocks of "
             f"{item.block_size}",
         )
     if item.group_idx or item.ownership is not None:
-        return _skip_reason(item.group_idx, item.ownership)
+        skip = _skip_reason(item.group_idx, item.ownership)
+        assert skip is not None
+        return skip
     if item.lora_name is not None or item.lora_id is not None:
         return "lora"
     if item.extra_keys is not None and _any_not_none(item.extra_keys):
         return "extra_keys"
-    return None
+    return tokens
+
+
+_TOKENS: Final = msgspec.msgpack.Decoder(
+    Annotated[list[_Token], msgspec.Meta(max_length=MAX_TOKENS_PER_EVENT)]
+)
+
+
+def _packed_tokens(raw: msgspec.Raw) -> bytes:
+    """A store's ``token_ids`` (its msgpack, kept raw by the decoder) packed as
+    ``array("I")`` packs them; ValueError names what is wrong (not an array, an item
+    not an integer in ``[0, 2**32)``, more than ``MAX_TOKENS_PER_EVENT``)."""
+    if _native_intake is not None:
+        packed: bytes = _native_intake.msgpack_tokens(raw, MAX_TOKENS_PER_EVENT)
+        return packed
+    try:
+        return array("I", _TOKENS.decode(raw)).tobytes()
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _any_not_none(values: Iterable[object]) -> bool:

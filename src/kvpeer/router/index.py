@@ -390,13 +390,13 @@ class PrefixIndex:
         if self._native is not None:
             remapped, unkeyed = self._native.stored(
                 hashes, retired, present, holders, speculative, medium, bit, refcounted,
-                parent, tuple(event.block_hashes), tuple(event.token_ids), 4 * size,
+                parent, tuple(event.block_hashes), event.tokens, 4 * size,
                 _UNKEYED, _chain, _unkeyed, self._unspeculated,
             )
             self._stored_counts(remapped, unkeyed)
             self._bound(state, medium)
             return
-        tokens = b""  # the event's tokens packed once, when a block needs hashing
+        tokens = event.tokens
         width = 4 * size
         unkeyed = parent.startswith(_UNKEYED)
         remapped = 0
@@ -417,7 +417,6 @@ class PrefixIndex:
                     if unkeyed:
                         parent = _unkeyed(block_hash)  # a salted block's child (invariant 6)
                     else:
-                        tokens = tokens or array("I", event.token_ids).tobytes()
                         parent = _chain(parent, tokens[i * width : (i + 1) * width])
                 elif unkeyed or previous.startswith(_UNKEYED):
                     parent = _unkeyed(block_hash)  # a salted block or its child (invariant 6)
