@@ -88,7 +88,7 @@ def state(index: PrefixIndex) -> dict[str, Any]:
     }
     return {
         "engines": engines,
-        "holders": {m: dict(h) for m, h in index._holders.items()},
+        "holders": {m: dict(h.items()) for m, h in index._holders.items()},
         "speculating": dict(index._speculating),
         "counts": dict(index._counts),
         "block_size": index.block_size,
@@ -166,12 +166,14 @@ def test_native_true_without_the_extension_names_the_cause(
 
 
 def _args_removed() -> list[Any]:
-    return [{}, {}, {}, {}, [], 1, False, 3, (1, 2)]
+    assert native is not None
+    return [{}, {}, {}, native.Holders(), [], 0, False, 3, (1, 2), b"kvpeer-unkeyed:"]
 
 
 def _args_stored() -> list[Any]:
+    assert native is not None
     return [
-        {}, {}, {}, {}, {}, MEDIUM_GPU, 1, False,
+        {}, {}, {}, native.Holders(), {}, MEDIUM_GPU, 1, 0, False,
         b"root", (5,), array("I", (1, 2)).tobytes(), 4 * BS, b"kvpeer-unkeyed:",
         index_module._chain,
         index_module._unkeyed, lambda entry, bit: None,
@@ -185,11 +187,12 @@ def _args_stored() -> list[Any]:
         (0, OrderedDict()),  # a dict subclass could run code inside the loops
         (1, None),
         (2, [1]),
-        (3, OrderedDict()),
+        (3, {}),  # holders: a Holders table, not a dict
         (4, [1]),  # others: not a list of dicts
         (5, "bit"),
         (7, "many"),
         (8, [1, 2]),  # block hashes: a list, not a tuple
+        (9, "kvpeer-unkeyed:"),
     ],
 )
 def test_removed_refuses_wrong_types(position: int, value: Any) -> None:
@@ -209,14 +212,17 @@ def test_removed_refuses_wrong_types(position: int, value: Any) -> None:
     ("position", "value", "error"),
     [
         (0, OrderedDict(), TypeError),
+        (3, {}, TypeError),  # holders: a Holders table, not a dict
         (4, OrderedDict(), TypeError),
         (6, 1.5, TypeError),
-        (8, "root", TypeError),  # a parent key that is not bytes
-        (9, [5], TypeError),
-        (10, (1, 2), TypeError),  # tokens come packed (events.BlocksStored.tokens)
-        (10, bytearray(b"\x01\x00\x00\x00"), TypeError),
-        (11, -4, TypeError),
-        (12, "kvpeer-unkeyed:", TypeError),
+        (7, -1, ValueError),  # an engine's bit position
+        (7, 1 << 40, ValueError),
+        (9, "root", TypeError),  # a parent key that is not bytes
+        (10, [5], TypeError),
+        (11, (1, 2), TypeError),  # tokens come packed (events.BlocksStored.tokens)
+        (11, bytearray(b"\x01\x00\x00\x00"), TypeError),
+        (12, -4, TypeError),
+        (13, "kvpeer-unkeyed:", TypeError),
     ],
 )
 def test_stored_refuses_wrong_types_and_token_ids(position: int, value: Any,
@@ -229,22 +235,28 @@ def test_stored_refuses_wrong_types_and_token_ids(position: int, value: Any,
 
 
 @needs_native
-def test_a_failing_or_lying_hash_function_raises_without_leaving_a_mapping() -> None:
+def test_a_failing_or_lying_hash_function_raises_without_leaving_a_holder() -> None:
     assert native is not None
 
     def boom(parent: bytes, tokens: bytes) -> bytes:
         raise ValueError("hash failed")
 
     args = _args_stored()
-    args[13] = boom
+    args[14] = boom
     with pytest.raises(ValueError, match="hash failed"):
         native.stored(*args)
     assert not args[0]
     assert not args[2]
+    for lie, said in [(42, "not int"), (b"short", "not bytes of another size")]:
+        args = _args_stored()
+        args[14] = lambda parent, tokens, lie=lie: lie
+        with pytest.raises(TypeError, match=f"16-byte chain keys, {said}"):
+            native.stored(*args)
+        assert not args[3].items()  # no engine holds the lie
     args = _args_stored()
-    args[13] = lambda parent, tokens: 42  # not bytes: mapped, and refused once seen again
-    native.stored(*args)
-    assert args[0] == {5: 42}
+    args[14] = lambda parent, tokens: 42  # mapped before it was refused: refused again
+    with pytest.raises(TypeError):
+        native.stored(*args)
     with pytest.raises(TypeError, match="chain keys are bytes, not int"):
         native.stored(*args)
 
@@ -455,3 +467,71 @@ def test_token_id_errors_name_what_is_wrong() -> None:
         native.msgpack_tokens("not a buffer", 10)
     with pytest.raises(TypeError):
         native.msgpack_tokens(enc([1]))
+
+
+_holder_op_st = st.tuples(
+    st.sampled_from(("set", "set", "clear", "get")),
+    st.integers(0, 60),  # which of 61 keys: small tables, long probe runs, shifts
+    st.sampled_from((0, 1, 2, 63, 64, 65, 130, 300)),  # engine bits past one mask word
+)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_holder_op_st, max_size=400))
+def test_the_holders_table_answers_as_a_dict_of_masks(ops: list[tuple[str, int, int]]) -> None:
+    """The C table (open addressing, backward-shift deletion, growing and shrinking,
+    masks wider than a word) against the Python reference, op by op."""
+    assert native is not None
+    keys = [index_module._chain(b"k", bytes([i])) for i in range(61)]
+    table, reference = native.Holders(), index_module._Holders()
+    for op, at, bit in ops:
+        key = keys[at]
+        if op == "set":
+            table.set_bit(key, bit)
+            reference.set_bit(key, bit)
+        elif op == "clear":
+            outcomes = []
+            for masks in (table, reference):
+                try:
+                    masks.clear_bit(key, bit)
+                    outcomes.append("cleared")
+                except KeyError:
+                    outcomes.append("KeyError")
+            assert outcomes[0] == outcomes[1]
+        assert table.get(key) == reference.get(key)
+        assert len(table) == len(reference)
+    assert dict(table.items()) == dict(reference.items())
+    assert all(table.get(key, -1) == reference.get(key, -1) for key in keys)
+
+
+@needs_native
+def test_the_holders_table_refuses_what_is_not_a_chain_key_or_a_bit() -> None:
+    assert native is not None
+    table = native.Holders()
+    key = index_module._chain(b"k", b"v")
+    for bad in (b"short", "a" * 16, 16, b"x" * 17):
+        with pytest.raises(TypeError, match="16-byte chain keys"):
+            table.set_bit(bad, 0)
+        with pytest.raises(TypeError, match="16-byte chain keys"):
+            table.get(bad)
+    for bad_bit in (-1, 1 << 20, 1 << 70):
+        with pytest.raises((ValueError, OverflowError)):
+            table.set_bit(key, bad_bit)
+    with pytest.raises(TypeError):
+        table.set_bit(key, "0")
+    with pytest.raises(KeyError):
+        table.clear_bit(key, 0)  # never set
+    table.set_bit(key, 3)
+    with pytest.raises(KeyError):
+        table.clear_bit(key, 4)  # held, but not by this engine
+    with pytest.raises(TypeError):
+        native.Holders(1)
+    empty = sys.getsizeof(native.Holders())
+    for i in range(1000):
+        table.set_bit(index_module._chain(b"k", i.to_bytes(2, "big")), 300)
+    assert sys.getsizeof(table) > empty + 1000 * 16  # the table is counted (router-scale)
+    for i in range(1000):
+        table.clear_bit(index_module._chain(b"k", i.to_bytes(2, "big")), 300)
+    assert len(table) == 1
+    assert sys.getsizeof(table) < empty + 4096  # and shrinks as keys leave

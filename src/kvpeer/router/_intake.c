@@ -14,7 +14,397 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+/* --- Holders: invariant 7's masks of one medium, in a table of their own -------------------
+ *
+ * chain key (16 bytes) -> the bits of the engines holding it. An open-addressing table
+ * (linear probing, backward-shift deletion, at most half full) whose slots hold the key
+ * and its mask inline: a lookup costs the one or two cache lines of its slot, where a
+ * dict of bytes to ints cost its index, its entry, the key object and the int object --
+ * the largest part of the intake's CPU at 256 engines (docs/scale.md, session 21). An
+ * empty slot is an all-zero mask: a held key has a bit set. Slots are found by the
+ * process's keyed string hash of the key (_Py_HashBytes, what a dict uses), so engines
+ * that choose token contents cannot choose where their keys land. The table holds no
+ * Python object; it is the C loops' and the decision walk's (index.py keeps a Python
+ * class with the same methods as the reference). */
+
+#define KEY_WORDS 2
+#define KEY_BYTES (KEY_WORDS * 8)
+#define MAX_ENGINE_INDEX (1 << 20)
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *slots;     /* capacity slots of stride words: key, then mask */
+    Py_ssize_t capacity; /* 0 or a power of two */
+    Py_ssize_t used;
+    Py_ssize_t words; /* mask words per slot */
+} HoldersObject;
+
+static PyTypeObject HoldersType;
+
+static inline Py_ssize_t
+holders_stride(const HoldersObject *h)
+{
+    return KEY_WORDS + h->words;
+}
+
+static inline uint64_t *
+holders_slot(const HoldersObject *h, Py_ssize_t i)
+{
+    return h->slots + i * holders_stride(h);
+}
+
+static inline int
+holders_empty(const HoldersObject *h, const uint64_t *slot)
+{
+    for (Py_ssize_t w = 0; w < h->words; w++) {
+        if (slot[KEY_WORDS + w]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static inline Py_ssize_t
+holders_home(const HoldersObject *h, const uint64_t *key)
+{
+    return (Py_ssize_t)((size_t)_Py_HashBytes(key, KEY_BYTES) & (size_t)(h->capacity - 1));
+}
+
+/* The slot of `key`, or -1 - (the empty slot where it would go). The table is not full. */
+static Py_ssize_t
+holders_find(const HoldersObject *h, const uint64_t *key)
+{
+    Py_ssize_t mask = h->capacity - 1;
+    for (Py_ssize_t i = holders_home(h, key);; i = (i + 1) & mask) {
+        const uint64_t *slot = holders_slot(h, i);
+        if (holders_empty(h, slot)) {
+            return -1 - i;
+        }
+        if (slot[0] == key[0] && slot[1] == key[1]) {
+            return i;
+        }
+    }
+}
+
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* Zeroed slots for a table of `bytes`. A table of a huge page or more is aligned to huge
+ * pages and asks the kernel for them: a large fleet's table is 100 MiB probed at random,
+ * and with 4 KiB pages most probes also missed the TLB (docs/scale.md, session 21). */
+static uint64_t *
+holders_alloc(size_t bytes)
+{
+    if (bytes < HUGE_PAGE) {
+        return calloc(bytes, 1);
+    }
+    bytes = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    uint64_t *slots = aligned_alloc(HUGE_PAGE, bytes);
+    if (slots != NULL) {
+#ifdef MADV_HUGEPAGE
+        (void)madvise(slots, bytes, MADV_HUGEPAGE); /* advice: without it, small pages */
+#endif
+        memset(slots, 0, bytes);
+    }
+    return slots;
+}
+
+/* Rebuilds the table with `capacity` slots of `words` mask words: 0, or -1 (MemoryError). */
+static int
+holders_resize(HoldersObject *h, Py_ssize_t capacity, Py_ssize_t words)
+{
+    Py_ssize_t stride = KEY_WORDS + words;
+    if (capacity > PY_SSIZE_T_MAX / 8 / stride) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *slots = holders_alloc((size_t)(capacity * stride) * sizeof(uint64_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    HoldersObject old = *h;
+    h->slots = slots;
+    h->capacity = capacity;
+    h->words = words;
+    for (Py_ssize_t i = 0; i < old.capacity; i++) {
+        const uint64_t *from = holders_slot(&old, i);
+        if (!holders_empty(&old, from)) {
+            uint64_t *to = holders_slot(h, -1 - holders_find(h, from));
+            memcpy(to, from, (size_t)holders_stride(&old) * sizeof(uint64_t));
+        }
+    }
+    free(old.slots);
+    return 0;
+}
+
+/* Sets bit `index` of `key`'s mask, the key added if new: 0, or -1 with an exception. */
+static int
+holders_set(HoldersObject *h, const uint64_t *key, Py_ssize_t index)
+{
+    Py_ssize_t words = index / 64 + 1 > h->words ? index / 64 + 1 : h->words;
+    Py_ssize_t capacity = h->capacity ? h->capacity : 16;
+    if ((h->used + 1) * 2 > capacity) {
+        capacity *= 2;
+    }
+    if ((words != h->words || capacity != h->capacity) && holders_resize(h, capacity, words) < 0) {
+        return -1;
+    }
+    Py_ssize_t at = holders_find(h, key);
+    uint64_t *slot = holders_slot(h, at >= 0 ? at : -1 - at);
+    if (at < 0) {
+        slot[0] = key[0];
+        slot[1] = key[1];
+        h->used++;
+    }
+    slot[KEY_WORDS + index / 64] |= (uint64_t)1 << (index % 64);
+    return 0;
+}
+
+/* Clears bit `index` of `key`'s mask, the key gone with its last bit: 0, or -1 with
+ * KeyError when the key is not held or its bit not set (invariant 7 broken). */
+static int
+holders_clear(HoldersObject *h, const uint64_t *key, Py_ssize_t index)
+{
+    Py_ssize_t i = h->capacity ? holders_find(h, key) : -1;
+    uint64_t bit = (uint64_t)1 << (index % 64);
+    uint64_t *slot = i >= 0 ? holders_slot(h, i) : NULL;
+    if (slot == NULL || index / 64 >= h->words || !(slot[KEY_WORDS + index / 64] & bit)) {
+        PyObject *name = PyBytes_FromStringAndSize((const char *)key, KEY_BYTES);
+        if (name != NULL) {
+            PyErr_SetObject(PyExc_KeyError, name);
+            Py_DECREF(name);
+        }
+        return -1;
+    }
+    slot[KEY_WORDS + index / 64] &= ~bit;
+    if (!holders_empty(h, slot)) {
+        return 0;
+    }
+    /* backward shift: every later slot of the probe run that may move up, moves up */
+    Py_ssize_t mask = h->capacity - 1, stride = holders_stride(h);
+    for (Py_ssize_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+        uint64_t *next = holders_slot(h, j);
+        if (holders_empty(h, next)) {
+            break;
+        }
+        Py_ssize_t home = holders_home(h, next);
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            memcpy(holders_slot(h, i), next, (size_t)stride * sizeof(uint64_t));
+            i = j;
+        }
+    }
+    memset(holders_slot(h, i), 0, (size_t)stride * sizeof(uint64_t));
+    h->used--;
+    if (h->capacity > 16 && h->used * 8 < h->capacity) {
+        return holders_resize(h, h->capacity / 2, h->words);
+    }
+    return 0;
+}
+
+/* The 16 bytes of a chain key (a bytes object of that size), else NULL with TypeError. */
+static const uint64_t *
+holders_key(PyObject *key, uint64_t *buffer)
+{
+    if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != KEY_BYTES) {
+        PyErr_Format(PyExc_TypeError, "holder keys are %d-byte chain keys, not %.50s", KEY_BYTES,
+                     PyBytes_CheckExact(key) ? "bytes of another size" : Py_TYPE(key)->tp_name);
+        return NULL;
+    }
+    memcpy(buffer, PyBytes_AS_STRING(key), KEY_BYTES);
+    return buffer;
+}
+
+/* An engine's bit position, checked. -1 with an exception. */
+static Py_ssize_t
+holders_index(PyObject *obj)
+{
+    Py_ssize_t index = PyLong_AsSsize_t(obj);
+    if (index == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (index < 0 || index >= MAX_ENGINE_INDEX) {
+        PyErr_Format(PyExc_ValueError, "engine bit %zd outside [0, %d)", index, MAX_ENGINE_INDEX);
+        return -1;
+    }
+    return index;
+}
+
+/* The mask in `slot` as a Python int. */
+static PyObject *
+holders_mask(const HoldersObject *h, const uint64_t *slot)
+{
+    Py_ssize_t top = h->words;
+    while (top > 1 && slot[KEY_WORDS + top - 1] == 0) {
+        top--;
+    }
+    PyObject *mask = PyLong_FromUnsignedLongLong(slot[KEY_WORDS + top - 1]);
+    for (Py_ssize_t w = top - 2; w >= 0 && mask != NULL; w--) {
+        PyObject *sixty_four = PyLong_FromLong(64);
+        PyObject *shifted = sixty_four == NULL ? NULL : PyNumber_Lshift(mask, sixty_four);
+        PyObject *low = shifted == NULL ? NULL : PyLong_FromUnsignedLongLong(slot[KEY_WORDS + w]);
+        Py_XDECREF(sixty_four);
+        Py_SETREF(mask, low == NULL ? NULL : PyNumber_Or(shifted, low));
+        Py_XDECREF(shifted);
+        Py_XDECREF(low);
+    }
+    return mask;
+}
+
+static PyObject *
+Holders_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Holders() takes no arguments");
+        return NULL;
+    }
+    HoldersObject *h = (HoldersObject *)type->tp_alloc(type, 0);
+    if (h != NULL) {
+        h->words = 1;
+    }
+    return (PyObject *)h;
+}
+
+static void
+Holders_dealloc(HoldersObject *h)
+{
+    free(h->slots);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static Py_ssize_t
+Holders_len(HoldersObject *h)
+{
+    return h->used;
+}
+
+static PyObject *
+Holders_get(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "get() takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t buffer[KEY_WORDS];
+    const uint64_t *key = holders_key(args[0], buffer);
+    if (key == NULL) {
+        return NULL;
+    }
+    Py_ssize_t at = h->capacity ? holders_find(h, key) : -1;
+    if (at < 0) {
+        return nargs == 2 ? Py_NewRef(args[1]) : PyLong_FromLong(0);
+    }
+    return holders_mask(h, holders_slot(h, at));
+}
+
+static PyObject *
+Holders_set_bit(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "set_bit() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t buffer[KEY_WORDS];
+    const uint64_t *key = holders_key(args[0], buffer);
+    Py_ssize_t index = key == NULL ? -1 : holders_index(args[1]);
+    if (index < 0 || holders_set(h, key, index) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Holders_clear_bit(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "clear_bit() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t buffer[KEY_WORDS];
+    const uint64_t *key = holders_key(args[0], buffer);
+    Py_ssize_t index = key == NULL ? -1 : holders_index(args[1]);
+    if (index < 0 || holders_clear(h, key, index) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Holders_items(HoldersObject *h, PyObject *unused)
+{
+    (void)unused;
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < h->capacity; i++) {
+        const uint64_t *slot = holders_slot(h, i);
+        if (holders_empty(h, slot)) {
+            continue;
+        }
+        PyObject *key = PyBytes_FromStringAndSize((const char *)slot, KEY_BYTES);
+        PyObject *mask = key == NULL ? NULL : holders_mask(h, slot);
+        PyObject *pair = mask == NULL ? NULL : PyTuple_Pack(2, key, mask);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(pair);
+        Py_XDECREF(mask);
+        Py_XDECREF(key);
+    }
+    return out;
+}
+
+static PyObject *
+Holders_sizeof(HoldersObject *h, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(HoldersObject)
+                              + h->capacity * holders_stride(h) * (Py_ssize_t)sizeof(uint64_t));
+}
+
+static PyMethodDef Holders_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Holders_get, METH_FASTCALL,
+     "get(key, default=0): the mask of the engines holding key."},
+    {"set_bit", (PyCFunction)(void (*)(void))Holders_set_bit, METH_FASTCALL,
+     "set_bit(key, index): engine `index` holds key."},
+    {"clear_bit", (PyCFunction)(void (*)(void))Holders_clear_bit, METH_FASTCALL,
+     "clear_bit(key, index): engine `index` no longer holds key (KeyError if it did not)."},
+    {"items", (PyCFunction)Holders_items, METH_NOARGS, "[(key, mask), ...] in no order."},
+    {"__sizeof__", (PyCFunction)Holders_sizeof, METH_NOARGS, "Bytes held, table included."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Holders_as_sequence = {
+    .sq_length = (lenfunc)Holders_len,
+};
+
+static PyTypeObject HoldersType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvpeer.router._intake.Holders",
+    .tp_basicsize = sizeof(HoldersObject),
+    .tp_dealloc = (destructor)Holders_dealloc,
+    .tp_as_sequence = &Holders_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Chain key -> the bits of the engines holding it (index.py invariant 7).",
+    .tp_methods = Holders_methods,
+    .tp_new = Holders_new,
+};
+
+/* `obj` as the Holders it must be: NULL with TypeError otherwise. */
+static HoldersObject *
+expect_holders(PyObject *obj)
+{
+    if (!Py_IS_TYPE(obj, &HoldersType)) {
+        PyErr_Format(PyExc_TypeError, "holders must be a Holders, not %.50s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return (HoldersObject *)obj;
+}
 
 /* Is `obj` a bytes object that starts with `prefix`? -1 on a non-bytes object. */
 static int
@@ -81,34 +471,39 @@ expect_dict(PyObject *obj, const char *name)
     return 0;
 }
 
-/* removed(hashes, retired, present, holders, others, bit, refcounted, max_retired,
- *         block_hashes) -> blocks unknown
+/* removed(hashes, retired, present, holders, others, index, refcounted, max_retired,
+ *         block_hashes, unkeyed_prefix) -> blocks unknown
  *
  * PrefixIndex._removed's loop: each block leaves `present` (a refcounted medium's count
- * goes down first), its bit leaves `holders`, and a block left in none of `others` has
- * its hash mapping retired (invariant 2). */
+ * goes down first), engine `index` leaves its mask in `holders` (chain keys only: an
+ * unkeyed key is in no mask), and a block left in none of `others` has its hash mapping
+ * retired (invariant 2). */
 static PyObject *
 intake_removed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "removed() takes 9 arguments (%zd given)", nargs);
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "removed() takes 10 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *hashes = args[0], *retired = args[1], *present = args[2];
-    PyObject *holders = args[3], *others = args[4], *bit = args[5];
-    int refcounted = PyObject_IsTrue(args[6]);
+    PyObject *others = args[4];
+    HoldersObject *holders = expect_holders(args[3]);
+    Py_ssize_t index = holders == NULL ? -1 : holders_index(args[5]);
+    int refcounted = index < 0 ? -1 : PyObject_IsTrue(args[6]);
     Py_ssize_t max_retired = PyLong_AsSsize_t(args[7]);
-    PyObject *block_hashes = args[8];
+    PyObject *block_hashes = args[8], *prefix = args[9];
     if (refcounted < 0 || (max_retired == -1 && PyErr_Occurred())) {
         return NULL;
     }
     if (expect_dict(hashes, "hashes") || expect_dict(retired, "retired")
-        || expect_dict(present, "present") || expect_dict(holders, "holders")) {
+        || expect_dict(present, "present")) {
         return NULL;
     }
-    if (!PyList_CheckExact(others) || !PyTuple_CheckExact(block_hashes) || !PyLong_Check(bit)) {
-        PyErr_SetString(PyExc_TypeError, "others is a list, block_hashes a tuple, bit an int");
+    if (!PyList_CheckExact(others) || !PyTuple_CheckExact(block_hashes)
+        || !PyBytes_CheckExact(prefix)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "others is a list, block_hashes a tuple, unkeyed_prefix bytes");
         return NULL;
     }
     Py_ssize_t n_others = PyList_GET_SIZE(others);
@@ -161,26 +556,12 @@ intake_removed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(key);
             return NULL;
         }
-        PyObject *mask = PyDict_GetItemWithError(holders, key);
-        if (mask == NULL) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetObject(PyExc_KeyError, key); /* invariant 7 broken */
-            }
-            Py_DECREF(key);
-            return NULL;
+        int rc = starts_with(key, prefix);
+        if (rc == 0) { /* a chain key: out of the engine's mask (KeyError: invariant 7) */
+            uint64_t buffer[KEY_WORDS];
+            const uint64_t *chained = holders_key(key, buffer);
+            rc = chained == NULL ? -1 : holders_clear(holders, chained, index);
         }
-        PyObject *bits = PyNumber_Xor(mask, bit);
-        if (bits == NULL) {
-            Py_DECREF(key);
-            return NULL;
-        }
-        int rc = PyObject_IsTrue(bits);
-        if (rc > 0) {
-            rc = PyDict_SetItem(holders, key, bits);
-        } else if (rc == 0) {
-            rc = PyDict_DelItem(holders, key);
-        }
-        Py_DECREF(bits);
         if (rc < 0) {
             Py_DECREF(key);
             return NULL;
@@ -340,37 +721,38 @@ slice_bytes(PyObject *tokens, Py_ssize_t start, Py_ssize_t stop)
                                      stop > start ? stop - start : 0);
 }
 
-/* stored(hashes, retired, present, holders, speculative, medium, bit, refcounted, parent,
- *        block_hashes, tokens, width, unkeyed_prefix, chain, unkeyed_of,
+/* stored(hashes, retired, present, holders, speculative, medium, bit, index, refcounted,
+ *        parent, block_hashes, tokens, width, unkeyed_prefix, chain, unkeyed_of,
  *        unspeculated) -> (hash_remapped, unkeyed)
  *
  * PrefixIndex._stored's loop, from the chain key of the event's parent: each block gets
  * its chain key (a known keyed hash keeps its own: invariant 8; a new one is
  * chain(parent, its tokens); a salted block or its child is unkeyed_of(hash):
- * invariant 6), is mapped, then counted in `present` (its bit into `holders` when new),
- * and confirms a speculative entry if there is one (unspeculated(entry, bit)). */
+ * invariant 6), is mapped, then counted in `present` (engine `index` into its mask in
+ * `holders` when new, unless unkeyed), and confirms a speculative entry if there is one (unspeculated(entry, bit)). */
 static PyObject *
 intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 16) {
-        PyErr_Format(PyExc_TypeError, "stored() takes 16 arguments (%zd given)", nargs);
+    if (nargs != 17) {
+        PyErr_Format(PyExc_TypeError, "stored() takes 17 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *hashes = args[0], *retired = args[1], *present = args[2];
-    PyObject *holders = args[3], *speculative = args[4], *medium = args[5];
+    PyObject *speculative = args[4], *medium = args[5];
     PyObject *bit = args[6];
-    int refcounted = PyObject_IsTrue(args[7]);
-    PyObject *parent = args[8], *block_hashes = args[9], *tokens = args[10];
-    Py_ssize_t width = PyLong_AsSsize_t(args[11]);
-    PyObject *prefix = args[12], *chain = args[13], *unkeyed_of = args[14];
-    PyObject *unspeculated = args[15];
+    HoldersObject *holders = expect_holders(args[3]);
+    Py_ssize_t index = holders == NULL ? -1 : holders_index(args[7]);
+    int refcounted = index < 0 ? -1 : PyObject_IsTrue(args[8]);
+    PyObject *parent = args[9], *block_hashes = args[10], *tokens = args[11];
+    Py_ssize_t width = PyLong_AsSsize_t(args[12]);
+    PyObject *prefix = args[13], *chain = args[14], *unkeyed_of = args[15];
+    PyObject *unspeculated = args[16];
     if (refcounted < 0 || (width == -1 && PyErr_Occurred())) {
         return NULL;
     }
     if (expect_dict(hashes, "hashes") || expect_dict(retired, "retired")
-        || expect_dict(present, "present") || expect_dict(holders, "holders")
-        || expect_dict(speculative, "speculative")) {
+        || expect_dict(present, "present") || expect_dict(speculative, "speculative")) {
         return NULL;
     }
     if (!PyTuple_CheckExact(block_hashes) || !PyBytes_CheckExact(tokens)
@@ -475,18 +857,12 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred() || PyDict_SetItem(present, parent, one) < 0) {
                 goto done;
             }
-            PyObject *mask = PyDict_GetItemWithError(holders, parent);
-            if (mask == NULL && PyErr_Occurred()) {
-                goto done;
-            }
-            PyObject *bits = mask == NULL ? Py_NewRef(bit) : PyNumber_Or(mask, bit);
-            if (bits == NULL) {
-                goto done;
-            }
-            int rc = PyDict_SetItem(holders, parent, bits);
-            Py_DECREF(bits);
-            if (rc < 0) {
-                goto done;
+            if (!unkeyed) { /* a chain key (an unkeyed one is in no mask) */
+                uint64_t buffer[KEY_WORDS];
+                const uint64_t *chained = holders_key(parent, buffer);
+                if (chained == NULL || holders_set(holders, chained, index) < 0) {
+                    goto done;
+                }
             }
         } else {
             /* a set's count stays 1 */
@@ -748,7 +1124,10 @@ static PyMethodDef intake_methods[] = {
 static int
 intake_exec(PyObject *module)
 {
-    (void)module;
+    if (PyType_Ready(&HoldersType) < 0
+        || PyModule_AddObjectRef(module, "Holders", (PyObject *)&HoldersType) < 0) {
+        return -1;
+    }
     if (str_block_hashes == NULL) {
         str_block_hashes = PyUnicode_InternFromString("block_hashes");
         str_parent_block_hash = PyUnicode_InternFromString("parent_block_hash");

@@ -5,26 +5,35 @@ from typing import Any
 
 from kvpeer.router.events import BlockHash
 
+class Holders:
+    def get(self, key: bytes, default: int = 0, /) -> int: ...
+    def set_bit(self, key: bytes, index: int, /) -> None: ...
+    def clear_bit(self, key: bytes, index: int, /) -> None: ...
+    def items(self) -> list[tuple[bytes, int]]: ...
+    def __len__(self) -> int: ...
+
 def removed(
     hashes: dict[BlockHash, bytes],
     retired: dict[BlockHash, bytes],
     present: dict[bytes, int],
-    holders: dict[bytes, int],
+    holders: Holders,
     others: list[dict[bytes, int]],
-    bit: int,
+    index: int,
     refcounted: bool,
     max_retired: int,
     block_hashes: tuple[BlockHash, ...],
+    unkeyed_prefix: bytes,
     /,
 ) -> int: ...
 def stored(
     hashes: dict[BlockHash, bytes],
     retired: dict[BlockHash, bytes],
     present: dict[bytes, int],
-    holders: dict[bytes, int],
+    holders: Holders,
     speculative: dict[tuple[str, bytes], float],
     medium: str,
     bit: int,
+    index: int,
     refcounted: bool,
     parent: bytes,
     block_hashes: tuple[BlockHash, ...],

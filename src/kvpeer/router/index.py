@@ -72,7 +72,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from types import ModuleType
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
 from kvpeer.router.events import (
     AllCleared,
@@ -120,10 +120,60 @@ class IndexStatistics:
     hash_mappings: tuple[tuple[str, int], ...] = ()  # (engine, live + retired mappings)
 
 
+class _Masks(Protocol):
+    """Invariant 7's masks of one medium: chain key -> bits of the engines holding it."""
+
+    def get(self, key: bytes, default: int = 0, /) -> int: ...
+    def set_bit(self, key: bytes, index: int, /) -> None: ...
+    def clear_bit(self, key: bytes, index: int, /) -> None: ...
+    def items(self) -> list[tuple[bytes, int]]: ...
+    def __len__(self) -> int: ...
+
+
+class _Holders:
+    """The Python reference of ``kvpeer.router._intake.Holders`` (a table of 16-byte keys
+    with their masks inline, which the C loops use): the same methods and errors."""
+
+    __slots__ = ("_masks",)
+
+    def __init__(self) -> None:
+        self._masks: dict[bytes, int] = {}
+
+    def get(self, key: bytes, default: int = 0, /) -> int:
+        return self._masks.get(_chained(key), default)
+
+    def set_bit(self, key: bytes, index: int, /) -> None:
+        key = _chained(key)
+        self._masks[key] = self._masks.get(key, 0) | 1 << index
+
+    def clear_bit(self, key: bytes, index: int, /) -> None:
+        bits = self._masks[_chained(key)]
+        if not bits >> index & 1:
+            raise KeyError(key)  # invariant 7 broken
+        bits ^= 1 << index
+        if bits:
+            self._masks[key] = bits
+        else:
+            del self._masks[key]
+
+    def items(self) -> list[tuple[bytes, int]]:
+        return list(self._masks.items())
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+
+def _chained(key: bytes) -> bytes:
+    if type(key) is not bytes or len(key) != _CHAIN_BYTES:
+        raise TypeError(f"holder keys are {_CHAIN_BYTES}-byte chain keys, not {key!r:.60}")
+    return key
+
+
 @dataclass(slots=True)
 class _Engine:
-    bit: int  # this engine's bit in the masks (invariant 7)
+    index: int  # this engine's bit position in the masks (invariant 7)
     learned: bool = False
+    bit: int = 0  # 1 << index
     # Plain dicts in insertion order, oldest first (a touch deletes and re-inserts):
     # holding only bytes and ints, the garbage collector never tracks them (invariant 9).
     hashes: dict[BlockHash, bytes] = field(default_factory=dict)
@@ -168,7 +218,7 @@ class PrefixIndex:
         self._engines: dict[str, _Engine] = {}
         self._names: list[str] = []  # by bit
         self._learned_bits = 0
-        self._holders: dict[str, dict[bytes, int]] = {}  # medium -> key -> engine bits
+        self._holders: dict[str, _Masks] = {}  # medium -> chain key -> engine bits
         self._speculating: dict[tuple[str, bytes], int] = {}  # (medium, key) -> bits
         self._counts: dict[str, int] = {}
 
@@ -239,7 +289,9 @@ class PrefixIndex:
         out: dict[str, int] = {}
         if prompt.block_size != self._block_size:
             return out
-        holders = self._holders.get(medium, {})
+        holders = self._holders.get(medium)
+        if holders is None:  # nothing stored there yet; speculative entries may be
+            holders = _Holders()
         speculating = self._speculating
         alive = self._learned_bits
         size = prompt.block_size
@@ -359,7 +411,8 @@ class PrefixIndex:
     # --- internals --------------------------------------------------------------------
 
     def _engine(self, engine: str) -> _Engine:
-        state = self._engines[engine] = _Engine(1 << len(self._names))
+        index = len(self._names)
+        state = self._engines[engine] = _Engine(index, bit=1 << index)
         self._names.append(engine)
         return state
 
@@ -389,8 +442,8 @@ class PrefixIndex:
         speculative, bit = state.speculative, state.bit
         if self._native is not None:
             remapped, unkeyed = self._native.stored(
-                hashes, retired, present, holders, speculative, medium, bit, refcounted,
-                parent, tuple(event.block_hashes), event.tokens, 4 * size,
+                hashes, retired, present, holders, speculative, medium, bit, state.index,
+                refcounted, parent, tuple(event.block_hashes), event.tokens, 4 * size,
                 _UNKEYED, _chain, _unkeyed, self._unspeculated,
             )
             self._stored_counts(remapped, unkeyed)
@@ -430,7 +483,8 @@ class PrefixIndex:
             count = held(parent)
             if count is None:
                 present[parent] = 1
-                holders[parent] = holders.get(parent, 0) | bit
+                if not unkeyed:  # an unkeyed key is in no mask (invariant 7)
+                    holders.set_bit(parent, state.index)
             else:
                 del present[parent]
                 present[parent] = count + 1 if refcounted else count  # a set's stays 1
@@ -451,7 +505,6 @@ class PrefixIndex:
             self._bump("ignored_medium")
             return
         present = state.present.get(medium) or self._present(state, medium)
-        holders = self._holders[medium]
         refcounted = medium in self._refcounted
         for block_hash in event.block_hashes:
             previous = state.hashes.get(block_hash)
@@ -464,8 +517,7 @@ class PrefixIndex:
             state.hashes[block_hash] = key
             count = present.pop(key, None)
             if count is None:
-                present[key] = 1
-                holders[key] = holders.get(key, 0) | state.bit
+                present[key] = 1  # in no mask: no prompt names it (invariant 7)
             else:
                 present[key] = count + 1 if refcounted else 1
             if state.speculative.pop((medium, key), None) is not None:
@@ -473,7 +525,10 @@ class PrefixIndex:
         self._bound(state, medium)
 
     def _present(self, state: _Engine, medium: str) -> dict[bytes, int]:
-        self._holders.setdefault(medium, {})
+        if medium not in self._holders:
+            self._holders[medium] = (
+                self._native.Holders() if self._native is not None else _Holders()
+            )
         present: dict[bytes, int] = {}
         state.present[medium] = present
         return present
@@ -484,7 +539,7 @@ class PrefixIndex:
             holders = self._holders[medium]
             gone = _oldest_out(present, self._max_blocks)
             for key in gone:
-                _drop_bit(holders, key, state.bit)
+                _drop_holder(holders, key, state.index)
             self._bump("evicted_blocks", len(gone))
         _oldest_out(state.hashes, 2 * self._max_blocks)
 
@@ -497,13 +552,13 @@ class PrefixIndex:
             self._bump("unknown_removed", len(event.block_hashes))
             return
         refcounted = medium in self._refcounted
-        hashes, retired, bit = state.hashes, state.retired, state.bit
+        hashes, retired, index = state.hashes, state.retired, state.index
         holders = self._holders[medium]
         others = [held for other, held in state.present.items() if other != medium]
         if self._native is not None:
             unknown = self._native.removed(
-                hashes, retired, present, holders, others, bit, refcounted,
-                self._max_retired, tuple(event.block_hashes),
+                hashes, retired, present, holders, others, state.index, refcounted,
+                self._max_retired, tuple(event.block_hashes), _UNKEYED,
             )
             if unknown:
                 self._bump("unknown_removed", unknown)
@@ -523,11 +578,7 @@ class PrefixIndex:
                 present[key] = count - 1
                 continue
             del present[key]
-            bits = holders[key] ^ bit
-            if bits:
-                holders[key] = bits
-            else:
-                del holders[key]
+            _drop_holder(holders, key, index)
             for held in others:
                 if key in held:
                     break
@@ -544,7 +595,7 @@ class PrefixIndex:
         for medium, present in state.present.items():
             holders = self._holders[medium]
             for key in present:
-                _drop_bit(holders, key, state.bit)
+                _drop_holder(holders, key, state.index)
         state.present.clear()
         for entry in state.speculative:
             self._unspeculated(entry, state.bit)
@@ -609,6 +660,12 @@ def _drop_bit(masks: dict[_K, int], key: _K, bit: int) -> None:
         masks[key] = bits
     else:
         del masks[key]
+
+
+def _drop_holder(holders: _Masks, key: bytes, index: int) -> None:
+    """Engine ``index`` no longer holds ``key`` (an unkeyed key is in no mask)."""
+    if not key.startswith(_UNKEYED):
+        holders.clear_bit(key, index)
 
 
 def _chain(parent: bytes, tokens: bytes) -> bytes:
