@@ -303,36 +303,34 @@ Holders_get(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs)
     return holders_mask(h, holders_slot(h, at));
 }
 
+/* set_bit and clear_bit: `op` on the checked (key, index) of args. */
 static PyObject *
-Holders_set_bit(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs)
+holders_apply(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs, const char *name,
+              int (*op)(HoldersObject *, const uint64_t *, Py_ssize_t))
 {
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "set_bit() takes 2 arguments (%zd given)", nargs);
+        PyErr_Format(PyExc_TypeError, "%s() takes 2 arguments (%zd given)", name, nargs);
         return NULL;
     }
     uint64_t buffer[KEY_WORDS];
     const uint64_t *key = holders_key(args[0], buffer);
     Py_ssize_t index = key == NULL ? -1 : holders_index(args[1]);
-    if (index < 0 || holders_set(h, key, index) < 0) {
+    if (index < 0 || op(h, key, index) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *
+Holders_set_bit(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    return holders_apply(h, args, nargs, "set_bit", holders_set);
+}
+
+static PyObject *
 Holders_clear_bit(HoldersObject *h, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "clear_bit() takes 2 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    uint64_t buffer[KEY_WORDS];
-    const uint64_t *key = holders_key(args[0], buffer);
-    Py_ssize_t index = key == NULL ? -1 : holders_index(args[1]);
-    if (index < 0 || holders_clear(h, key, index) < 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return holders_apply(h, args, nargs, "clear_bit", holders_clear);
 }
 
 static PyObject *
