@@ -535,3 +535,27 @@ def test_the_holders_table_refuses_what_is_not_a_chain_key_or_a_bit() -> None:
         table.clear_bit(index_module._chain(b"k", i.to_bytes(2, "big")), 300)
     assert len(table) == 1
     assert sys.getsizeof(table) < empty + 4096  # and shrinks as keys leave
+
+
+@needs_native
+@settings(max_examples=500, deadline=None)
+@given(parent=st.binary(max_size=40), tokens=st.binary(max_size=400),
+       width=st.integers(1, 300))
+def test_chain_keys_in_c_are_hashlibs_blake2b(parent: bytes, tokens: bytes, width: int) -> None:
+    """Our BLAKE2b (RFC 7693) against hashlib's, across block boundaries (128 bytes)."""
+    assert native is not None
+    assert native.chain(parent, tokens) == index_module._chain_python(parent, tokens)
+    assert native.chain_keys(parent, tokens, width) == index_module._chain_keys_python(
+        parent, tokens, width)
+
+
+@needs_native
+def test_chain_refuses_what_is_not_bytes() -> None:
+    assert native is not None
+    for args in [("p", b"t"), (b"p", bytearray(b"t")), (b"p",)]:
+        with pytest.raises(TypeError):
+            native.chain(*args)
+    for bad in [(b"p", b"t", 0), (b"p", b"t", -1), (b"p", "t", 4), (b"p", b"t")]:
+        with pytest.raises(TypeError):
+            native.chain_keys(*bad)
+    assert index_module._chain is native.chain  # the stored loop's fast path

@@ -404,6 +404,196 @@ expect_holders(PyObject *obj)
     return (HoldersObject *)obj;
 }
 
+/* --- Chain keys: BLAKE2b (RFC 7693) with a 16-byte digest, unkeyed -----------------------
+ *
+ * index.py's _chain(parent, tokens) = blake2b(parent || tokens, digest_size=16), written here
+ * from the RFC so the stored loop and a prompt's keys hash with no Python call per block
+ * (the call cost four times the hashing). tests/router/test_index_native.py compares it
+ * with hashlib on random inputs of every length that crosses a block boundary. */
+
+#define CHAIN_BYTES 16
+
+static const uint64_t blake2b_iv[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+
+static const uint8_t blake2b_sigma[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+typedef struct {
+    uint64_t h[8];
+    uint64_t counted; /* bytes compressed or buffered so far (inputs here are far below 2**64) */
+    unsigned char block[128];
+    size_t filled;
+} Blake2b;
+
+static inline uint64_t
+rotr64(uint64_t x, int n)
+{
+    return x >> n | x << (64 - n);
+}
+
+static inline uint64_t
+load64(const unsigned char *p)
+{
+    uint64_t x = 0;
+    for (int i = 7; i >= 0; i--) {
+        x = x << 8 | p[i];
+    }
+    return x;
+}
+
+#define BLAKE2B_G(a, b, c, d, x, y)       \
+    do {                                  \
+        a = a + b + (x);                  \
+        d = rotr64(d ^ a, 32);            \
+        c = c + d;                        \
+        b = rotr64(b ^ c, 24);            \
+        a = a + b + (y);                  \
+        d = rotr64(d ^ a, 16);            \
+        c = c + d;                        \
+        b = rotr64(b ^ c, 63);            \
+    } while (0)
+
+static void
+blake2b_compress(Blake2b *s, int last)
+{
+    uint64_t m[16], v[16];
+    for (int i = 0; i < 16; i++) {
+        m[i] = load64(s->block + 8 * i);
+    }
+    for (int i = 0; i < 8; i++) {
+        v[i] = s->h[i];
+        v[i + 8] = blake2b_iv[i];
+    }
+    v[12] ^= s->counted; /* the counter's high word stays 0 */
+    if (last) {
+        v[14] = ~v[14];
+    }
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *z = blake2b_sigma[r];
+        BLAKE2B_G(v[0], v[4], v[8], v[12], m[z[0]], m[z[1]]);
+        BLAKE2B_G(v[1], v[5], v[9], v[13], m[z[2]], m[z[3]]);
+        BLAKE2B_G(v[2], v[6], v[10], v[14], m[z[4]], m[z[5]]);
+        BLAKE2B_G(v[3], v[7], v[11], v[15], m[z[6]], m[z[7]]);
+        BLAKE2B_G(v[0], v[5], v[10], v[15], m[z[8]], m[z[9]]);
+        BLAKE2B_G(v[1], v[6], v[11], v[12], m[z[10]], m[z[11]]);
+        BLAKE2B_G(v[2], v[7], v[8], v[13], m[z[12]], m[z[13]]);
+        BLAKE2B_G(v[3], v[4], v[9], v[14], m[z[14]], m[z[15]]);
+    }
+    for (int i = 0; i < 8; i++) {
+        s->h[i] ^= v[i] ^ v[i + 8];
+    }
+}
+
+static void
+blake2b_init(Blake2b *s)
+{
+    memcpy(s->h, blake2b_iv, sizeof(s->h));
+    s->h[0] ^= 0x01010000ULL ^ CHAIN_BYTES; /* depth 1, fanout 1, no key, 16-byte digest */
+    s->counted = 0;
+    s->filled = 0;
+}
+
+/* A full block is compressed only once more input follows: the last one is final. */
+static void
+blake2b_update(Blake2b *s, const unsigned char *in, size_t n)
+{
+    while (n > 0) {
+        if (s->filled == sizeof(s->block)) {
+            blake2b_compress(s, 0);
+            s->filled = 0;
+        }
+        size_t take = sizeof(s->block) - s->filled < n ? sizeof(s->block) - s->filled : n;
+        memcpy(s->block + s->filled, in, take);
+        s->filled += take;
+        s->counted += take;
+        in += take;
+        n -= take;
+    }
+}
+
+static void
+blake2b_final(Blake2b *s, unsigned char out[CHAIN_BYTES])
+{
+    memset(s->block + s->filled, 0, sizeof(s->block) - s->filled);
+    blake2b_compress(s, 1);
+    for (int i = 0; i < CHAIN_BYTES; i++) {
+        out[i] = (unsigned char)(s->h[i / 8] >> (8 * (i % 8)));
+    }
+}
+
+/* The chain key of `n` bytes of tokens after `parent`: a new bytes object, or NULL. */
+static PyObject *
+chain_key(const char *parent, Py_ssize_t parent_n, const char *tokens, Py_ssize_t n)
+{
+    Blake2b s;
+    unsigned char out[CHAIN_BYTES];
+    blake2b_init(&s);
+    blake2b_update(&s, (const unsigned char *)parent, (size_t)parent_n);
+    blake2b_update(&s, (const unsigned char *)tokens, (size_t)n);
+    blake2b_final(&s, out);
+    return PyBytes_FromStringAndSize((const char *)out, CHAIN_BYTES);
+}
+
+/* chain(parent, tokens) -> bytes: index.py's _chain. */
+static PyObject *
+intake_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2 || !PyBytes_CheckExact(args[0]) || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "chain() takes two bytes objects");
+        return NULL;
+    }
+    return chain_key(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]),
+                     PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]));
+}
+
+/* chain_keys(parent, tokens, width) -> tuple: index.py's _chain_keys, a key per `width`
+ * bytes of tokens (a shorter last piece too), each the next one's parent. */
+static PyObject *
+intake_chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    Py_ssize_t width = nargs == 3 ? PyLong_AsSsize_t(args[2]) : -1;
+    if (width == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !PyBytes_CheckExact(args[1]) || width <= 0) {
+        PyErr_SetString(PyExc_TypeError, "chain_keys() takes two bytes and a positive width");
+        return NULL;
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(args[1]);
+    Py_ssize_t count = size / width + (size % width != 0);
+    PyObject *keys = PyTuple_New(count);
+    PyObject *parent = args[0];
+    for (Py_ssize_t i = 0; keys != NULL && i < count; i++) {
+        Py_ssize_t start = i * width, n = size - start < width ? size - start : width;
+        PyObject *key = chain_key(PyBytes_AS_STRING(parent), PyBytes_GET_SIZE(parent),
+                                  PyBytes_AS_STRING(args[1]) + start, n);
+        if (key == NULL) {
+            Py_CLEAR(keys);
+            break;
+        }
+        PyTuple_SET_ITEM(keys, i, key);
+        parent = key;
+    }
+    return keys;
+}
+
 /* Is `obj` a bytes object that starts with `prefix`? -1 on a non-bytes object. */
 static int
 starts_with(PyObject *obj, PyObject *prefix)
@@ -764,6 +954,8 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (unkeyed < 0) {
         return NULL;
     }
+    int own_chain = PyCFunction_Check(chain)
+                    && PyCFunction_GET_FUNCTION(chain) == (PyCFunction)(void (*)(void))intake_chain;
     PyObject *one = PyLong_FromLong(1);
     PyObject *result = NULL;
     Py_ssize_t remapped = 0;
@@ -814,10 +1006,19 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 if (unkeyed) { /* a salted block's child (invariant 6) */
                     key = PyObject_CallOneArg(unkeyed_of, block_hash);
                 } else {
-                    PyObject *block = slice_bytes(tokens, i * width, (i + 1) * width);
-                    key = block == NULL ? NULL : PyObject_CallFunctionObjArgs(chain, parent,
-                                                                             block, NULL);
-                    Py_XDECREF(block);
+                    if (own_chain && PyBytes_CheckExact(parent)) { /* no Python call */
+                        Py_ssize_t size = PyBytes_GET_SIZE(tokens);
+                        Py_ssize_t start = i * width < size ? i * width : size;
+                        Py_ssize_t stop = (i + 1) * width < size ? (i + 1) * width : size;
+                        key = chain_key(PyBytes_AS_STRING(parent), PyBytes_GET_SIZE(parent),
+                                        PyBytes_AS_STRING(tokens) + start, stop - start);
+                    } else {
+                        PyObject *block = slice_bytes(tokens, i * width, (i + 1) * width);
+                        key = block == NULL ? NULL
+                                            : PyObject_CallFunctionObjArgs(chain, parent, block,
+                                                                           NULL);
+                        Py_XDECREF(block);
+                    }
                 }
             } else {
                 int salted = unkeyed ? 1 : starts_with(previous, prefix);
@@ -1114,6 +1315,10 @@ static PyMethodDef intake_methods[] = {
      "PrefixIndex._stored's per-block loop; returns (hash_remapped, unkeyed)."},
     {"stores_of", (PyCFunction)(void (*)(void))intake_stores_of, METH_FASTCALL,
      "events.py's _stores_of up to the events: [(head, hashes, tokens), ...]."},
+    {"chain", (PyCFunction)(void (*)(void))intake_chain, METH_FASTCALL,
+     "chain(parent, tokens): blake2b(parent + tokens, digest_size=16).digest()."},
+    {"chain_keys", (PyCFunction)(void (*)(void))intake_chain_keys, METH_FASTCALL,
+     "chain_keys(parent, tokens, width): the chain key of each width bytes of tokens."},
     {"msgpack_tokens", (PyCFunction)(void (*)(void))intake_msgpack_tokens, METH_FASTCALL,
      "A store's token ids (their msgpack) packed as array('I') packs them."},
     {NULL, NULL, 0, NULL},

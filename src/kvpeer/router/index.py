@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from types import ModuleType
@@ -247,7 +247,7 @@ class PrefixIndex:
             tokens = array("I", prompt[:full]).tobytes()
         except (OverflowError, TypeError):  # keep the blocks before the first bad one
             return self._keys_checked(prompt, size)
-        return PromptKeys(size, _chain_keys(_ROOT, tokens, size), len(prompt))
+        return PromptKeys(size, _chain_keys(_ROOT, tokens, 4 * size), len(prompt))
 
     def _keys_checked(self, prompt: Sequence[int], size: int) -> PromptKeys:
         keys: list[bytes] = []
@@ -668,20 +668,28 @@ def _drop_holder(holders: _Masks, key: bytes, index: int) -> None:
         holders.clear_bit(key, index)
 
 
-def _chain(parent: bytes, tokens: bytes) -> bytes:
+def _chain_python(parent: bytes, tokens: bytes) -> bytes:
     return hashlib.blake2b(parent + tokens, digest_size=_CHAIN_BYTES).digest()
 
 
-def _chain_keys(parent: bytes, tokens: bytes, size: int) -> tuple[bytes, ...]:
-    """The chain keys of ``tokens`` (packed ``uint32``), block by block, from ``parent``."""
-    width = 4 * size
+def _chain_keys_python(parent: bytes, tokens: bytes, width: int) -> tuple[bytes, ...]:
+    """The chain keys of ``tokens`` (packed ``uint32``), ``width`` bytes a block, from
+    ``parent``."""
     keys = []
     for start in range(0, len(tokens), width):
-        parent = hashlib.blake2b(
-            parent + tokens[start : start + width], digest_size=_CHAIN_BYTES
-        ).digest()
+        parent = _chain_python(parent, tokens[start : start + width])
         keys.append(parent)
     return tuple(keys)
+
+
+# The same keys hashed in C when built (blake2b from RFC 7693, compared with hashlib in
+# tests/router/test_index_native.py): the stored loop then calls no Python per block.
+_chain: Callable[[bytes, bytes], bytes] = (
+    _chain_python if _native_intake is None else _native_intake.chain
+)
+_chain_keys: Callable[[bytes, bytes, int], tuple[bytes, ...]] = (
+    _chain_keys_python if _native_intake is None else _native_intake.chain_keys
+)
 
 
 def _unkeyed(block_hash: BlockHash) -> bytes:
