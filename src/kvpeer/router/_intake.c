@@ -418,7 +418,7 @@ static const uint64_t blake2b_iv[8] = {
     0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
 };
 
-static const uint8_t blake2b_sigma[12][16] = {
+static const uint8_t blake2b_sigma[10][16] = { /* round r permutes by row r mod 10 */
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
     {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
@@ -429,8 +429,6 @@ static const uint8_t blake2b_sigma[12][16] = {
     {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
     {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
     {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
 typedef struct {
@@ -484,7 +482,7 @@ blake2b_compress(Blake2b *s, int last)
         v[14] = ~v[14];
     }
     for (int r = 0; r < 12; r++) {
-        const uint8_t *z = blake2b_sigma[r];
+        const uint8_t *z = blake2b_sigma[r % 10];
         BLAKE2B_G(v[0], v[4], v[8], v[12], m[z[0]], m[z[1]]);
         BLAKE2B_G(v[1], v[5], v[9], v[13], m[z[2]], m[z[3]]);
         BLAKE2B_G(v[2], v[6], v[10], v[14], m[z[4]], m[z[5]]);
