@@ -22,6 +22,7 @@ from kvpeer.router import index as index_module
 from kvpeer.router.app import Router
 from kvpeer.router.events import (
     AllCleared,
+    BatchRejected,
     BlockHash,
     BlocksRemoved,
     BlocksStored,
@@ -559,3 +560,69 @@ def test_chain_refuses_what_is_not_bytes() -> None:
         with pytest.raises(TypeError):
             native.chain_keys(*bad)
     assert index_module._chain is native.chain  # the stored loop's fast path
+
+
+def _raw(ids: list[int]) -> msgspec.Raw:
+    return msgspec.Raw(msgspec.msgpack.encode(ids))
+
+
+_small_hash_st = st.sampled_from([b"\x01" * 8, b"\x02" * 8, b"\x03" * 8, 4, 5])
+_wire_event_st = st.one_of(
+    st.builds(
+        events_module._WireStored,
+        block_hashes=st.lists(_small_hash_st, max_size=3),
+        parent_block_hash=st.none() | _small_hash_st,
+        token_ids=st.one_of(
+            st.lists(st.integers(0, 9), max_size=6).map(_raw),
+            st.just(_raw([-1, 2])), st.just(msgspec.Raw(b"\xc0")),
+        ),
+        block_size=st.sampled_from((0, 1, 2)),
+        lora_id=st.none() | st.just(3),
+        medium=st.sampled_from((None, "", "GPU", "CPU")),
+        lora_name=st.none() | st.just("a"),
+        extra_keys=st.none() | st.lists(st.none() | st.just(("salt",)), max_size=2),
+        group_idx=st.none() | st.sampled_from((0, 1)),
+        ownership=st.none() | st.just("kvcr"),
+    ),
+    st.builds(
+        events_module._WireRemoved,
+        block_hashes=st.lists(_small_hash_st, max_size=3),
+        medium=st.sampled_from((None, "", "GPU", "CPU")),
+        group_idx=st.none() | st.sampled_from((0, 2)),
+        ownership=st.none() | st.just("kvcr"),
+    ),
+    st.just(events_module._WireCleared()),
+)
+
+
+@needs_native
+@settings(max_examples=1000, deadline=None)
+@given(st.lists(_wire_event_st, max_size=14))
+def test_a_batch_translates_as_the_python_loop_does(wire: list[Any]) -> None:
+    """The C translation of a batch's wire events (runs of removals joined, stores
+    checked, skipped, named unkeyable, ordered and joined; the first malformed store
+    rejecting the batch) against events.py's Python loop, event for event."""
+    assert native is not None
+    events, skipped, rejected = native.translate(
+        list(wire), events_module._CLASSES, events_module.MAX_TOKENS_PER_EVENT)
+    reference = events_module._translate(list(wire))
+    if isinstance(reference, BatchRejected):
+        assert rejected == (reference.reason, reference.detail)
+        assert (events, skipped) == ([], {})
+    else:
+        assert rejected is None
+        assert (events, skipped) == (reference[0], reference[1])
+
+
+@needs_native
+def test_translate_refuses_what_is_not_a_batch() -> None:
+    assert native is not None
+    classes = events_module._CLASSES
+    with pytest.raises(TypeError):
+        native.translate((), classes, 10)
+    with pytest.raises(TypeError):
+        native.translate([], classes[:6], 10)
+    with pytest.raises(TypeError):
+        native.translate([], (*classes[:6], "not a class"), 10)
+    with pytest.raises(TypeError, match="event 0 is a int"):
+        native.translate([1], classes, 10)

@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -781,7 +782,7 @@ intake_removed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* A big-endian unsigned integer of `n` bytes at `p`. */
-static uint64_t
+static inline uint64_t
 big_endian(const unsigned char *p, int n)
 {
     uint64_t value = 0;
@@ -799,19 +800,10 @@ big_endian(const unsigned char *p, int n)
  * in [0, 2**32) in any of msgpack's integer encodings, at most max_count of them, and
  * nothing may follow the array; anything else is a ValueError that names it. */
 static PyObject *
-intake_msgpack_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+pack_msgpack_tokens(PyObject *raw, Py_ssize_t max_count)
 {
-    (void)module;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "msgpack_tokens() takes 2 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    Py_ssize_t max_count = PyLong_AsSsize_t(args[1]);
-    if (max_count == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
     const unsigned char *p = view.buf, *end = p + view.len;
@@ -870,7 +862,11 @@ intake_msgpack_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 Py_CLEAR(packed);
                 goto done;
             }
-            value = big_endian(p, width);
+            /* each width spelt out: a constant width is a load, not a loop */
+            value = width == 4   ? big_endian(p, 4)
+                    : width == 2 ? big_endian(p, 2)
+                    : width == 1 ? big_endian(p, 1)
+                                 : big_endian(p, 8);
             p += width;
             /* a signed encoding's sign bit set is a negative id */
             if (is_signed && value >> (8 * width - 1)) {
@@ -894,6 +890,21 @@ intake_msgpack_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 done:
     PyBuffer_Release(&view);
     return packed;
+}
+
+static PyObject *
+intake_msgpack_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "msgpack_tokens() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t max_count = PyLong_AsSsize_t(args[1]);
+    if (max_count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return pack_msgpack_tokens(args[0], max_count);
 }
 
 /* tokens[start:stop] as Python slices it (clipped to the bytes there are). */
@@ -1100,14 +1111,82 @@ done:
     return result;
 }
 
-/* Attribute names of the decoder's wire stores, interned once. */
-static PyObject *str_block_hashes, *str_parent_block_hash, *str_medium, *str_block_size;
+/* --- Fields of the decoder's wire events -------------------------------------------------
+ *
+ * msgspec keeps a Struct's fields in slots, read through member descriptors. attr() reads
+ * such a field straight from its slot once it has found the descriptor in the class's own
+ * dict (remembered per field for the last two classes asked, each held), for instances of
+ * exactly that class; anything else goes through PyObject_GetAttr. At 432,000 wire events
+ * a second, the getattr machinery was most of the translation's time. */
+
+enum {
+    F_BLOCK_HASHES, F_PARENT_BLOCK_HASH, F_TOKEN_IDS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM,
+    F_LORA_NAME, F_EXTRA_KEYS, F_GROUP_IDX, F_OWNERSHIP, F_COUNT
+};
+static PyObject *field_names[F_COUNT]; /* interned at module exec */
+static const char *const field_strings[F_COUNT] = {
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+    "medium", "lora_name", "extra_keys", "group_idx", "ownership",
+};
+
+static struct {
+    PyTypeObject *type; /* a strong reference, or NULL */
+    Py_ssize_t offset;  /* -1: not a plain object slot of that class: getattr */
+} field_cache[F_COUNT][2];
+
+static Py_ssize_t
+field_offset(PyTypeObject *type, int field)
+{
+    for (int way = 0; way < 2; way++) {
+        if (field_cache[field][way].type == type) {
+            return field_cache[field][way].offset;
+        }
+    }
+    Py_ssize_t offset = -1;
+    PyObject *descr = NULL;
+    if (type->tp_dict != NULL && type->tp_getattro == PyObject_GenericGetAttr) {
+        descr = PyDict_GetItemWithError(type->tp_dict, field_names[field]);
+        if (descr == NULL) {
+            PyErr_Clear();
+        }
+    } /* else: a class with its own attribute lookup is asked every time */
+    if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type == T_OBJECT_EX && member->offset >= (Py_ssize_t)sizeof(PyObject)
+            && member->offset + (Py_ssize_t)sizeof(PyObject *) <= type->tp_basicsize) {
+            offset = member->offset;
+        }
+    }
+    /* the newer way first; the older one's class let go */
+    Py_XSETREF(field_cache[field][1].type, field_cache[field][0].type);
+    field_cache[field][1].offset = field_cache[field][0].offset;
+    field_cache[field][0].type = (PyTypeObject *)Py_NewRef((PyObject *)type);
+    field_cache[field][0].offset = offset;
+    return offset;
+}
+
+/* item.<field>, a new reference, or NULL with an exception. */
+static PyObject *
+attr(PyObject *item, int field)
+{
+    Py_ssize_t offset = field_offset(Py_TYPE(item), field);
+    if (offset < 0) {
+        return PyObject_GetAttr(item, field_names[field]);
+    }
+    PyObject *value = *(PyObject **)((char *)item + offset);
+    if (value == NULL) {
+        PyErr_SetObject(PyExc_AttributeError, field_names[field]);
+        return NULL;
+    }
+    return Py_NewRef(value);
+}
+
 
 /* run[i].name as a new reference, or NULL with an exception. */
 static PyObject *
-field(PyObject *run, Py_ssize_t i, PyObject *name)
+field(PyObject *run, Py_ssize_t i, int name)
 {
-    return PyObject_GetAttr(PyList_GET_ITEM(run, i), name);
+    return attr(PyList_GET_ITEM(run, i), name);
 }
 
 /* list.extend(items): 0, or -1 with an exception. */
@@ -1159,7 +1238,7 @@ parents_first(PyObject *run, Py_ssize_t n, Py_ssize_t *order)
         PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
-        PyObject *hashes = field(run, i, str_block_hashes);
+        PyObject *hashes = field(run, i, F_BLOCK_HASHES);
         PyObject *at = hashes == NULL ? NULL : PyLong_FromSsize_t(i);
         PyObject *seq = at == NULL ? NULL : PySequence_Fast(hashes, "block_hashes is a list");
         rc = seq == NULL ? -1 : 0;
@@ -1176,7 +1255,7 @@ parents_first(PyObject *run, Py_ssize_t n, Py_ssize_t *order)
         while (i >= 0 && !placed[i]) {
             placed[i] = 1; /* marked on the way up: a hostile cycle ends here */
             chain[length++] = i;
-            PyObject *parent = field(run, i, str_parent_block_hash);
+            PyObject *parent = field(run, i, F_PARENT_BLOCK_HASH);
             if (parent == NULL) {
                 rc = -1;
                 break;
@@ -1249,7 +1328,7 @@ intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t k = 0; out != NULL && k < n; k++) {
         PyObject *item = PyList_GET_ITEM(run, order[k]);
         if (head != NULL) {
-            PyObject *parent = PyObject_GetAttr(item, str_parent_block_hash);
+            PyObject *parent = attr(item, F_PARENT_BLOCK_HASH);
             PyObject *item_medium = NULL, *item_size = NULL;
             int joins = parent == NULL ? -1 : 0;
             if (joins == 0 && parent != Py_None && PyList_GET_SIZE(hashes) > 0) {
@@ -1257,12 +1336,12 @@ intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     parent, PyList_GET_ITEM(hashes, PyList_GET_SIZE(hashes) - 1), Py_EQ);
             }
             if (joins > 0) {
-                item_medium = PyObject_GetAttr(item, str_medium);
+                item_medium = attr(item, F_MEDIUM);
                 joins = item_medium == NULL ? -1
                                             : PyObject_RichCompareBool(item_medium, medium, Py_EQ);
             }
             if (joins > 0) {
-                item_size = PyObject_GetAttr(item, str_block_size);
+                item_size = attr(item, F_BLOCK_SIZE);
                 joins = item_size == NULL ? -1
                                           : PyObject_RichCompareBool(item_size, size, Py_EQ);
             }
@@ -1270,7 +1349,7 @@ intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(item_medium);
             Py_XDECREF(parent);
             if (joins > 0) {
-                PyObject *more = PyObject_GetAttr(item, str_block_hashes);
+                PyObject *more = attr(item, F_BLOCK_HASHES);
                 if (more == NULL || append_all(hashes, more) < 0) {
                     Py_CLEAR(out);
                 }
@@ -1286,11 +1365,11 @@ intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_XSETREF(head, Py_NewRef(item));
         chain[0] = order[k];
         length = 1;
-        PyObject *h = PyObject_GetAttr(item, str_block_hashes);
+        PyObject *h = attr(item, F_BLOCK_HASHES);
         Py_XSETREF(hashes, h == NULL ? NULL : PySequence_List(h));
         Py_XDECREF(h);
-        Py_XSETREF(medium, PyObject_GetAttr(item, str_medium));
-        Py_XSETREF(size, PyObject_GetAttr(item, str_block_size));
+        Py_XSETREF(medium, attr(item, F_MEDIUM));
+        Py_XSETREF(size, attr(item, F_BLOCK_SIZE));
         if (hashes == NULL || medium == NULL || size == NULL) {
             Py_CLEAR(out);
         }
@@ -1306,6 +1385,373 @@ intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* --- A batch's wire events into the router's events (events.py's decode_batch loop) --- */
+
+static PyObject *str_GPU, *str_other_group, *str_secondary_tier, *str_lora,
+    *str_extra_keys_reason, *str_placeholder, *str_invalid_schema, *str_empty_store,
+    *str_token_count_mismatch;
+
+/* events.py's classes, as the caller passes them (checked to be types). */
+typedef struct {
+    PyObject *wire_stored, *wire_removed, *wire_cleared;
+    PyObject *blocks_stored, *blocks_removed, *all_cleared, *blocks_unkeyable;
+} Classes;
+
+/* skipped[reason] += 1: 0, or -1. */
+static int
+bump(PyObject *skipped, PyObject *reason)
+{
+    PyObject *count = PyDict_GetItemWithError(skipped, reason);
+    if (count == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *more = PyLong_FromSsize_t(count == NULL ? 1 : PyLong_AsSsize_t(count) + 1);
+    int rc = more == NULL ? -1 : PyDict_SetItem(skipped, reason, more);
+    Py_XDECREF(more);
+    return rc;
+}
+
+/* out.append(cls(*args)): 0, or -1. */
+static int
+append_new(PyObject *out, PyObject *cls, PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *event = PyObject_Vectorcall(cls, args, (size_t)n, NULL);
+    int rc = event == NULL ? -1 : PyList_Append(out, event);
+    Py_XDECREF(event);
+    return rc;
+}
+
+/* `medium or "GPU"` of a wire event, a new reference. */
+static PyObject *
+medium_of(PyObject *item)
+{
+    PyObject *medium = attr(item, F_MEDIUM);
+    if (medium != NULL && !PyObject_IsTrue(medium)) {
+        Py_SETREF(medium, Py_NewRef(str_GPU));
+    }
+    return medium;
+}
+
+/* The removals gathered so far as one BlocksRemoved; the list emptied. 0, or -1. */
+static int
+flush_removed(PyObject *out, const Classes *c, PyObject *removed, PyObject *medium)
+{
+    if (PyList_GET_SIZE(removed) == 0) {
+        return 0;
+    }
+    PyObject *hashes = PyList_AsTuple(removed);
+    PyObject *args[2] = {medium, hashes};
+    int rc = hashes == NULL ? -1 : append_new(out, c->blocks_removed, args, 2);
+    Py_XDECREF(hashes);
+    return rc == 0 ? PyList_SetSlice(removed, 0, PyList_GET_SIZE(removed), NULL) : -1;
+}
+
+static PyObject *intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+/* The run of valid stores gathered so far as BlocksStored chains; the lists emptied. */
+static int
+flush_run(PyObject *out, const Classes *c, PyObject *run, PyObject *tokens)
+{
+    if (PyList_GET_SIZE(run) == 0) {
+        return 0;
+    }
+    PyObject *lists[2] = {run, tokens};
+    PyObject *chains = intake_stores_of(NULL, lists, 2);
+    int rc = chains == NULL ? -1 : 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(chains); i++) {
+        PyObject *chain = PyList_GET_ITEM(chains, i); /* (head, hashes, tokens) */
+        PyObject *head = PyTuple_GET_ITEM(chain, 0);
+        PyObject *medium = medium_of(head);
+        PyObject *parent = medium == NULL ? NULL : attr(head, F_PARENT_BLOCK_HASH);
+        PyObject *size = parent == NULL ? NULL : attr(head, F_BLOCK_SIZE);
+        PyObject *args[5] = {medium, PyTuple_GET_ITEM(chain, 1), parent,
+                             PyTuple_GET_ITEM(chain, 2), size};
+        rc = size == NULL ? -1 : append_new(out, c->blocks_stored, args, 5);
+        Py_XDECREF(size);
+        Py_XDECREF(parent);
+        Py_XDECREF(medium);
+    }
+    Py_XDECREF(chains);
+    if (rc == 0) {
+        rc = PyList_SetSlice(run, 0, PyList_GET_SIZE(run), NULL);
+    }
+    return rc == 0 ? PyList_SetSlice(tokens, 0, PyList_GET_SIZE(tokens), NULL) : -1;
+}
+
+/* A C long attribute that msgspec checked to be an int or None (None: `none`). */
+static int
+small_int(PyObject *item, int name, long none, long *value)
+{
+    PyObject *obj = attr(item, name);
+    if (obj == NULL) {
+        return -1;
+    }
+    *value = obj == Py_None ? none : PyLong_AsLong(obj);
+    Py_DECREF(obj);
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* Whether attribute `name` is not None: 1, 0, or -1. */
+static int
+not_none(PyObject *item, int name)
+{
+    PyObject *obj = attr(item, name);
+    if (obj == NULL) {
+        return -1;
+    }
+    int rc = obj != Py_None;
+    Py_DECREF(obj);
+    return rc;
+}
+
+/* group_idx and ownership: the reason to skip the event, NULL (borrowed) when there is none. */
+static int
+skip_reason(PyObject *item, PyObject **reason)
+{
+    long group;
+    int owned = small_int(item, F_GROUP_IDX, 0, &group) < 0 ? -1 : not_none(item, F_OWNERSHIP);
+    if (owned < 0) {
+        return -1;
+    }
+    *reason = group != 0 ? str_other_group : owned ? str_secondary_tier : NULL;
+    return 0;
+}
+
+enum { STORE_VALID, STORE_SKIP, STORE_REJECT };
+
+/* events.py's _store_check: STORE_VALID with *packed (new), STORE_SKIP with *reason
+ * (borrowed), STORE_REJECT with *reason (borrowed) and *detail (new), or -1. */
+static int
+store_check(PyObject *item, Py_ssize_t max_tokens, PyObject **packed, PyObject **reason,
+            PyObject **detail)
+{
+    PyObject *raw = attr(item, F_TOKEN_IDS);
+    PyObject *tokens = raw == NULL ? NULL : pack_msgpack_tokens(raw, max_tokens);
+    Py_XDECREF(raw);
+    if (tokens == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError)) {
+            return -1;
+        }
+        PyObject *type, *value, *trace;
+        PyErr_Fetch(&type, &value, &trace);
+        *reason = str_invalid_schema;
+        *detail = PyUnicode_FromFormat("token_ids: %.150S", value);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(trace);
+        return *detail == NULL ? -1 : STORE_REJECT;
+    }
+    long size;
+    PyObject *hashes = small_int(item, F_BLOCK_SIZE, 0, &size) < 0
+                           ? NULL
+                           : attr(item, F_BLOCK_HASHES);
+    int rc = hashes == NULL ? -1 : STORE_VALID;
+    Py_ssize_t blocks = hashes == NULL ? 0 : PyObject_Length(hashes);
+    Py_XDECREF(hashes);
+    Py_ssize_t count = PyBytes_GET_SIZE(tokens) / 4;
+    if (rc < 0 || blocks < 0) {
+        rc = -1;
+    } else if (count == 0 && size == 0) {
+        *reason = str_placeholder; /* checked first: placeholders are not malformed */
+        rc = STORE_SKIP;
+    } else if (blocks == 0) {
+        *reason = str_empty_store;
+        *detail = PyUnicode_FromString("no block hashes");
+        rc = *detail == NULL ? -1 : STORE_REJECT;
+    } else if (size == 0 || count != blocks * size) {
+        *reason = str_token_count_mismatch;
+        *detail = PyUnicode_FromFormat("%zd tokens, %zd blocks of %ld", count, blocks, size);
+        rc = *detail == NULL ? -1 : STORE_REJECT;
+    } else if (skip_reason(item, reason) < 0) {
+        rc = -1;
+    } else if (*reason != NULL) {
+        rc = STORE_SKIP;
+    } else {
+        int lora = not_none(item, F_LORA_NAME);
+        if (lora == 0) {
+            lora = not_none(item, F_LORA_ID);
+        }
+        PyObject *extra = lora == 0 ? attr(item, F_EXTRA_KEYS) : NULL;
+        int salted = 0;
+        if (lora < 0 || (lora == 0 && extra == NULL)) {
+            rc = -1;
+        } else if (lora) {
+            *reason = str_lora;
+            rc = STORE_SKIP;
+        } else if (extra != Py_None) {
+            PyObject *seq = PySequence_Fast(extra, "extra_keys is a list");
+            for (Py_ssize_t i = 0; seq != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
+                salted |= PySequence_Fast_GET_ITEM(seq, i) != Py_None;
+            }
+            rc = seq == NULL ? -1 : salted ? STORE_SKIP : STORE_VALID;
+            *reason = salted ? str_extra_keys_reason : NULL;
+            Py_XDECREF(seq);
+        }
+        Py_XDECREF(extra);
+    }
+    if (rc == STORE_VALID) {
+        *packed = tokens;
+    } else {
+        Py_DECREF(tokens);
+    }
+    return rc;
+}
+
+/* translate(events, classes, max_tokens) -> (events, skipped, rejected)
+ *
+ * events.py's decode_batch after msgspec: the wire events (events.py's wire classes,
+ * exactly) into the router's -- consecutive removals of one medium joined, each run of
+ * valid stores ordered and joined (stores_of), unkeyable blocks first -- with the
+ * skipped events counted by reason, or rejected = (reason, detail) for the first
+ * malformed event (then events and skipped are empty). classes = (wire stored, wire
+ * removed, wire cleared, BlocksStored, BlocksRemoved, AllCleared, BlocksUnkeyable). */
+static PyObject *
+intake_translate(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])
+        || PyTuple_GET_SIZE(args[1]) != 7) {
+        PyErr_SetString(PyExc_TypeError, "translate() takes a list, 7 classes and a limit");
+        return NULL;
+    }
+    Py_ssize_t max_tokens = PyLong_AsSsize_t(args[2]);
+    if (max_tokens == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < 7; i++) {
+        if (!PyType_Check(PyTuple_GET_ITEM(args[1], i))) {
+            PyErr_SetString(PyExc_TypeError, "translate() takes 7 classes");
+            return NULL;
+        }
+    }
+    PyObject *const *k = &PyTuple_GET_ITEM(args[1], 0);
+    Classes c = {k[0], k[1], k[2], k[3], k[4], k[5], k[6]};
+    PyObject *events = args[0];
+    PyObject *out = PyList_New(0), *unkeyable = PyList_New(0), *skipped = PyDict_New();
+    PyObject *removed = PyList_New(0), *run = PyList_New(0), *run_tokens = PyList_New(0);
+    PyObject *removed_medium = Py_NewRef(str_GPU), *result = NULL, *rejected = NULL;
+    if (out == NULL || unkeyable == NULL || skipped == NULL || removed == NULL || run == NULL
+        || run_tokens == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *item = PyList_GET_ITEM(events, i);
+        PyTypeObject *type = Py_TYPE(item);
+        if ((PyObject *)type == c.wire_removed) {
+            PyObject *reason;
+            if (skip_reason(item, &reason) < 0) {
+                goto done;
+            }
+            if (reason != NULL) {
+                if (bump(skipped, reason) < 0) {
+                    goto done;
+                }
+                continue;
+            }
+            PyObject *hashes = attr(item, F_BLOCK_HASHES);
+            Py_ssize_t n = hashes == NULL ? -1 : PyObject_Length(hashes);
+            int rc = n < 0 ? -1 : 0;
+            if (n > 0) {
+                PyObject *medium = medium_of(item);
+                rc = medium == NULL ? -1 : flush_run(out, &c, run, run_tokens);
+                if (rc == 0 && PyList_GET_SIZE(removed) > 0) {
+                    int same = PyObject_RichCompareBool(medium, removed_medium, Py_EQ);
+                    rc = same < 0 ? -1 : same ? 0 : flush_removed(out, &c, removed, removed_medium);
+                }
+                if (medium != NULL) {
+                    Py_SETREF(removed_medium, medium);
+                }
+                if (rc == 0) {
+                    rc = append_all(removed, hashes);
+                }
+            }
+            Py_XDECREF(hashes);
+            if (rc < 0) {
+                goto done;
+            }
+            continue;
+        }
+        if (flush_removed(out, &c, removed, removed_medium) < 0) {
+            goto done;
+        }
+        if ((PyObject *)type == c.wire_cleared) {
+            if (flush_run(out, &c, run, run_tokens) < 0
+                || append_new(out, c.all_cleared, NULL, 0) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        if ((PyObject *)type != c.wire_stored) {
+            PyErr_Format(PyExc_TypeError, "event %zd is a %.50s", i, type->tp_name);
+            goto done;
+        }
+        PyObject *packed = NULL, *reason = NULL, *detail = NULL;
+        int outcome = store_check(item, max_tokens, &packed, &reason, &detail);
+        if (outcome == STORE_VALID) {
+            int rc = PyList_Append(run, item);
+            rc = rc < 0 ? rc : PyList_Append(run_tokens, packed);
+            Py_DECREF(packed);
+            if (rc < 0) {
+                goto done;
+            }
+        } else if (outcome == STORE_REJECT) {
+            PyObject *said = PyUnicode_FromFormat("event %zd: %U", i, detail);
+            Py_DECREF(detail);
+            rejected = said == NULL ? NULL : PyTuple_Pack(2, reason, said);
+            Py_XDECREF(said);
+            if (rejected == NULL) {
+                goto done;
+            }
+            PyObject *none_out = PyList_New(0), *none_skipped = PyDict_New();
+            if (none_out != NULL && none_skipped != NULL) {
+                result = PyTuple_Pack(3, none_out, none_skipped, rejected);
+            }
+            Py_XDECREF(none_out);
+            Py_XDECREF(none_skipped);
+            goto done;
+        } else if (outcome == STORE_SKIP) {
+            if (bump(skipped, reason) < 0) {
+                goto done;
+            }
+            if (reason == str_lora || reason == str_extra_keys_reason) {
+                PyObject *hashes = attr(item, F_BLOCK_HASHES);
+                PyObject *tuple = hashes == NULL ? NULL : PySequence_Tuple(hashes);
+                PyObject *medium = tuple == NULL ? NULL : medium_of(item);
+                PyObject *named[2] = {tuple, medium};
+                int rc = medium == NULL ? -1 : append_new(unkeyable, c.blocks_unkeyable, named, 2);
+                Py_XDECREF(medium);
+                Py_XDECREF(tuple);
+                Py_XDECREF(hashes);
+                if (rc < 0) {
+                    goto done;
+                }
+            }
+        } else {
+            goto done;
+        }
+    }
+    if (flush_removed(out, &c, removed, removed_medium) < 0
+        || flush_run(out, &c, run, run_tokens) < 0) {
+        goto done;
+    }
+    /* unkeyable blocks first: a step's CPU-tier store of one may come before the store
+     * that says it is salted */
+    if (PyList_SetSlice(unkeyable, PyList_GET_SIZE(unkeyable), PyList_GET_SIZE(unkeyable), out)
+        == 0) {
+        result = PyTuple_Pack(3, unkeyable, skipped, Py_None);
+    }
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(unkeyable);
+    Py_XDECREF(skipped);
+    Py_XDECREF(removed);
+    Py_XDECREF(run);
+    Py_XDECREF(run_tokens);
+    Py_XDECREF(removed_medium);
+    Py_XDECREF(rejected);
+    return result;
+}
+
 static PyMethodDef intake_methods[] = {
     {"removed", (PyCFunction)(void (*)(void))intake_removed, METH_FASTCALL,
      "PrefixIndex._removed's per-block loop; returns the blocks unknown."},
@@ -1317,6 +1763,8 @@ static PyMethodDef intake_methods[] = {
      "chain(parent, tokens): blake2b(parent + tokens, digest_size=16).digest()."},
     {"chain_keys", (PyCFunction)(void (*)(void))intake_chain_keys, METH_FASTCALL,
      "chain_keys(parent, tokens, width): the chain key of each width bytes of tokens."},
+    {"translate", (PyCFunction)(void (*)(void))intake_translate, METH_FASTCALL,
+     "events.py's decode_batch after msgspec: (events, skipped, rejected)."},
     {"msgpack_tokens", (PyCFunction)(void (*)(void))intake_msgpack_tokens, METH_FASTCALL,
      "A store's token ids (their msgpack) packed as array('I') packs them."},
     {NULL, NULL, 0, NULL},
@@ -1329,15 +1777,29 @@ intake_exec(PyObject *module)
         || PyModule_AddObjectRef(module, "Holders", (PyObject *)&HoldersType) < 0) {
         return -1;
     }
-    if (str_block_hashes == NULL) {
-        str_block_hashes = PyUnicode_InternFromString("block_hashes");
-        str_parent_block_hash = PyUnicode_InternFromString("parent_block_hash");
-        str_medium = PyUnicode_InternFromString("medium");
-        str_block_size = PyUnicode_InternFromString("block_size");
+    if (str_GPU != NULL) {
+        return 0; /* interned once per process */
     }
-    return str_block_hashes && str_parent_block_hash && str_medium && str_block_size
-               ? 0
-               : -1;
+    for (int f = 0; f < F_COUNT; f++) {
+        if ((field_names[f] = PyUnicode_InternFromString(field_strings[f])) == NULL) {
+            return -1;
+        }
+    }
+    str_other_group = PyUnicode_InternFromString("other_group");
+    str_secondary_tier = PyUnicode_InternFromString("secondary_tier");
+    str_lora = PyUnicode_InternFromString("lora");
+    str_extra_keys_reason = PyUnicode_InternFromString("extra_keys");
+    str_placeholder = PyUnicode_InternFromString("placeholder");
+    str_invalid_schema = PyUnicode_InternFromString("invalid_schema");
+    str_empty_store = PyUnicode_InternFromString("empty_store");
+    str_token_count_mismatch = PyUnicode_InternFromString("token_count_mismatch");
+    if (!str_other_group || !str_secondary_tier || !str_lora || !str_extra_keys_reason
+        || !str_placeholder || !str_invalid_schema || !str_empty_store
+        || !str_token_count_mismatch) {
+        return -1;
+    }
+    str_GPU = PyUnicode_InternFromString("GPU"); /* last: the sign that all are there */
+    return str_GPU == NULL ? -1 : 0;
 }
 
 static PyModuleDef_Slot intake_slots[] = {

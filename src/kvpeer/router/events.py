@@ -244,6 +244,13 @@ class BatchRejected:
     detail: str  # for a log line; bounded
 
 
+# What kvpeer.router._intake.translate checks the wire events against and builds.
+_CLASSES: Final = (
+    _WireStored, _WireRemoved, _WireCleared, BlocksStored, BlocksRemoved, AllCleared,
+    BlocksUnkeyable,
+)
+
+
 def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     """Decode one published payload. Never raises (invariant 1)."""
     if len(payload) > MAX_PAYLOAD_BYTES:
@@ -256,6 +263,30 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
         return BatchRejected("undecodable", str(exc)[:200])
     except RecursionError:  # msgspec's own depth guard: nesting no vLLM event has
         return BatchRejected("too_deep", "nesting")
+    if _native_intake is not None:  # the same loop in C (_translate is its reference)
+        events, skipped, rejected = _native_intake.translate(
+            wire.events, _CLASSES, MAX_TOKENS_PER_EVENT
+        )
+        if rejected is not None:
+            return BatchRejected(*rejected)
+    else:
+        translated = _translate(wire.events)
+        if isinstance(translated, BatchRejected):
+            return translated
+        events, skipped = translated
+    return BatchDecoded(
+        ts=wire.ts,
+        data_parallel_rank=wire.data_parallel_rank,
+        events=tuple(events),
+        skipped=tuple(sorted(skipped.items())),
+    )
+
+
+def _translate(
+    wire_events: list[_WireStored | _WireRemoved | _WireCleared],
+) -> tuple[list[KVEvent], dict[str, int]] | BatchRejected:
+    """A batch's wire events as the router's (unkeyable blocks first) and the events
+    skipped by reason, or why the batch is malformed."""
     events: list[KVEvent] = []
     unkeyable: list[KVEvent] = []
     skipped: dict[str, int] = {}
@@ -267,7 +298,7 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     removed_medium = ""
     run: list[_WireStored] = []
     run_tokens: list[bytes] = []  # each store's tokens, packed
-    for index, item in enumerate(wire.events):
+    for index, item in enumerate(wire_events):
         if type(item) is _WireRemoved:
             if item.group_idx or item.ownership is not None:  # _skip_reason's, inlined
                 skip = _skip_reason(item.group_idx, item.ownership)
@@ -309,14 +340,9 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
         events.append(BlocksRemoved(removed_medium, tuple(removed)))
     if run:
         events.extend(_stores_of(run, run_tokens))
-    return BatchDecoded(
-        ts=wire.ts,
-        data_parallel_rank=wire.data_parallel_rank,
-        # Unkeyable blocks first: a step's CPU-tier store of such a block may come
-        # before the store that says it is salted.
-        events=(*unkeyable, *events),
-        skipped=tuple(sorted(skipped.items())),
-    )
+    # Unkeyable blocks first: a step's CPU-tier store of such a block may come before
+    # the store that says it is salted.
+    return [*unkeyable, *events], skipped
 
 
 def _stores_of(run: list[_WireStored], tokens: list[bytes]) -> list[BlocksStored]:
