@@ -93,3 +93,25 @@ def test_render_prints_one_line_per_fleet() -> None:
     text = rs.render(result)
     assert len(text.splitlines()) == 2 + 2 + 1
     assert "MiB/M blocks" in text
+
+
+def test_the_python_baseline_runs_no_c_and_decodes_the_same() -> None:
+    """``Py loops`` is what a router without the C extension runs: inside ``without_c``
+    the translation and the hashing are Python's, with the same results, and the C
+    ones are back after it."""
+    from kvpeer.router import events as events_module
+    from kvpeer.router import index as index_module
+
+    native = events_module._native_intake
+    chain = index_module._chain
+    engines = [rs.SyntheticEngine(f"e{i}", TINY, random.Random(i)) for i in range(3)]
+    payloads = [parts[2] for _, parts in _steps(engines, 8)]
+    with rs.without_c():
+        assert events_module._native_intake is None
+        assert index_module._chain is index_module._chain_python
+        in_python = [decode_batch(p) for p in payloads]
+        keys = PrefixIndex(16).keys(list(range(64)))
+    assert events_module._native_intake is native
+    assert index_module._chain is chain
+    assert [decode_batch(p) for p in payloads] == in_python
+    assert PrefixIndex(16).keys(list(range(64))) == keys

@@ -25,6 +25,7 @@ import pickle
 import random
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,15 @@ def _index(block_size: int, loops: str) -> PrefixIndex:
         return PrefixIndex(block_size)
 
 
+def _python_only() -> AbstractContextManager[None]:
+    """Translation and hashing in Python too, where the checkout has them in C."""
+    try:
+        from kvpeer.lab.bench.router_scale import without_c
+    except ImportError:  # an older checkout: only its index's loops were in C
+        return nullcontext()
+    return without_c()
+
+
 def replay(path: Path, loops: str = "default") -> dict[str, Any]:
     recording = pickle.loads(path.read_bytes())  # our own file (module docstring)
     index = _index(recording["block_size"], loops)
@@ -83,9 +93,10 @@ def replay(path: Path, loops: str = "default") -> dict[str, Any]:
     events = sum(len(msgspec.msgpack.decode(parts[2])[1])
                  for _, batches in window for _, parts in batches)
     cpu = time.process_time()
-    for now, batches in window:
-        for name, parts in batches:
-            feeds[name].on_live(parts, now)
+    with _python_only() if loops == "python" else nullcontext():
+        for now, batches in window:
+            for name, parts in batches:
+                feeds[name].on_live(parts, now)
     cpu = time.process_time() - cpu
     native = getattr(index, "native", False)
     return {"engines": len(recording["names"]), "events": events, "intake_cpu_s": cpu,

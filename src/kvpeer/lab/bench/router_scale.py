@@ -36,7 +36,8 @@ import sys
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from itertools import islice
@@ -45,6 +46,8 @@ from typing import Any
 
 import msgspec
 
+from kvpeer.router import events as events_module
+from kvpeer.router import index as index_module
 from kvpeer.router.decide import RouterPolicy
 from kvpeer.router.feed import EventFeed
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
@@ -253,8 +256,24 @@ class _Router:
         return cls(index, feeds)
 
     def take(self, batches: Sequence[tuple[str, list[bytes]]], now: float) -> None:
-        for name, parts in batches:
-            self.feeds[name].on_live(parts, now)
+        with nullcontext() if self.index.native else without_c():
+            for name, parts in batches:
+                self.feeds[name].on_live(parts, now)
+
+
+@contextmanager
+def without_c() -> Iterator[None]:
+    """The intake as a router without ``kvpeer.router._intake`` runs it: the events'
+    translation and the chain keys' hashing in Python too (the index's loops are chosen
+    per index: ``PrefixIndex(native=False)``)."""
+    saved = (events_module._native_intake, index_module._chain, index_module._chain_keys)
+    events_module._native_intake = None
+    index_module._chain = index_module._chain_python
+    index_module._chain_keys = index_module._chain_keys_python
+    try:
+        yield
+    finally:
+        (events_module._native_intake, index_module._chain, index_module._chain_keys) = saved
 
 
 def _arrivals(rng: random.Random, rate: float) -> int:
@@ -465,8 +484,9 @@ def render(result: dict[str, Any]) -> str:
         )
     loops = {r["intake_loops"] for r in result["fleets"]}
     lines.append("(cores: router cores the fleet's events need, intake only, with the "
-                 f"{'/'.join(sorted(loops))} loops; Py loops: the same intake with the Python "
-                 "loops, in the same run; p50/p99: decision "
+                 f"{'/'.join(sorted(loops))} loops; Py loops: the same intake as a router "
+                 "without the C extension runs it (translation, hashing and loops in Python), "
+                 "in the same run; p50/p99: decision "
                  "wall time, p50/p99 CPU: its thread CPU time, which a shared machine's scheduler "
                  "does not inflate; wrong: decisions predicting cached tokens the named engine "
                  "does not hold)")
