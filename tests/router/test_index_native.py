@@ -4,9 +4,11 @@ order included; hostile arguments raise, never crash; nothing leaks a reference.
 
 from __future__ import annotations
 
+import gc
 import logging
 import struct
 import sys
+import tracemalloc
 from array import array
 from collections import OrderedDict
 from typing import Any
@@ -626,3 +628,57 @@ def test_translate_refuses_what_is_not_a_batch() -> None:
         native.translate([], (*classes[:6], "not a class"), 10)
     with pytest.raises(TypeError, match="event 0 is a int"):
         native.translate([1], classes, 10)
+
+
+def _payload(*events: dict[str, Any]) -> bytes:
+    return msgspec.msgpack.encode([1.0, list(events)])
+
+
+def _store(hashes: list[Any], parent: Any, tokens: list[int], **extra: Any) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": 2, "lora_id": None, "medium": "CPU",
+            "lora_name": None, **extra}
+
+
+@needs_native
+def test_decoding_in_c_leaks_nothing_on_any_path() -> None:
+    """Valid batches (runs joined, removals joined, unkeyable, skipped, cleared) and
+    rejected ones (bad token ids, counts, empty stores), decoded over and over: the
+    memory Python traces stays where it was."""
+    gone = {"type": "BlockRemoved", "block_hashes": [b"a" * 32], "medium": "GPU"}
+    payloads = [
+        _payload(_store([b"b" * 32], b"a" * 32, [3, 4]), _store([b"a" * 32], None, [1, 2]),
+                 gone, gone, {"type": "AllBlocksCleared"}),
+        _payload(_store([7, 8], None, [1, 2, 3, 70_000], extra_keys=[None, ("salt",)]),
+                 _store([9], None, [1, 2], lora_id=1, lora_name="a"),
+                 _store([9], None, [], block_size=0), {**gone, "group_idx": 1}),
+        _payload(gone, _store([1], None, [1, -2])),
+        _payload(_store([1], None, [1, 2, 3])),
+        _payload(_store([], None, [])),
+        _payload(_store([1], None, [1, 2], token_ids=[1.5, 2])),
+    ]
+    decoded = [events_module.decode_batch(p) for p in payloads]
+    assert [type(d).__name__ for d in decoded] == [
+        "BatchDecoded", "BatchDecoded", "BatchRejected", "BatchRejected", "BatchRejected",
+        "BatchRejected"]
+    table = native.Holders() if native is not None else None
+    keys = [index_module._chain(b"k", bytes([i])) for i in range(200)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(300):
+            for payload in payloads:
+                events_module.decode_batch(payload)
+            assert table is not None
+            for key in keys:
+                table.set_bit(key, 70)
+            for key in keys:
+                table.clear_bit(key, 70)
+            native.chain_keys(b"root", bytes(range(64)), 8)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000, grown
+    assert len(table) == 0
