@@ -661,7 +661,8 @@ def test_decoding_in_c_leaks_nothing_on_any_path() -> None:
     assert [type(d).__name__ for d in decoded] == [
         "BatchDecoded", "BatchDecoded", "BatchRejected", "BatchRejected", "BatchRejected",
         "BatchRejected"]
-    table = native.Holders() if native is not None else None
+    assert native is not None
+    table = native.Holders()
     keys = [index_module._chain(b"k", bytes([i])) for i in range(200)]
     gc.collect()
     tracemalloc.start()
@@ -670,7 +671,6 @@ def test_decoding_in_c_leaks_nothing_on_any_path() -> None:
         for _ in range(300):
             for payload in payloads:
                 events_module.decode_batch(payload)
-            assert table is not None
             for key in keys:
                 table.set_bit(key, 70)
             for key in keys:
