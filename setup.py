@@ -1,9 +1,11 @@
 """kvpeer's one C extension; everything else about the package is in pyproject.toml.
 
-``kvpeer.router._intake`` runs the router's per-block event intake (docs/scale.md). It is
+``kvpeer.router._intake`` runs the router's KV event intake past msgspec: the batch's
+translation and token ids (``kvpeer/router/events.py``), the index's per-block loops, its
+holder masks and its chain keys (``kvpeer/router/index.py``; docs/scale.md). It is
 optional: without a C compiler the install still succeeds and the router runs the same
-loops in Python (``kvpeer/router/index.py``), at about twice the CPU per event at 256
-engines; ``kvpeer router`` logs which one it runs.
+work in Python, at about 2.4 times the CPU per event at 256 engines; ``kvpeer router``
+logs which one it runs.
 """
 
 from setuptools import Extension, setup

@@ -1,15 +1,21 @@
-/* The router's event intake, per block, in C: the two loops of kvpeer.router.index that
- * every stored and removed block goes through (PrefixIndex._stored / _removed).
+/* The router's KV event intake in C, past msgspec (docs/scale.md, sessions 19 and 21):
  *
- * They work on the index's own Python containers (exact dicts, in insertion order) with
- * exactly the semantics of the pure-Python loops in index.py, which stay as the reference and
- * the fallback when this module is not built; tests/router/test_index_native.py applies
- * random event streams to both and compares every container, order included.
+ * - msgpack_tokens: a store's token ids, kept raw by the decoder, checked and packed;
+ * - translate: a batch's wire events into the router's events (events.py's _translate);
+ * - stores_of: a run of stores ordered parents first and joined into chains;
+ * - chain / chain_keys: the index's chain keys, BLAKE2b written from RFC 7693;
+ * - Holders: a medium's holder masks, in an open-addressing table of their own;
+ * - stored / removed: the two loops of PrefixIndex that every block goes through.
  *
- * Nothing here trusts its arguments: every object is type-checked before use, every
- * container is touched only through the C API's checked calls, and every error is a
- * Python exception (a peer's values never reach memory unchecked). Hashing (blake2b)
- * and the unkeyed keys are the index's own Python functions, passed in.
+ * Each has a Python twin that stays as the reference and the fallback when this module
+ * is not built (events.py, index.py); tests/router/test_index_native.py compares them on
+ * random inputs (every container, order included) and checks that nothing leaks.
+ *
+ * Nothing here trusts its arguments: every object is type-checked before use, Python
+ * containers are touched only through the C API's checked calls, and every error is a
+ * Python exception. msgpack_tokens is the one place that reads a peer's bytes: the array
+ * header and every item are bounds-checked against the buffer before they are read, and
+ * what msgspec would refuse is refused (compared with msgspec on random encodings).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -43,17 +43,22 @@ Invariants:
 7. Every engine has a bit of its own, and each medium keeps, for every chain key some
    engine holds there, the bits of the engines holding it (``_holders``; speculative
    entries likewise in ``_speculating``): a bit is set exactly while that engine's
-   ``present`` (or ``speculative``) holds the key. :meth:`PrefixIndex.prefixes` walks a
-   prompt once for the whole fleet with these masks and answers what
-   :meth:`~PrefixIndex.longest_prefix` answers for every engine (at 256 engines one walk
-   per engine and medium was the largest part of a decision after scoring).
+   ``present`` (or ``speculative``) holds the key. An unkeyed key (invariant 6) is in
+   no mask: no prompt names it. :meth:`PrefixIndex.prefixes` walks a prompt once for
+   the whole fleet with these masks and answers what :meth:`~PrefixIndex.longest_prefix`
+   answers for every engine (at 256 engines one walk per engine and medium was the
+   largest part of a decision after scoring). With the C loops the masks of a medium are
+   a table of their own (``kvpeer.router._intake.Holders``: 16-byte keys and their masks
+   inline, probed by the process's keyed hash, on huge pages when large), else
+   :class:`_Holders`, its Python reference: a dict's index, entry, key object and int
+   object were four cache misses per block at 256 engines, the table's slot one.
 8. A hash already mapped (live or retired) keeps its chain key when stored again under a
    keyed parent: vLLM derives a block's hash from its parent's hash and its tokens, so a
    known hash names known content, and its key is not hashed again. The CPU tier
    announces the blocks the GPU prefix cache announced, under the same hashes, and the
    prefix cache may announce a block again: this halves the intake's hashing. (Only a
    change between keyed and unkeyed counts as ``hash_remapped``.)
-9. The large maps (hash mappings, blocks held, holder masks) are plain dicts of bytes and
+9. The large maps (hash mappings, blocks held) are plain dicts of bytes and
    ints, in insertion order (a touch deletes and re-inserts), which the garbage
    collector never tracks. As ``OrderedDict`` they were tracked, and every full
    collection -- set off by the decoder's short-lived objects -- walked every block of
@@ -61,7 +66,9 @@ Invariants:
 10. Stored and removed blocks go through the C loops of ``kvpeer.router._intake`` when
     that extension is built (``native``), else through the Python loops below, which are
     its reference: both leave the same state, order included
-    (``tests/router/test_index_native.py``).
+    (``tests/router/test_index_native.py``). Chain keys are hashed by the extension's
+    BLAKE2b when it is built (:func:`_chain_python`, hashlib's, otherwise: the same keys,
+    compared in the same tests), so a new block costs no Python call.
 """
 
 from __future__ import annotations

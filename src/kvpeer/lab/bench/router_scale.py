@@ -2,19 +2,21 @@
 
 Synthetic engines (:class:`SyntheticEngine`) run a vLLM-shaped workload on a simulated
 clock and publish what vLLM 0.32 publishes for it: one msgpack ``KVEventBatch`` per
-step that changed the cache, with a ``BlockStored`` per request and medium (GPU prefix
-cache and CPU tier, self-describing), a re-announcing ``BlockStored`` for prefix-cache
-hits, and one ``BlockRemoved`` per evicted block (vLLM's block pool removes one hash per
-event). Each fleet size runs in three phases:
+step that changed the cache. The GPU prefix cache announces a request's new blocks in
+one ``BlockStored`` (a hit is not announced again) and each evicted block in a
+``BlockRemoved`` of its own, as its block pool does; the CPU tier (self-describing)
+announces every stored block in a ``BlockStored`` of its own and a store's evictions in
+one ``BlockRemoved``. Each fleet size runs in three phases:
 
 1. **Warm-up** (memory): the engines fill their caches and evict for a while; the
    router's intake (``EventFeed`` -> ``decode_batch`` -> ``PrefixIndex``) follows every
    batch. The index's memory is then the size of every object it reaches
    (``sys.getsizeof``, each object once), divided by the blocks it holds.
-2. **Window** (CPU): ``seconds`` of simulated traffic; only the intake is timed, with
-   the process CPU clock (one thread: one core). The engines' own work (hashing,
-   encoding) is outside the timed spans. Events per CPU-second against the events per
-   second the fleet publishes says whether one core keeps up.
+2. **Window** (CPU): ``seconds`` of simulated traffic, published first; then each
+   router takes all of it, one after the other, with only the intake on the process
+   CPU clock (one thread: one core). The engines' own work (hashing, encoding) is
+   outside the timed spans. Events per CPU-second against the events per second the
+   fleet publishes says whether one core keeps up.
 3. **Decisions**: ``RouterPolicy.plan`` (shared mode, every engine healthy, random
    loads) for prompts of three kinds -- a second turn of a conversation an engine
    served (that engine holds it), a known system prompt with a new question, and a
@@ -348,22 +350,25 @@ def run_fleet(spec: RouterScaleSpec, engines_n: int, progress: Progress) -> dict
     held = _held(router.index, now)
     progress(f"{engines_n} engines: warmed up ({held:,} blocks held, "
              f"{memory / max(1, held):.0f} bytes per block)")
-    # Window: only the intake is on the clock.
+    # Window: the engines' steps first, then each router takes all of them on the clock,
+    # one router after the other, as a router alone would (taken in turns, each router
+    # found its caches emptied by the other's step and the engines' work).
     before = sum(e.events for e in engines)
+    window: list[tuple[float, list[tuple[str, list[bytes]]]]] = []
+    for _ in range(int(spec.seconds / STEP_S)):
+        now += STEP_S
+        window.append((now, _steps(engines, workload, rng, spec.requests_per_s, now)))
+    batches_n = sum(len(batches) for _, batches in window)
     cpus = [0.0] * len(routers)
     wall = 0.0
-    batches_n = 0
-    for step in range(int(spec.seconds / STEP_S)):
-        now += STEP_S
-        batches = _steps(engines, workload, rng, spec.requests_per_s, now)
-        batches_n += len(batches)
-        for i in (0, 1) if step % 2 else (1, 0):  # neither always after the other
-            if i < len(routers):
-                c0, w0 = time.process_time(), time.perf_counter()
-                routers[i].take(batches, now)
-                cpus[i] += time.process_time() - c0
-                if i == 0:
-                    wall += time.perf_counter() - w0
+    for i, each in enumerate(routers):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for at, batches in window:
+            each.take(batches, at)
+        cpus[i] = time.process_time() - c0
+        if i == 0:
+            wall = time.perf_counter() - w0
+    del window
     cpu, python_cpu = cpus[0], cpus[-1]
     events = sum(e.events for e in engines) - before
     applied = sum(f.statistics().batches_applied for f in router.feeds.values())
