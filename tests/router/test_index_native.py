@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import struct
+import subprocess
 import sys
 import tracemalloc
 from array import array
@@ -682,3 +683,47 @@ def test_decoding_in_c_leaks_nothing_on_any_path() -> None:
         tracemalloc.stop()
     assert grown < 20_000, grown
     assert len(table) == 0
+
+
+_AT_THE_EDGE = r"""
+import ctypes, mmap, sys
+import msgspec
+from kvpeer.router import _intake
+
+page = mmap.PAGESIZE
+memory = mmap.mmap(-1, 2 * page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+if libc.mprotect(base + page, page, 0) != 0:  # PROT_NONE: reading it kills the process
+    sys.exit("mprotect failed")
+view = memoryview(memory)
+encodings = [msgspec.msgpack.encode(ids) for ids in (
+    [1, 300, 70_000, 2**32 - 1], [2**40], [-1, -300, -70_000], list(range(20)), [1.5])]
+encodings += [b"\x92\xcc\x01", b"\x93\xcd\x00\x01\xce", b"\xdc\x00\x03\xce\x00",
+              b"\xdd\x00\x00\x00\x02\xcf\x00", b"\x91\xd3\x00"]
+tried = 0
+for encoding in encodings:
+    for cut in range(1, len(encoding) + 1):
+        blob = encoding[:cut]
+        view[page - len(blob) : page] = blob  # flush against the page no one may read
+        try:
+            _intake.msgpack_tokens(view[page - len(blob) : page], 1 << 20)
+        except ValueError:
+            pass
+        tried += 1
+print(tried)
+"""
+
+
+@needs_native
+def test_token_ids_flush_against_unreadable_memory_are_never_read_past() -> None:
+    """Every prefix of many token-id encodings, placed so that its last byte is the last
+    readable one: a read past it kills the process. (`\\x92\\xcc\\x01` -- two ids, the
+    first taking two of the three bytes left -- was read one byte past its end, found by
+    valgrind; a count no larger than the bytes left does not make every item's tag be
+    there.)"""
+    run = subprocess.run([sys.executable, "-c", _AT_THE_EDGE], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert int(run.stdout) > 80

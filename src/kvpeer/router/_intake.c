@@ -835,7 +835,7 @@ pack_msgpack_tokens(PyObject *raw, Py_ssize_t max_count)
         PyErr_SetString(PyExc_ValueError, "expected an array of token ids");
         goto done;
     }
-    if (count > max_count || count > end - p) { /* each item takes one byte at least */
+    if (count > max_count || count > end - p) { /* each item takes a byte at least */
         PyErr_Format(PyExc_ValueError, "%zd token ids: more than %s", count,
                      count > max_count ? "allowed" : "the payload holds");
         goto done;
@@ -846,7 +846,12 @@ pack_msgpack_tokens(PyObject *raw, Py_ssize_t max_count)
     }
     char *out = PyBytes_AS_STRING(packed);
     for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned char tag = *p++; /* count <= bytes left: an item's first byte is there */
+        if (p == end) { /* the items before took more than a byte each */
+            PyErr_Format(PyExc_ValueError, "token id %zd is cut short", i);
+            Py_CLEAR(packed);
+            goto done;
+        }
+        unsigned char tag = *p++;
         uint64_t value = tag;
         int width = 0, is_signed = 0;
         if (tag <= 0x7f) {
