@@ -1800,18 +1800,19 @@ intake_exec(PyObject *module)
             return -1;
         }
     }
-    str_other_group = PyUnicode_InternFromString("other_group");
-    str_secondary_tier = PyUnicode_InternFromString("secondary_tier");
-    str_lora = PyUnicode_InternFromString("lora");
-    str_extra_keys_reason = PyUnicode_InternFromString("extra_keys");
-    str_placeholder = PyUnicode_InternFromString("placeholder");
-    str_invalid_schema = PyUnicode_InternFromString("invalid_schema");
-    str_empty_store = PyUnicode_InternFromString("empty_store");
-    str_token_count_mismatch = PyUnicode_InternFromString("token_count_mismatch");
-    if (!str_other_group || !str_secondary_tier || !str_lora || !str_extra_keys_reason
-        || !str_placeholder || !str_invalid_schema || !str_empty_store
-        || !str_token_count_mismatch) {
-        return -1;
+    struct {
+        PyObject **at;
+        const char *text;
+    } const reasons[] = {
+        {&str_other_group, "other_group"}, {&str_secondary_tier, "secondary_tier"},
+        {&str_lora, "lora"}, {&str_extra_keys_reason, "extra_keys"},
+        {&str_placeholder, "placeholder"}, {&str_invalid_schema, "invalid_schema"},
+        {&str_empty_store, "empty_store"}, {&str_token_count_mismatch, "token_count_mismatch"},
+    };
+    for (size_t r = 0; r < sizeof(reasons) / sizeof(reasons[0]); r++) {
+        if ((*reasons[r].at = PyUnicode_InternFromString(reasons[r].text)) == NULL) {
+            return -1;
+        }
     }
     str_GPU = PyUnicode_InternFromString("GPU"); /* last: the sign that all are there */
     return str_GPU == NULL ? -1 : 0;

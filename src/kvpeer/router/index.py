@@ -180,13 +180,17 @@ def _chained(key: bytes) -> bytes:
 class _Engine:
     index: int  # this engine's bit position in the masks (invariant 7)
     learned: bool = False
-    bit: int = 0  # 1 << index
     # Plain dicts in insertion order, oldest first (a touch deletes and re-inserts):
     # holding only bytes and ints, the garbage collector never tracks them (invariant 9).
     hashes: dict[BlockHash, bytes] = field(default_factory=dict)
     retired: dict[BlockHash, bytes] = field(default_factory=dict)
     present: dict[str, dict[bytes, int]] = field(default_factory=dict)
     speculative: dict[tuple[str, bytes], float] = field(default_factory=dict)
+
+    @property
+    def bit(self) -> int:
+        """This engine's bit in the masks."""
+        return 1 << self.index
 
 
 class PrefixIndex:
@@ -419,7 +423,7 @@ class PrefixIndex:
 
     def _engine(self, engine: str) -> _Engine:
         index = len(self._names)
-        state = self._engines[engine] = _Engine(index, bit=1 << index)
+        state = self._engines[engine] = _Engine(index)
         self._names.append(engine)
         return state
 
