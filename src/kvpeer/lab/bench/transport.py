@@ -42,6 +42,7 @@ from kvpeer.config import TierConfig
 from kvpeer.host import BlockPool
 from kvpeer.lab.bench.rawnixl import raw_nixl_gbps
 from kvpeer.lab.bench.tier_bench import SCRAPE_HZ, scraping
+from kvpeer.lab.engines.launcher import free_port
 from kvpeer.lab.pull import Puller
 from kvpeer.node.build import open_node
 from kvpeer.node.driver import DrivenTier
@@ -251,12 +252,6 @@ def _consumer(plane: str, block_len: int, blocks: int) -> tuple[Any, BlockPool]:
     return open_node(config, region), pool
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _get(url: str) -> None:
     with urllib.request.urlopen(url, timeout=10) as response:
         response.read()
@@ -275,7 +270,7 @@ def measure_plane(
     ``serve_metrics``, ``scraped`` receives :func:`_scraped_rtt`'s numbers."""
     blocks = max(fetch_sizes)
     results: dict[int, tuple[float, float]] = {}
-    producer_port = _free_port() if serve_metrics is not None else None
+    producer_port = free_port() if serve_metrics is not None else None
     with producer(plane, block_len, blocks, producer_port) as peer_id:
         node, pool = _consumer(plane, block_len, blocks)
         close_metrics: Callable[[], None] | None = None

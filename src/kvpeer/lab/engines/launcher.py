@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -124,12 +125,40 @@ def engine_env(*, multiprocessing: bool) -> dict[str, str]:
 _PORTS = range(20000, 32000)
 
 
+class _PortOrder:
+    """The range in one random order per process, walked as a cycle: a port handed out
+    is not handed out again by this process until every other one has been. Free *now*
+    is not enough: two engines given ports in turn bind them only seconds later, so a
+    second draw from the whole range could return the first engine's port (a fleet of
+    two engines draws eight; CI once gave both engines the same tier port). A forked
+    child draws its own order, or it would walk the parent's."""
+
+    def __init__(self) -> None:
+        self._shuffle()
+        os.register_at_fork(after_in_child=self._shuffle)
+
+    def _shuffle(self) -> None:
+        self._order = list(_PORTS)
+        random.SystemRandom().shuffle(self._order)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            port = self._order[self._next]
+            self._next = (self._next + 1) % len(self._order)
+            return port
+
+
+_PORT_ORDER = _PortOrder()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now, outside the ephemeral range."""
+    """A TCP port nothing listens on right now, outside the ephemeral range, and not one
+    this process has handed out recently (see :class:`_PortOrder`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    chooser = random.Random()
     for _ in range(200):
-        port = chooser.choice(_PORTS)
+        port = _PORT_ORDER.take()
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
@@ -316,6 +345,29 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+#: A Python exception's last traceback line, after any log prefix vLLM puts before it
+#: (``(EngineCore pid=1) ERROR 12-05 09:02:52 [core.py:1510] ``).
+_RAISED = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b: .*)$")
+RAISED_SHOWN = 4
+
+
+def log_excerpt(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    """The end of an engine's log, led by the first exceptions raised anywhere in it: the
+    API server's traceback fills a tail while the EngineCore's root cause sits far above
+    it (a bind that failed, a region too small)."""
     text = path.read_text(encoding="utf-8", errors="replace")
-    return text[-chars:]
+    raised: list[str] = []
+    for line in text.splitlines():
+        found = _RAISED.search(line)
+        if found and found.group(1) not in raised:
+            raised.append(found.group(1))
+            if len(raised) == RAISED_SHOWN:
+                break
+    if not raised:
+        return text[-chars:]
+    first = "".join(f"  {r}\n" for r in raised)
+    return f"exceptions raised, first {len(raised)}:\n{first}end of the log:\n{text[-chars:]}"
+
+
+def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    return log_excerpt(path, chars)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpeer.lab.engines.launcher import engine_env, free_port, shm_files
+from kvpeer.lab.engines.launcher import engine_env, free_port, log_excerpt, shm_files
 from kvpeer.lab.engines.procs import shm_in_use, shm_names
 from kvpeer.lab.engines.scenario import HOST, kvpeer_tier, vllm_p2p_tier
 from kvpeer.router.policy import EngineSpec, Role
@@ -186,7 +186,7 @@ class ServeEngine:
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         with contextlib.suppress(OSError):
-            return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+            return log_excerpt(self.log_path, chars)
         return ""
 
     def signal(self, signum: int) -> None:
