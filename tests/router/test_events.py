@@ -231,6 +231,68 @@ def test_decode_never_raises_on_arbitrary_bytes(payload: bytes) -> None:
     assert isinstance(decode_batch(payload), BatchDecoded | BatchRejected)
 
 
+_hash_st = st.sampled_from([H1, H2, H3, 7, 8, 2**63])
+_token_st = st.integers(0, 2**32 - 1) | st.sampled_from(
+    [-1, 2**32, 2**64 - 1, -(2**63), 1.0, None, "1", b"\x01", [1], True]
+)
+_event_st = st.one_of(
+    st.builds(
+        lambda hashes, parent, tokens, size, medium: stored(
+            hashes, parent, tokens[: BS * len(hashes) + size], medium
+        ),
+        st.lists(_hash_st, min_size=1, max_size=3),
+        st.none() | _hash_st,
+        st.lists(st.integers(0, 2**32 - 1), min_size=13, max_size=13)
+        | st.lists(_token_st, min_size=13, max_size=13),
+        st.sampled_from([0, 0, 0, -1, 1]),  # tokens for every block, one short, one over
+        st.sampled_from(["GPU", "CPU"]),
+    ),
+    st.builds(removed, st.lists(_hash_st, min_size=1, max_size=3), st.sampled_from(["GPU", "CPU"])),
+    st.just(kv_events.AllBlocksCleared()),
+)
+_edit_st = st.tuples(
+    st.sampled_from(["set", "insert", "delete", "cut"]), st.integers(0, 10**6), st.integers(0, 255)
+)
+
+
+def _mutated(payload: bytes, edits: list[tuple[str, int, int]]) -> bytes:
+    data = bytearray(payload)
+    for op, at, value in edits:
+        if not data:
+            break
+        where = at % len(data)
+        if op == "set":
+            data[where] = value
+        elif op == "insert":
+            data.insert(where, value)
+        elif op == "delete":
+            del data[where]
+        else:
+            del data[where:]
+    return bytes(data)
+
+
+@pytest.mark.skipif(events_module._native_intake is None, reason="_intake is not built")
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(_event_st, min_size=1, max_size=6), st.lists(_edit_st, max_size=3))
+def test_a_damaged_batch_decodes_alike_in_c_and_in_python(
+    events: list[Any], edits: list[tuple[str, int, int]]
+) -> None:
+    """Batches as vLLM encodes them, with token ids that are not (negative, too large,
+    floats, nil, strings, lists; one too few or too many), damaged byte by byte (a byte
+    changed, inserted or deleted, the rest cut): the C intake (token parser,
+    translation) decides as the Python one does, the same events or the same reason
+    and detail, and neither raises."""
+    payload = _mutated(batch(*events), edits)
+    in_c = decode_batch(payload)
+    native, events_module._native_intake = events_module._native_intake, None
+    try:
+        in_python = decode_batch(payload)
+    finally:
+        events_module._native_intake = native
+    assert in_c == in_python
+
+
 # --- sequencing (sans-IO feed) -------------------------------------------------------------
 
 P0 = batch(stored([H1], None, [1, 2, 3, 4]))

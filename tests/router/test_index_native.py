@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import struct
 import subprocess
 import sys
@@ -424,7 +425,8 @@ def test_token_ids_are_checked_and_packed_as_msgspec_does(
 ) -> None:
     """A peer's token ids, however encoded (any integer width, signed or not, negative,
     too large, not integers, a count that lies, bytes after, cut short): the C parser
-    packs exactly what msgspec accepts and refuses the rest with a ValueError."""
+    packs exactly what msgspec accepts and refuses the rest with a ValueError, which
+    names the fault as the Python path names it (events._token_fault)."""
     count = max(0, len(items) + count_off)
     head = {"fix": bytes([0x90 | min(count, 15)]),
             "16": b"\xdc" + (count & 0xFFFF).to_bytes(2, "big"),
@@ -432,14 +434,14 @@ def test_token_ids_are_checked_and_packed_as_msgspec_does(
             "map": bytes([0x80 | min(count, 15)])}[header]
     raw = head + b"".join(_msgpack_int(kind, value) for kind, value in items) + tail
     raw = raw[: len(raw) - cut] if cut < len(raw) else raw
-    outcomes: list[bytes | type[Exception]] = []
+    outcomes: list[bytes | str] = []
     for loops in (native, None):
         saved = events_module._native_intake
         events_module._native_intake = loops
         try:
             outcomes.append(events_module._packed_tokens(msgspec.Raw(raw)))
         except ValueError as exc:
-            outcomes.append(type(exc))
+            outcomes.append(str(exc))
         finally:
             events_module._native_intake = saved
     assert outcomes[0] == outcomes[1], raw.hex()
@@ -467,6 +469,7 @@ def test_token_id_errors_name_what_is_wrong() -> None:
         limit = 2 if said.startswith("3 token") else 10
         with pytest.raises(ValueError, match=said):
             native.msgpack_tokens(raw, limit)
+        assert re.search(said, events_module._token_fault(raw, limit) or "")
     with pytest.raises(TypeError):
         native.msgpack_tokens("not a buffer", 10)
     with pytest.raises(TypeError):

@@ -470,7 +470,47 @@ def _packed_tokens(raw: msgspec.Raw) -> bytes:
     try:
         return array("I", _TOKENS.decode(raw)).tobytes()
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ValueError(str(exc)) from None
+        fault = _token_fault(bytes(memoryview(raw)), MAX_TOKENS_PER_EVENT)
+        raise ValueError(fault or str(exc)) from None
+
+
+def _token_fault(data: bytes, max_count: int) -> str | None:
+    """What is wrong with a store's token ids, in the words of the C parser
+    (``_intake.msgpack_tokens``), checked in its order, so a batch is rejected with the
+    same detail with or without the extension; None if nothing is. Only for ids msgspec
+    has refused: the good path stays msgspec's."""
+    end, p, count = len(data), 1, -1
+    head = data[0] if data else None
+    if head is not None and head & 0xF0 == 0x90:
+        count = head & 0x0F
+    elif head in (0xDC, 0xDD) and end - p >= (width := 2 if head == 0xDC else 4):
+        count, p = int.from_bytes(data[p : p + width], "big"), p + width
+    if count < 0:
+        return "expected an array of token ids"
+    if count > max_count or count > end - p:  # each item takes a byte at least
+        return f"{count} token ids: more than " + (
+            "allowed" if count > max_count else "the payload holds"
+        )
+    for i in range(count):
+        if p == end:
+            return f"token id {i} is cut short"
+        tag, p = data[p], p + 1
+        value, width, signed = tag, 0, False
+        if tag >= 0xE0:
+            return f"token id {i} is negative"
+        if 0xCC <= tag <= 0xD3:
+            width, signed = 1 << ((tag - 0xCC) % 4), tag >= 0xD0
+        elif tag > 0x7F:
+            return f"token id {i} is not an integer (msgpack 0x{tag:02x})"
+        if width:
+            if end - p < width:
+                return f"token id {i} is cut short"
+            value, p = int.from_bytes(data[p : p + width], "big"), p + width
+            if signed and value >> (8 * width - 1):
+                return f"token id {i} is negative"
+        if value >= 1 << 32:
+            return f"token id {i} is above 2**32 - 1"
+    return None if p == end else "bytes after the token ids"
 
 
 def _any_not_none(values: Iterable[object]) -> bool:
