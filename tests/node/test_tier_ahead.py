@@ -166,8 +166,11 @@ class TestStaged:
         assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3
         assert a.tier.staged_state(list(KEYS)) is True
         given = [10, 11, 12]  # rows the engine just allocated for KEYS
+        activity = a.tier.activity()
         taken = a.tier.adopt_staged(list(KEYS), given, ctx)
         assert taken is not None
+        # no load is counted (nothing is copied), yet a metrics reader sees it at once
+        assert a.tier.activity() > activity
         assert set(taken) <= set(ROWS)
         assert [a.block(row) for row in taken] == [b.parent.expected(k) for k in KEYS]
         assert a.tier.ahead.rows == frozenset(ROWS).difference(taken).union(given)

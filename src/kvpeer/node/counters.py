@@ -28,6 +28,7 @@ __all__ = [
     "PULL_WAIT_SECONDS_BUCKETS",
     "STEP_WAIT_SECONDS_BUCKETS",
     "CounterSnapshot",
+    "EventCounter",
     "Histogram",
     "HistogramSnapshot",
     "TierCounters",
@@ -92,6 +93,22 @@ class Histogram:
         )
 
 
+class EventCounter(Counter[str]):
+    """A Counter that also counts its own updates (``changes``): one int a reader may
+    read without the node's lock, where summing the values would iterate a dict
+    another thread may be adding a key to."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes = 0
+
+    def __setitem__(self, key: str, value: int) -> None:
+        super().__setitem__(key, value)
+        self.changes += 1
+
+
 @dataclass(slots=True)
 class TierCounters:
     """What the tier counts as events happen (one instance per tier)."""
@@ -106,7 +123,7 @@ class TierCounters:
     retired_unknown_messages: int = 0
     retired_stale_frames: int = 0
     retired_timeouts: Counter[str] = field(default_factory=Counter)
-    timeouts: Counter[str] = field(default_factory=Counter)  # tier-level kinds
+    timeouts: EventCounter = field(default_factory=EventCounter)  # tier-level kinds
     lookup_seconds: Histogram = field(default_factory=lambda: Histogram(LOOKUP_SECONDS_BUCKETS))
     load_seconds: Histogram = field(default_factory=lambda: Histogram(FETCH_SECONDS_BUCKETS))
     load_bytes: Histogram = field(default_factory=lambda: Histogram(FETCH_SIZE_BUCKETS))
@@ -115,14 +132,18 @@ class TierCounters:
         default_factory=lambda: Histogram(STEP_WAIT_SECONDS_BUCKETS)
     )
     #: the engine's scheduler waiting, in a lookup, for a pull it submitted at once
-    pull_waits: Counter[str] = field(default_factory=Counter)  # by PULL_WAIT_OUTCOMES
+    pull_waits: EventCounter = field(default_factory=EventCounter)  # by PULL_WAIT_OUTCOMES
     pull_wait_seconds: Histogram = field(
         default_factory=lambda: Histogram(PULL_WAIT_SECONDS_BUCKETS)
     )
-    ahead: Counter[str] = field(default_factory=Counter)  # by AHEAD_EVENTS
+    ahead: EventCounter = field(default_factory=EventCounter)  # by AHEAD_EVENTS
 
     def activity(self) -> int:
-        """A number that grows whenever a load, lookup answer or session event is counted.
+        """A number that grows whenever a load, lookup answer, session event, tier
+        timeout, pull wait, peer's wait for a step or pulling-ahead event is counted
+        (an adoption of staged blocks copies nothing and counts no load: without its
+        term, vLLM's ``get_stats`` left it off ``/metrics`` until a second later, and
+        for good if that was the engine's last step).
 
         Read without the node's lock: each term is one int read, and a stale sum only
         means the change is noticed on the reader's next call."""
@@ -130,6 +151,8 @@ class TierCounters:
             self.loads_ok + self.loads_failed + self.sessions_opened
             + self.late_fetches_rejected + self.stores_reaped
             + self.lookup_seconds.count + self.load_seconds.count
+            + self.timeouts.changes + self.pull_wait_seconds.count
+            + self.step_wait_seconds.count + self.ahead.changes
         )  # fmt: skip
 
 
