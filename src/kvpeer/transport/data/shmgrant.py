@@ -334,8 +334,8 @@ class GrantServer:
                 now = time.monotonic()
                 for fd in [fd for fd, p in pending.items() if p.deadline <= now]:
                     poller.unregister(fd)
+                    self._count_refusal()  # before it goes: the peer may look at once
                     pending.pop(fd).conn.close()
-                    self._count_refusal()
                 if paused_until and now >= paused_until:
                     paused_until = 0.0
                 # Full (or paused): leave further connections in the kernel's backlog
