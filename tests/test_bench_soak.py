@@ -128,8 +128,13 @@ def test_processes_are_judged_within_five_percent_unless_replaced() -> None:
     assert rows[0].file_growth == pytest.approx(2.0)  # shown apart, and judged in the sum
     assert rows[0].anon_growth == pytest.approx(-10 / 190)
     assert not rows[3].judged
-    fds = compare_processes(before[:1], [("router-shared", 1, 100, 200 * MIB, 0, 0, 43)], set())
-    assert fds[0].problems() == ["router-shared (pid 1) fds 40 -> 43 (> 5%)"]
+    for fds_before, fds_after, judged in [(40, 46, "ok"), (40, 47, "> 5% and > 6 more"),
+                                          (200, 210, "ok"), (200, 211, "> 5% and > 6 more")]:
+        fds = compare_processes([("router-shared", 1, 100, 200 * MIB, 0, 0, fds_before)],
+                                [("router-shared", 1, 100, 200 * MIB, 0, 0, fds_after)], set())
+        problems = fds[0].problems()
+        assert problems == ([] if judged == "ok" else
+                            [f"router-shared (pid 1) fds {fds_before} -> {fds_after} ({judged})"])
     assert (rows[3].unjudged_why, rows[0].unjudged_why) == ("restarted", "")
 
 

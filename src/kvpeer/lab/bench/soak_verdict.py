@@ -17,7 +17,8 @@ compared with the one it replaced.
 **Resources.** Resident memory and open descriptors of every process alive both after
 warm-up and at the end (same pid, same start time): the two ``kvpeer router`` processes
 (:data:`ROUTERS`) and every process of an engine not restarted since warm-up. Each must be
-within :data:`RESOURCE_TOLERANCE` (5 %) of its warm-up value. The memory judged is RSS
+within :data:`RESOURCE_TOLERANCE` (5 %) of its warm-up value (descriptors: or within
+:data:`FD_SLACK`, whichever allows more). The memory judged is RSS
 less shared-memory pages (``RssShmem``: an engine maps its own 256 MiB CPU region and,
 over shm, its peer's, whose pages count as they are touched and are returned when the
 peer's region is unmapped; a restarted peer brings a new one; shown beside). What is
@@ -49,6 +50,7 @@ from typing import Any
 
 __all__ = [
     "FAULT_KINDS",
+    "FD_SLACK",
     "RESOURCE_TOLERANCE",
     "WARMUP_FAULT",
     "WITNESS",
@@ -76,6 +78,12 @@ QUIET_S = 16.0
 DRIVER = "driver"  # the soak's own process: traffic threads and clients (not judged)
 ROUTERS = ("shared", "pd")  # kvpeer router processes, judged like the engines' processes
 RESOURCE_TOLERANCE = 0.05
+#: Descriptors may also differ by this many, whichever allows more: the routers' and the
+#: engines' connection pools hold a varying handful (keep-alive connections to an engine
+#: restarted mid-soak, probes, scrapes), past soaks saw 85 -> 79 and 59 -> 54, and 5 % of
+#: a router's ~34 is under two. A leak per request or per fault still shows: hundreds of
+#: requests a minute, dozens of faults an hour.
+FD_SLACK = 6
 WARMUP_TRAFFIC_S = 30.0
 FAULT_GRACE_S = 5.0  # after an engine is healthy again, the routers' health checks catch up
 FREEZE_S = (2.0, 5.0)
@@ -280,10 +288,11 @@ class ProcessRow:
                 f"{_mib(rss_after)} (> {RESOURCE_TOLERANCE:.0%}; anonymous "
                 f"{_mib(self.anon_before)} -> {_mib(self.anon_after or 0)})"
             )
-        if self.fds_after > self.fds_before * (1 + RESOURCE_TOLERANCE):
+        if self.fds_after > max(self.fds_before * (1 + RESOURCE_TOLERANCE),
+                                self.fds_before + FD_SLACK):  # fmt: skip
             out.append(
                 f"{self.label} (pid {self.pid}) fds {self.fds_before} -> "
-                f"{self.fds_after} (> {RESOURCE_TOLERANCE:.0%})"
+                f"{self.fds_after} (> {RESOURCE_TOLERANCE:.0%} and > {FD_SLACK} more)"
             )
         return out
 
