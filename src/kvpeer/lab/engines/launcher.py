@@ -267,12 +267,12 @@ class EngineLauncher:
         )
         partners = "".join(
             f"\n--- partner {e.engine_id} (exit {e.process.returncode}) ---\n"
-            f"{_tail(e.log_path, PARTNER_LOG_TAIL_CHARS)}"
+            f"{log_excerpt(e.log_path, PARTNER_LOG_TAIL_CHARS)}"
             for e in engines
             if e is not failed
         )
         raise AssertionError(
-            f"engine {failed.engine_id} {what}\n{_tail(failed.log_path)}{partners}"
+            f"engine {failed.engine_id} {what}\n{log_excerpt(failed.log_path)}{partners}"
         )
 
     def finish(self, engine: RunningEngine) -> EngineOutcome:
@@ -283,7 +283,7 @@ class EngineLauncher:
         if engine.process.returncode != 0 or not results:
             raise AssertionError(
                 f"engine {engine.engine_id} exited with {engine.process.returncode}\n"
-                f"{_tail(engine.log_path)}"
+                f"{log_excerpt(engine.log_path)}"
             )
         raw = json.loads(results[-1][len(RESULT_MARKER) :])
         return EngineOutcome(
@@ -368,6 +368,3 @@ def log_excerpt(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
     first = "".join(f"  {r}\n" for r in raised)
     return f"exceptions raised, first {len(raised)}:\n{first}end of the log:\n{text[-chars:]}"
 
-
-def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
-    return log_excerpt(path, chars)
