@@ -108,3 +108,14 @@ def test_kvpeers_connector_needs_its_module_and_a_boolean_sync_load() -> None:
         "kv_connector_extra_config.kvpeer_sync_load",
     ]
     assert "'yes'" in problems[-1]
+
+
+def test_a_cpu_only_spec_is_refused_on_a_gpu_and_the_right_one_is_named() -> None:
+    config = transfer_config(port=5710)
+    assert check_transfer_config(config) == []
+    assert check_transfer_config(config, device="cpu") == []
+    (problem,) = check_transfer_config(config, device="cuda")
+    assert problem.startswith("kv_connector_extra_config.spec_name: 'CpuTieringOffloadingSpec'")
+    assert "'KVPeerTieringOffloadingSpec'" in problem
+    config["kv_connector_extra_config"]["spec_name"] = "KVPeerTieringOffloadingSpec"
+    assert check_transfer_config(config, device="cuda") == []

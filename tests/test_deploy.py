@@ -108,14 +108,29 @@ def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-def check_config(tmp_path: Path, config: object) -> subprocess.CompletedProcess[str]:
+def check_config(
+    tmp_path: Path, config: object, device: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """``kvpeer check-config`` as an operator runs it, on ``config`` written to a file."""
     path = tmp_path / "kv-transfer-config.json"
     path.write_text(json.dumps(config), encoding="utf-8")
+    flags = [] if device is None else ["--device", device]
     return subprocess.run(
-        [sys.executable, "-m", "kvpeer", "check-config", str(path)],
+        [sys.executable, "-m", "kvpeer", "check-config", *flags, str(path)],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
+
+
+def device_of(container: Doc) -> str:
+    """``cuda`` if the container asks for an NVIDIA GPU, ``cpu`` if for no accelerator;
+    any other accelerator fails here until the test learns its device name."""
+    resources = container.get("resources", {})
+    asked = {*resources.get("limits", {}), *resources.get("requests", {})}
+    accelerators = {name for name in asked if name not in ("cpu", "memory", "ephemeral-storage")}
+    if not accelerators:
+        return "cpu"
+    assert accelerators == {"nvidia.com/gpu"}, f"unknown accelerator {accelerators}"
+    return "cuda"
 
 
 def engine_container() -> Doc:
@@ -145,7 +160,8 @@ def test_kubernetes_validate_works_offline_and_rejects_a_bad_field() -> None:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_manifest_passes_the_kubernetes_schema(version: str) -> None:
     docs = documents()
-    assert len(docs) >= 7  # settings, engine (2), router (3), prometheus, dashboard
+    # settings, engine (4), router (4), prometheus, dashboard
+    assert len(docs) >= 11
     failures = [f"{name} {doc['kind']}: {why}" for name, doc in docs
                 if (why := problems(doc, version)) is not None]  # fmt: skip
     assert failures == []
@@ -171,11 +187,28 @@ def test_every_tier_config_the_manifests_carry_passes_check_config(tmp_path: Pat
             if "--kv-transfer-config" not in args:
                 continue
             config = json.loads(flag(args, "--kv-transfer-config"))
-            result = check_config(tmp_path, config)
+            result = check_config(tmp_path, config, device_of(container))
             assert result.returncode == 0, result.stdout + result.stderr
             assert result.stdout.strip().endswith(": ok")
             checked += 1
     assert checked >= 1
+
+
+def test_the_engines_ask_for_a_gpu_and_name_the_spec_that_runs_on_one(tmp_path: Path) -> None:
+    container = engine_container()
+    assert device_of(container) == "cuda"
+    config = json.loads(flag(expanded_args(container), "--kv-transfer-config"))
+    extra = config["kv_connector_extra_config"]
+    assert extra["spec_name"] == "KVPeerTieringOffloadingSpec"
+    # The manifest as it was (issue 39): CPU-only spec, GPU requested. check-config, told
+    # the device the manifest asks for, refuses it and names the spec to use.
+    extra["spec_name"] = "CpuTieringOffloadingSpec"
+    result = check_config(tmp_path, config, device_of(container))
+    assert result.returncode == 1
+    assert "use 'KVPeerTieringOffloadingSpec'" in result.stdout
+    without_gpu = copy.deepcopy(container)
+    del without_gpu["resources"]["limits"]["nvidia.com/gpu"]
+    assert check_config(tmp_path, config, device_of(without_gpu)).returncode == 0
 
 
 def test_the_tier_advertises_the_pod_ip_and_allows_the_pod_network(tmp_path: Path) -> None:
@@ -213,6 +246,77 @@ def test_the_kv_event_publisher_binds_the_ports_the_pod_exposes() -> None:
     assert events["endpoint"] == f"tcp://*:{port_of(container, 'kv-events')}"
     assert events["replay_endpoint"] == f"tcp://*:{port_of(container, 'kv-replay')}"
     assert flag(container["args"], "--port") == str(port_of(container, "http"))
+
+
+# -- production basics --------------------------------------------------------------------
+
+
+def workloads() -> list[Doc]:
+    return [d for _, d in documents() if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def test_every_pod_runs_unprivileged_and_is_probed() -> None:
+    for doc in workloads():
+        pod = doc["spec"]["template"]["spec"]
+        name = doc["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, name
+            assert context["capabilities"]["drop"] == ["ALL"], name
+            for probe in ("readinessProbe", "livenessProbe"):
+                port = container[probe]["httpGet"]["port"]
+                assert port in {p["name"] for p in container["ports"]}, (name, probe)
+    # A router with no engine up is not ready, but alive: liveness must not read /health.
+    (router,) = containers(the("Deployment", "kvpeer-router"))
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert router["livenessProbe"]["httpGet"]["path"] != "/health"
+
+
+def test_a_disruption_budget_covers_each_workload() -> None:
+    budgets = [d for _, d in documents() if d["kind"] == "PodDisruptionBudget"]
+    for doc in workloads():
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        covering = [b for b in budgets
+                    if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]  # fmt: skip
+        assert len(covering) == 1, doc["metadata"]["name"]
+        spec = covering[0]["spec"]
+        assert spec.get("maxUnavailable") == 1 or spec.get("minAvailable", 0) >= 1
+
+
+def selects(selector: Doc, labels: Mapping[str, str]) -> bool:
+    return bool(selector.get("matchLabels", {}).items() <= labels.items())
+
+
+def allowed_ports(policy: Doc, source: Mapping[str, str], container: Doc) -> set[str] | None:
+    """Ports of ``container`` that pods labelled ``source`` in the namespace may reach under
+    ``policy``; None means every port."""
+    ports: set[str] = set()
+    for rule in policy["spec"]["ingress"]:
+        if not any("podSelector" in peer and selects(peer["podSelector"], source)
+                   for peer in rule.get("from", [])):  # fmt: skip
+            continue
+        if "ports" not in rule:
+            return None
+        named = {p["containerPort"]: p["name"] for p in container["ports"]}
+        ports |= {named.get(p["port"], p["port"]) for p in rule["ports"]}
+    return ports
+
+
+def test_the_kv_event_and_tier_ports_are_open_only_to_the_fleet_and_its_routers() -> None:
+    policy = the("NetworkPolicy", "kvpeer-engine")
+    statefulset = the("StatefulSet", "kvpeer-engine")
+    engine_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    router_labels = the("Deployment", "kvpeer-router")["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["spec"]["podSelector"], engine_labels)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    container = engine_container()
+    private = {"kvpeer", "kv-events", "kv-replay"}
+    assert allowed_ports(policy, engine_labels, container) is None  # the data planes too
+    assert private <= (allowed_ports(policy, router_labels, container) or set())
+    stranger = {"app.kubernetes.io/name": "something-else"}
+    assert allowed_ports(policy, stranger, container) == {"http"}
 
 
 # -- the router ---------------------------------------------------------------------------

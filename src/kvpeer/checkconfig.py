@@ -12,11 +12,16 @@ from collections.abc import Mapping
 
 from kvpeer.config import validate_dict
 
-__all__ = ["check_transfer_config"]
+__all__ = ["DEVICES", "check_transfer_config"]
 
 TIER_TYPES = ("KVPeerTier", "kvpeer")
 TIERING_SPECS = ("TieringOffloadingSpec", "CpuTieringOffloadingSpec", "KVPeerTieringOffloadingSpec")
 KVPEER_SPECS = ("CpuTieringOffloadingSpec", "KVPeerTieringOffloadingSpec")
+#: Specs whose worker copies KV caches only on the CPU (it refuses a cuda/xpu tensor at
+#: start, so the engine never comes up), and the spec to name instead.
+CPU_ONLY_SPECS = {"CpuTieringOffloadingSpec": "KVPeerTieringOffloadingSpec"}
+#: Devices an engine's KV cache may live on (``--device``); all but ``cpu`` are GPUs.
+DEVICES = ("cpu", "cuda", "rocm", "xpu")
 SPEC_MODULE = "kvpeer.integrations.vllm.cpu_spec"
 CONNECTORS = ("OffloadingConnector", "KVPeerOffloadingConnector")
 CONNECTOR_MODULE = "kvpeer.integrations.vllm.connector"
@@ -47,8 +52,11 @@ def _check_tier(entry: Mapping[str, object], where: str) -> list[str]:
     return problems
 
 
-def check_transfer_config(config: object) -> list[str]:
-    """Problem lines for ``config`` (a kv_transfer_config or a tier entry); [] if fine."""
+def check_transfer_config(config: object, device: str | None = None) -> list[str]:
+    """Problem lines for ``config`` (a kv_transfer_config or a tier entry); [] if fine.
+
+    ``device``: where the engine's KV cache lives (one of :data:`DEVICES`), if known; a
+    CPU-only spec on a GPU engine is then a problem."""
     if not isinstance(config, Mapping):
         return [f"expected a JSON object, got {type(config).__name__}"]
     if "kv_connector" not in config and "kv_connector_extra_config" not in config:
@@ -76,6 +84,12 @@ def check_transfer_config(config: object) -> list[str]:
         problems.append(
             f"kv_connector_extra_config.spec_name: secondary tiers need one of "
             f"{list(TIERING_SPECS)}, got {spec!r}"
+        )
+    if device is not None and device != "cpu" and spec in CPU_ONLY_SPECS:
+        problems.append(
+            f"kv_connector_extra_config.spec_name: {spec!r} copies KV caches on the CPU only "
+            f"and refuses a {device} engine's at start; use {CPU_ONLY_SPECS[spec]!r} "
+            "(same spec_module_path) on GPUs"
         )
     if spec in KVPEER_SPECS and extra.get("spec_module_path") != SPEC_MODULE:
         problems.append(

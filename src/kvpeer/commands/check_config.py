@@ -7,13 +7,18 @@ import json
 import sys
 from pathlib import Path
 
-from kvpeer.checkconfig import check_transfer_config
+from kvpeer.checkconfig import DEVICES, check_transfer_config
 
 HELP = "validate a vLLM kv_transfer_config (or one kvpeer tier entry) JSON file"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file")
+    parser.add_argument(
+        "--device", choices=DEVICES,
+        help="where the engine's KV cache lives (vllm serve's device): a GPU refuses a "
+             "CPU-only offloading spec",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 2
-    problems = check_transfer_config(loaded)
+    problems = check_transfer_config(loaded, device=args.device)
     for problem in problems:
         print(f"{args.file}: {problem}")
     if not problems:
