@@ -1,0 +1,102 @@
+"""deploy/install.sh, the image's install steps, run as the Dockerfile runs them but into a
+temporary environment, offline (no base image can be pulled here).
+
+The stand-in for vLLM's image is a fresh venv that sees this environment's packages
+(vLLM, its pins, kvpeer's dependencies) except kvpeer itself, through a ``.pth`` file
+naming a folder of links: what the script finds installed is what a base image has.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "deploy" / "install.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+
+
+def base_environment(tmp_path: Path) -> Path:
+    """A venv whose site-packages see this one's packages but not kvpeer; its python."""
+    view = tmp_path / "base-site-packages"
+    view.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if "kvpeer" not in entry.name.lower():
+            (view / entry.name).symlink_to(entry)
+    env_dir = tmp_path / "env"
+    # No pip of its own: the "image's" pip and setuptools (this one's) do the work.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)],
+                   check=True, timeout=120)  # fmt: skip
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    (Path(purelib) / "zz_base_image.pth").write_text(f"{view}\n", encoding="utf-8")
+    return python
+
+
+def install_sh(python: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sh", str(SCRIPT), *args],
+        env={**os.environ, "PYTHON": str(python), "KVPEER_OFFLINE": "1", **env},
+        capture_output=True, text=True, timeout=600, check=False, cwd=ROOT,
+    )  # fmt: skip
+
+
+def pip_list(python: Path) -> dict[str, str]:
+    out = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
+        check=True, capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    return dict(line.lower().split("==", 1) for line in out.splitlines() if "==" in line)
+
+
+def test_the_image_steps_build_the_extension_and_install_without_re_pinning(
+    tmp_path: Path,
+) -> None:
+    python = base_environment(tmp_path)
+    before = pip_list(python)
+    assert "kvpeer" not in before
+    assert "msgspec" in before
+
+    wheels = tmp_path / "wheels"
+    had_build_dir = (ROOT / "build").exists()
+    built = install_sh(python, "wheel", str(ROOT), str(wheels))
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = wheels.glob("kvpeer-*.whl")
+    assert any(n.startswith("kvpeer/router/_intake") and n.endswith(".so")
+               for n in zipfile.ZipFile(wheel).namelist())  # fmt: skip
+    assert (ROOT / "build").exists() == had_build_dir  # built from a copy, not in the checkout
+
+    installed = install_sh(python, "install", str(wheels), str(ROOT / "requirements/nodeps.txt"))
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert "router KV event intake: C loops" in installed.stdout
+    assert f"from {tmp_path}" in installed.stdout  # the wheel's kvpeer, not this checkout's
+    after = pip_list(python)
+    # Only kvpeer was added; every package the "image" had keeps its version.
+    assert {k: v for k, v in after.items() if before.get(k) != v} == {"kvpeer": "0.1.0"}
+
+
+def test_the_build_fails_when_the_c_extension_does_not_build(tmp_path: Path) -> None:
+    python = base_environment(tmp_path)
+    # A compiler that fails: setup.py's optional extension is skipped with a warning, and
+    # the wheel step must refuse the wheel it got.
+    failed = install_sh(python, "wheel", str(ROOT), str(tmp_path / "wheels"), CC="false")
+    assert failed.returncode != 0
+    assert "the C extension did not build" in failed.stderr
+
+
+def test_usage_errors_name_the_usage() -> None:
+    result = subprocess.run(["sh", str(SCRIPT), "bogus"], capture_output=True, text=True,
+                            timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 1
+    assert "usage: install.sh wheel" in result.stderr
