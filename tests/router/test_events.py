@@ -175,6 +175,83 @@ def encode_raw(value: Any) -> bytes:
     return msgspec.msgpack.encode(value)
 
 
+# --- what a newer vLLM publishes (issue 38) ----------------------------------------------
+
+def test_unknown_trailing_fields_are_tolerated_and_counted(loops: str) -> None:
+    """vLLM 0.33 added ``BlockStored.lookahead_token_ids`` (EAGLE / MTP lookahead hashing,
+    on in 0.34's OffloadingConnector): a batch carrying it, or any field or batch item a
+    later vLLM appends, decodes as before, and the names are counted."""
+    payload = encode_raw([
+        1.0,
+        [{**GOOD_STORED, "lookahead_token_ids": [[5, 6]]},
+         {"type": "BlockRemoved", "block_hashes": [H2], "medium": "GPU", "future": {"a": 1}},
+         {**GOOD_STORED, "block_hashes": [H3], "parent_block_hash": H1,
+          "lookahead_token_ids": [[7, 8]]}],
+        0,
+        "a fourth item",
+    ])
+    result = decoded(payload)
+    assert result.events == (
+        BlocksStored.of_ids(MEDIUM_GPU, (H1,), None, (1, 2, 3, 4), BS),
+        BlocksRemoved(MEDIUM_GPU, (H2,)),
+        BlocksStored.of_ids(MEDIUM_GPU, (H3,), H1, (1, 2, 3, 4), BS),
+    )
+    assert result.unknown_fields == (
+        ("BlockRemoved.future", 1), ("BlockStored.lookahead_token_ids", 2),
+        ("KVEventBatch[3]", 1),
+    )
+    assert result.data_parallel_rank == 0
+    # a batch of only known fields reports none
+    assert decoded(encode_raw([1.0, [GOOD_STORED]])).unknown_fields == ()
+
+
+def test_vllms_own_lookahead_store_decodes(loops: str) -> None:
+    """The struct of the vLLM under test, with lookahead tokens where it has them (0.33+)."""
+    if "lookahead_token_ids" not in kv_events.BlockStored.__struct_fields__:
+        pytest.skip("this vLLM (0.32) publishes no lookahead_token_ids")
+    event = stored([H1], None, [1, 2, 3, 4], medium="CPU", group_idx=0,
+                   lookahead_token_ids=[[9, 9]])
+    result = decoded(batch(event, rank=0))
+    assert result.events == (BlocksStored.of_ids(MEDIUM_CPU, (H1,), None, (1, 2, 3, 4), BS),)
+    assert result.unknown_fields == (("BlockStored.lookahead_token_ids", 1),)
+
+
+def test_a_feed_counts_unknown_fields() -> None:
+    feed = EventFeed(can_replay=False)
+    payload = encode_raw([1.0, [{**GOOD_STORED, "lookahead_token_ids": [[5]]}]])
+    feed.on_live(frame(0, payload), 0.0)
+    feed.on_live(frame(1, payload), 0.0)
+    assert feed.statistics().unknown_fields == (("BlockStored.lookahead_token_ids", 2),)
+
+
+def test_state_checkpoints_of_a_recurrent_group_are_skipped(loops: str) -> None:
+    """vLLM 0.34's hybrid (Mamba / linear-attention) models publish a state checkpoint as
+    one hash, its parent and no tokens, ``kv_cache_spec_kind="mamba"``: skipped by its
+    group's kind (whatever its group index), not a reason to reject the batch, and the
+    attention group's stores in the same batch are learned."""
+    payload = batch(
+        stored([H1, H2], None, list(range(8)), medium="CPU", group_idx=0,
+               kv_cache_spec_kind="full_attention"),
+        stored([H3], H2, [], medium="CPU", group_idx=1, kv_cache_spec_kind="mamba"),
+        stored([H3], H2, [], medium="CPU", group_idx=0, kv_cache_spec_kind="mamba"),
+    )
+    result = decoded(payload)
+    assert result.skipped == (("state_checkpoint", 2),)
+    assert result.events == (
+        BlocksStored.of_ids(MEDIUM_CPU, (H1, H2), None, tuple(range(8)), BS),
+    )
+    # its tokens, were there any, are still checked, and an attention group's token-less
+    # store is still malformed
+    bad = encode_raw([1.0, [{**GOOD_STORED, "kv_cache_spec_kind": "mamba", "token_ids": [-1]}]])
+    assert decode_batch(bad) == BatchRejected(
+        "invalid_schema", "event 0: token_ids: token id 0 is negative"
+    )
+    attention = batch(stored([H3], H2, [], medium="CPU", kv_cache_spec_kind="full_attention"))
+    rejected = decode_batch(attention)
+    assert isinstance(rejected, BatchRejected)
+    assert rejected.reason == "token_count_mismatch"
+
+
 GOOD_STORED = {
     "type": "BlockStored",
     "block_hashes": [H1],
@@ -199,7 +276,11 @@ def deeply_nested() -> bytes:
     [
         (b"\xc1garbage", "undecodable"),
         (encode_raw({"not": "a batch"}), "invalid_schema"),
-        (encode_raw([1.0, [{**GOOD_STORED, "surprise": 1}]]), "invalid_schema"),
+        # a field a newer vLLM added is tolerated; one kvpeer knows is checked all the same
+        (encode_raw([1.0, [{**GOOD_STORED, "surprise": 1, "block_size": "4"}]]),
+         "invalid_schema"),
+        (encode_raw([1.0, [{**GOOD_STORED, "surprise": 1, "token_ids": [1, 2, 3]}]]),
+         "token_count_mismatch"),
         (encode_raw([1.0, [{**GOOD_STORED, "type": "BlockExploded"}]]), "invalid_schema"),
         (encode_raw([1.0, [{**GOOD_STORED, "block_hashes": [b"x" * 65]}]]), "invalid_schema"),
         (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [-1, 2, 3, 4]}]]), "invalid_schema"),
@@ -212,7 +293,7 @@ def deeply_nested() -> bytes:
          "invalid_schema"),
         (encode_raw([1.0, [{**GOOD_STORED, "token_ids": [1, 2, 3]}]]), "token_count_mismatch"),
         (encode_raw([1.0, [{**GOOD_STORED, "block_hashes": []}]]), "empty_store"),
-        (encode_raw([1.0, [GOOD_STORED], 0, "extra"]), "invalid_schema"),
+        (encode_raw([1.0, [GOOD_STORED], -1, "extra"]), "invalid_schema"),
         (b"\x00" * (16 << 20 | 1), "payload_too_large"),
         (deeply_nested(), "too_deep"),
     ],

@@ -589,6 +589,7 @@ _wire_event_st = st.one_of(
         extra_keys=st.none() | st.lists(st.none() | st.just(("salt",)), max_size=2),
         group_idx=st.none() | st.sampled_from((0, 1)),
         ownership=st.none() | st.just("kvcr"),
+        kv_cache_spec_kind=st.none() | st.sampled_from(("mamba", "full_attention")),
     ),
     st.builds(
         events_module._WireRemoved,

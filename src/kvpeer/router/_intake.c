@@ -1136,12 +1136,12 @@ done:
 
 enum {
     F_BLOCK_HASHES, F_PARENT_BLOCK_HASH, F_TOKEN_IDS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM,
-    F_LORA_NAME, F_EXTRA_KEYS, F_GROUP_IDX, F_OWNERSHIP, F_COUNT
+    F_LORA_NAME, F_EXTRA_KEYS, F_GROUP_IDX, F_OWNERSHIP, F_KIND, F_COUNT
 };
 static PyObject *field_names[F_COUNT]; /* interned at module exec */
 static const char *const field_strings[F_COUNT] = {
     "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-    "medium", "lora_name", "extra_keys", "group_idx", "ownership",
+    "medium", "lora_name", "extra_keys", "group_idx", "ownership", "kv_cache_spec_kind",
 };
 
 static struct {
@@ -1404,7 +1404,7 @@ intake_stores_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyObject *str_GPU, *str_other_group, *str_secondary_tier, *str_lora,
     *str_extra_keys_reason, *str_placeholder, *str_invalid_schema, *str_empty_store,
-    *str_token_count_mismatch;
+    *str_token_count_mismatch, *str_mamba, *str_state_checkpoint;
 
 /* events.py's classes, as the caller passes them (checked to be types). */
 typedef struct {
@@ -1532,6 +1532,20 @@ skip_reason(PyObject *item, PyObject **reason)
     return 0;
 }
 
+/* Whether the store is a recurrent (Mamba) group's (events.py's RECURRENT_KINDS): 1, 0, -1. */
+static int
+recurrent(PyObject *item)
+{
+    PyObject *kind = attr(item, F_KIND);
+    if (kind == NULL) {
+        return -1;
+    }
+    /* two str: the comparison cannot fail */
+    int rc = PyUnicode_Check(kind) && PyUnicode_Compare(kind, str_mamba) == 0;
+    Py_DECREF(kind);
+    return rc;
+}
+
 enum { STORE_VALID, STORE_SKIP, STORE_REJECT };
 
 /* events.py's _store_check: STORE_VALID with *packed (new), STORE_SKIP with *reason
@@ -1564,7 +1578,8 @@ store_check(PyObject *item, Py_ssize_t max_tokens, PyObject **packed, PyObject *
     Py_ssize_t blocks = hashes == NULL ? 0 : PyObject_Length(hashes);
     Py_XDECREF(hashes);
     Py_ssize_t count = PyBytes_GET_SIZE(tokens) / 4;
-    if (rc < 0 || blocks < 0) {
+    int state = rc < 0 ? 0 : recurrent(item);
+    if (rc < 0 || blocks < 0 || state < 0) {
         rc = -1;
     } else if (count == 0 && size == 0) {
         *reason = str_placeholder; /* checked first: placeholders are not malformed */
@@ -1573,6 +1588,9 @@ store_check(PyObject *item, Py_ssize_t max_tokens, PyObject **packed, PyObject *
         *reason = str_empty_store;
         *detail = PyUnicode_FromString("no block hashes");
         rc = *detail == NULL ? -1 : STORE_REJECT;
+    } else if (state) { /* by group: a state, whatever its tokens */
+        *reason = str_state_checkpoint;
+        rc = STORE_SKIP;
     } else if (size == 0 || count != blocks * size) {
         *reason = str_token_count_mismatch;
         *detail = PyUnicode_FromFormat("%zd tokens, %zd blocks of %ld", count, blocks, size);
@@ -1808,6 +1826,7 @@ intake_exec(PyObject *module)
         {&str_lora, "lora"}, {&str_extra_keys_reason, "extra_keys"},
         {&str_placeholder, "placeholder"}, {&str_invalid_schema, "invalid_schema"},
         {&str_empty_store, "empty_store"}, {&str_token_count_mismatch, "token_count_mismatch"},
+        {&str_mamba, "mamba"}, {&str_state_checkpoint, "state_checkpoint"},
     };
     for (size_t r = 0; r < sizeof(reasons) / sizeof(reasons[0]); r++) {
         if ((*reasons[r].at = PyUnicode_InternFromString(reasons[r].text)) == NULL) {

@@ -8,9 +8,11 @@ publishes them with ``medium="GPU"``; the offloading connector's CPU primary tie
 token ids, the parent hash and the block size (otherwise one placeholder hash with no
 tokens, which nobody outside that process can place in a prefix).
 
-We decode with our own msgspec structs that accept exactly those shapes (unknown fields,
-wrong types, oversized lists are rejected with a named reason) and translate each batch
-into :class:`BlocksStored` / :class:`BlocksRemoved` / :class:`AllCleared`. Invariants:
+We decode with our own msgspec structs that check every field they know (wrong types,
+oversized lists are rejected with a named reason) and translate each batch into
+:class:`BlocksStored` / :class:`BlocksRemoved` / :class:`AllCleared`. A newer vLLM adds
+fields (0.33: ``BlockStored.lookahead_token_ids``); those are tolerated and counted by
+name (:attr:`BatchDecoded.unknown_fields`), never read. Invariants:
 
 1. :func:`decode_batch` never raises on any input: it returns :class:`BatchRejected` with
    a reason from :data:`REJECT_REASONS`.
@@ -29,6 +31,11 @@ into :class:`BlocksStored` / :class:`BlocksRemoved` / :class:`AllCleared`. Invar
    batches (``tests/router/test_index_native.py``). At 256 engines, 432,000 wire events
    a second, the Python loop and the Python int of every token id were a third of the
    intake (``docs/scale.md``, session 21).
+6. Fields the wire structs do not know (an event's map keys, items after the batch's
+   third) never reject a batch: the strict decoder refuses it, the same structs without
+   ``forbid_unknown_fields`` decode it (every known field checked as strictly), and the
+   unknown names are counted. Only such batches pay the second decode; a field kvpeer
+   relies on that changed its type still rejects the batch.
 """
 
 from __future__ import annotations
@@ -88,7 +95,11 @@ SKIP_REASONS: Final = (
     "lora",
     "other_group",  # KV-cache group other than 0
     "secondary_tier",  # ownership set: a secondary tier's store, not the CPU primary
+    "state_checkpoint",  # a recurrent (Mamba) group's store: a state, not token blocks
 )
+#: The KV-cache group kinds whose stores are states, not token blocks (vLLM's
+#: ``KVCacheSpecKind.MAMBA``; the C intake compares the same string).
+RECURRENT_KINDS: Final = frozenset({"mamba"})
 
 BlockHash = bytes | int
 """An engine's block hash as published: sha256 bytes, or a 64-bit int when vLLM runs
@@ -164,11 +175,53 @@ class _WireBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True, fr
     data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
 
 
+# The same shapes without forbid_unknown_fields (invariant 6): every field declared above
+# is inherited and checked alike; a field a newer vLLM added is skipped unread.
+class _LenientStored(
+    _WireStored, tag="BlockStored", forbid_unknown_fields=False, frozen=True, gc=False
+):
+    pass
+
+
+class _LenientRemoved(
+    _WireRemoved, tag="BlockRemoved", forbid_unknown_fields=False, frozen=True, gc=False
+):
+    pass
+
+
+class _LenientCleared(
+    _WireCleared, tag="AllBlocksCleared", forbid_unknown_fields=False, frozen=True
+):
+    pass
+
+
+class _LenientBatch(msgspec.Struct, array_like=True, frozen=True):
+    ts: float
+    events: Annotated[
+        list[_LenientStored | _LenientRemoved | _LenientCleared],
+        msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH),
+    ]
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
+
+
+_WireEvent = _WireStored | _WireRemoved | _WireCleared
+#: Each event type's known map keys (its tag field included), for the unknown-field count.
+_KNOWN_KEYS: Final = {
+    cls.__struct_config__.tag: frozenset({"type", *cls.__struct_fields__})
+    for cls in (_WireStored, _WireRemoved, _WireCleared)
+}
+#: Just the keys of each event (values left as msgpack) of a batch that decoded leniently.
+_CENSUS: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_CENSUS_EVENTS: Final = msgspec.msgpack.Decoder(list[dict[str, msgspec.Raw]])
+_TAG: Final = msgspec.msgpack.Decoder(str)
+
+
 #: Skipped stores whose blocks are named to the index (:class:`BlocksUnkeyable`).
 UNKEYABLE_REASONS: Final = frozenset({"extra_keys", "lora"})
 
 # msgspec decoders are immutable and thread-safe once built: sharing one is not state.
 _DECODER: Final = msgspec.msgpack.Decoder(_WireBatch)
+_LENIENT: Final = msgspec.msgpack.Decoder(_LenientBatch)
 
 # --- the router's events ----------------------------------------------------------------
 
@@ -245,6 +298,9 @@ class BatchDecoded:
     data_parallel_rank: int | None
     events: tuple[KVEvent, ...]
     skipped: tuple[tuple[str, int], ...]  # (reason, count) of events left out
+    # ("BlockStored.lookahead_token_ids", count): fields this decoder does not know,
+    # tolerated unread (invariant 6); "KVEventBatch[3]": an item after the batch's third
+    unknown_fields: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,28 +314,38 @@ _CLASSES: Final = (
     _WireStored, _WireRemoved, _WireCleared, BlocksStored, BlocksRemoved, AllCleared,
     BlocksUnkeyable,
 )
+_LENIENT_CLASSES: Final = (_LenientStored, _LenientRemoved, _LenientCleared, *_CLASSES[3:])
 
 
 def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
     """Decode one published payload. Never raises (invariant 1)."""
     if len(payload) > MAX_PAYLOAD_BYTES:
         return BatchRejected("payload_too_large", f"{len(payload)} bytes")
+    classes: tuple[type, ...] = _CLASSES
+    unknown: tuple[tuple[str, int], ...] = ()
     try:
-        wire = _DECODER.decode(payload)
+        wire: _WireBatch | _LenientBatch = _DECODER.decode(payload)
     except msgspec.ValidationError as exc:
-        return BatchRejected("invalid_schema", str(exc)[:200])
+        try:  # invariant 6: fields a newer vLLM added, or a real fault
+            wire = _LENIENT.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            return BatchRejected("invalid_schema", str(exc)[:200])
+        unknown = _unknown_fields(payload)
+        if not unknown:  # cannot be: the two decoders differ only there
+            return BatchRejected("invalid_schema", str(exc)[:200])
+        classes = _LENIENT_CLASSES
     except msgspec.DecodeError as exc:
         return BatchRejected("undecodable", str(exc)[:200])
     except RecursionError:  # msgspec's own depth guard: nesting no vLLM event has
         return BatchRejected("too_deep", "nesting")
     if _native_intake is not None:  # the same loop in C (_translate is its reference)
         events, skipped, rejected = _native_intake.translate(
-            wire.events, _CLASSES, MAX_TOKENS_PER_EVENT
+            wire.events, classes, MAX_TOKENS_PER_EVENT
         )
         if rejected is not None:
             return BatchRejected(*rejected)
     else:
-        translated = _translate(wire.events)
+        translated = _translate(wire.events, classes[1], classes[2])
         if isinstance(translated, BatchRejected):
             return translated
         events, skipped = translated
@@ -288,14 +354,33 @@ def decode_batch(payload: bytes | memoryview) -> BatchDecoded | BatchRejected:
         data_parallel_rank=wire.data_parallel_rank,
         events=tuple(events),
         skipped=tuple(sorted(skipped.items())),
+        unknown_fields=unknown,
     )
 
 
+def _unknown_fields(payload: bytes | memoryview) -> tuple[tuple[str, int], ...]:
+    """The names of what a batch that decoded only leniently holds beyond the wire
+    structs, with their counts (``Event.field``, ``KVEventBatch[i]``)."""
+    census = _CENSUS.decode(payload)
+    counts: dict[str, int] = {}
+    for extra in range(3, len(census)):
+        counts[f"KVEventBatch[{extra}]"] = 1
+    for event in _CENSUS_EVENTS.decode(census[1]):
+        tag = _TAG.decode(event["type"])
+        for key in event.keys() - _KNOWN_KEYS[tag]:
+            name = f"{tag}.{key[:MAX_SHORT_STR]}"
+            counts[name] = counts.get(name, 0) + 1
+    return tuple(sorted(counts.items()))
+
+
 def _translate(
-    wire_events: list[_WireStored | _WireRemoved | _WireCleared],
+    wire_events: Sequence[_WireEvent],
+    removed_type: type = _WireRemoved,
+    cleared_type: type = _WireCleared,
 ) -> tuple[list[KVEvent], dict[str, int]] | BatchRejected:
     """A batch's wire events as the router's (unkeyable blocks first) and the events
-    skipped by reason, or why the batch is malformed."""
+    skipped by reason, or why the batch is malformed (``removed_type``, ``cleared_type``:
+    the classes the decoder built, strict or lenient)."""
     events: list[KVEvent] = []
     unkeyable: list[KVEvent] = []
     skipped: dict[str, int] = {}
@@ -308,7 +393,8 @@ def _translate(
     run: list[_WireStored] = []
     run_tokens: list[bytes] = []  # each store's tokens, packed
     for index, item in enumerate(wire_events):
-        if type(item) is _WireRemoved:
+        if type(item) is removed_type:
+            assert isinstance(item, _WireRemoved)
             if item.group_idx or item.ownership is not None:  # _skip_reason's, inlined
                 skip = _skip_reason(item.group_idx, item.ownership)
                 assert skip is not None
@@ -327,13 +413,13 @@ def _translate(
         if removed:
             events.append(BlocksRemoved(removed_medium, tuple(removed)))
             removed = []
-        if type(item) is _WireCleared:
+        if type(item) is cleared_type:
             if run:
                 events.extend(_stores_of(run, run_tokens))
                 run, run_tokens = [], []
             events.append(AllCleared())
             continue
-        assert type(item) is _WireStored
+        assert isinstance(item, _WireStored)
         outcome = _store_check(item)
         if type(outcome) is bytes:
             run.append(item)
@@ -438,6 +524,8 @@ def _store_check(item: _WireStored) -> BatchRejected | str | bytes:
         return "placeholder"  # checked first: placeholders are not malformed
     if not item.block_hashes:
         return BatchRejected("empty_store", "no block hashes")
+    if item.kv_cache_spec_kind in RECURRENT_KINDS:  # by group: a state, any tokens
+        return "state_checkpoint"
     if item.block_size == 0 or len(tokens) != 4 * len(item.block_hashes) * item.block_size:
         return BatchRejected(
             "token_count_mismatch",

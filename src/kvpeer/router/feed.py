@@ -197,6 +197,7 @@ class FeedStatistics:
     verified: tuple[tuple[str, int], ...]  # verify() answers, by Continuity value
     dropped: tuple[tuple[str, int], ...]  # frames/batches dropped, by reason
     skipped: tuple[tuple[str, int], ...]  # events left out by the decoder, by reason
+    unknown_fields: tuple[tuple[str, int], ...] = ()  # fields a newer vLLM added, by name
 
 
 def encode_replay_request(start_seq: int) -> list[bytes]:
@@ -267,6 +268,7 @@ class EventFeed:
         self._counts: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
+        self._unknown_fields: dict[str, int] = {}  # tolerated, counted (events.py inv. 6)
 
     # --- inputs -----------------------------------------------------------------------
 
@@ -401,6 +403,7 @@ class EventFeed:
             ),
             dropped=tuple(sorted(self._dropped.items())),
             skipped=tuple(sorted(self._skipped.items())),
+            unknown_fields=tuple(sorted(self._unknown_fields.items())),
         )
 
     # --- sequencing -------------------------------------------------------------------
@@ -605,6 +608,8 @@ class EventFeed:
         self._bump("batches_applied")
         for reason, count in decoded.skipped:
             self._skipped[reason] = self._skipped.get(reason, 0) + count
+        for name, count in decoded.unknown_fields:
+            self._unknown_fields[name] = self._unknown_fields.get(name, 0) + count
         if decoded.events:
             self._fresh = False
             self._bump("events_applied", len(decoded.events))
