@@ -788,3 +788,56 @@ def test_sync_pull_wait_rejects_what_would_stall_the_engine(raw: object) -> None
     assert only_problem({"sync_pull_wait_s": raw}) == (
         f"sync_pull_wait_s: expected 0 to 1 seconds, got {raw!r}"
     )
+
+
+# -- the fast paths are the defaults (held blocks, pulling ahead) -----------------------
+
+MIB = 1 << 20
+
+
+def test_held_bytes_default_is_a_quarter_of_the_region_at_most_4_gib() -> None:
+    config = TierConfig()
+    assert config.held_bytes is None
+    assert config.held_bytes_for(256 * MIB, 24 * 1024) == (64 * MIB) // (24 * 1024) * 24 * 1024
+    assert config.held_bytes_for(64 << 30, MIB) == 4 << 30  # bounded
+    assert config.held_bytes_for(3 * 4096, 4096) == 0  # less than a block: nothing held
+
+
+def test_held_bytes_given_is_used_as_is_and_zero_turns_holding_off() -> None:
+    assert TierConfig.from_dict({"held_bytes": 0}).held_bytes_for(256 * MIB, 4096) == 0
+    given = TierConfig.from_dict({"held_bytes": "1048576"})
+    assert given.held_bytes_for(256 * MIB, 4096) == MIB
+    assert given.held_bytes_for(256 * MIB, 1000 * 1000) == 1000 * 1000  # whole blocks only
+    assert validate_dict({"held_bytes": -1}) == ["held_bytes: expected an integer >= 0, got -1"]
+
+
+def test_an_open_node_obeys_prefetches_from_its_own_loopback_only() -> None:
+    trusted = TierConfig().prefetch_trusted()
+    assert trusted.allows_source("127.0.0.1")
+    assert trusted.allows_source("127.3.0.9")
+    assert trusted.allows_source("::1")
+    assert trusted.allows_source("::ffff:127.0.0.1")
+    for outsider in ("10.0.0.5", "192.168.1.7", "::2", "0.0.0.0"):
+        assert not trusted.allows_source(outsider), outsider
+
+
+def test_an_allow_listed_node_obeys_prefetches_from_its_allowed_peers() -> None:
+    config = TierConfig.from_dict({"allowed_peers": ["10.0.0.0/16"]})
+    trusted = config.prefetch_trusted()
+    assert trusted.allows_source("10.0.3.4")
+    assert not trusted.allows_source("10.1.0.1")
+    assert not trusted.allows_source("127.0.0.1")  # not even loopback: the list is the fleet
+
+
+def test_prefetch_from_given_overrides_the_rule_and_an_empty_list_turns_it_off() -> None:
+    given = TierConfig.from_dict(
+        {"prefetch_from": ["192.0.2.1/32"], "allowed_peers": ["10.0.0.0/8"]}
+    )
+    assert given.prefetch_trusted().allows_source("192.0.2.1")
+    assert not given.prefetch_trusted().allows_source("10.0.0.1")
+    off = TierConfig.from_dict({"prefetch_from": []})
+    assert off.prefetch_trusted().nobody
+    assert off.to_dict()["prefetch_from"] == []
+    assert TierConfig.from_dict(off.to_dict()) == off
+    assert TierConfig().to_dict()["prefetch_from"] is None
+    assert TierConfig.from_dict(TierConfig().to_dict()) == TierConfig()

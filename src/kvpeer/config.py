@@ -39,6 +39,8 @@ __all__ = ["DATA_TRANSPORTS", "AllowList", "CurveConfig", "TierConfig", "validat
 
 DATA_TRANSPORTS: Final = ("shm", "tcp", "nixl")
 MAX_SECONDS: Final = 1e9  # ~31 years: "never" for any sane deployment, and finite when doubled
+HELD_SHARE: Final = 4  # automatic held_bytes: a quarter of the primary region ...
+HELD_BYTES_MAX: Final = 4 << 30  # ... and at most 4 GiB
 MAX_ENGINE_WAIT_S: Final = 1.0  # an engine thread blocked longer stalls every running request
 _CURVE_KEYS: Final = ("server_secret_key_file", "server_public_key_file", "client_public_keys_dir")
 _LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
@@ -145,6 +147,12 @@ class AllowList:
             return None
         hosts = [(f"[{h}]" if ":" in h else h, p) for h, p in self.endpoints]
         return [str(n) for n in self.networks] + [f"{h}:{p}" for h, p in hosts]
+
+
+#: The host's own loopback: whose prefetch a node open to everyone obeys by default.
+LOOPBACK: Final = AllowList(
+    networks=(ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+)
 
 
 def _allow_entry(item: object) -> IPNetwork | tuple[str, int]:
@@ -351,12 +359,18 @@ def _nixl_peers(value: object) -> AllowList | None:
     return _allow_list(_names(value, "null, a list of CIDR / host:port strings"))
 
 
-def _prefetch_from(value: object) -> AllowList:
+def _prefetch_from(value: object) -> AllowList | None:
     if value is None:
-        return AllowList()  # nobody: pulling ahead is off
+        return None  # the default rule: TierConfig.prefetch_trusted
     if isinstance(value, list | tuple) and not value:
-        raise _Invalid("an empty list obeys no router: leave it null (the default) for that")
-    return _allow_list(_names(value, "null, a list of CIDR / host:port strings"))
+        return AllowList()  # nobody: pulling ahead is off
+    return _allow_list(_names(value, "null, [] (off), a list of CIDR / host:port strings"))
+
+
+def _held_bytes(value: object) -> int | None:
+    if value is None:
+        return None  # automatic: TierConfig.held_bytes_for
+    return _count(0)(value)
 
 
 def _curve(value: object) -> CurveConfig | None:
@@ -404,7 +418,7 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "max_queued_messages": _count(1),
         "max_handshakes_per_source": _count(1),
         "max_peer_bytes": _count(1 << 20),
-        "held_bytes": _count(0),
+        "held_bytes": _held_bytes,
         "sync_pull_wait_s": _engine_wait,
         "trust_peer_addresses": _flag,
         "data_transports": _transports,
@@ -489,8 +503,9 @@ class TierConfig:
     max_handshakes_per_source: int = 8
     max_peer_bytes: int = 64 << 20
     #: bytes of blocks the tier keeps a copy of, to serve peers without a serve
-    #: window (kvpeer.node.held); 0: off, every peer request waits for one
-    held_bytes: int = 0
+    #: window (kvpeer.node.held); None: automatic (held_bytes_for); 0: off, every
+    #: peer request waits for one
+    held_bytes: int | None = None
     #: how long the engine's scheduler may wait, inside the lookup that found a
     #: peer's blocks, for the pull to land (kvpeer.integrations.vllm.manager); a pull
     #: that takes longer completes a step later, as vLLM's own promotions do. 0: never
@@ -500,10 +515,10 @@ class TierConfig:
     allowed_peers: AllowList = field(default_factory=AllowList.allow_all)
     nixl_peers: AllowList | None = None
     #: routers whose ``prefetch`` this node obeys (kvpeer.node.ahead: pulling ahead);
-    #: null, the default, obeys none
-    prefetch_from: AllowList = field(default_factory=AllowList)
+    #: None, the default: the rule of prefetch_trusted; an empty list: nobody
+    prefetch_from: AllowList | None = None
     #: rows of the primary region withheld from the engine's own cache, once, at start,
-    #: to stage prefetched blocks in (only with ``prefetch_from``)
+    #: to stage prefetched blocks in (none when nobody may send prefetches)
     staging_blocks: int = 256
     #: how long a staged block waits for the request it was fetched for
     prefetch_ttl_s: float = 10.0
@@ -533,7 +548,7 @@ class TierConfig:
         result["allowed_peers"] = self.allowed_peers.to_entries()
         result["nixl_peers"] = None if self.nixl_peers is None else self.nixl_peers.to_entries()
         result["prefetch_from"] = (
-            None if self.prefetch_from.nobody else self.prefetch_from.to_entries()
+            None if self.prefetch_from is None else self.prefetch_from.to_entries() or []
         )
         result["curve"] = None if self.curve is None else self.curve.to_dict()
         return result
@@ -548,6 +563,31 @@ class TierConfig:
         if not self.allowed_peers.everyone or self.curve is not None:
             return self.allowed_peers
         return AllowList()
+
+    def prefetch_trusted(self) -> AllowList:
+        """Whose ``prefetch`` this node obeys (docs/security.md, pulling ahead).
+
+        ``prefetch_from`` if given. Otherwise the peers the node already trusts: an
+        explicit ``allowed_peers`` list (routers sit in the fleet's network), or,
+        with CURVE, every connection (only holders of an admitted key get one).
+        A node open to everyone obeys only its own host's loopback: a prefetch names
+        the peer whose blocks the engine will use, a choice only the routers own, so
+        an open node never takes it from the network."""
+        if self.prefetch_from is not None:
+            return self.prefetch_from
+        if not self.allowed_peers.everyone or self.curve is not None:
+            return self.allowed_peers
+        return LOOPBACK
+
+    def held_bytes_for(self, region_bytes: int, block_len: int) -> int:
+        """Bytes of held blocks for a primary region of ``region_bytes``: ``held_bytes``
+        if given, else a quarter of the region, at most :data:`HELD_BYTES_MAX`; whole
+        blocks only."""
+        if self.held_bytes is not None:
+            wanted = self.held_bytes
+        else:
+            wanted = min(region_bytes // HELD_SHARE, HELD_BYTES_MAX)
+        return wanted - wanted % block_len if block_len > 0 else 0
 
     @property
     def peer_id(self) -> str:

@@ -109,6 +109,91 @@ def test_a_sender_outside_prefetch_from_is_refused_and_nobody_is_dialled(
         dealer.close()
 
 
+def prefetch_from_address(
+    zmq_context: ZmqContext, consumer: LocalNode, producer_id: str, source_ip: str
+) -> PrefetchRefused | None:
+    """Send one prefetch from a connection bound to ``source_ip``; the refusal, or None
+    if the tier obeyed (it answers only to refuse: None once it staged the blocks)."""
+    dealer = zmq_context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, f"router-at-{source_ip}".encode())
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://{source_ip}:0;{consumer.peer_id}")
+    try:
+        dealer.send(CODEC.encode(Prefetch(kv_request_id="r1", source=producer_id,
+                                          tokens=tuple(range(BLOCKS)))))  # fmt: skip
+
+        def staged_all() -> bool:
+            return consumer.statistics().staged_blocks == BLOCKS
+
+        while not staged_all():
+            if dealer.poll(10):
+                answer = CODEC.decode(dealer.recv())
+                assert isinstance(answer, PrefetchRefused)
+                return answer
+            assert wait_until(lambda: staged_all() or dealer.poll(0) != 0, DEADLINE_S), (
+                consumer.statistics(), consumer.node.counters().ahead)
+        return None
+    finally:
+        dealer.close()
+
+
+def test_by_default_an_open_node_obeys_its_own_hosts_loopback(
+    serve: StartNode, zmq_context: ZmqContext
+) -> None:
+    """No prefetch_from and no allowed_peers (the README's tier entry): a router on the
+    node's host is obeyed with nothing configured."""
+    producer = serve(plane="tcp")
+    with staged(LocalNode("tcp")) as consumer:
+        assert prefetch_from_address(zmq_context, consumer, producer.peer_id, "127.0.0.5") is None
+        assert consumer.statistics().staged_blocks == BLOCKS
+
+
+def test_by_default_an_allow_listed_node_obeys_only_its_allowed_peers(
+    serve: StartNode, zmq_context: ZmqContext
+) -> None:
+    """With an allowed_peers list the routers are the fleet's: a sender outside the list
+    is refused by name and nothing is fetched; one inside is obeyed."""
+    producer = serve(plane="tcp")
+    fleet = ["127.0.0.1/32", "127.0.0.2/32"]
+    with staged(LocalNode("tcp", allowed_peers=fleet)) as consumer:
+        refusal = prefetch_from_address(zmq_context, consumer, producer.peer_id, "127.0.0.3")
+        assert refusal is not None
+        assert "127.0.0.3" in refusal.reason
+        assert "not allowed" in refusal.reason
+        assert not consumer.has_session(producer.peer_id)
+        assert consumer.statistics().staged_blocks == 0
+        assert prefetch_from_address(zmq_context, consumer, producer.peer_id, "127.0.0.2") is None
+
+
+def test_an_empty_prefetch_from_turns_pulling_ahead_off(
+    serve: StartNode, zmq_context: ZmqContext
+) -> None:
+    producer = serve(plane="tcp")
+    with staged(LocalNode("tcp", prefetch_from=[])) as consumer:
+        refusal = prefetch_from_address(zmq_context, consumer, producer.peer_id, "127.0.0.1")
+        assert refusal is not None
+        assert "not allowed" in refusal.reason
+        assert not consumer.has_session(producer.peer_id)
+
+
+def test_a_router_stops_prefetching_to_a_tier_that_never_obeys(serve: StartNode) -> None:
+    producer = serve(plane="tcp")
+    with staged(LocalNode("tcp", prefetch_from=[])) as consumer:
+        counted: list[str] = []
+        sender = PrefetchSender(count=counted.append)
+        try:
+            sender.connect([spec(consumer.peer_id)])
+            assert wait_until(lambda: sender.send(spec(consumer.peer_id), "r1",
+                                                  spec(producer.peer_id), [1, 2]), DEADLINE_S)
+            assert wait_until(lambda: refused(sender, counted), DEADLINE_S)
+            assert sender.barred(consumer.peer_id)
+            sent = counted.count("sent")
+            assert not sender.send(spec(consumer.peer_id), "r2", spec(producer.peer_id), [1, 2])
+            assert counted.count("sent") == sent  # nothing more goes to it
+        finally:
+            sender.close()
+
+
 def test_the_senders_count_refusals(serve: StartNode) -> None:
     producer = serve(plane="tcp")
     with LocalNode("tcp", prefetch_from=["127.0.0.1/32"]) as consumer:  # no staging rows
@@ -121,6 +206,7 @@ def test_the_senders_count_refusals(serve: StartNode) -> None:
             assert wait_until(lambda: refused(sender, counted), DEADLINE_S)
             (reason,) = sender.refused_reasons(consumer.peer_id)
             assert "stages nothing" in reason
+            assert sender.barred(consumer.peer_id)
         finally:
             sender.close()
 

@@ -48,8 +48,9 @@ def setup(
     """``a`` pulls ahead (staging ``rows``; ``extra`` tier keys), ``b`` holds blocks."""
     cluster = Cluster()
     config: dict[str, object] = {"prefetch_ttl_s": TTL_S, **(extra or {})}
-    if allow:
-        config["prefetch_from"] = ["10.0.0.0/8"]
+    # The in-memory network cannot tell a sender's address: the default rule (loopback
+    # for an open node) would obey it, so "not allowed" is prefetch_from [] here.
+    config["prefetch_from"] = ["10.0.0.0/8"] if allow else []
     a = cluster.add("a", 1, config)
     b = cluster.add("b", 2, {"held_bytes": 16 * BLOCK_LEN} if held else {})
     if rows:

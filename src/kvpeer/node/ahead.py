@@ -25,8 +25,9 @@ Invariants:
    oldest first (never fetching or claimed ones). A claimed row is freed when its job
    is served or failed. At shutdown waiting jobs fail; fetching rows end with their
    sessions.
-4. A prefetch from a sender outside ``prefetch_from`` changes nothing: it is answered
-   with a named refusal (:meth:`PullAhead.admit`), as is every prefetch this node
+4. A prefetch from a sender outside ``prefetch_from`` (by default the peers the node
+   trusts already: :meth:`kvpeer.config.TierConfig.prefetch_trusted`) changes nothing:
+   it is answered with a named refusal (:meth:`PullAhead.admit`), as is every prefetch this node
    cannot carry out (no staging rows, no way to hash, a bad source, staging full).
 5. An engine job is served from staging only if every key of it is staged or being
    fetched, and never a PD consumer's (its producer parks its stores for one fetch).
@@ -93,7 +94,7 @@ class PullAhead:
     """The staging rows, what they hold, and the engine jobs served from them."""
 
     def __init__(self, config: TierConfig, counters: TierCounters, local_id: str) -> None:
-        self._allowed = config.prefetch_from
+        self._allowed = config.prefetch_trusted()
         self._ttl_s = config.prefetch_ttl_s
         self._counters = counters.ahead
         self._local_id = local_id
@@ -171,7 +172,8 @@ class PullAhead:
         if self._shut:
             return "this node is shutting down"
         if self._allowed.nobody or (source is not None and not self._allowed.allows_source(source)):
-            return f"prefetch from {source or 'this sender'} is not allowed (prefetch_from)"
+            return (f"prefetch from {source or 'this sender'} is not allowed (prefetch_from; by "
+                    "default an explicit allowed_peers list, CURVE, or this host's loopback)")
         if not self._rows or self._keys_of is None:
             return "this node stages nothing (staging_blocks is 0, or its engine withholds no rows)"
         if split_peer_id(message.source) is None:

@@ -102,16 +102,18 @@ def _backends(
 def _held_blocks(
     config: TierConfig, region: PrimaryRegion, serves: Callable[[str], bool]
 ) -> HeldBlocks | None:
-    """The held copy (``held_bytes``), read by the shm plane only: ``serves`` says
-    whether a peer's session writes with it."""
-    if config.held_bytes < region.block_len:
+    """The held copy (``held_bytes``; by default a quarter of the region, at most 4 GiB),
+    read by the shm plane only: ``serves`` says whether a peer's session writes with it."""
+    size = config.held_bytes_for(region.num_blocks * region.block_len, region.block_len)
+    if size < region.block_len:
         return None
     if region.shm_path is None or "shm" not in config.data_transports:
-        log.info("held_bytes ignored: only the shm data plane serves held blocks")
+        if config.held_bytes is not None:
+            log.warning("held_bytes ignored: only the shm data plane serves held blocks")
         return None
-    return HeldBlocks(
-        region.view, region.num_blocks, region.block_len, config.held_bytes, serves=serves
-    )
+    how = "held_bytes" if config.held_bytes is not None else "automatic: a quarter of the region"
+    log.info("holding up to %.0f MiB of stored blocks for peers (%s)", size / 2**20, how)
+    return HeldBlocks(region.view, region.num_blocks, region.block_len, size, serves=serves)
 
 
 def open_node(

@@ -14,7 +14,10 @@ Rules:
    leave at once is dropped and counted, and its request pulls the ordinary way.
 2. Nothing waits for an answer. A tier answers only to refuse
    (:class:`kvpeer.protocol.PrefetchRefused`); refusals are read whenever a prefetch is
-   sent, counted, and each distinct reason is logged once per tier.
+   sent, counted, and each distinct reason is logged once per tier. A tier that refuses
+   because it will never obey this router (the sender is not one it trusts, or it
+   stages nothing) is sent no more prefetches: engines pull ahead by default, and a
+   tier that cannot should not cost the router a message per request.
 3. The router's identity on the wire is ``kvpeer-router-`` and 16 random hex digits,
    new per process; a tier obeys by the address the connection comes from
    (``prefetch_from``), never by this name.
@@ -47,6 +50,12 @@ log = logging.getLogger("kvpeer.router")
 SEND_HWM = 64  # frames queued toward one tier before prefetches are dropped
 OUTCOMES = ("sent", "dropped", "refused")
 _MAX_REASONS = 64  # distinct refusal reasons remembered per tier (rule 2)
+
+
+def _never_obeys(reason: str) -> bool:
+    """A refusal that every later prefetch to that tier would get too
+    (kvpeer.node.ahead's words: the sender is not trusted, or nothing is staged)."""
+    return "is not allowed (prefetch_from" in reason or "this node stages nothing" in reason
 
 
 def format_peer_id(host: str, port: int) -> str:
@@ -99,6 +108,7 @@ class PrefetchSender:
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._codec = Codec()
         self._reasons: dict[str, set[str]] = {}
+        self._barred: set[str] = set()  # tiers that will never obey (rule 2)
         self.counts: Counter[str] = Counter()
         self._closed = False
 
@@ -127,6 +137,8 @@ class PrefetchSender:
         address = format_peer_id(tier.peer_host, tier.peer_port)
         sock = self._socket(address)
         self._read_refusals(address, sock)
+        if address in self._barred:
+            return False
         try:
             sock.send(self._codec.encode(message), zmq.NOBLOCK)
         except zmq.ZMQError:  # queue full (rule 1) or a socket error: the ordinary pull
@@ -171,6 +183,16 @@ class PrefetchSender:
             if reason not in seen and len(seen) < _MAX_REASONS:
                 seen.add(reason)
                 log.warning("tier %s refused a prefetch: %s", address, reason)
+            if _never_obeys(reason) and address not in self._barred:
+                self._barred.add(address)
+                log.warning("tier %s does not obey this router's prefetches: none are sent "
+                            "to it any more; requests it serves pull when its engine looks "
+                            "(its allowed_peers must include this router, or give the "
+                            "engine ahead=false)", address)  # fmt: skip
+
+    def barred(self, address: str) -> bool:
+        """``address``'s tier refused for good: it gets no prefetches (rule 2)."""
+        return address in self._barred
 
     def refused_reasons(self, address: str) -> set[str]:
         return set(self._reasons.get(address, ()))

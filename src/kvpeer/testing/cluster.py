@@ -280,7 +280,9 @@ class Cluster:
         parent = FakeParent(region, self.job_ids)
         control = RecordingControl(self.net.attach(cfg.peer_id))
         held = None
-        if cfg.held_bytes >= BLOCK_LEN:  # the fake plane reads held rows for every peer
+        # The kit's nodes hold blocks only when asked (held_bytes given): its tests of the
+        # serve-window way need nodes that hold nothing, as held_bytes 0 does.
+        if cfg.held_bytes is not None and cfg.held_bytes >= BLOCK_LEN:  # fake plane: every peer
             held = HeldBlocks(memoryview(region.memory), NUM_BLOCKS, BLOCK_LEN, cfg.held_bytes,
                               serves=lambda peer_id: True)  # fmt: skip
             plane.held = held.view

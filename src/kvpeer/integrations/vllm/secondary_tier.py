@@ -266,12 +266,15 @@ class KVPeerTier(SecondaryTierManager):
         self._early: list[JobResult] = []  # collected while a promotion was waited for
         self._stats = StatsSource(self._node)
         _LIVE.add(self)
+        held = self._node.tier.held()
         log.warning(
-            "kvpeer tier %s ready: %d blocks x %d bytes, data planes %s",
+            "kvpeer tier %s ready: %d blocks x %d bytes, data planes %s, held blocks %s",
             self._node.tier.peer_id,
             self._region.num_blocks,
             self._region.block_len,
             ",".join(self._node.tier.data_planes),
+            "off" if held is None else f"up to {held.statistics().capacity_bytes / 2**20:.0f} MiB"
+            + (" (a quarter of the CPU tier)" if self._config.held_bytes is None else ""),
         )
 
     @property
@@ -414,17 +417,17 @@ class KVPeerTier(SecondaryTierManager):
         return any(result.job_id == job_id for result in self._early)
 
     def staging_wanted(self) -> int:
-        """Rows this tier wants withheld for pulling ahead (``staging_blocks`` when
-        ``prefetch_from`` names routers; else none)."""
-        return 0 if self._config.prefetch_from.nobody else self._config.staging_blocks
+        """Rows this tier wants withheld for pulling ahead (``staging_blocks``, unless
+        nobody may send it a prefetch)."""
+        return 0 if self._config.prefetch_trusted().nobody else self._config.staging_blocks
 
     def configure_staging(self, rows: list[int]) -> None:
         """The manager withheld ``rows`` of the primary region for this tier."""
         region = self._region
         self._node.configure_staging(rows, self._prompt_keys, row_copier(region),
                                      region.block_len)  # fmt: skip
-        routers = ",".join(self._config.prefetch_from.to_entries() or [])
-        log.warning("kvpeer tier %s pulls ahead for %s: %d staging rows (%.0f MiB)",
+        routers = ",".join(self._config.prefetch_trusted().to_entries() or ["anyone CURVE admits"])
+        log.info("kvpeer tier %s pulls ahead for routers at %s: %d staging rows (%.0f MiB)",
                     self._node.tier.peer_id, routers, len(rows),
                     len(rows) * region.block_len / 2**20)  # fmt: skip
 

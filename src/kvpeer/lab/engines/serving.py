@@ -145,6 +145,13 @@ class ServeSpec:
             *self.extra_args,
         ]  # fmt: skip
 
+    @property
+    def holds_blocks(self) -> bool:
+        """Its kvpeer tier keeps held blocks: by default (a quarter of its CPU tier) over
+        the shm plane, unless ``held_bytes`` is 0."""
+        held = self.tier_options.get("held_bytes")
+        return self.data_plane == "shm" and (held is None or int(held) > 0)
+
     def router_engine(self, role: Role = Role.BOTH) -> EngineSpec:
         """This engine as ``kvpeer router`` names it (``held`` if its kvpeer tier keeps
         held blocks, which it serves without its engine; ``sync_pulls``: kvpeer engines
@@ -158,9 +165,9 @@ class ServeSpec:
             role=role,
             kv_events=f"tcp://{HOST}:{self.events_port}",
             kv_events_replay=f"tcp://{HOST}:{self.replay_port}",
-            serves_held=self.tier == "kvpeer" and int(self.tier_options.get("held_bytes", 0)) > 0,
+            serves_held=self.tier == "kvpeer" and self.holds_blocks,
             sync_pulls=self.tier == "kvpeer",
-            pulls_ahead=self.tier == "kvpeer" and bool(self.tier_options.get("prefetch_from")),
+            pulls_ahead=self.tier == "kvpeer" and self.tier_options.get("prefetch_from") != [],
         )
 
 
