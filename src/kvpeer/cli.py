@@ -31,6 +31,7 @@ from kvpeer.commands import (
     check_config,
     demo,
     fuzz,
+    lab_fleet,
     router,
     serve,
     soak,
@@ -62,6 +63,10 @@ BENCHES: dict[str, ModuleType] = {
     "node-scale": bench_node_scale,
     "serve": bench_serve,
 }
+#: ``kvpeer lab NAME``: models and tools that run no engine.
+LABS: dict[str, ModuleType] = {
+    "fleet": lab_fleet,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     for name, module in BENCHES.items():
         _add(benches, name, module)
+    lab = commands.add_parser("lab", help="models of fleets no machine here has")
+    labs = lab.add_subparsers(dest="lab", required=True)
+    for name, module in LABS.items():
+        _add(labs, name, module)
     return parser
 
 

@@ -1,0 +1,22 @@
+"""``kvpeer lab fleet``: the fleet model -- a trace through the router's own code to
+simulated GPU engines, at fleet sizes, loads and links no machine here has."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvpeer.commands.progress import progress_printer
+from kvpeer.lab.fleet import cli
+
+HELP = "fleet model: a Mooncake trace through the router's real policy to simulated GPU engines"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = cli.run(args, progress_printer("lab fleet"))
+    print(json.dumps(result, indent=1) if args.json else cli.render(result))
+    return 0

@@ -1,0 +1,264 @@
+"""The fleet model's event loop: a trace's requests through a policy to simulated engines.
+
+Rules:
+
+1. Policies ``load``, ``affinity`` and ``kvpeer`` are the router's own objects, as
+   ``kvpeer router --policy load|affinity|pull`` builds them (``router.app``):
+   :class:`~kvpeer.router.loadonly.LoadOnlyPolicy`, or
+   :class:`~kvpeer.router.decide.RouterPolicy` over a
+   :class:`~kvpeer.router.index.PrefixIndex` and a
+   :class:`~kvpeer.router.cost.CostModel` with the product's priors (only
+   ``step_tokens`` set, as ``--engine-step-tokens`` sets it). The model calls
+   ``plan``, ``on_sent`` and ``on_outcome`` as the router's edge does, with the loads
+   the edge would report, and feeds the index the engines' KV events ``event_delay_s``
+   after they happen. Nothing of the decision is re-implemented here.
+2. A pull is the tier's: the consumer asks the named source when the request reaches
+   the head of its queue; the source answers at its next step boundary with what its
+   CPU tier holds *then*; the blocks cross the network (:class:`Network`, queued per
+   NIC), land in the consumer's CPU tier, are loaded over PCIe, and the request waits
+   out :data:`~kvpeer.router.cost.CONSUMER_PULL_STEPS` of the consumer's steps.
+3. Bounds: ``infinite`` and ``pooled`` place by load (the router's load policy) and
+   look every prompt up in one cache shared by the fleet (infinite, or all engines'
+   CPU tiers pooled, LRU); a hit costs only its transfer and PCIe load (no queueing,
+   no engine cache, no step): the most any placement and tier could realise.
+4. Deterministic: the same trace, spec and seed give the same result, except the
+   measured router CPU time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from random import Random
+
+from kvpeer.lab.fleet.engine import PULL_STEPS, EngineHost, Fetched, Job, SimEngine
+from kvpeer.lab.fleet.link import Network
+from kvpeer.lab.fleet.lru import BlockLru
+from kvpeer.lab.fleet.params import LINKS, GpuModel
+from kvpeer.lab.trace.mooncake import TraceRequest
+from kvpeer.lab.trace.tokens import BlockTokens
+from kvpeer.router.cost import CostModel, CostPriors
+from kvpeer.router.decide import DecideConfig, RouterPolicy
+from kvpeer.router.events import KVEvent
+from kvpeer.router.feed import StreamSynced
+from kvpeer.router.index import PrefixIndex
+from kvpeer.router.loadonly import LoadOnlyPolicy
+from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Policy
+
+__all__ = ["BOUNDS", "POLICIES", "FleetResult", "FleetSpec", "run_fleet"]
+
+POLICIES = ("load", "affinity", "kvpeer")
+BOUNDS = ("pooled", "infinite")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    engines: int = 8
+    policy: str = "kvpeer"
+    link: str = "rdma"
+    seed: int = 0
+    slo_s: float = 2.0  # TTFT service-level objective for goodput
+    event_delay_s: float = 0.01  # ASSUMPTION: engine step -> router index
+    gpu: GpuModel = field(default_factory=GpuModel)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES + BOUNDS:
+            raise ValueError(f"policy {self.policy!r} is not one of {POLICIES + BOUNDS}")
+        if self.link not in LINKS:
+            raise ValueError(f"link {self.link!r} is not one of {tuple(LINKS)}")
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, not {self.engines}")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetResult:
+    spec: FleetSpec
+    requests: int
+    ttfts: tuple[float, ...]  # per request, in trace order
+    blocks: int  # full prompt blocks over every request
+    local_blocks: int  # found in the serving engine's own GPU cache or CPU tier
+    fetched_blocks: int  # pulled from a peer, or from a bound's pool
+    bytes_moved: int
+    pulls: int
+    duration_s: float  # first arrival to last finish
+    router_cpu_s: float  # process CPU in plan/on_sent/on_outcome
+    decisions: int
+    plan_reasons: dict[str, float]
+
+    @property
+    def reuse(self) -> float:
+        return (self.local_blocks + self.fetched_blocks) / self.blocks if self.blocks else 0.0
+
+
+class _World(EngineHost):
+    def __init__(self, spec: FleetSpec, requests: Sequence[TraceRequest]) -> None:
+        self.spec = spec
+        self.requests = requests
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = 0
+        gpu = spec.gpu
+        bt = requests[0].block_tokens if requests else 512
+        self._bt = bt
+        self._tokens = BlockTokens(bt, seed=spec.seed)
+        names = [f"e{i:03d}" for i in range(spec.engines)]
+        Random(spec.seed).shuffle(names)  # which engine wins a tie is the seed's
+        bound = spec.policy in BOUNDS
+        self.index: PrefixIndex | None = None
+        specs = [EngineSpec(n, f"http://{n}:8000", n, 5710) for n in names]
+        self.policy: Policy
+        if spec.policy in ("affinity", "kvpeer"):
+            self.index = PrefixIndex(block_size=bt)
+            for n in names:
+                self.index.apply(n, StreamSynced())
+            self.policy = RouterPolicy(
+                specs, Mode.SHARED, self.index,
+                cost=CostModel(CostPriors(step_tokens=gpu.step_tokens)),
+                config=DecideConfig(pulls=spec.policy == "kvpeer"),
+            )
+        else:
+            self.policy = LoadOnlyPolicy(specs, Mode.SHARED)
+        self.engines = {
+            n: SimEngine(n, gpu, self, block_tokens=bt, local_caches=not bound,
+                         events=self.index is not None)
+            for n in names
+        }
+        cpu_blocks = int(gpu.cpu_tier_bytes // (gpu.kv_bytes_per_token * bt))
+        self.pool: BlockLru | None = None
+        if bound:
+            self.pool = BlockLru(None if spec.policy == "infinite" else cpu_blocks * spec.engines)
+        self.network = Network(LINKS[spec.link])
+        self._in_flight = dict.fromkeys(names, 0)
+        self._queued = dict.fromkeys(names, 0)
+        self.loads = {n: EngineLoad(True, 0, 0) for n in names}
+        self.ttft: dict[str, float] = {}
+        self.jobs: list[Job] = []
+        self.router_cpu_s = 0.0
+        self.pulls = 0
+        self.last_finish = 0.0
+
+    # --- EngineHost ---------------------------------------------------------------------
+
+    def schedule(self, at: float, action: Callable[[float], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, action))
+
+    def block_tokens(self, block: int) -> tuple[int, ...]:
+        return self._tokens.block(block)
+
+    def publish(self, engine: str, events: list[KVEvent]) -> None:
+        index = self.index
+        if index is None or not events:
+            return
+
+        def deliver(_: float) -> None:
+            for event in events:
+                index.apply(engine, event)
+
+        self.schedule(self.now + self.spec.event_delay_s, deliver)
+
+    def fetch(self, engine: SimEngine, job: Job, local: int, now: float) -> Fetched:
+        blocks = job.request.full_blocks
+        usable = max(0, job.prompt - 1) // self._bt
+        kv = self.spec.gpu.kv_bytes_per_token * self._bt
+        if self.pool is not None:  # rule 3
+            hit = self.pool.prefix(blocks, usable)
+            if hit <= 0:
+                return Fetched(0, now)
+            self.pool.touch(blocks[:hit])
+            self.network.bytes_moved += hit * kv
+            ready = (now + self.network.link.transfer_s(hit * kv)
+                     + self.spec.gpu.load_s(hit * self._bt))
+            return Fetched(hit, ready)
+        source = self.engines.get(job.source or "")
+        if source is None or source is engine:
+            return Fetched(local, now)
+        held = source.cpu_tier.prefix(blocks, usable)
+        if held <= local:
+            return Fetched(local, now)
+        source.cpu_tier.touch(blocks[:held])
+        tokens = (held - local) * self._bt
+        arrived = self.network.transfer(source.name, engine.name, tokens * kv // self._bt,
+                                        source.next_window(now))
+        self.pulls += 1
+        pulled = blocks[:held]
+        self.schedule(arrived, lambda _: engine.stored_pulled(pulled))
+        return Fetched(held, arrived + self.spec.gpu.load_s(tokens), PULL_STEPS)
+
+    def first_token(self, job: Job, now: float) -> None:
+        self.ttft[job.rid] = now - job.arrival
+        self._queued[job.engine] -= job.prompt
+        self._load(job.engine)
+        if self.pool is not None:
+            self.pool.insert(job.request.full_blocks)
+
+    def finished(self, job: Job, now: float) -> None:
+        self._in_flight[job.engine] -= 1
+        self._load(job.engine)
+        self.last_finish = max(self.last_finish, now)
+        if self.spec.policy in BOUNDS:
+            return
+        outcome = Outcome(job.rid, job.engine, True, job.prompt, job.cached_tokens,
+                          self.ttft[job.rid])
+        started = time.process_time()
+        self.policy.on_outcome(outcome, now)
+        self.router_cpu_s += time.process_time() - started
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def _load(self, engine: str) -> None:
+        self.loads[engine] = EngineLoad(True, self._in_flight[engine], self._queued[engine])
+
+    def _arrive(self, i: int, now: float) -> None:
+        request = self.requests[i]
+        rid = f"r{i}"
+        prompt = self._tokens.prompt(request) if self.index is not None else ()
+        started = time.process_time()
+        plan = self.policy.plan(rid, prompt, self.loads, now)
+        self.policy.on_sent(rid, plan, prompt, now)
+        self.router_cpu_s += time.process_time() - started
+        job = Job(rid, request, now, plan.engine, source=plan.source)
+        self.jobs.append(job)
+        self._in_flight[plan.engine] += 1
+        self._queued[plan.engine] += request.input_length
+        self._load(plan.engine)
+        self.engines[plan.engine].submit(job, now)
+
+    def run(self) -> None:
+        for i, request in enumerate(self.requests):
+            self.schedule(request.timestamp_ms / 1000.0, partial(self._arrive, i))
+        heap = self._heap
+        while heap:
+            at, _, action = heapq.heappop(heap)
+            self.now = at
+            action(at)
+
+
+def run_fleet(spec: FleetSpec, requests: Sequence[TraceRequest]) -> FleetResult:
+    """Send ``requests`` (timestamps already scaled) through ``spec``'s fleet."""
+    world = _World(spec, requests)
+    world.run()
+    jobs = world.jobs
+    reasons: dict[str, float] = {}
+    if isinstance(world.policy, RouterPolicy):
+        reasons = {k.split(":", 1)[1]: v for k, v in world.policy.stats().items()
+                   if k.startswith("plans_by_reason:") and v}
+    first = requests[0].timestamp_ms / 1000.0 if requests else 0.0
+    return FleetResult(
+        spec=spec,
+        requests=len(jobs),
+        ttfts=tuple(world.ttft[job.rid] for job in jobs),
+        blocks=sum(len(job.request.full_blocks) for job in jobs),
+        local_blocks=sum(job.local_blocks for job in jobs),
+        fetched_blocks=sum(job.fetched_blocks for job in jobs),
+        bytes_moved=world.network.bytes_moved,
+        pulls=world.pulls,
+        duration_s=world.last_finish - first,
+        router_cpu_s=world.router_cpu_s,
+        decisions=len(jobs),
+        plan_reasons=reasons,
+    )
+
