@@ -187,7 +187,7 @@ def test_the_policy_chooses_the_decision_core() -> None:
 
 def test_an_engine_that_serves_held_blocks_is_named_in_the_file_or_the_flag() -> None:
     assert from_mapping(engines(engine(held=True))).engines[0].spec.serves_held
-    assert not from_mapping(engines(engine())).engines[0].spec.serves_held
+    assert not from_mapping(engines(engine(held=False))).engines[0].spec.serves_held
     by_flag = from_args(build_parser().parse_args(
         ["router", "--engine", "a=http://h:1,peer=h:2,held=true",
          "--engine", "b=http://h:3,peer=h:4,held=false"]))  # fmt: skip
@@ -196,10 +196,10 @@ def test_an_engine_that_serves_held_blocks_is_named_in_the_file_or_the_flag() ->
 
 def test_an_engine_running_kvpeers_connector_is_named_in_the_file_or_the_flag() -> None:
     assert from_mapping(engines(engine(sync_pulls=True))).engines[0].spec.sync_pulls
-    assert not from_mapping(engines(engine())).engines[0].spec.sync_pulls
+    assert not from_mapping(engines(engine(sync_pulls=False))).engines[0].spec.sync_pulls
     by_flag = from_args(build_parser().parse_args(
         ["router", "--engine", "a=http://h:1,peer=h:2,sync_pulls=true",
-         "--engine", "b=http://h:3,peer=h:4"]))  # fmt: skip
+         "--engine", "b=http://h:3,peer=h:4,sync_pulls=false"]))  # fmt: skip
     assert [e.spec.sync_pulls for e in by_flag.engines] == [True, False]
     with pytest.raises(ConfigError, match="sync_pulls"):
         from_mapping(engines(engine(sync_pulls="often")))
@@ -216,9 +216,26 @@ def test_an_engine_that_pulls_ahead_gets_the_routers_prefetches() -> None:
     assert flag["ahead"] == "true"
     assert from_mapping(engines(flag)).engines[0].spec.pulls_ahead
     assert Router(table).ahead is not None
-    assert Router(from_mapping(engines(engine()))).ahead is None
+    assert Router(from_mapping(engines(engine(ahead=False)))).ahead is None
     with pytest.raises(ConfigError, match="ahead"):
         from_mapping(engines(engine(ahead="sometimes")))
+
+
+def test_a_kvpeer_engine_gets_the_fast_paths_by_default_and_a_vllm_p2p_one_none() -> None:
+    """An engine named with only url and peer (the README's router) is taken for a kvpeer
+    tier as the README starts it: held blocks, kvpeer's connector, pulling ahead; its own
+    keys override each; ``tier=vllm-p2p`` (vLLM's own tier) turns all three off."""
+    default = from_mapping(engines(engine())).engines[0].spec
+    assert (default.serves_held, default.sync_pulls, default.pulls_ahead) == (True, True, True)
+    p2p = from_mapping(engines(engine(tier="vllm-p2p"))).engines[0].spec
+    assert (p2p.serves_held, p2p.sync_pulls, p2p.pulls_ahead) == (False, False, False)
+    mixed = from_mapping(engines(engine(tier="vllm-p2p", sync_pulls=True))).engines[0].spec
+    assert (mixed.serves_held, mixed.sync_pulls) == (False, True)
+    by_flag = from_args(build_parser().parse_args(
+        ["router", "--engine", "a=http://h:1,peer=h:2,tier=vllm-p2p"]))  # fmt: skip
+    assert not by_flag.engines[0].spec.pulls_ahead
+    with pytest.raises(ConfigError, match="tier 'sglang' is not one of"):
+        from_mapping(engines(engine(tier="sglang")))
 
 
 def test_prefetch_curve_keys_come_both_or_neither(tmp_path: Path) -> None:

@@ -37,10 +37,8 @@ def engine_flag(spec: EngineSpec) -> str:
         parts.append(f"kv_events={spec.kv_events}")
     if spec.kv_events_replay is not None:
         parts.append(f"kv_events_replay={spec.kv_events_replay}")
-    if spec.serves_held:
-        parts.append("held=true")
-    if spec.sync_pulls:
-        parts.append("sync_pulls=true")
+    flags = {"held": spec.serves_held, "sync_pulls": spec.sync_pulls, "ahead": spec.pulls_ahead}
+    parts.extend(f"{key}={str(value).lower()}" for key, value in flags.items())  # all explicit
     return ",".join(parts)
 
 
