@@ -72,6 +72,8 @@ def summary(result: FleetResult, load: float, pooled_reuse: float | None = None)
         "bytes_moved": result.bytes_moved,
         "router_cpu_us_per_decision": 1e6 * result.router_cpu_s / max(1, result.decisions),
         "plan_reasons": result.plan_reasons,
+        "by_reason": result.by_reason,
+        "cost_rates": result.cost_rates,
     }
     if pooled_reuse is not None:
         out["reuse_vs_pooled"] = result.reuse / pooled_reuse if pooled_reuse else math.nan

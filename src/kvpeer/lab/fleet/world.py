@@ -23,6 +23,9 @@ Rules:
    no engine cache, no step): the most any placement and tier could realise.
 4. Deterministic: the same trace, spec and seed give the same result, except the
    measured router CPU time.
+5. Diagnostics read the router's own view and change nothing: for each plan, what its
+   index said the best CPU-tier holder had (asked outside the timed decision, after it)
+   against the reuse the request realised, grouped by the plan's reason.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
 from kvpeer.router.events import KVEvent
 from kvpeer.router.feed import StreamSynced
-from kvpeer.router.index import PrefixIndex
+from kvpeer.router.index import MEDIUM_CPU, PrefixIndex
 from kvpeer.router.loadonly import LoadOnlyPolicy
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Policy
 
@@ -87,6 +90,11 @@ class FleetResult:
     router_cpu_s: float  # process CPU in plan/on_sent/on_outcome
     decisions: int
     plan_reasons: dict[str, float]
+    #: per plan reason: plans, mean predicted and actual TTFT, and the blocks a peer's
+    #: CPU tier held (as the router's index saw it at the decision) beyond what the
+    #: request then reused (rule 6)
+    by_reason: dict[str, dict[str, float]] = field(default_factory=dict)
+    cost_rates: dict[str, float] = field(default_factory=dict)  # the learned model, at the end
 
     @property
     def reuse(self) -> float:
@@ -139,6 +147,7 @@ class _World(EngineHost):
         self.router_cpu_s = 0.0
         self.pulls = 0
         self.last_finish = 0.0
+        self.plans: dict[str, tuple[str, float, int]] = {}  # reason, predicted TTFT, held
 
     # --- EngineHost ---------------------------------------------------------------------
 
@@ -222,6 +231,13 @@ class _World(EngineHost):
         self.router_cpu_s += time.process_time() - started
         job = Job(rid, request, now, plan.engine, source=plan.source)
         self.jobs.append(job)
+        held = 0
+        if self.index is not None:
+            keys = self.index.keys(prompt)
+            usable = max(0, request.input_length - 1) // self._bt
+            held = min(usable, max(self.index.prefixes(keys, MEDIUM_CPU, now).values(),
+                                   default=0) // self._bt)
+        self.plans[rid] = (plan.reason, plan.predicted_ttft_s or 0.0, held)
         self._in_flight[plan.engine] += 1
         self._queued[plan.engine] += request.input_length
         self._load(plan.engine)
@@ -243,9 +259,11 @@ def run_fleet(spec: FleetSpec, requests: Sequence[TraceRequest]) -> FleetResult:
     world.run()
     jobs = world.jobs
     reasons: dict[str, float] = {}
+    rates: dict[str, float] = {}
     if isinstance(world.policy, RouterPolicy):
         reasons = {k.split(":", 1)[1]: v for k, v in world.policy.stats().items()
                    if k.startswith("plans_by_reason:") and v}
+        rates = _summarised(world.policy.cost.rates())
     first = requests[0].timestamp_ms / 1000.0 if requests else 0.0
     return FleetResult(
         spec=spec,
@@ -260,5 +278,36 @@ def run_fleet(spec: FleetSpec, requests: Sequence[TraceRequest]) -> FleetResult:
         router_cpu_s=world.router_cpu_s,
         decisions=len(jobs),
         plan_reasons=reasons,
+        by_reason=_by_reason(world),
+        cost_rates=rates,
     )
+
+
+def _by_reason(world: _World) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for job in world.jobs:
+        plan = world.plans.get(job.rid)
+        if plan is None or not plan[0]:
+            continue
+        reason, predicted, held = plan
+        row = out.setdefault(reason, {"plans": 0.0, "predicted_ttft_s": 0.0,
+                                      "actual_ttft_s": 0.0, "unused_held_blocks": 0.0})
+        row["plans"] += 1
+        row["predicted_ttft_s"] += predicted
+        row["actual_ttft_s"] += world.ttft[job.rid]
+        row["unused_held_blocks"] += max(0, held - job.local_blocks - job.fetched_blocks)
+    for row in out.values():
+        row["predicted_ttft_s"] /= row["plans"]
+        row["actual_ttft_s"] /= row["plans"]
+    return out
+
+
+def _summarised(rates: dict[str, float]) -> dict[str, float]:
+    """The fleet-wide lines, and the mean of the per-source pull lines."""
+    out = {k: v for k, v in rates.items() if ":" not in k or k.endswith(":*")}
+    for name in ("pull_base_s", "pull_s_per_token"):
+        values = [v for k, v in rates.items() if k.startswith(name + ":")]
+        if values:
+            out[name + ":mean"] = sum(values) / len(values)
+    return out
 
