@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Mapping
@@ -184,8 +185,14 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    async def start(self, host: str | None = None, port: int | None = None) -> str:
-        """Check every engine once, then listen; returns ``http://host:port``."""
+    async def start(
+        self, host: str | None = None, port: int | None = None,
+        listening: socket.socket | None = None,
+    ) -> str:
+        """Check every engine once, then listen; returns ``http://host:port``.
+
+        ``listening``: a socket already bound to serve on instead (kvpeer.router.generations
+        hands each generation a duplicate of one); the router closes it when it stops."""
         self._session = aiohttp.ClientSession(
             # Engine URLs may be names whose address changes (a rescheduled Kubernetes
             # pod): a cached answer may keep an engine down for its whole lifetime.
@@ -216,7 +223,10 @@ class Router:
         )
         await self._runner.setup()
         host = self.config.listen_host if host is None else host
-        sock = bind(host, self.config.listen_port if port is None else port)
+        if listening is None:
+            sock = bind(host, self.config.listen_port if port is None else port)
+        else:
+            sock = listening
         await web.SockSite(self._runner, sock).start()
         bound = sock.getsockname()[1]
         self.url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvpeer.errors import ConfigError
+from kvpeer.router.discovery import DiscoveryConfig, Found, engine_table
 from kvpeer.router.policy import EngineSpec, Mode, Role
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "EngineEntry",
     "RouterConfig",
     "add_arguments",
+    "engine_entries",
     "from_args",
     "from_mapping",
     "load_file",
@@ -110,6 +112,9 @@ class RouterConfig:
     # client_public_keys_dir) and the tiers' server public key file. Both or neither.
     prefetch_curve_key: str = ""
     prefetch_curve_server_key: str = ""
+    # [discovery]: engines found in DNS or the Kubernetes API, besides ``engines``
+    # (kvpeer.router.discovery; served by kvpeer.router.generations).
+    discovery: DiscoveryConfig | None = None
     _by_name: dict[str, EngineEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -191,7 +196,10 @@ def _validate(config: RouterConfig) -> None:
     if config.max_body_bytes < 1024:
         raise ConfigError(f"max_body_bytes: {config.max_body_bytes!r} is below 1024")
     if not config.engines:
-        raise ConfigError("no engines: give [[engine]] tables or --engine NAME=URL,peer=H:P")
+        if config.discovery is not None:
+            return  # the engines are found later (kvpeer.router.generations)
+        raise ConfigError("no engines: give [[engine]] tables, a [discovery] table or "
+                          "--engine NAME=URL,peer=H:P")
     names: set[str] = set()
     peers: dict[str, str] = {}
     targets: dict[tuple[str, int | None], str] = {}
@@ -392,7 +400,7 @@ def from_mapping(
     extra_engines: Sequence[Mapping[str, Any]] = (),
 ) -> RouterConfig:
     """Build from a parsed TOML document (plus engine tables from flags)."""
-    known = {"mode", "listen", "engine", *SCALARS}
+    known = {"mode", "listen", "engine", "discovery", *SCALARS}
     unknown = sorted(set(mapping) - known)
     if unknown:
         raise ConfigError(f"{source}: unknown key(s) {unknown}; known: {sorted(known)}")
@@ -415,9 +423,24 @@ def from_mapping(
         for key, kind in SCALARS.items()
         if key in mapping
     }
+    discovery = None
+    if "discovery" in mapping:
+        discovery = DiscoveryConfig.from_mapping(mapping["discovery"], f"{source}: discovery")
+        # Every engine found is made from the same template: check it once, now.
+        sample = engine_table(discovery, Found("discovered", "192.0.2.1"))
+        _engine_entries(f"{source}: discovery.engine", sample)
     return RouterConfig(
-        mode=mode, engines=tuple(engines), listen_host=host, listen_port=port, **scalars
+        mode=mode, engines=tuple(engines), listen_host=host, listen_port=port,
+        discovery=discovery, **scalars,
     )
+
+
+def engine_entries(
+    tables: Sequence[Mapping[str, Any]], source: str = "engine"
+) -> tuple[EngineEntry, ...]:
+    """The entries of ``[[engine]]``-like tables (discovered engines), checked alike."""
+    return tuple(entry for index, table in enumerate(tables)
+                 for entry in _engine_entries(f"{source} #{index + 1}", table))  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvpeer.router.app import Router
 from kvpeer.router.config import RouterConfig
+from kvpeer.router.generations import DiscoveringRouter
 from kvpeer.router.policy import Policy
 from kvpeer.router.server_socket import write_ready_file
 
@@ -25,7 +26,9 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or ``stop``), then close cleanly."""
-    router = Router(config, policy)
+    router: Router | DiscoveringRouter = (
+        Router(config, policy) if config.discovery is None else DiscoveringRouter(config)
+    )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
