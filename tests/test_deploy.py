@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from kvpeer.config import TierConfig
-from kvpeer.router.config import from_mapping
+from kvpeer.router.config import engine_entries, from_mapping
+from kvpeer.router.discovery import Found, engine_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -160,8 +161,8 @@ def test_kubernetes_validate_works_offline_and_rejects_a_bad_field() -> None:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_manifest_passes_the_kubernetes_schema(version: str) -> None:
     docs = documents()
-    # settings, engine (4), router (4), prometheus, dashboard
-    assert len(docs) >= 11
+    # settings, engine (4), router (7), prometheus, dashboard
+    assert len(docs) >= 14
     failures = [f"{name} {doc['kind']}: {why}" for name, doc in docs
                 if (why := problems(doc, version)) is not None]  # fmt: skip
     assert failures == []
@@ -322,21 +323,45 @@ def test_the_kv_event_and_tier_ports_are_open_only_to_the_fleet_and_its_routers(
 # -- the router ---------------------------------------------------------------------------
 
 
-def test_the_router_config_names_every_engine_replica_by_its_stable_name() -> None:
+def test_the_routers_discover_every_engine_from_its_service() -> None:
     router = the("ConfigMap", "kvpeer-router")["data"]["router.toml"]
     config = from_mapping(tomllib.loads(router), "router.toml")
-    statefulset = the("StatefulSet", "kvpeer-engine")
-    service = statefulset["spec"]["serviceName"]
-    assert the("Service", service)["spec"]["clusterIP"] == "None"  # headless: per-pod names
-    container = engine_container()
-    assert len(config.engines) == statefulset["spec"]["replicas"]
-    for index, spec in enumerate(config.specs):
-        host = f"kvpeer-engine-{index}.{service}"
-        assert spec.url == f"http://{host}:{port_of(container, 'http')}"
-        assert (spec.peer_host, spec.peer_port) == (host, port_of(container, "kvpeer"))
-        assert spec.kv_events == f"tcp://{host}:{port_of(container, 'kv-events')}"
-        assert spec.kv_events_replay == f"tcp://{host}:{port_of(container, 'kv-replay')}"
+    assert config.engines == ()  # none listed: all discovered
+    discovery = config.discovery
+    assert discovery is not None
+    assert discovery.source == "kubernetes"
     assert config.listen_host == "0.0.0.0"
+    # Kubernetes labels a Service's EndpointSlices with its name and copies its labels:
+    # the selector picks the engines' slices, not the routers'.
+    def slice_labels(service: Doc) -> dict[str, str]:
+        return {"kubernetes.io/service-name": service["metadata"]["name"],
+                **service["metadata"]["labels"]}  # fmt: skip
+
+    selector = dict(part.split("=", 1) for part in discovery.kubernetes.split(","))
+    engines = the("Service", the("StatefulSet", "kvpeer-engine")["spec"]["serviceName"])
+    assert engines["spec"]["clusterIP"] == "None"  # headless: an endpoint per pod
+    assert selector.items() <= slice_labels(engines).items()
+    assert not selector.items() <= slice_labels(the("Service", "kvpeer-router")).items()
+    # A discovered engine is addressed on the ports its container exposes.
+    container = engine_container()
+    assert discovery.port_name in {p["name"] for p in engines["spec"]["ports"]}
+    ip = SAMPLE_FIELDS["status.podIP"]
+    (entry,) = engine_entries([engine_table(discovery, Found("kvpeer-engine-0", ip))])
+    assert entry.spec.url == f"http://{ip}:{port_of(container, 'http')}"
+    assert (entry.spec.peer_host, entry.spec.peer_port) == (ip, port_of(container, "kvpeer"))
+    assert entry.spec.kv_events == f"tcp://{ip}:{port_of(container, 'kv-events')}"
+    assert entry.spec.kv_events_replay == f"tcp://{ip}:{port_of(container, 'kv-replay')}"
+
+
+def test_the_routers_may_list_endpoint_slices_and_nothing_else() -> None:
+    pod = the("Deployment", "kvpeer-router")["spec"]["template"]["spec"]
+    account = the("ServiceAccount", pod["serviceAccountName"])["metadata"]["name"]
+    (binding,) = [d for _, d in documents() if d["kind"] == "RoleBinding"
+                  and {"kind": "ServiceAccount", "name": account} in d["subjects"]]  # fmt: skip
+    assert binding["roleRef"]["kind"] == "Role"  # its own namespace only
+    role = the("Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list"]}]  # fmt: skip
 
 
 def test_the_router_pods_read_the_config_the_configmap_holds() -> None:
