@@ -96,7 +96,7 @@ class TestPD:
                 assert "kv_transfer_params" not in dbody
                 metrics = await f.metrics()
                 assert metrics["kvpeer_router_fallbacks_total"] == 1
-                assert metrics["kvpeer_router_requests_total{mode=pd,outcome=ok}"] == 1
+                assert metrics["kvpeer_router_requests_total{engine=d,mode=pd,outcome=ok}"] == 1
 
         run(scenario())
 
@@ -308,7 +308,7 @@ class TestFailures:
                 metrics = await f.metrics()
                 assert metrics["kvpeer_router_retries_total"] == 1
                 assert metrics["kvpeer_router_upstream_errors_total{reason=status_5xx}"] == 1
-                passed = "kvpeer_router_requests_total{mode=shared,outcome=client_error}"
+                passed = "kvpeer_router_requests_total{engine=a,mode=shared,outcome=client_error}"
                 assert metrics[passed] == 1
 
         run(scenario())
@@ -382,7 +382,7 @@ class TestFailures:
                 assert b'"t1 "' in events[1]
                 assert json.loads(events[-1][len(b"data: "):])["error"]["code"] == 502
                 metrics = await f.metrics()
-                ended = "kvpeer_router_requests_total{mode=shared,outcome=stream_error}"
+                ended = "kvpeer_router_requests_total{engine=a,mode=shared,outcome=stream_error}"
                 assert metrics[ended] == 1
 
         run(scenario())
@@ -556,9 +556,12 @@ class TestEndpoints:
                 await f.post("/v1/completions", completion(stream=True))
                 await f.post("/v1/completions", completion())
                 metrics = await f.metrics()
-                assert metrics["kvpeer_router_requests_total{mode=shared,outcome=ok}"] == 2
-                assert metrics["kvpeer_router_request_duration_seconds_count{mode=shared}"] == 2
-                assert metrics["kvpeer_router_ttft_seconds_count{mode=shared}"] == 2
+                served = [f"engine={name}" for name in ("a", "b")]  # by load: either
+                for series in ("requests_total{%s,mode=shared,outcome=ok}",
+                               "request_duration_seconds_count{%s,mode=shared}",
+                               "ttft_seconds_count{%s,mode=shared}"):
+                    counts = [metrics.get("kvpeer_router_" + series % e, 0) for e in served]
+                    assert sum(counts) == 2, series
                 assert metrics["kvpeer_router_engines_healthy"] == 2
                 assert metrics["kvpeer_router_engine_up{engine=a}"] == 1
                 assert metrics["kvpeer_router_policy_predicted_cached_tokens"] == 7

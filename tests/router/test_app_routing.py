@@ -153,14 +153,18 @@ def test_the_default_policy_is_the_decision_core_and_its_numbers_are_scraped() -
             await router.stop()
             for fake in fakes.values():
                 await fake.stop()
+        families = {family.name: family for family in text_string_to_metric_families(text)}
         samples = {
-            (s.name, s.labels.get("key")): s.value
-            for family in text_string_to_metric_families(text)
+            (s.name, s.labels.get("reason") or s.labels.get("engine")): s.value
+            for family in families.values()
             for s in family.samples
         }
         assert samples[("kvpeer_router_policy_plans_total", None)] == 1
-        assert samples[("kvpeer_router_policy_plans_by_reason", "load")] == 1
+        assert samples[("kvpeer_router_policy_plans_by_reason_total", "load")] == 1
         assert samples[("kvpeer_router_policy_outcomes_warmup_total", None)] == 1
-        assert samples[("kvpeer_router_policy_rate_prefill_s_per_token", "*")] > 0
+        assert samples[("kvpeer_router_policy_prefill_seconds_per_token", "*")] > 0
+        # counters are counters (they were gauges named *_total)
+        assert families["kvpeer_router_policy_plans"].type == "counter"
+        assert families["kvpeer_router_policy_plans_by_reason"].type == "counter"
 
     run(scenario())

@@ -8,9 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from kvpeer.config import TierConfig
-from kvpeer.errors import KVPeerError
+from kvpeer.errors import ConfigError, KVPeerError
 
-__all__ = ["DEFAULT_HASH_SEED", "add_node_options", "csv", "size", "tier_config"]
+__all__ = [
+    "DEFAULT_HASH_SEED",
+    "add_node_options",
+    "csv",
+    "read_text",
+    "ready_file_option",
+    "size",
+    "tier_config",
+]
 
 DEFAULT_HASH_SEED = "vllm-none-hash"
 
@@ -41,13 +49,33 @@ def size(text: str) -> int:
     return int(digits) * units[unit]
 
 
+def read_text(option: str, path: str) -> str:
+    """A config file's text; a missing, unreadable or non-UTF-8 file is named."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start : exc.start + 1]
+        raise ConfigError(f"{option} {path}: not UTF-8 text (byte {exc.start}: {bad!r})") from exc
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: {exc.strerror or exc}") from exc
+
+
+def ready_file_option(path: str | None, option: str = "--ready-file") -> None:
+    """A ready file's folder must exist now (the file is written only once listening)."""
+    if path is None:
+        return
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ConfigError(f"{option} {path}: no such folder {str(folder)!r}")
+
+
 def tier_config(args: argparse.Namespace) -> TierConfig:
     """The node's tier config: ``--config``'s JSON, then the flags over it."""
     mapping: dict[str, Any] = {}
     if args.config:
         try:
-            loaded = json.loads(Path(args.config).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            loaded = json.loads(read_text("--config", args.config))
+        except json.JSONDecodeError as exc:
             raise KVPeerError(f"--config {args.config}: {exc}") from exc
         if not isinstance(loaded, dict):
             raise KVPeerError(f"--config {args.config}: expected a JSON object")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvpeer.commands.options import ready_file_option
 from kvpeer.router import config
 
 HELP = "OpenAI-compatible HTTP router in front of vLLM engines (pd or shared)"
@@ -17,5 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpeer.router import server
 
+    ready_file_option(args.ready_file)
     ready = Path(args.ready_file) if args.ready_file else None
     return server.run(config.from_args(args), ready_file=ready)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpeer.commands.options import add_node_options, tier_config
-from kvpeer.errors import KVPeerError
+from kvpeer.commands.options import add_node_options, ready_file_option, tier_config
+from kvpeer.errors import ConfigError, KVPeerError
 
 if TYPE_CHECKING:
     from kvpeer.node.driver import DrivenTier
@@ -49,10 +51,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.malloc_arenas < 0:
         raise KVPeerError(f"--malloc-arenas: must be >= 0, got {args.malloc_arenas}")
+    _check_region(args)
+    ready_file_option(args.ready_file)
+    config = tier_config(args)
+    _check_memory(args.blocks * args.block_len, "shm" in config.data_transports)
     if args.malloc_arenas:
         # The node owns this process: cap the arenas before its threads start.
         cap_malloc_arenas(args.malloc_arenas)
-    config = tier_config(args)
     return serve(
         config,
         num_blocks=args.blocks,
@@ -66,6 +71,56 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
+def _check_region(args: argparse.Namespace) -> None:
+    """The region's shape, each bad value named (before anything is allocated)."""
+    if args.blocks < 1:
+        raise ConfigError(f"--blocks {args.blocks}: the region needs at least one block")
+    if args.block_len < 1:
+        raise ConfigError(f"--block-len {args.block_len}: a block needs at least one byte")
+    if not 0 <= args.synthetic_blocks <= args.blocks:
+        raise ConfigError(
+            f"--synthetic-blocks {args.synthetic_blocks}: must be within 0..{args.blocks} "
+            "(the region's --blocks)"
+        )
+
+
+def _check_memory(size: int, shm: bool) -> None:
+    """Refuse a region the machine cannot give now (its pages are touched at start: too
+    large an anonymous region ends in the OOM killer, a /dev/shm one in SIGBUS)."""
+    available = _available_bytes()
+    where = "memory available"
+    if shm:
+        try:
+            stat = os.statvfs("/dev/shm")
+        except OSError:
+            pass
+        else:
+            free = stat.f_bavail * stat.f_frsize
+            if available is None or free < available:
+                available, where = free, "free in /dev/shm (the shm data plane's region)"
+    if available is not None and size > available:
+        raise ConfigError(
+            f"--blocks x --block-len = {_gib(size)}: more than the {_gib(available)} {where} "
+            "on this machine"
+        )
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
 def _metrics_server(
     host: str, port: int | None
 ) -> Callable[[DrivenTier], Callable[[], None]] | None:
@@ -76,7 +131,10 @@ def _metrics_server(
     def attach(node: DrivenTier) -> Callable[[], None]:
         from kvpeer.metrics.prom import MetricsServer
 
-        server = MetricsServer(node, host, port)
+        try:
+            server = MetricsServer(node, host, port)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {port}: {exc.strerror or exc}") from exc
         print(f"kvpeer serve: metrics at http://{host}:{server.port}/metrics", flush=True)
         return server.close
 

@@ -30,11 +30,12 @@ per engine, and handed to the policy with every plan.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,18 +43,21 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvpeer.errors import ConfigError
 from kvpeer.router import params
 from kvpeer.router.ahead import CurveClient, PrefetchSender
 from kvpeer.router.config import RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
 from kvpeer.router.engineload import EngineLoadFeed
+from kvpeer.router.feedwatch import FeedWatch
 from kvpeer.router.forward import (
     FORWARDED_HEADERS,
     SOURCE_HEADER,
     Forwarder,
     Load,
     RoutedRequest,
+    Served,
     engine_headers,
     error_response,
     failure_reason,
@@ -68,13 +72,18 @@ from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
 from kvpeer.router.witness import FeedWitness, StartTimeWitness
 
-__all__ = ["PIN_HEADER", "Router", "RouterStatistics"]
+__all__ = ["ACCESS_LOGGER", "PIN_HEADER", "Router", "RouterStatistics"]
 
 log = logging.getLogger(__name__)
+#: One INFO line per request when the config's ``access_log`` is on.
+ACCESS_LOGGER = "kvpeer.router.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
 REASON_LAST_RESORT = "last resort: no healthy engine"  # rule 6
 DNS_CACHE_S = 10  # seconds an answer for an engine URL's host name is reused
+FEED_WATCH_S = 1.0  # how often the engines' event feeds are looked at for the log
+CUT_AFTER_DRAIN_S = 1.0  # what aiohttp waits for handlers still running after the drain
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +165,10 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._peers_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._active = 0  # generation requests being answered (the drain waits for them)
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._runner: web.AppRunner | None = None
         self._counts = {"requests": 0, "retries": 0, "fallbacks": 0, "policy_errors": 0,
                         "stripped": 0}
@@ -191,8 +204,16 @@ class Router:
     ) -> str:
         """Check every engine once, then listen; returns ``http://host:port``.
 
-        ``listening``: a socket already bound to serve on instead (kvpeer.router.generations
-        hands each generation a duplicate of one); the router closes it when it stops."""
+        A listening address that cannot be bound (in use, not this host's) raises
+        :class:`ConfigError` naming it, before anything else starts. ``listening``: a
+        socket already bound to serve on instead (kvpeer.router.generations hands each
+        generation a duplicate of one); the router closes it when it stops."""
+        host = self.config.listen_host if host is None else host
+        port = self.config.listen_port if port is None else port
+        try:
+            sock = bind(host, port) if listening is None else listening
+        except OSError as exc:
+            raise ConfigError(f"listen {host}:{port}: {exc.strerror or exc}") from exc
         self._session = aiohttp.ClientSession(
             # Engine URLs may be names whose address changes (a rescheduled Kubernetes
             # pod): a cached answer may keep an engine down for its whole lifetime.
@@ -211,6 +232,11 @@ class Router:
             for name, sub in self.subscribers.items()
         ]
         await asyncio.gather(self.health.check_once(self._session), self.peers.refresh())
+        down = self.health.statistics().down
+        if down:  # named now: a check round that fails again says nothing more
+            log.warning("engine(s) %s not up at start: not routed to until a health check "
+                        "passes", ", ".join(down))
+        self._watch_task = asyncio.create_task(self._watch_feeds())
         if self.ahead is not None:
             tiers = (self.peers.dialable(e.spec) for e in self.config.engines if e.spec.pulls_ahead)
             self.ahead.connect(tier for tier in tiers if tier is not None)
@@ -219,33 +245,73 @@ class Router:
         if self.engine_load is not None:
             self._load_task = asyncio.create_task(self.engine_load.run())
         self._runner = web.AppRunner(
-            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0
+            self.app, access_log=None, handler_cancellation=True,
+            shutdown_timeout=CUT_AFTER_DRAIN_S,
         )
         await self._runner.setup()
-        host = self.config.listen_host if host is None else host
-        if listening is None:
-            sock = bind(host, self.config.listen_port if port is None else port)
-        else:
-            sock = listening
         await web.SockSite(self._runner, sock).start()
         bound = sock.getsockname()[1]
         self.url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
         return self.url
 
     async def stop(self) -> None:
+        """Stop listening, drain the requests in flight (at most ``drain_timeout_s``;
+        what is left then is cut), then stop the feeds and loops."""
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()  # no new connections; requests in flight go on
+            await self._drain()
+            runner, self._runner = self._runner, None  # a second stop() has nothing to do
+            await runner.cleanup()
         self._events_stop.set()
         await asyncio.gather(*self._event_tasks, return_exceptions=True)
-        tasks = [t for t in (self._health_task, self._peers_task, self._load_task)
-                 if t is not None]  # fmt: skip
+        tasks = [t for t in (self._health_task, self._peers_task, self._load_task,
+                             self._watch_task) if t is not None]  # fmt: skip
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
         if self.ahead is not None:
             self.ahead.close()
+
+    async def _drain(self) -> None:
+        """Wait for the requests in flight, at most ``drain_timeout_s``."""
+        in_flight = self._active
+        if not in_flight:
+            return
+        timeout = self.config.drain_timeout_s
+        log.info("draining %d request(s) in flight (at most %g s)", in_flight, timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            pass
+        cut = self._active
+        self._metrics.drained.labels("finished").inc(in_flight - cut)
+        self._metrics.drained.labels("cut").inc(cut)
+        if cut:
+            log.warning("drain: %d of %d request(s) still in flight after %g s: cut",
+                        cut, in_flight, timeout)
+        else:
+            log.info("drain: all %d request(s) finished", in_flight)
+
+    async def _watch_feeds(self) -> None:
+        """Log what changes in each engine's KV event feed (kvpeer.router.feedwatch)."""
+        now = time.monotonic()
+        watches = {name: FeedWatch(name, sub.endpoint, now)
+                   for name, sub in self.subscribers.items()}  # fmt: skip
+        while watches:
+            now = time.monotonic()
+            for name, watch in watches.items():
+                for note in watch.observe(self.subscribers[name].statistics(), now):
+                    log.log(note.level, "%s", note.text)
+            await asyncio.sleep(FEED_WATCH_S)
+
+    @property
+    def feeds(self) -> Sequence[EventSubscriber]:
+        """The engines' KV event feeds (engines with a ``kv_events`` endpoint)."""
+        return tuple(self.subscribers.values())
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -406,7 +472,12 @@ class Router:
         started = time.monotonic()
         mode = self.config.mode.value
         self._counts["requests"] += 1
+        self._active += 1
+        self._idle.clear()
         outcome = "cancelled"
+        served = Served()
+        request_id = uuid.uuid4().hex
+        status: int | None = None
         try:
             try:
                 raw = await request.json()
@@ -422,9 +493,9 @@ class Router:
             if removed:
                 self._counts["stripped"] += 1
                 self._metrics.stripped.inc()
-                # info, not warning: a client must not be able to flood the log
-                log.info("client request carried %s: removed (the router owns them)",
-                         ", ".join(removed))
+                # debug: a client must not be able to flood the log (counted in metrics)
+                log.debug("client request carried %s: removed (the router owns them)",
+                          ", ".join(removed))
             pinning = self.config.allow_pinning
             serve_on = request.headers.get(PIN_HEADER) if pinning else None
             pull_from = request.headers.get(SOURCE_HEADER) if pinning else None
@@ -437,7 +508,7 @@ class Router:
             if tokens is None:
                 tokens = await self._tokenize(request, body, chat=chat)
             ctx = RoutedRequest(
-                request_id=uuid.uuid4().hex,
+                request_id=request_id,
                 path="/v1/chat/completions" if chat else "/v1/completions",
                 chat=chat,
                 body=body,
@@ -449,11 +520,38 @@ class Router:
                 serve_on=serve_on,
                 pull_from=pull_from,
             )
-            response, outcome = await self._forwarder.route(request, ctx)
+            response, outcome = await self._forwarder.route(request, ctx, served)
+            status = response.status
             return response
         finally:
-            self._metrics.requests.labels(mode, outcome).inc()
-            self._metrics.duration.labels(mode).observe(time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            self._metrics.requests.labels(mode, outcome, served.engine).inc()
+            self._metrics.duration.labels(mode, served.engine).observe(elapsed)
+            if self.config.access_log:
+                self._access(request, request_id, status, outcome, served, elapsed)
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    def _access(self, request: web.Request, request_id: str, status: int | None,
+                outcome: str, served: Served, elapsed: float) -> None:
+        """The request's access line: who asked for what, where it went and why, how fast."""
+        plan = served.plan
+        source = plan.source or plan.prefill_engine if plan is not None else None
+        fields = [
+            f"id={request_id}",
+            f"client_id={json.dumps(request.headers.get('X-Request-Id', '')[:128])}",
+            f"peer={request.remote or '-'}",
+            f"{request.method} {request.path}",
+            f"status={status if status is not None else '-'}",
+            f"outcome={outcome}",
+            f"engine={served.engine or '-'}",
+            f"source={source or '-'}",
+            f"plan={json.dumps(plan.reason if plan is not None else '')}",
+            f"ttft_s={served.ttft_s:.4f}" if served.ttft_s is not None else "ttft_s=-",
+            f"duration_s={elapsed:.4f}",
+        ]
+        access_log.info("%s", " ".join(fields))
 
     async def _tokenize(self, request: web.Request, body: Mapping[str, Any], *,
                         chat: bool) -> list[int]:
@@ -472,7 +570,7 @@ class Router:
             ) as resp:
                 document = await resp.json(content_type=None) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.info("tokenize on %s failed (%s): routing by load", entry.name, exc)
+            log.debug("tokenize on %s failed (%s): routing by load", entry.name, exc)
             document = None
         tokens = document.get("tokens") if isinstance(document, dict) else None
         if isinstance(tokens, list) and all(type(t) is int for t in tokens):

@@ -112,6 +112,11 @@ class RouterConfig:
     # client_public_keys_dir) and the tiers' server public key file. Both or neither.
     prefetch_curve_key: str = ""
     prefetch_curve_server_key: str = ""
+    # One INFO line per request on logger kvpeer.router.access (engine, plan, TTFT).
+    access_log: bool = False
+    # On SIGTERM/SIGINT: stop listening, then wait this long for requests in flight (long
+    # streams) before cutting them; a rollout's grace period must be longer.
+    drain_timeout_s: float = 25.0
     # [discovery]: engines found in DNS or the Kubernetes API, besides ``engines``
     # (kvpeer.router.discovery; served by kvpeer.router.generations).
     discovery: DiscoveryConfig | None = None
@@ -149,6 +154,8 @@ SCALARS: dict[str, type] = {
     "load_scrape_interval_s": float,
     "prefetch_curve_key": str,
     "prefetch_curve_server_key": str,
+    "access_log": bool,
+    "drain_timeout_s": float,
 }
 
 
@@ -163,6 +170,9 @@ def _validate(config: RouterConfig) -> None:
         value = getattr(config, key)
         if not (isinstance(value, float | int) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{key}: {value!r} must be a positive number of seconds")
+    drain = config.drain_timeout_s
+    if not (isinstance(drain, float | int) and math.isfinite(drain) and 0 <= drain <= 86400):
+        raise ConfigError(f"drain_timeout_s: {drain!r} must be within 0..86400 seconds")
     failures = config.health_restart_failures
     if isinstance(failures, bool) or not isinstance(failures, int) or not 1 <= failures <= 1000:
         raise ConfigError(
@@ -339,6 +349,12 @@ def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
     for key, value in (("kv_events", kv_events), ("kv_events_replay", replay)):
         if value is not None and not (isinstance(value, str) and "://" in value):
             raise ConfigError(f"{where}: {key} {value!r} is not an endpoint like tcp://h:p")
+        if value is not None and _wildcard(value):
+            raise ConfigError(
+                f"{where}: {key} {value!r} is a bind address (what the engine's "
+                "--kv-events-config gives); the router connects to it: name the engine's "
+                "host, e.g. tcp://10.0.0.5:5557"
+            )
     held = _number(f"{where}: held", _flag_text(table.get("held", False)), bool)
     sync_pulls = _number(f"{where}: sync_pulls", _flag_text(table.get("sync_pulls", False)), bool)
     ahead = _number(f"{where}: ahead", _flag_text(table.get("ahead", False)), bool)
@@ -358,6 +374,13 @@ def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
         )
         entries.append(EngineEntry(spec, rank if shared_url else None))
     return entries
+
+
+def _wildcard(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint names no host to connect to (``tcp://*:5557``, 0.0.0.0)."""
+    scheme, _, rest = endpoint.partition("://")
+    host = rest.rpartition(":")[0].strip("[]")
+    return scheme == "tcp" and host in ("*", "0.0.0.0", "::", "")
 
 
 def _flag_text(value: object) -> object:
@@ -392,6 +415,8 @@ def load_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
 
 
 def from_mapping(
@@ -502,6 +527,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefetch-curve-server-key", dest="prefetch_curve_server_key",
         help="the tiers' CURVE server public key file (with --prefetch-curve-key)",
     )
+    parser.add_argument(
+        "--access-log", action="store_true", default=None,
+        help="log one line per request (engine, plan, TTFT) on kvpeer.router.access",
+    )
+    parser.add_argument(
+        "--drain-timeout", dest="drain_timeout_s",
+        help="seconds to wait for requests in flight on shutdown (default 25; 0: cut them)",
+    )
     parser.add_argument("--ready-file", help="write http://HOST:PORT here once listening")
 
 
@@ -512,7 +545,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
                 "health_restart_failures",
                 "read_timeout_s", "prefill_timeout_s", "allow_pinning", "engine_step_tokens",
                 "policy", "load_scrape_interval_s", "prefetch_curve_key",
-                "prefetch_curve_server_key"):
+                "prefetch_curve_server_key", "access_log", "drain_timeout_s"):
         value = getattr(args, key, None)
         if value is not None:
             mapping[key] = value

@@ -36,6 +36,7 @@ __all__ = [
     "Forwarder",
     "Load",
     "RoutedRequest",
+    "Served",
     "engine_headers",
     "error_response",
     "failure_reason",
@@ -45,7 +46,8 @@ log = logging.getLogger("kvpeer.router.app")  # the edge's log, as before the sp
 # One line per request when this logger is at INFO (``KVPEER_TRACE=1``; kvpeer.node.trace).
 trace_log = logging.getLogger("kvpeer.trace")
 
-FORWARDED_HEADERS = ("Authorization",)
+REQUEST_ID_HEADER = "X-Request-Id"  # the client's is kept; else the router's id
+FORWARDED_HEADERS = ("Authorization", REQUEST_ID_HEADER)
 SOURCE_HEADER = "X-Kvpeer-Source"  # honoured with config.allow_pinning; answers carry it
 MEAN_PROMPT_PRIOR = 1024  # prompt tokens per request, until this router has seen some
 
@@ -111,6 +113,22 @@ class RoutedRequest:
     serve_on: str | None = None  # a pinned serving engine (allow_pinning)
     pull_from: str | None = None  # a pinned source (allow_pinning, shared mode)
 
+    @property
+    def client_request_id(self) -> str:
+        """The client's ``X-Request-Id`` if it sent one, else the router's id."""
+        return self.headers.get(REQUEST_ID_HEADER, self.request_id)
+
+
+@dataclass(slots=True)
+class Served:
+    """What became of one request, filled in as it goes: the serving engine of its last
+    attempt (``""``: none), its plan and the client's TTFT (the metrics' ``engine``
+    label, the access log's line)."""
+
+    engine: str = ""
+    plan: Plan | None = None
+    ttft_s: float | None = None
+
 
 def engine_headers(entry: EngineEntry, request: web.Request | None = None,
                    request_id: str | None = None) -> dict[str, str]:
@@ -119,8 +137,8 @@ def engine_headers(entry: EngineEntry, request: web.Request | None = None,
     if request is not None:
         headers.update({k: request.headers[k] for k in FORWARDED_HEADERS
                         if k in request.headers})
-    if request_id is not None:
-        headers["X-Request-Id"] = request_id
+    if request_id is not None:  # the client's own id, if it sent one, is kept
+        headers.setdefault(REQUEST_ID_HEADER, request_id)
     return headers
 
 
@@ -161,10 +179,12 @@ class Forwarder:
         self.mean_prompt_tokens = float(MEAN_PROMPT_PRIOR)
 
     async def route(
-        self, request: web.Request, ctx: RoutedRequest
+        self, request: web.Request, ctx: RoutedRequest, served: Served | None = None
     ) -> tuple[web.StreamResponse, str]:
         """Plan, run the prefill leg if any, then the serving leg with its retries: the
-        client's answer and the request's outcome (a metric label)."""
+        client's answer and the request's outcome (a metric label). ``served`` is
+        filled in with the serving engine, its plan and the TTFT as they are known."""
+        served = served if served is not None else Served()
         tried: set[str] = set()
         plan = self._plan(ctx, tried)
         if plan is None:
@@ -184,6 +204,7 @@ class Forwarder:
                 self._counts["retries"] += 1
                 self._metrics.retries.inc()
             entry = self._config.entry(plan.engine)
+            served.engine, served.plan = entry.name, plan
             if self._config.mode is Mode.PD:
                 named = prefill if prefill is not None and prefill.name != entry.name else None
                 leg = params.decode_leg(ctx.body, ctx.request_id, self._peers().dialable(named))
@@ -194,7 +215,7 @@ class Forwarder:
                 self._pull_ahead(ctx, entry.spec, source, plan.source_held_tokens)
             self._sent(ctx, plan)
             try:
-                return await self.forward(request, ctx, entry, leg, plan, prefill_s)
+                return await self.forward(request, ctx, entry, leg, plan, prefill_s, served)
             except BeforeFirstByte as exc:
                 failure = exc
                 tried.add(entry.name)
@@ -237,7 +258,7 @@ class Forwarder:
                 await resp.read()
                 if resp.status == 200:
                     elapsed = time.monotonic() - sent
-                    self._metrics.prefill_leg.observe(elapsed)
+                    self._metrics.prefill_leg.labels(name).observe(elapsed)
                     return entry.spec, elapsed
                 reason = f"status_{resp.status // 100}xx"
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -255,13 +276,15 @@ class Forwarder:
         return None, None
 
     async def forward(self, request: web.Request, ctx: RoutedRequest, entry: EngineEntry,
-                       leg: dict[str, Any], plan: Plan,
-                       prefill_s: float | None) -> tuple[web.StreamResponse, str]:
+                       leg: dict[str, Any], plan: Plan, prefill_s: float | None,
+                       served: Served | None = None) -> tuple[web.StreamResponse, str]:
         """Send the serving leg and answer the client from it.
 
         Raises :class:`BeforeFirstByte` while nothing has been sent to the client.
         """
         leg, strip_usage = params.want_usage(leg)
+        served = served if served is not None else Served()
+        ttft_series = self._metrics.ttft.labels(self._config.mode.value, entry.name)
         load = self._loads[entry.name]
         load.sent(len(ctx.tokens))
         self.mean_prompt_tokens += 0.1 * (len(ctx.tokens) - self.mean_prompt_tokens)
@@ -294,8 +317,8 @@ class Forwarder:
                 ok = upstream.status == 200
                 if ok:
                     data, usage = _finished_body(data)
-                self._metrics.ttft.labels(self._config.mode.value).observe(
-                    time.monotonic() - ctx.started)
+                served.ttft_s = time.monotonic() - ctx.started
+                ttft_series.observe(served.ttft_s)
                 response = web.Response(body=data, status=upstream.status,
                                         content_type=content_type.split(";")[0],
                                         headers=_route_headers(ctx, plan, prefill_s))
@@ -321,12 +344,13 @@ class Forwarder:
                 await client.write(first)
                 now = time.monotonic()
                 ttft = now - sent
-                self._metrics.ttft.labels(self._config.mode.value).observe(now - ctx.started)
+                served.ttft_s = now - ctx.started
+                ttft_series.observe(served.ttft_s)
                 load.answering(len(ctx.tokens))
                 queued = False
                 failed = await self._relay(upstream, client, stream)
             except ConnectionResetError:
-                log.info("request %s: the client went away mid-stream", ctx.request_id)
+                log.debug("request %s: the client went away mid-stream", ctx.request_id)
                 return client, "client_gone"
             usage = stream.usage
             if failed is not None:
@@ -416,6 +440,7 @@ def _route_headers(ctx: RoutedRequest, plan: Plan, prefill_s: float | None) -> d
     """Where the request went, for clients that measure (names from the router's config,
     never addresses): the serving engine, the peer it pulled from, the prefill leg."""
     headers = {"X-Kvpeer-Request-Id": ctx.request_id, "X-Kvpeer-Engine": plan.engine,
+               REQUEST_ID_HEADER: ctx.client_request_id,
                "X-Kvpeer-Predicted-Cached-Tokens": str(plan.predicted_cached_tokens),
                "X-Kvpeer-Plan": plan.reason}
     if plan.predicted_ttft_s is not None:

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpeer.router.app import Router
+from kvpeer.router.app import ACCESS_LOGGER, Router
 from kvpeer.router.config import RouterConfig
 from kvpeer.router.generations import DiscoveringRouter
 from kvpeer.router.policy import Policy
@@ -29,19 +29,24 @@ async def serve(
     router: Router | DiscoveringRouter = (
         Router(config, policy) if config.discovery is None else DiscoveringRouter(config)
     )
+    if config.access_log:  # its lines show whatever the log level of the rest
+        logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
         url = await router.start()
-        log.warning("kvpeer router (%s mode, %d engines) on %s", config.mode.value,
-                    len(config.engines), url)
+        log.info("kvpeer router started: %s mode, policy %s, %d engine(s) (%s), on %s",
+                 config.mode.value, config.policy, len(config.engines),
+                 ", ".join(e.name for e in config.engines), url)
         if ready_file is not None:
             write_ready_file(ready_file, url)
         await stop.wait()
+        log.info("kvpeer router stopping")
     finally:
         await router.stop()
+        log.info("kvpeer router stopped")
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
 

@@ -101,6 +101,11 @@ class EventSubscriber:
     def engine(self) -> str:
         return self._engine
 
+    @property
+    def endpoint(self) -> str:
+        """The publisher's endpoint this feed subscribes to."""
+        return self._endpoint
+
     def statistics(self) -> FeedStatistics:
         return self._feed.statistics()
 
