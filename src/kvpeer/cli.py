@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in BENCHES.items():
         _add(benches, name, module)
     lab = commands.add_parser("lab", help="models of fleets no machine here has")
-    labs = lab.add_subparsers(dest="lab", required=True)
+    labs = lab.add_subparsers(dest="lab", required=True, parser_class=_Parser)
     for name, module in LABS.items():
         _add(labs, name, module)
     return parser
