@@ -211,3 +211,23 @@ def test_the_command_runs_a_small_trace_to_json(
     assert (4, "affinity", "tcp") not in rows  # no pulls: one run serves every link
     assert all("reuse_vs_pooled" in r for r in out["runs"])
     assert main(["lab", "fleet", "--trace", str(path), "--link", "carrier-pigeon"]) == 2
+
+
+def test_a_saved_result_is_rendered_and_plotted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(
+        json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                    "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
+        for r in shared_trace(8)
+    ))
+    assert main(["lab", "fleet", "--trace", str(path), "--engines", "2", "--load", "0.5,0.9",
+                 "--json"]) == 0
+    saved = tmp_path / "out.json"
+    saved.write_text(capsys.readouterr().out)
+    pytest.importorskip("matplotlib")
+    assert main(["lab", "fleet", "--from-json", str(saved), "--plot",
+                 str(tmp_path / "p.png")]) == 0
+    assert "kvpeer" in capsys.readouterr().out
+    assert (tmp_path / "p.png").stat().st_size > 1000

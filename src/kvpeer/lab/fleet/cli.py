@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvpeer.errors import ConfigError
@@ -18,7 +20,7 @@ __all__ = ["add_arguments", "render", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="a trace file in Mooncake's format")
+    parser.add_argument("--trace", default="", help="a trace file in Mooncake's format")
     parser.add_argument("--engines", default="8", help="fleet sizes, comma-separated")
     parser.add_argument("--load", default="0.7",
                         help="offered loads as fractions of no-reuse capacity, comma-separated")
@@ -33,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-delay", type=float, default=0.01,
                         help="seconds from an engine's step to the router's index")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="TTFT p90 and reuse against load, per fleet size")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="render (and --plot) a saved --json result instead of running")
 
 
 def _list(text: str, kind: Callable[[str], Any], name: str) -> list[Any]:
@@ -43,6 +49,22 @@ def _list(text: str, kind: Callable[[str], Any], name: str) -> list[Any]:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as saved:
+            result: dict[str, Any] = json.load(saved)
+    else:
+        result = _run(args, progress)
+    if args.plot:
+        from kvpeer.lab.fleet.plot import plot
+
+        plot(result, Path(args.plot))
+        progress(f"plot written to {args.plot}")
+    return result
+
+
+def _run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    if not args.trace:
+        raise ConfigError("--trace: name a trace file in Mooncake's format")
     engines = _list(args.engines, int, "engines")
     loads = _list(args.load, float, "load")
     links = _list(args.link, str, "link")
