@@ -382,6 +382,8 @@ def _policy_metrics(numbers: Mapping[str, float]) -> Iterator[Metric]:
     if not numbers:
         return
     families: dict[str, Metric] = {}
+    if "plans_total" in numbers:  # RouterPolicy: every rate family, learned or not yet
+        families.update({name: _gauge(name) for name, _label in POLICY_RATES.values()})
     reasons = _counter("policy_plans_by_reason_total")
     buckets: list[tuple[str, float]] = []
     for key, value in numbers.items():
