@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from kvpeer.commands.options import ready_file_option
-from kvpeer.router import config
+from kvpeer.router import config, configcheck
 
 HELP = "OpenAI-compatible HTTP router in front of vLLM engines (pd or shared)"
 
@@ -20,4 +20,4 @@ def run(args: argparse.Namespace) -> int:
 
     ready_file_option(args.ready_file)
     ready = Path(args.ready_file) if args.ready_file else None
-    return server.run(config.from_args(args), ready_file=ready)
+    return server.run(configcheck.from_args(args), ready_file=ready)
