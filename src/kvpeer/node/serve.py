@@ -83,7 +83,11 @@ def serve(
             print(
                 f"kvpeer serve: preloaded {synthetic_blocks} synthetic blocks", file=out, flush=True
             )
-        detach = attach(node) if attach is not None else None
+        try:
+            detach = attach(node) if attach is not None else None
+        except BaseException:  # e.g. its port in use: the node must not outlive it
+            host.shutdown()
+            raise
         if ready_file:
             Path(ready_file).write_text(peer_id)
         print("kvpeer serve: serving; Ctrl-C to stop", file=out, flush=True)

@@ -35,6 +35,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    url = ""
     try:
         url = await router.start()
         log.info("kvpeer router started: %s mode, policy %s, %d engine(s) (%s), on %s",
@@ -46,7 +47,8 @@ async def serve(
         log.info("kvpeer router stopping")
     finally:
         await router.stop()
-        log.info("kvpeer router stopped")
+        if url:  # it started
+            log.info("kvpeer router stopped")
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
 
