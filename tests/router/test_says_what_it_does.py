@@ -244,3 +244,29 @@ def test_a_stream_longer_than_the_drain_is_cut_and_counted() -> None:
             assert metrics["kvpeer_router_drained_requests_total{result=cut}"] == 1
 
     run(scenario())
+
+
+def test_an_event_endpoint_whose_host_does_not_resolve_is_named_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine("a")
+        await engine.start()
+        config = from_mapping({
+            "mode": "shared", "listen": "127.0.0.1:0", "health_interval_s": 30,
+            "engine": [{"name": "a", "url": engine.url, "peer": "127.0.0.1:5710",
+                        "kv_events": "tcp://no-such-engine.invalid:5557"}]})
+        router = Router(config)
+        await router.start()
+        try:
+            await until(lambda: any("does not resolve" in r.getMessage()
+                                    for r in caplog.records), "the warning")
+        finally:
+            await router.stop()
+            await engine.stop()
+
+    with caplog.at_level(logging.WARNING, logger="kvpeer.router.app"):
+        run(scenario())
+    (line,) = [r.getMessage() for r in caplog.records if "does not resolve" in r.getMessage()]
+    assert line.startswith("engine a: kv_events tcp://no-such-engine.invalid:5557: host "
+                           "'no-such-engine.invalid' does not resolve")

@@ -301,12 +301,31 @@ class Router:
         now = time.monotonic()
         watches = {name: FeedWatch(name, sub.endpoint, now)
                    for name, sub in self.subscribers.items()}  # fmt: skip
+        await self._resolve_feeds()
         while watches:
             now = time.monotonic()
             for name, watch in watches.items():
                 for note in watch.observe(self.subscribers[name].statistics(), now):
                     log.log(note.level, "%s", note.text)
             await asyncio.sleep(FEED_WATCH_S)
+
+    async def _resolve_feeds(self) -> None:
+        """Warn at start about an event endpoint whose host does not resolve (ZMQ would
+        retry it quietly for ever); one that resolves but never answers is the watch's
+        rule 3."""
+        loop = asyncio.get_running_loop()
+        for name, sub in self.subscribers.items():
+            scheme, _, rest = sub.endpoint.partition("://")
+            host = rest.rpartition(":")[0].strip("[]")
+            if scheme != "tcp" or not host:
+                continue
+            try:
+                async with asyncio.timeout(self.config.health_timeout_s):
+                    await loop.getaddrinfo(host, None)
+            except (OSError, TimeoutError) as exc:
+                log.warning("engine %s: kv_events %s: host %r does not resolve (%s): no KV "
+                            "events from it, routed by load only", name, sub.endpoint, host,
+                            exc or "timed out")
 
     @property
     def feeds(self) -> Sequence[EventSubscriber]:
