@@ -3,6 +3,11 @@
 ``scripts/test`` installs NIXL and vLLM, builds the router's C intake, and sets
 ``KVPEER_REQUIRE=nixl,vllm,native``, so on CI a missing or broken one fails the run
 instead of silently skipping its tests.
+
+``scripts/vllm-compat`` runs the engine-less tests with a newer vLLM's Python tree first
+on ``PYTHONPATH`` and ``KVPEER_VLLM_TREE`` naming its version: the run then stops at once
+if ``import vllm`` finds another version, and leaves out (deselects, counted in pytest's
+summary) every test that starts an engine, which that tree cannot run without its GPU build.
 """
 
 from __future__ import annotations
@@ -11,8 +16,21 @@ import os
 
 import pytest
 
+# The fixtures that start or feed real engines (tests/vllm/conftest.py).
+ENGINE_FIXTURES = frozenset({"launcher", "tiny_llama", "serve_llama"})
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    tree = os.environ.get("KVPEER_VLLM_TREE")
+    if tree:
+        import vllm
+
+        if vllm.__version__ != tree:
+            pytest.exit(
+                f"KVPEER_VLLM_TREE={tree} but import vllm found {vllm.__version__} "
+                f"at {vllm.__file__}: the tree is not first on PYTHONPATH",
+                returncode=3,
+            )
     required = {name for name in os.environ.get("KVPEER_REQUIRE", "").split(",") if name}
     if "nixl" in required:
         from kvpeer.transport.data.nixl import INSTALL_HINT, NixlBackend
@@ -35,3 +53,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                 "kvpeer (pip install -e .) with gcc and the Python headers",
                 returncode=3,
             )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("KVPEER_VLLM_TREE"):
+        return
+    engine = [item for item in items
+              if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))]  # fmt: skip
+    if engine:
+        config.hook.pytest_deselected(items=engine)
+        items[:] = [item for item in items if item not in engine]

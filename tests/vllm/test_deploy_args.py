@@ -1,4 +1,4 @@
-"""The engine StatefulSet's ``vllm serve`` arguments as vLLM 0.32 itself reads them.
+"""The engine StatefulSet's ``vllm serve`` arguments as vLLM itself reads them.
 
 tests/test_deploy.py checks the manifests against Kubernetes' schemas and the tier
 config with ``kvpeer check-config``; here vLLM's own ``vllm serve`` parser and engine
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.entrypoints.cli import serve as vllm_serve
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
@@ -23,10 +23,14 @@ from kvpeer.integrations.vllm import KVPeerTier
 from kvpeer.integrations.vllm.plugin import register
 from tests.test_deploy import SAMPLE_FIELDS, engine_container, expanded_args, flag
 
+# The parser ``vllm serve`` itself builds with, wherever this vLLM keeps it (0.32:
+# entrypoints.launchers.cli_args; 0.33 moved it to entrypoints.common.cli_args).
+make_arg_parser = vars(vllm_serve)["make_arg_parser"]
+
 
 def engine_args(args: list[str]) -> AsyncEngineArgs:
     """What ``vllm serve ARGS`` builds its engine from (argparse exits on a bad arg)."""
-    parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
+    parser = make_arg_parser(FlexibleArgumentParser())
     parsed: AsyncEngineArgs = AsyncEngineArgs.from_cli_args(parser.parse_args(args))
     return parsed
 
