@@ -30,7 +30,7 @@ make_arg_parser = vars(vllm_serve)["make_arg_parser"]
 
 def engine_args(args: list[str]) -> AsyncEngineArgs:
     """What ``vllm serve ARGS`` builds its engine from (argparse exits on a bad arg)."""
-    parser = make_arg_parser(FlexibleArgumentParser())
+    parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
     parsed: AsyncEngineArgs = AsyncEngineArgs.from_cli_args(parser.parse_args(args))
     return parsed
 
