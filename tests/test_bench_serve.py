@@ -64,7 +64,8 @@ from kvpeer.router.policy import EngineSpec, Mode, Role
 
 TINY = replace(QUICK_SHAPE, requests=4, rate=50.0, prompt_tokens=96, suffix_tokens=32,
                output_tokens=3, background_tokens=128, think_s=0.0)  # fmt: skip
-CACHED_BY_ARM = {"none": 0, "affinity": 16, "load": 8, "kvpeer": 64, "vllm-p2p": 32}
+CACHED_BY_ARM = {"none": 0, "affinity": 16, "load": 8, "kvpeer": 64, "kvpeer-affinity": 24,
+                 "vllm-p2p": 32}
 PINNED_ARMS = ("none", "kvpeer", "vllm-p2p")
 
 
@@ -90,7 +91,8 @@ def spec_from(*argv: str) -> ServeBenchSpec:
 
 def test_defaults_are_every_arm_and_the_unpinned_workloads() -> None:
     spec = spec_from()
-    assert spec.arms == ARMS == ("none", "affinity", "load", "kvpeer", "vllm-p2p")
+    assert spec.arms == ARMS == ("none", "affinity", "load", "kvpeer", "kvpeer-affinity",
+                                 "vllm-p2p")
     assert spec.workloads == UNPINNED == ("prefix", "chat", "chat-skewed")
     assert WORKLOADS == UNPINNED + PINNED
     assert PINNED == ("pinned-chat", "system-prompt", "pd", "busy-producer")
@@ -413,7 +415,7 @@ def test_repeats_are_compared_with_the_same_repeat_and_their_median_is_reported(
     assert median.ttft_p50 == pytest.approx(0.3)
     table = render([pool(cells[:3]), pool(cells[3:])], [], 1.0, repeat_cells=cells)
     assert "3 repeats pooled" in table
-    assert f"{'chat':<17} kvpeer/none      p50 0.50x 0.10x 0.30x  median 0.30x" in table
+    assert f"{'chat':<17} {'kvpeer/none':<25} p50  0.50x 0.10x 0.30x  median 0.30x" in table
     tiny = render([cell("none", 0, 100.0), cell("kvpeer", 0, 0.4)], [], 1.0)
     assert "p50 0.004x" in tiny  # a ratio under 0.01 keeps a digit, not 0.00x
 
@@ -571,7 +573,7 @@ def test_unpinned_workloads_run_on_every_placing_arm_at_two_probed_loads(
     arms = FakeArms()
     progress: list[str] = []
     result = run_matrix(spec, arms, progress.append, tokenizer=tokenizer)
-    placing = ["affinity", "load", "kvpeer", "vllm-p2p"]
+    placing = ["affinity", "load", "kvpeer", "kvpeer-affinity", "vllm-p2p"]
     assert arms.opened == placing  # none only runs pinned workloads
     assert "arm none: none of the chosen workloads applies to it; not started" in progress
     assert result.ok
@@ -628,11 +630,11 @@ def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload
     arms = FakeArms()
     progress: list[str] = []
     result = run_matrix(spec, arms, progress.append)
-    assert arms.opened == ["none", "kvpeer"]  # engines start once per arm, not per repeat
+    assert arms.opened == ["none", "kvpeer"]  # engines start once per arm, not per turn
     assert [(c.arm, c.workload, c.repeat) for c in result.repeat_cells] == [
-        (arm, workload, k) for arm in ("none", "kvpeer") for k in (0, 1)
+        (arm, workload, k) for k in (0, 1) for arm in ("none", "kvpeer")
         for workload in ("pinned-chat", "pd")
-    ]  # fmt: skip
+    ]  # fmt: skip  (arms in turns: none, kvpeer, none, kvpeer)
     assert [(c.arm, c.workload, c.repeat) for c in result.cells] == [
         (arm, workload, None) for arm in ("none", "kvpeer") for workload in ("pinned-chat", "pd")
     ]  # fmt: skip
@@ -642,7 +644,7 @@ def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload
     first_turns = [tuple(b["prompt"]) for b in a.generation_bodies()
                    if len(b["prompt"]) == TINY.prompt_tokens]  # fmt: skip
     assert len(set(first_turns)) == len(first_turns) >= 2
-    assert any("kvpeer/pinned-chat (repeat 2/2): TTFT mean" in line for line in progress)
+    assert any("kvpeer/pinned-chat (turn 2/2): TTFT mean" in line for line in progress)
     decoded = json.loads(json.dumps(result.to_json()))
     assert len(decoded["repeat_cells"]) == 8
     assert len(decoded["repeat_ratios"]) == 4  # kvpeer/none per workload per repeat
@@ -680,7 +682,7 @@ def test_an_arm_that_stops_after_one_repeat_is_still_compared_pooled_with_pooled
     spec = ServeBenchSpec(arms=("none", "kvpeer"), shape=TINY, workloads=("pd",), repeats=2)
     result = run_matrix(spec, Arms(), lambda _: None)
     assert [(c.arm, c.repeat) for c in result.repeat_cells] == [
-        ("none", 0), ("none", 1), ("kvpeer", 0)]  # fmt: skip
+        ("none", 0), ("kvpeer", 0), ("none", 1)]  # fmt: skip
     assert [(c.arm, c.repeat, c.requests) for c in result.cells] == [
         ("none", None, 2 * TINY.requests), ("kvpeer", None, TINY.requests)]  # fmt: skip
     assert [(r.baseline, r.repeat) for r in ratios(result.cells)] == [("none", None)]
@@ -751,7 +753,10 @@ def test_a_kvpeer_engine_with_held_blocks_is_named_so_to_the_router() -> None:
 
     held = ServeSpec("a", Path("/m"), tier_options={"held_bytes": 1 << 20}).router_engine()
     assert held.serves_held
-    assert not ServeSpec("a", Path("/m")).router_engine().serves_held
+    assert ServeSpec("a", Path("/m")).router_engine().serves_held  # the tier's default
+    assert not ServeSpec("a", Path("/m"), tier_options={"held_bytes": 0}).router_engine(
+    ).serves_held
+    assert not ServeSpec("a", Path("/m"), data_plane="tcp").router_engine().serves_held
     assert not ServeSpec("a", Path("/m"), tier="none",
                          tier_options={"held_bytes": 1 << 20}).router_engine().serves_held
     assert parse_engine_flag(engine_flag(held))["held"] == "true"

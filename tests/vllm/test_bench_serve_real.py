@@ -72,7 +72,8 @@ def test_a_quick_unpinned_affinity_kvpeer_pair_on_chat(serve_llama: Path, tmp_pa
     routers with policy ``affinity`` and ``pull``; the engines' own prefix-cache counters
     and the routers' plans are read, at the two given loads."""
     command = [sys.executable, "-m", "kvpeer", "bench", "serve", "--quick", "--json",
-               "--arms", "affinity,kvpeer", "--workloads", "chat", "--loads", "0.5,1.5",
+               "--arms", "affinity,kvpeer,kvpeer-affinity", "--workloads", "chat",
+               "--loads", "0.5,1.5",
                "--model", str(serve_llama), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
                           check=False)  # fmt: skip
@@ -81,7 +82,8 @@ def test_a_quick_unpinned_affinity_kvpeer_pair_on_chat(serve_llama: Path, tmp_pa
     assert result["ok"]
     assert result["loads"] == {"chat": [0.5, 1.5]}
     cells = {(cell["arm"], cell["workload"]): cell for cell in result["cells"]}
-    assert set(cells) == {(arm, f"chat@{level}") for arm in ("affinity", "kvpeer")
+    arms = ("affinity", "kvpeer", "kvpeer-affinity")
+    assert set(cells) == {(arm, f"chat@{level}") for arm in arms
                           for level in ("low", "high")}  # fmt: skip
     for (arm, _), cell in cells.items():
         assert (cell["requests"], cell["errors"]) == (QUICK_SHAPE.requests, 0)
@@ -92,7 +94,12 @@ def test_a_quick_unpinned_affinity_kvpeer_pair_on_chat(serve_llama: Path, tmp_pa
         assert cell["local_hit_tokens"] + cell["external_hit_tokens"] >= QUICK_SHAPE.prompt_tokens
         assert sum(cell["plans"].values()) == QUICK_SHAPE.requests
         assert (cell["pulls"] is None) == (arm == "affinity")
-        if arm == "affinity":
+        assert cell["engine_cpu_s"] > 0
+        if arm != "kvpeer":  # the tier-less router, and the same router over kvpeer tiers
             assert not {"pull", "pull: exploring", "compute: pull slower"} & set(cell["plans"])
-    assert {(r["workload"], r["baseline"]) for r in result["ratios"]} == {
-        ("chat@low", "affinity"), ("chat@high", "affinity")}  # fmt: skip
+        if arm == "kvpeer-affinity":  # the tier is there and never asked to pull
+            assert cell["pulls"] == 0
+            assert cell["pulls_named"] == 0
+    assert {(r["workload"], r["arm"], r["baseline"]) for r in result["ratios"]} == {
+        (f"chat@{level}", arm, "affinity") for level in ("low", "high")
+        for arm in ("kvpeer", "kvpeer-affinity")}  # fmt: skip

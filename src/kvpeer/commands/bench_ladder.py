@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="idle before each measured local hit and pull",
     )
-    parser.add_argument("--held-mib", type=int, default=384, help="held_bytes of each engine, MiB")
+    parser.add_argument("--held-mib", type=int,
+                        help="held_bytes of each engine, MiB (default: the tier's own, a "
+                             "quarter of the CPU tier)")
     parser.add_argument(
         "--sync-pull-wait",
         type=float,
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     spec = ladder.LadderSpec(
         prompts=args.prompts,
         idle_s=args.idle_seconds,
-        held_bytes=args.held_mib << 20,
+        held_bytes=None if args.held_mib is None else args.held_mib << 20,
         sync_pull_wait_s=args.sync_pull_wait,
         ahead=args.ahead,
     )

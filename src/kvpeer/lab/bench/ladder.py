@@ -21,7 +21,7 @@ first token at the client (streamed) of:
     request waits in ``b``'s queue before its lookup. Its reference is (g) *local,
     queued*: ``b`` serves P (a local hit) behind such a prefill.
 
-With ``ahead`` (the default) both tiers obey prefetches (``prefetch_from``) and a second
+With ``ahead`` (the default) both tiers obey prefetches (by default, from loopback) and a second
 router, which knows ``b`` pulls ahead, sends (c), (d) and (f) again for three more fresh
 prompts of the round: *ahead idle*, *ahead busy* and *ahead queued*, the pull started by
 the router's prefetch (kvpeer.node.ahead) rather than by ``b``'s lookup; queued, the pull
@@ -75,7 +75,8 @@ class LadderSpec:
     prompt_tokens: int = 1536
     busy_tokens: int = 2000  # the other client's long prompt (the model has 2,048 positions)
     idle_s: float = 1.0
-    held_bytes: int = 384 << 20  # a round stores seven prompts on a: all held
+    #: each tier's ``held_bytes`` (None: the product's default, a quarter of the CPU tier)
+    held_bytes: int | None = None
     #: the tiers' ``sync_pull_wait_s`` (None: the product's default)
     sync_pull_wait_s: float | None = None
     #: also measure pulls the router starts ahead (a second router; kvpeer.node.ahead)
@@ -160,12 +161,13 @@ def run(
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-ladder-"))
     logs.mkdir(parents=True, exist_ok=True)
-    options: dict[str, Any] = {"held_bytes": spec.held_bytes}
+    # The tiers as the README starts them: held blocks and pulling ahead are defaults
+    # (the routers of this process are obeyed from loopback).
+    options: dict[str, Any] = {}
+    if spec.held_bytes is not None:
+        options["held_bytes"] = spec.held_bytes
     if spec.sync_pull_wait_s is not None:
         options["sync_pull_wait_s"] = spec.sync_pull_wait_s
-    if spec.ahead:
-        options["prefetch_from"] = ["127.0.0.1/32"]  # the routers of this process
-        options["staging_blocks"] = 128  # two prompts' blocks
     trace_env = {TRACE_ENV: "1"}
     # a round stores up to seven prompts on ``a``: room for all, so none is evicted
     # before ``b`` pulls it

@@ -3,15 +3,22 @@
 For each **arm** two fresh ``vllm serve`` engines start and a ``kvpeer router`` goes in
 front of them (the same router code and the same ``kv_transfer_params`` for every arm):
 
-========== ================================= =========================================
-arm        engines' secondary tier           router policy
-========== ================================= =========================================
-none       none                              pull (pinned workloads only)
-affinity   none (CPU tier only)              affinity: KV events, never pulls
-load       none (CPU tier only)              load only
-kvpeer     kvpeer                            pull: KV events, pulls when faster
-vllm-p2p   vLLM 0.32's own ``p2p`` tier      pull
-========== ================================= =========================================
+=============== ================================= ====================================
+arm             engines' secondary tier           router policy
+=============== ================================= ====================================
+none            none                              pull (pinned workloads only)
+affinity        none (CPU tier only)              affinity: KV events, never pulls
+load            none (CPU tier only)              load only
+kvpeer          kvpeer, as the README starts it   pull: KV events, pulls when faster
+kvpeer-affinity kvpeer, as the README starts it   affinity: the tier present, never
+                                                  asked to pull (what the tier costs)
+vllm-p2p        vLLM 0.32's own ``p2p`` tier      pull
+=============== ================================= ====================================
+
+With ``--repeat N`` the arms run in turns (A B C, A B C, ...): every arm's engines start
+once and stay up, and turn ``k`` runs each arm on seed ``seed + k`` one after another, so
+a ratio compares arms measured minutes apart on the same requests; the median of the
+per-turn ratios is the result (this machine drifts by tens of percent between runs).
 
 Every chosen workload (:mod:`kvpeer.lab.bench.serve_workloads`) is driven through the
 routers' OpenAI API (:mod:`kvpeer.lab.bench.serve_client`). *Unpinned* workloads (``prefix``,
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -83,12 +91,12 @@ __all__ = [
     "run_matrix",
 ]
 
-ARMS = ("none", "affinity", "load", "kvpeer", "vllm-p2p")
+ARMS = ("none", "affinity", "load", "kvpeer", "kvpeer-affinity", "vllm-p2p")
 ARM_TIERS = {"none": "none", "affinity": "none", "load": "none", "kvpeer": "kvpeer",
-             "vllm-p2p": "p2p"}  # fmt: skip
+             "kvpeer-affinity": "kvpeer", "vllm-p2p": "p2p"}  # fmt: skip
 ARM_POLICIES = {"none": "pull", "affinity": "affinity", "load": "load", "kvpeer": "pull",
-                "vllm-p2p": "pull"}  # fmt: skip
-UNPINNED_ARMS = ("affinity", "load", "kvpeer", "vllm-p2p")
+                "kvpeer-affinity": "affinity", "vllm-p2p": "pull"}  # fmt: skip
+UNPINNED_ARMS = ("affinity", "load", "kvpeer", "kvpeer-affinity", "vllm-p2p")
 PINNED_ARMS = ("none", "kvpeer", "vllm-p2p")
 LEVELS = ("low", "high")  # the two offered loads of an unpinned workload
 #: The offered loads, as fractions of the fleet's capacity the probe measured.
@@ -123,7 +131,7 @@ class ServeBenchSpec:
     trace: bool = False  # engines and routers trace requests (kvpeer.lab.bench.serve_trace)
     #: every engine's ``--max-num-batched-tokens`` (None: vLLM's default, 2,048 on CPU)
     step_tokens: int | None = None
-    #: each workload runs this many times per arm, repeat ``k`` with seed ``seed + k``
+    #: turns: each arm runs every workload once per turn, turn ``k`` with seed ``seed + k``
     repeats: int = 1
     #: unpinned workloads' offered loads (requests/s, low and high); None: probe for them
     loads: tuple[float, float] | None = None
@@ -267,8 +275,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a probe measures on the first arm)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="run each workload N times per arm, seeds S..S+N-1 (default 1); "
-                             "the table pools them, then each repeat's ratios and the median")
+                        help="N turns, the arms in turns within each (A B A B ...; every "
+                             "arm's engines stay up), turn k on seed S+k (default 1); the "
+                             "table pools the turns, then each turn's ratios and their median")
     parser.add_argument("--quick", action="store_true",
                         help="few requests, 1,024-token prompts (5-8 minutes for 3 arms here)")
     parser.add_argument("--data-plane", default="shm",
@@ -357,10 +366,13 @@ class BenchResult:
 
 def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
                observe: Observe | None = None, tokenizer: Any = None) -> BenchResult:
-    """Every arm (fresh engines each) x every repeat x every workload it runs, one after
-    another. Repeat ``k`` of every arm runs the workloads of seed ``spec.seed + k``;
-    unpinned workloads run at both offered loads (probed on the first arm that runs them,
-    unless given). ``tokenizer``: the served model's (the ``prefix`` workload needs it)."""
+    """Every arm x every turn x every workload it runs. With one turn the arms run one
+    after another (fresh engines each, stopped before the next starts); with
+    ``spec.repeats`` > 1 every arm's fleet is started first and stays up, and turn ``k``
+    runs each arm in order on seed ``spec.seed + k`` (arms in turns, so drift over the
+    run falls on every arm alike). Unpinned workloads run at both offered loads (probed on
+    the first arm that runs them, unless given). ``tokenizer``: the served model's (the
+    ``prefix`` workload needs it)."""
     started = time.monotonic()
     loads: dict[str, tuple[float, float]] = {}
     if spec.loads is not None:
@@ -368,31 +380,58 @@ def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
     cells: list[Cell] = []
     errors: list[ArmError] = []
     setup_errors: list[str] = []
+    runs: list[tuple[str, list[str]]] = []
     for arm in spec.arms:
         names = [name for name in spec.workloads if arm_runs(arm, name)]
-        if not names:
+        if names:
+            runs.append((arm, names))
+        else:
             progress(f"arm {arm}: none of the chosen workloads applies to it; not started")
-            continue
-        try:
-            with open_arm(arm) as fleet:
-                for name in names:
-                    if name in UNPINNED and name not in loads:
-                        loads[name] = probe_loads(name, spec, fleet, progress, tokenizer)
-                for k in range(spec.repeats):
-                    tag = f" (repeat {k + 1}/{spec.repeats})" if spec.repeats > 1 else ""
-                    for workload, rate in _workloads(spec, names, loads, k, tokenizer):
-                        cell, failed = _run_workload(arm, workload, fleet, progress, observe,
-                                                     tag, rate)  # fmt: skip
-                        cells.append(replace(cell, repeat=k))
-                        setup_errors.extend(failed)
-        except ArmUnavailable as exc:
+
+    def turn(arm: str, names: list[str], fleet: ArmFleet, k: int) -> None:
+        for name in names:
+            if name in UNPINNED and name not in loads:
+                loads[name] = probe_loads(name, spec, fleet, progress, tokenizer)
+        tag = f" (turn {k + 1}/{spec.repeats})" if spec.repeats > 1 else ""
+        for workload, rate in _workloads(spec, names, loads, k, tokenizer):
+            cell, failed = _run_workload(arm, workload, fleet, progress, observe, tag, rate)
+            cells.append(replace(cell, repeat=k))
+            setup_errors.extend(failed)
+
+    def failed(arm: str, exc: Exception) -> None:
+        if isinstance(exc, ArmUnavailable):
             progress(f"arm {arm} did not run: {exc}")
             errors.append(ArmError(arm, str(exc)))
-        except Exception as exc:  # one arm's failure must not lose the others' results
-            log.exception("arm %s failed", arm)
-            reason = f"failed: {type(exc).__name__}: {exc}".rstrip(": ")
-            progress(f"arm {arm} {reason}")
-            errors.append(ArmError(arm, reason))
+            return
+        log.exception("arm %s failed", arm)  # one arm's failure must not lose the others'
+        reason = f"failed: {type(exc).__name__}: {exc}".rstrip(": ")
+        progress(f"arm {arm} {reason}")
+        errors.append(ArmError(arm, reason))
+
+    if spec.repeats == 1:
+        for arm, names in runs:
+            try:
+                with open_arm(arm) as fleet:
+                    turn(arm, names, fleet, 0)
+            except Exception as exc:
+                failed(arm, exc)
+    else:
+        with contextlib.ExitStack() as stack:
+            fleets: dict[str, ArmFleet] = {}
+            for arm, _ in runs:
+                try:
+                    fleets[arm] = stack.enter_context(open_arm(arm))
+                except Exception as exc:
+                    failed(arm, exc)
+            for k in range(spec.repeats):
+                for arm, names in runs:
+                    if arm not in fleets:
+                        continue
+                    try:
+                        turn(arm, names, fleets[arm], k)
+                    except Exception as exc:  # the arm stops; the others go on
+                        failed(arm, exc)
+                        del fleets[arm]
     seconds = time.monotonic() - started
     if spec.repeats == 1:
         return BenchResult(spec, cells, errors, seconds, setup_errors=setup_errors,

@@ -90,13 +90,17 @@ class FleetCounters:
     #: pulled by a secondary tier)
     external_hit_tokens: float = 0.0
     plans: tuple[tuple[str, float], ...] = ()  # the shared router's plans by reason
+    engine_cpu_s: float | None = None  # CPU time of the engines' processes (None: unread)
 
     def __sub__(self, other: FleetCounters) -> FleetCounters:
         before = dict(other.plans)
+        cpu = (None if self.engine_cpu_s is None or other.engine_cpu_s is None
+               else self.engine_cpu_s - other.engine_cpu_s)  # fmt: skip
         return FleetCounters(
             self.local_hit_tokens - other.local_hit_tokens,
             self.external_hit_tokens - other.external_hit_tokens,
             tuple((reason, n - before.get(reason, 0.0)) for reason, n in self.plans),
+            cpu,
         )
 
 
@@ -139,6 +143,8 @@ class Cell:
     #: plans against outcomes: per reason, the requests, their mean predicted and mean
     #: measured TTFT (seconds), from each answer's X-Kvpeer-Plan headers
     outcomes: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: CPU seconds the engines' processes used over the main phase (None: not read)
+    engine_cpu_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -226,6 +232,7 @@ def summarize(
         pulled_bytes=None if counters is None else int(counters.pulled_bytes),
         plans={} if fleet is None else {r: int(n) for r, n in fleet.plans if n},
         outcomes=_outcomes(ok),
+        engine_cpu_s=None if fleet is None else fleet.engine_cpu_s,
     )
 
 
@@ -302,6 +309,8 @@ def pool(cells: Sequence[Cell]) -> Cell:
         pulled_bytes=_sum_known([c.pulled_bytes for c in cells]),
         plans=_sum_plans([c.plans for c in cells]),
         outcomes=_outcomes([_record(row) for row in ok]),
+        engine_cpu_s=(None if any(c.engine_cpu_s is None for c in cells)
+                      else sum(c.engine_cpu_s or 0.0 for c in cells)),
     )
 
 
@@ -337,21 +346,22 @@ def _brief(record: RequestRecord) -> dict[str, Any]:
 
 
 BASELINES = ("none", "affinity", "vllm-p2p")
+#: Arm over baseline: kvpeer against each baseline, and the tier alone (present, never
+#: asked to pull: ``kvpeer-affinity``) against the same router with no tier (``affinity``).
+PAIRS = (*(("kvpeer", b) for b in BASELINES), ("kvpeer-affinity", "affinity"))
 
 
-def ratios(
-    cells: Sequence[Cell], arm: str = "kvpeer", baselines: Sequence[str] = BASELINES
-) -> list[Ratio]:
-    """``arm``'s TTFT p50 and p99 over each baseline's, per workload (and repeat) both
-    ran: a repeat's cells are compared with the same repeat's, pooled with pooled."""
+def ratios(cells: Sequence[Cell], pairs: Sequence[tuple[str, str]] = PAIRS) -> list[Ratio]:
+    """Each pair's arm's TTFT over its baseline's, per workload (and repeat) both ran: a
+    repeat's cells are compared with the same repeat's, pooled with pooled."""
     by_key: Mapping[tuple[str, str, int | None], Cell] = {
         (c.arm, c.workload, c.repeat): c for c in cells
     }
     found: list[Ratio] = []
     for cell in cells:
-        if cell.arm != arm:
-            continue
-        for baseline in baselines:
+        for arm, baseline in pairs:
+            if cell.arm != arm:
+                continue
             base = by_key.get((baseline, cell.workload, cell.repeat))
             if base is None:
                 continue
@@ -407,19 +417,20 @@ def render(
     ``repeat_cells`` (--repeat) the table and first ratios are pooled over the repeats,
     followed by each repeat's ratios and their median."""
     header = (
-        f"{'workload':<17} {'arm':<9} {'n':>3} {'err':>3} {'load/s':>6} {'TTFT mean':>9} "
+        f"{'workload':<17} {'arm':<15} {'n':>3} {'err':>3} {'load/s':>6} {'TTFT mean':>9} "
         f"{'p50':>7} {'p90':>7} {'p99':>7} {'req/s':>6} {'prompt':>7} {'hit own':>7} "
-        f"{'hit ext':>7} {'pulls':>5} {'MiB':>6} {'named':>5} {'fell back':>9}"
+        f"{'hit ext':>7} {'pulls':>5} {'MiB':>6} {'named':>5} {'fell back':>9} {'CPU s':>6}"
     )
     lines = [header, "-" * len(header)]
     for c in sorted(cells, key=lambda c: (c.workload, c.arm)):
         lines.append(
-            f"{c.workload:<17} {c.arm:<9} {c.requests:>3} {c.errors:>3} "
+            f"{c.workload:<17} {c.arm:<15} {c.requests:>3} {c.errors:>3} "
             f"{_num(c.offered_rate, 2):>6} {_ms(c.ttft_mean_s):>9} {_ms(c.ttft_p50_s):>7} "
             f"{_ms(c.ttft_p90_s):>7} {_ms(c.ttft_p99_s):>7} {_num(c.requests_per_s, 2):>6} "
             f"{c.prompt_tokens:>7} {_int(c.local_hit_tokens):>7} "
             f"{_int(c.external_hit_tokens):>7} {_int(c.pulls):>5} "
-            f"{_mib(c.pulled_bytes):>6} {c.pulls_named:>5} {c.pulls_fell_back:>9}"
+            f"{_mib(c.pulled_bytes):>6} {c.pulls_named:>5} {c.pulls_fell_back:>9} "
+            f"{_num(c.engine_cpu_s, 0):>6}"
         )
     planned = [c for c in sorted(cells, key=lambda c: (c.workload, c.arm)) if c.plans]
     if planned:
@@ -427,7 +438,7 @@ def render(
         lines.append("router plans by reason")
         for c in planned:
             reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(c.plans.items()))
-            lines.append(f"  {c.workload:<17} {c.arm:<9} {reasons}")
+            lines.append(f"  {c.workload:<17} {c.arm:<15} {reasons}")
     judged = [c for c in sorted(cells, key=lambda c: (c.workload, c.arm))
               if c.outcomes and c.arm == "kvpeer"]  # fmt: skip
     if judged:
@@ -446,22 +457,27 @@ def render(
     if found:
         lines.append("")
         pooled = f", {repeats} repeats pooled" if repeat_cells else ""
-        lines.append(f"TTFT ratios (below 1: kvpeer faster{pooled})")
+        lines.append(f"TTFT ratios (below 1: the arm is faster than its baseline{pooled})")
         for r in found:
             lines.append(
-                f"  {r.workload:<17} {r.arm}/{r.baseline:<9} mean {_times(r.ttft_mean):>6}  "
+                f"  {r.workload:<17} {r.arm + '/' + r.baseline:<25} "
+                f"mean {_times(r.ttft_mean):>6}  "
                 f"p50 {_times(r.ttft_p50):>6}  p90 {_times(r.ttft_p90):>6}  "
                 f"p99 {_times(r.ttft_p99):>6}"
             )
     if per_repeat:
         lines.append("")
-        lines.append("TTFT ratios per repeat (same seed, same run), and their median")
-        medians = {(r.workload, r.baseline): r for r in median_ratios(per_repeat)}
-        for (workload, baseline), median in medians.items():
-            mine = [r for r in per_repeat if (r.workload, r.baseline) == (workload, baseline)]
-            for name, pick in (("p50", attrgetter("ttft_p50")), ("p99", attrgetter("ttft_p99"))):
+        lines.append("TTFT ratios per turn (arms in turns, same seed within a turn), and "
+                     "their median")
+        medians = {(r.workload, r.arm, r.baseline): r for r in median_ratios(per_repeat)}
+        for (workload, arm, baseline), median in medians.items():
+            mine = [r for r in per_repeat if (r.workload, r.arm, r.baseline) == (workload, arm,
+                                                                                baseline)]
+            for name, pick in (("mean", attrgetter("ttft_mean")), ("p50", attrgetter("ttft_p50")),
+                               ("p90", attrgetter("ttft_p90")),
+                               ("p99", attrgetter("ttft_p99"))):  # fmt: skip
                 each = " ".join(_times(pick(r)) for r in mine)
-                lines.append(f"  {workload:<17} kvpeer/{baseline:<9} {name} {each}  "
+                lines.append(f"  {workload:<17} {arm + '/' + baseline:<25} {name:<4} {each}  "
                              f"median {_times(pick(median))}")  # fmt: skip
     for error in errors:
         lines.append(f"arm {error.arm} did not run: {error.reason}")

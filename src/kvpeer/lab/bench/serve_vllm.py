@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["VllmArms", "router_plans", "run", "unavailable"]
 
 COUNTERS_SETTLE_S = 5.0  # vLLM publishes kvpeer's counters with its next stats flush
-HELD_SHARE = 4  # the kvpeer arm holds copies of up to a quarter of the CPU tier's bytes
 HIT_SERIES = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
 Progress = Callable[[str], None]
@@ -95,18 +94,17 @@ class VllmArms:
         reason = unavailable(arm, self.data_plane)
         if reason is not None:
             raise ArmUnavailable(reason)
-        # kvpeer serves held blocks without its engine (a copy of a quarter of the CPU
-        # tier); the held rows are read by the shm plane only.
-        held: dict[str, object] = {}
-        if arm == "kvpeer" and self.data_plane == "shm":
-            held["held_bytes"] = self.cpu_bytes // HELD_SHARE
-        if arm == "kvpeer" and self.ahead:  # the routers run in this process
-            held.update(prefetch_from=[f"{HOST}/32"], staging_blocks=128)
+        # kvpeer's tiers as the README starts them: held blocks and pulling ahead are
+        # their defaults (a quarter of the CPU tier held; the routers, in this process,
+        # obeyed from loopback); --no-ahead turns pulling ahead off.
+        options: dict[str, object] = {}
+        if ARM_TIERS[arm] == "kvpeer" and not self.ahead:
+            options["prefetch_from"] = []
         specs = [
             ServeSpec(name, self.model, tier=ARM_TIERS[arm],  # type: ignore[arg-type]
                       data_plane=self.data_plane, cpu_bytes=self.cpu_bytes,
                       env={TRACE_ENV: "1"} if self.trace else {}, extra_args=self.engine_args,
-                      tier_options=held)
+                      tier_options=options)
             for name in ENGINES
         ]
         self.peer_names.update({f"{HOST}:{s.tier_port}": s.name for s in specs})
@@ -133,7 +131,9 @@ class VllmArms:
                         listen_port=0,
                         engine_step_tokens=self._step(),
                     ))  # fmt: skip
-                live = _LiveArm(shared, pd, [s.url for s in specs], arm == "kvpeer")
+                groups = [engine.process.pid for engine in fleet.engines.values()]
+                live = _LiveArm(shared, pd, [s.url for s in specs], ARM_TIERS[arm] == "kvpeer",
+                                groups)  # fmt: skip
                 self.progress(f"arm {arm}: warm-up (each engine computes, pulls, and pd once)")
                 live.warm_up()
                 yield live
@@ -151,6 +151,7 @@ class _LiveArm:
     pd: BackgroundRouter | None  # only for arms that run the pinned workloads
     engine_urls: list[str]
     has_kvpeer: bool
+    engine_groups: list[int]  # each engine's process group (its server's pid)
 
     @property
     def urls(self) -> Mapping[str, str]:
@@ -199,7 +200,10 @@ class _LiveArm:
             local += samples.get("vllm:prefix_cache_hits_total", 0.0)
             external += samples.get("vllm:external_prefix_cache_hits_total", 0.0)
 
-        return FleetCounters(local, external, router_plans(self.shared))
+        from kvpeer.lab.engines.procs import group_cpu_seconds
+
+        cpu = sum(group_cpu_seconds(pgid) for pgid in self.engine_groups)
+        return FleetCounters(local, external, router_plans(self.shared), cpu)
 
     def wait_indexed(self, held: Sequence[tuple[str, Sequence[int]]], timeout_s: float) -> None:
         from kvpeer.router.index import MEDIUM_CPU

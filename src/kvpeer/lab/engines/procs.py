@@ -75,6 +75,17 @@ def process_info(pid: int) -> ProcessInfo | None:
     )
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """User and system CPU time of the living processes of group ``pgid`` so far."""
+    ticks = 0
+    for pid in group_pids(pgid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError, OSError):
+            stat = (PROC / str(pid) / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def group_pids(pgid: int) -> list[int]:
     """Every living process of process group ``pgid``, lowest pid first."""
     found: list[int] = []
