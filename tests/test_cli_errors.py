@@ -55,6 +55,8 @@ CASES = [
      ["router", ENGINE, "--ready-file", "{missing}"], "{missing}"),
     ("serve non-UTF-8 config", ["serve", "--config", "{json}"], "{json}: not UTF-8"),
     ("router non-UTF-8 config", ["router", "--config", "{toml}"], "{toml}: not UTF-8"),
+    ("check-config non-UTF-8 tier config", ["check-config", "{json}"], "{json}: "),
+    ("check-config non-UTF-8 router config", ["check-config", "{toml}"], "{toml}: not UTF-8"),
     ("router port in use", ["router", ENGINE, "--listen", "127.0.0.1:{port}"],
      "listen 127.0.0.1:{port}"),
     ("metrics port in use",

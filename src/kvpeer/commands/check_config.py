@@ -24,35 +24,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the engine's KV cache lives (vllm serve's device): a GPU refuses a "
              "CPU-only offloading spec",
     )
+    parser.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object: file, kind (tier or router), ok, problems",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if path.suffix == ".toml":
-        return _router(path)
+        return _router(path, as_json=args.json)
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
-        print(f"{args.file}: {exc}", file=sys.stderr)
+        print(f"kvpeer: {args.file}: {exc}", file=sys.stderr)
         return 2
-    problems = check_transfer_config(loaded, device=args.device)
-    for problem in problems:
-        print(f"{args.file}: {problem}")
-    if not problems:
-        print(f"{args.file}: ok")
-    return 1 if problems else 0
+    problems = [f"{args.file}: {p}" for p in check_transfer_config(loaded, device=args.device)]
+    return _report(str(path), "tier", problems, as_json=args.json)
 
 
-def _router(path: Path) -> int:
+def _router(path: Path, *, as_json: bool) -> int:
     """A ``kvpeer router --config`` file: every problem, as ``kvpeer router`` names it."""
     try:
         mapping = router_config.load_file(path)
     except ConfigError as exc:  # unreadable, not TOML
-        print(exc, file=sys.stderr)
+        print(f"kvpeer: {exc}", file=sys.stderr)
         return 2
-    problems = configcheck.problems(mapping, str(path))
-    for problem in problems:
-        print(problem)
-    if not problems:
-        print(f"{path}: ok")
+    return _report(str(path), "router", configcheck.problems(mapping, str(path)),
+                   as_json=as_json)
+
+
+def _report(file: str, kind: str, problems: list[str], *, as_json: bool) -> int:
+    """Every problem, one a line (or one JSON object); exit 1 on problems."""
+    if as_json:
+        print(json.dumps({"file": file, "kind": kind, "ok": not problems,
+                          "problems": problems}, indent=2))
+    else:
+        for problem in problems:
+            print(problem)
+        if not problems:
+            print(f"{file}: ok")
     return 1 if problems else 0
