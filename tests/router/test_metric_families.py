@@ -12,8 +12,10 @@ from prometheus_client import CollectorRegistry
 from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router.app import Router
 from kvpeer.router.config import from_mapping
+from kvpeer.router.generations import DiscoveringRouter
 from kvpeer.router.metrics import FAMILIES, POLICY_RATES, Family, Kind, markdown_table
 from tests.router.conftest import engine_table, run
+from tests.router.test_discovery import FakeResolver
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +60,7 @@ def test_a_router_exports_exactly_the_declared_families() -> None:
                 await fake.stop()
 
     families = run(scenario())
-    declared = {f.family_name: f for f in FAMILIES}
+    declared = {f.family_name: f for f in FAMILIES if not f.scope}
     assert sorted(set(families) - set(declared)) == [], "exported, not declared"
     assert sorted(set(declared) - set(families)) == [], "declared, not exported"
     for name, (kind, label_sets) in families.items():
@@ -66,6 +68,26 @@ def test_a_router_exports_exactly_the_declared_families() -> None:
         assert kind == family.kind.value, name
         for labels in label_sets:
             assert labels == set(family.labels), (name, labels)
+
+
+def test_a_discovering_router_exports_the_declared_discovery_families() -> None:
+    async def scenario() -> dict[str, tuple[str, set[frozenset[str]]]]:
+        config = from_mapping({"mode": "shared", "listen": "127.0.0.1:0",
+                               "discovery": {"dns": "kvpeer-engine"}})
+        router = DiscoveringRouter(config, resolver=FakeResolver())  # finds nothing
+        await router.start()
+        try:
+            assert router.current is not None
+            return exported(router.current.registry)
+        finally:
+            await router.stop()
+
+    families = run(scenario())
+    declared = {f.family_name: f for f in FAMILIES if f.scope == "discovery"}
+    assert sorted(set(families) ^ set(declared)) == []
+    for name, (kind, label_sets) in families.items():
+        assert kind == declared[name].kind.value, name
+        assert label_sets <= {frozenset(declared[name].labels)}, name
 
 
 def test_every_family_follows_prometheus_conventions() -> None:

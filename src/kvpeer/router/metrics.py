@@ -70,12 +70,14 @@ class Kind(StrEnum):
 @dataclass(frozen=True, slots=True)
 class Family:
     """One exported family: ``name`` as exposed after the prefix (counters with
-    ``_total``), its type, label names and meaning."""
+    ``_total``), its type, label names and meaning; ``scope`` ``"discovery"``: exported
+    only by a router with ``[discovery]`` (kvpeer.router.generations)."""
 
     name: str
     kind: Kind
     help: str
     labels: tuple[str, ...] = ()
+    scope: str = ""
 
     @property
     def full_name(self) -> str:
@@ -214,6 +216,16 @@ FAMILIES: tuple[Family, ...] = (
            ("source",)),
     Family("policy_pull_seconds_per_token", G, "Learned pull time per token per source.",
            ("source",)),
+    # engine discovery (kvpeer.router.generations), with [discovery] only
+    Family("discovery_engines", G, "Engines discovered now.", scope="discovery"),
+    Family("discovery_observations_total", C, "Observations of the discovery source, by "
+           "result (ok, failed).", ("result",), scope="discovery"),
+    Family("discovery_changes_total", C, "Engines that joined, left or moved (a new "
+           "address).", ("change",), scope="discovery"),
+    Family("discovery_generations_total", C, "Router generations started (one per change).",
+           scope="discovery"),
+    Family("discovery_skipped_records_total", C, "Records the source answered that were no "
+           "usable engine.", scope="discovery"),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -223,7 +235,8 @@ def markdown_table() -> str:
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for f in FAMILIES:
         labels = ", ".join(f"`{label}`" for label in f.labels) or "-"
-        rows.append(f"| `{f.full_name}` | {f.kind.value} | {labels} | {f.help} |")
+        scope = f"With `[{f.scope}]`: " if f.scope else ""
+        rows.append(f"| `{f.full_name}` | {f.kind.value} | {labels} | {scope}{f.help} |")
     return "\n".join(rows)
 
 
