@@ -43,8 +43,11 @@ __all__ = [
 
 ENGINE_KEYS = frozenset(
     {"name", "url", "peer", "role", "kv_events", "kv_events_replay", "dp_size", "held",
-     "sync_pulls", "ahead"}
+     "sync_pulls", "ahead", "tier"}
 )
+#: What runs as an engine's peer tier: kvpeer (held blocks, kvpeer's connector, pulling
+#: ahead, unless its keys say otherwise) or vLLM's own p2p tier (none of them).
+TIERS = ("kvpeer", "vllm-p2p")
 DP_RANK_HEADER = "X-data-parallel-rank"
 
 
@@ -355,9 +358,15 @@ def _engine_entries(where: str, table: Mapping[str, Any]) -> list[EngineEntry]:
                 "--kv-events-config gives); the router connects to it: name the engine's "
                 "host, e.g. tcp://10.0.0.5:5557"
             )
-    held = _number(f"{where}: held", _flag_text(table.get("held", False)), bool)
-    sync_pulls = _number(f"{where}: sync_pulls", _flag_text(table.get("sync_pulls", False)), bool)
-    ahead = _number(f"{where}: ahead", _flag_text(table.get("ahead", False)), bool)
+    tier = table.get("tier", "kvpeer")
+    if tier not in TIERS:
+        raise ConfigError(f"{where}: tier {tier!r} is not one of {list(TIERS)}")
+    # A kvpeer tier as the README starts it holds blocks, runs kvpeer's connector and
+    # obeys this router's prefetch; vLLM's own p2p tier does none of that.
+    kvpeer = tier == "kvpeer"
+    held = _number(f"{where}: held", _flag_text(table.get("held", kvpeer)), bool)
+    sync_pulls = _number(f"{where}: sync_pulls", _flag_text(table.get("sync_pulls", kvpeer)), bool)
+    ahead = _number(f"{where}: ahead", _flag_text(table.get("ahead", kvpeer)), bool)
     entries = []
     for rank in range(dp_size):
         spec = EngineSpec(
@@ -478,11 +487,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="NAME=URL,peer=HOST:PORT[,role=prefill|decode|both][,dp_size=N]"
-        "[,kv_events=tcp://H:P][,held=true][,sync_pulls=true][,ahead=true] (repeatable; adds "
-        "to the file's engines; held: its kvpeer tier serves held blocks without waiting for "
-        "its engine; sync_pulls: it runs kvpeer's connector, so a pull costs it no extra step; "
-        "ahead: its tier obeys this router's prefetch (its prefetch_from names the router), "
-        "so a pull into it starts when the router sends the request)",
+        "[,kv_events=tcp://H:P][,kv_events_replay=tcp://H:P][,tier=kvpeer|vllm-p2p]"
+        "[,held=BOOL][,sync_pulls=BOOL][,ahead=BOOL] (repeatable; adds to the file's "
+        "engines; tier kvpeer, the default, turns the next three on, vllm-p2p off; held: its "
+        "kvpeer tier serves held blocks without waiting for its engine; sync_pulls: it runs "
+        "kvpeer's connector, so a pull costs it no extra step; ahead: its tier obeys this "
+        "router's prefetch, so a pull into it starts when the router sends the request)",
     )
     parser.add_argument("--retries", help="attempts on another engine before the first byte")
     parser.add_argument("--health-interval", dest="health_interval_s", help="seconds")
