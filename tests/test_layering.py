@@ -50,14 +50,15 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "cli": frozenset({"commands", "errors"}),
     # One module per command: what each command runs; a lab tool's command runs the lab.
     "commands": frozenset(
-        {"checkconfig", "config", "errors", "lab", "metrics", "node", "router", "transport"}
+        {"checkconfig", "config", "configschema", "errors", "lab", "metrics", "node", "router",
+         "transport"}
     ),
     "sim": frozenset({"lab"}),  # python -m kvpeer.sim
     # The lab (benches, fuzzer, simulation, engine harness) may import anything below
     # the entry points; nothing but an entry point imports it.
     "lab": frozenset(
-        {"checkconfig", "config", "errors", "host", "integrations", "kvpeer", "metrics", "node",
-         "protocol", "router", "session", "testing", "transport", "types"}
+        {"checkconfig", "config", "configschema", "errors", "host", "integrations", "kvpeer",
+         "metrics", "node", "protocol", "router", "session", "testing", "transport", "types"}
     ),
     # The test kit ships with the package (fake clock, in-memory network and data plane,
     # conformance suites, whole tiers on one clock) and sits above the node and the host;
@@ -74,6 +75,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "node": frozenset({"config", "errors", "host", "protocol", "session", "transport", "types"}),
     "host": frozenset({"session.ports", "types"}),
     "checkconfig": frozenset({"config"}),
+    "configschema": frozenset({"config", "protocol", "router"}),
     "config": frozenset({"errors", "protocol", "session.settings"}),
     "transport": frozenset({"errors", "protocol", "session.ports"}),
     "session": frozenset({"errors", "protocol", "types"}),

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvpeer import configschema
 from kvpeer.checkconfig import DEVICES, check_transfer_config
 from kvpeer.errors import ConfigError
 from kvpeer.router import config as router_config
@@ -18,7 +19,11 @@ HELP = ("validate a vLLM kv_transfer_config (or one kvpeer tier entry) JSON file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file")
+    parser.add_argument("file", nargs="?", help="the file to check (*.toml: a router's)")
+    parser.add_argument(
+        "--schema", choices=("tier", "router"),
+        help="print the JSON Schema of a tier entry or a router TOML file instead",
+    )
     parser.add_argument(
         "--device", choices=DEVICES,
         help="where the engine's KV cache lives (vllm serve's device): a GPU refuses a "
@@ -31,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.schema is not None:
+        print(json.dumps(configschema.schemas()[args.schema], indent=2))
+        return 0
+    if args.file is None:
+        raise ConfigError("check-config: give a file to check (or --schema tier|router)")
     path = Path(args.file)
     if path.suffix == ".toml":
         return _router(path, as_json=args.json)
