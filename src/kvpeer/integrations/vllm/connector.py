@@ -30,12 +30,28 @@ Invariants:
    the same step), but stays in the offloading scheduler's job table until every
    worker reported it; only then are its host blocks unpinned, so nothing can evict
    or overwrite them while the worker may still read them.
+5. A completion this connector does not consume reaches the parent: the report of a
+   synchronous load that a cache reset made the scheduler forget is left for the
+   parent, whose reset fence (vLLM 0.33+: every secondary-tier lookup answers MISS
+   until each job in flight at the reset reported back) counts it; 0.32 drops it as
+   stale. Swallowed, the fence would never clear and pulls would stay off for good.
+6. What vLLM 0.33+ asks of whoever completes a job is done the same way here: the
+   manager's ``lock`` is held around ``complete_load`` (its tier-poll thread enters
+   the manager too), a job in the workers' ``failed_jobs`` (0.34) is completed as
+   failed (its request never loads from the offloaded cache again, as vLLM's own
+   failed loads), and a synchronous load goes to the workers marked ``sync`` where the
+   job carries that flag (0.33+: vLLM's own workers then wait for it and never report
+   it as a finished receive). Each is found by feature, never by version.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
+from collections.abc import Collection
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
+    TransferJob,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
@@ -66,6 +83,8 @@ __all__ = ["SYNC_LOAD_KEY", "KVPeerConnectorMetadata", "KVPeerOffloadingConnecto
 log = logging.getLogger("kvpeer.vllm")
 
 SYNC_LOAD_KEY = "kvpeer_sync_load"  # kv_connector_extra_config key (bool, default true)
+# vLLM 0.33+ marks a load job its workers must finish before the step's forward pass.
+_JOB_HAS_SYNC = "sync" in {f.name for f in dataclasses.fields(TransferJob)}
 
 
 @dataclass
@@ -164,25 +183,45 @@ class KVPeerOffloadingConnector(OffloadingConnector):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if self._sync_jobs and isinstance(meta, OffloadingWorkerMetadata):
-            for job_id in [job for job in meta.completed_jobs if job in self._sync_jobs]:
-                self._complete_sync_load(job_id, meta.completed_jobs.pop(job_id))
+            failed: Collection[int] = getattr(meta, "failed_jobs", ())  # vLLM 0.34+
+            with self._manager_lock():  # released before the parent takes it (invariant 6)
+                for job_id in [job for job in meta.completed_jobs if job in self._sync_jobs]:
+                    workers = meta.completed_jobs[job_id]
+                    if self._complete_sync_load(job_id, workers, job_id in failed):
+                        del meta.completed_jobs[job_id]  # else the parent's (invariant 5)
         super().update_connector_output(connector_output)
 
-    def _complete_sync_load(self, job_id: int, workers: int) -> None:
+    def _manager_lock(self) -> AbstractContextManager[object]:
+        """The offloading manager's lock where vLLM has one (0.33+), else nothing."""
+        scheduler = self.connector_scheduler
+        assert scheduler is not None
+        lock: AbstractContextManager[object] | None = getattr(scheduler.manager, "lock", None)
+        return lock if lock is not None else contextlib.nullcontext()
+
+    def _complete_sync_load(self, job_id: int, workers: int, failed: bool) -> bool:
         """What the parent does for a finished load, for one it no longer sees as the
-        request's: unpin the host blocks once every worker reported it."""
+        request's: unpin the host blocks once every worker reported it. False: the
+        scheduler forgot the job (a cache reset), and the report is the parent's."""
         scheduler = self.connector_scheduler
         assert scheduler is not None
         status = scheduler._jobs.get(job_id)
-        if status is None:  # forgotten by a cache reset
+        if status is None:  # forgotten by a cache reset: the parent's fence counts it
             self._sync_jobs.pop(job_id, None)
-            return
+            return False
+        if failed and hasattr(status, "failed"):
+            status.failed = True
         status.pending_count -= workers
         if status.pending_count > 0:
-            return
+            return True
         req_context = self._sync_jobs.pop(job_id)
+        request_status = scheduler._req_status.get(status.req_id)
+        if getattr(status, "failed", False):
+            log.warning("kvpeer: synchronous load job %d of request %s failed; it will not "
+                        "load from the offloaded cache again", job_id, status.req_id)  # fmt: skip
+            if request_status is not None and hasattr(request_status, "load_failed"):
+                request_status.load_failed = True
         scheduler.manager.complete_load(status.keys, req_context)
-        request = scheduler._req_status.get(status.req_id)
+        request = request_status
         if request is not None:
             _trace(request.req, "sync_load_step_done")  # the step that loaded it has run
         if scheduler._chunks_being_loaded:
@@ -190,6 +229,7 @@ class KVPeerOffloadingConnector(OffloadingConnector):
         del scheduler._jobs[job_id]
         if request is not None and request.finished_signaled and not request.transfer_jobs:
             del scheduler._req_status[status.req_id]
+        return True
 
     def _fresh_view(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -221,8 +261,13 @@ class KVPeerOffloadingConnector(OffloadingConnector):
         assert isinstance(meta, OffloadingConnectorMetadata)
         sync = frozenset(job_id for job_id in meta.load_jobs if job_id in self._sync_jobs)
         self._sync_now.clear()  # invariant 3
+        load_jobs = meta.load_jobs
+        if sync and _JOB_HAS_SYNC:  # vLLM 0.33+: its workers wait for these (invariant 6)
+            flag: dict[str, Any] = {"sync": True}  # a field 0.32's TransferJob has not
+            load_jobs = {job_id: dataclasses.replace(job, **flag) if job_id in sync else job
+                         for job_id, job in load_jobs.items()}  # fmt: skip
         return KVPeerConnectorMetadata(
-            load_jobs=meta.load_jobs,
+            load_jobs=load_jobs,
             store_jobs=meta.store_jobs,
             jobs_to_flush=meta.jobs_to_flush,
             sync_load_jobs=sync,

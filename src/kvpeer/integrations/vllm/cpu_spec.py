@@ -32,14 +32,21 @@ Invariants:
    a bad id raises instead of writing outside a tensor, and no job is half copied.
 5. The canonical host layout (``canonical_layout``) is not supported and is refused
    when the worker is built.
+6. One worker for every vLLM: 0.32 passes the engine side as a ``GPULoadStoreSpec``
+   (block ids), 0.34 as ``DevicePointers`` (addresses vLLM resolved, one per block and
+   KV reference, group by group); 0.33 adds ``expedited=`` to ``submit_load`` (a copy
+   here is never queued, so it changes nothing). Resolved addresses are checked to lie
+   on a page of their tensor before the first byte moves, as block ids are (invariant 4).
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -72,6 +79,20 @@ __all__ = [
 ]
 
 _Pointers = npt.NDArray[np.uint64]
+
+
+class _ResolvedPointers(Protocol):
+    """vLLM 0.34's ``DevicePointers``: the engine side of a job as addresses, in canonical
+    order (each group, each of its KV references, each of its blocks)."""
+
+    ptrs: _Pointers
+    sizes: _Pointers
+    group_block_counts: tuple[int, ...]
+    group_data_ref_counts: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+
+EngineSide = GPULoadStoreSpec | _ResolvedPointers
 
 
 @dataclass(frozen=True)
@@ -141,15 +162,20 @@ class CpuCopyOffloadingWorker(OffloadingWorker):
         """The primary-side int8 views, ``(num_chunks, page * blocks_per_chunk)`` each."""
         return tuple(self._primary)
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
+    def submit_store(self, job_id: int, src_spec: EngineSide, dst_spec: LoadStoreSpec) -> bool:
         """Copy engine blocks into primary chunks now (engine -> primary)."""
         self._finished.append(self._copy(job_id, src_spec, dst_spec, to_primary=True))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Copy primary chunks into engine blocks now (primary -> engine)."""
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: EngineSide,
+        expedited: bool = False,
+    ) -> bool:
+        """Copy primary chunks into engine blocks now (primary -> engine); every copy is
+        immediate, so ``expedited`` (vLLM 0.33+: waited for in the step) changes nothing."""
         self._finished.append(self._copy(job_id, dst_spec, src_spec, to_primary=False))
         return True
 
@@ -174,7 +200,7 @@ class CpuCopyOffloadingWorker(OffloadingWorker):
     def _copy(
         self,
         job_id: int,
-        engine_spec: GPULoadStoreSpec,
+        engine_spec: EngineSide,
         primary_spec: LoadStoreSpec,
         *,
         to_primary: bool,
@@ -196,7 +222,7 @@ class CpuCopyOffloadingWorker(OffloadingWorker):
             transfer_time=time.perf_counter() - started,
         )
 
-    def _plan(self, engine_spec: GPULoadStoreSpec, primary_spec: LoadStoreSpec) -> list[_CopyRun]:
+    def _plan(self, engine_spec: EngineSide, primary_spec: LoadStoreSpec) -> list[_CopyRun]:
         """Engine-page -> primary-page address pairs of one job, validated up front.
 
         Blocks arrive ordered by KV-cache group; group ``g`` has ``group_sizes[g]``
@@ -205,17 +231,27 @@ class CpuCopyOffloadingWorker(OffloadingWorker):
         """
         if not isinstance(primary_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"expected a chunk-id spec, got {type(primary_spec).__name__}")
-        block_ids = engine_spec.block_ids
+        resolved: _ResolvedPointers | None = None
+        if isinstance(engine_spec, GPULoadStoreSpec):
+            block_ids = engine_spec.block_ids
+            group_sizes: Sequence[int] = engine_spec.group_sizes
+            block_indices: Sequence[int] = engine_spec.block_indices
+        else:  # invariant 6: vLLM 0.34 resolved the engine's addresses itself
+            resolved = engine_spec
+            group_sizes, block_indices = resolved.group_block_counts, resolved.block_indices
+            block_ids = np.zeros(sum(group_sizes), dtype=np.int32)  # only counted
         chunk_ids = primary_spec.block_ids
-        group_sizes: Sequence[int] = engine_spec.group_sizes
-        block_indices: Sequence[int] = engine_spec.block_indices
         if len(group_sizes) != len(self._group_refs):
             raise ValueError(
                 f"job names {len(group_sizes)} KV-cache groups, "
                 f"the worker has {len(self._group_refs)}"
             )
-        self._check_bounds("block", block_ids, self._engine)
+        if resolved is None:
+            self._check_bounds("block", block_ids, self._engine)
+        else:
+            self._check_resolved(resolved)
         self._check_bounds("chunk", chunk_ids, self._primary)
+        resolved_at = 0
 
         runs: list[_CopyRun] = []
         block_offset = 0
@@ -237,9 +273,13 @@ class CpuCopyOffloadingWorker(OffloadingWorker):
             for ref in refs:
                 engine_pointers = np.empty(group_size, dtype=np.uint64)
                 primary_pointers = np.empty(group_size, dtype=np.uint64)
-                compute_sub_block_ptrs(
-                    group_block_ids, 1, engine_pointers, self._engine[ref.tensor_idx]
-                )
+                if resolved is None:
+                    compute_sub_block_ptrs(
+                        group_block_ids, 1, engine_pointers, self._engine[ref.tensor_idx]
+                    )
+                else:
+                    engine_pointers[:] = resolved.ptrs[resolved_at : resolved_at + group_size]
+                    resolved_at += group_size
                 compute_sub_block_ptrs(
                     group_chunk_ids,
                     self._blocks_per_chunk,
@@ -256,6 +296,36 @@ class CpuCopyOffloadingWorker(OffloadingWorker):
                 f"groups {list(group_sizes)} use {block_offset} and {chunk_offset}"
             )
         return runs
+
+    def _check_resolved(self, resolved: _ResolvedPointers) -> None:
+        """Every address of a resolved job starts a whole page of the tensor its KV
+        reference names, with the page size of that reference (invariants 4 and 6)."""
+        counts = tuple(len(refs) for refs in self._group_refs)
+        if tuple(resolved.group_data_ref_counts) != counts:
+            raise ValueError(f"job has KV references {tuple(resolved.group_data_ref_counts)}, "
+                             f"the worker has {counts}")  # fmt: skip
+        at = 0
+        for refs, group_size in zip(self._group_refs, resolved.group_block_counts, strict=True):
+            for ref in refs:
+                ptrs = np.asarray(resolved.ptrs[at : at + group_size], dtype=np.uint64)
+                sizes = np.asarray(resolved.sizes[at : at + group_size], dtype=np.uint64)
+                if len(ptrs) != group_size or len(sizes) != group_size:
+                    raise ValueError(f"job resolves {len(resolved.ptrs)} addresses, too few "
+                                     f"for groups {list(resolved.group_block_counts)}")  # fmt: skip
+                at += group_size
+                if group_size == 0:
+                    continue
+                engine = self._engine[ref.tensor_idx]
+                base, page = engine.data_ptr(), int(engine.shape[1])
+                offsets = ptrs.astype(np.int64) - base
+                if (sizes != ref.page_size_bytes).any() or (offsets < 0).any() or (
+                    offsets % page
+                ).any() or int(offsets.max()) // page >= int(engine.shape[0]):
+                    raise IndexError(
+                        f"an address of the job is not a page of KV tensor {ref.tensor_idx}"
+                    )
+        if at != len(resolved.ptrs):
+            raise ValueError(f"job resolves {len(resolved.ptrs)} addresses, groups use {at}")
 
     @staticmethod
     def _check_bounds(kind: str, ids: npt.NDArray[np.int32], tensors: list[torch.Tensor]) -> None:
@@ -304,9 +374,22 @@ class KVPeerTieringOffloadingSpec(TieringOffloadingSpec):
         if isinstance(manager, KVPeerTieringManager):
             return manager
         assert isinstance(manager, TieringOffloadingManager)
+        # vLLM 0.33+ gives its manager a tier-poll thread (for tiers that opt in, such as
+        # vLLM's p2p), started as it is built: stopped before kvpeer's manager takes the
+        # same tiers, or two threads would call them under two locks. Feature-detected,
+        # as is the interval kvpeer's manager (a TieringOffloadingManager too) polls at.
+        stop = getattr(manager, "_stop_tier_poll_thread", None)
+        if stop is not None:
+            stop()
+        options: dict[str, float] = {}
+        interval = getattr(self, "tier_poll_interval_s", None)
+        if interval is not None and "tier_poll_interval_s" in inspect.signature(
+            TieringOffloadingManager.__init__
+        ).parameters:
+            options["tier_poll_interval_s"] = float(interval)
         # vLLM built the tiers; the same parts go into kvpeer's manager, which takes
         # the place of vLLM's before anyone holds it (the spec caches its manager).
-        ours = KVPeerTieringManager(manager.primary_tier, manager.secondary_tiers)
+        ours = KVPeerTieringManager(manager.primary_tier, manager.secondary_tiers, **options)
         self._manager = ours
         return ours
 

@@ -88,8 +88,10 @@ class KVPeerTieringManager(TieringOffloadingManager):
         self,
         primary_tier: CPUPrimaryTierOffloadingManager,
         secondary_tiers: list[SecondaryTierManager] | None = None,
+        **options: float,
     ) -> None:
-        super().__init__(primary_tier, secondary_tiers)
+        # options: what this vLLM's manager takes besides (0.33+: tier_poll_interval_s)
+        super().__init__(primary_tier, secondary_tiers, **options)
         from kvpeer.integrations.vllm.secondary_tier import KVPeerTier
 
         self._kvpeer: dict[int, KVPeerTier] = {
