@@ -526,7 +526,12 @@ class DiscoveryLoop:
         return changed
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Observe until ``stop``. A change that could not be applied is logged and the
+        loop goes on: a dead loop would freeze the fleet without a word."""
         while not stop.is_set():
-            await self.observe_once()
+            try:
+                await self.observe_once()
+            except Exception:
+                log.exception("engine discovery: applying a change failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self._interval_s)
