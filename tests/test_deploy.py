@@ -269,6 +269,13 @@ def test_every_pod_runs_unprivileged_and_is_probed() -> None:
             for probe in ("readinessProbe", "livenessProbe"):
                 port = container[probe]["httpGet"]["port"]
                 assert port in {p["name"] for p in container["ports"]}, (name, probe)
+    # The engine runs as a user the image's home is not writable for: everything vLLM
+    # writes (the model, its caches) goes to a volume.
+    engine = engine_container()
+    env = container_env(engine)
+    mounts = {m["mountPath"] for m in engine["volumeMounts"]}
+    assert env["HOME"] in mounts
+    assert env["HF_HOME"].startswith(env["HOME"] + "/")
     # A router with no engine up is not ready, but alive: liveness must not read /health.
     (router,) = containers(the("Deployment", "kvpeer-router"))
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
