@@ -82,8 +82,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error as the one line ``kvpeer: ...`` and exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"kvpeer: {self.prog.removeprefix('kvpeer ')}: {message} "
-                     f"(see {self.prog} --help)\n")
+        command = self.prog.removeprefix("kvpeer").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"kvpeer: {where}{message} (see {self.prog} --help)\n")
 
 
 def _log_level_option(parser: argparse.ArgumentParser, default: object) -> None:
