@@ -30,7 +30,7 @@ from kvpeer.router.discovery import (
 )
 from kvpeer.router.generations import DiscoveringRouter
 
-from .conftest import read_events, run
+from .conftest import read_events, run, until
 
 # -- membership (sans-IO) -----------------------------------------------------------------
 
@@ -415,5 +415,41 @@ def test_a_router_with_nothing_discovered_is_alive_but_not_ready(tmp_path: Path)
             finally:
                 await router.stop()
                 await fake.stop()
+
+    run(scenario())
+
+
+def test_kvpeer_routers_serve_follows_the_systems_dns(tmp_path: Path) -> None:
+    """The process path (``kvpeer router --config`` with ``[discovery]``): the system's
+    resolver, a ready file, a clean stop."""
+    from kvpeer.router.server import serve
+
+    async def scenario() -> None:
+        fake = FakeEngine("local")
+        await fake.start(host="127.0.0.1")
+        config = from_mapping({
+            "listen": "127.0.0.1:0", "policy": "load", "health_interval_s": 30,
+            "discovery": {"dns": "localhost", "port": fake.port, "kv_events_port": 0},
+        })  # fmt: skip
+        stop = asyncio.Event()
+        ready = tmp_path / "ready"
+        task = asyncio.create_task(serve(config, ready_file=ready, stop=stop))
+        try:
+            await until(lambda: ready.exists() or task.done(), "the ready file")
+            assert not task.done(), task
+            url = ready.read_text()
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=connector) as client:
+                async with client.get(f"{url}/health") as response:
+                    assert response.status == 200
+                    assert "127.0.0.1" in (await response.json())["up"]
+                body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+                async with client.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 200
+                    assert response.headers["X-Kvpeer-Engine"] == "127.0.0.1"
+        finally:
+            stop.set()
+            await task
+            await fake.stop()
 
     run(scenario())
