@@ -22,6 +22,7 @@ from kvpeer.router.config import from_mapping
 from kvpeer.router.discovery import (
     DiscoveryConfig,
     DiscoveryFailed,
+    DiscoveryLoop,
     DnsSource,
     Found,
     KubernetesSource,
@@ -142,6 +143,40 @@ def test_a_failed_lookup_is_a_failed_observation_not_an_empty_fleet() -> None:
     source = DnsSource("gone", FakeResolver())
     with pytest.raises(DiscoveryFailed, match="gone: Name or service not known"):
         run(source.observe())
+
+
+def test_the_loop_reports_each_change_a_resolver_shows_and_nothing_else() -> None:
+    """Added, removed, flapping and failing, as a headless Service's A records show them."""
+
+    async def scenario() -> None:
+        resolver = FakeResolver(a={"svc": ["10.0.0.1"]})
+        clock = Clock()
+        reported: list[list[str]] = []
+
+        async def changed(members: tuple[Found, ...]) -> None:
+            reported.append([m.name for m in members])
+
+        loop = DiscoveryLoop(DnsSource("svc", resolver), Membership(leave_after_s=10), changed,
+                             interval_s=3600, clock=clock)  # fmt: skip
+        script: list[tuple[float, list[str] | None]] = [
+            (0, ["10.0.0.1"]),  # the first engine
+            (1, ["10.0.0.1", "10.0.0.2"]),  # added
+            (2, ["10.0.0.1"]), (5, ["10.0.0.1", "10.0.0.2"]),  # flaps: within 10 s
+            (6, None), (30, None),  # the lookup fails: nothing changes
+            (31, ["10.0.0.1"]),  # removed: not seen since 5 s
+            (32, ["10.0.0.1"]),
+        ]
+        for now, addresses in script:
+            clock.now = now
+            if addresses is None:
+                resolver.a.pop("svc", None)
+            else:
+                resolver.a["svc"] = addresses
+            await loop.observe_once()
+        assert reported == [["10.0.0.1"], ["10.0.0.1", "10.0.0.2"], ["10.0.0.1"]]
+        assert loop.membership.statistics().failures == 2
+
+    run(scenario())
 
 
 # -- a fake Kubernetes API server ---------------------------------------------------------
