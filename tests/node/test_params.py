@@ -72,6 +72,34 @@ class TestWellFormed:
             assert problem in text
             assert repr(value)[:20] in text
 
+    @pytest.mark.parametrize(
+        ("role", "value", "give_up", "problem"),
+        [
+            ("remote_kv_source", 0.75, 0.75, None),
+            ("remote_kv_source", 2, 2.0, None),
+            ("remote_prefiller", 0.75, None, None),  # PD: the producer parks for one fetch
+            ("remote_kv_source", 0, None, "give_up_s"),
+            ("remote_kv_source", -1.0, None, "give_up_s"),
+            ("remote_kv_source", float("nan"), None, "give_up_s"),
+            ("remote_kv_source", float("inf"), None, "give_up_s"),
+            ("remote_kv_source", 1e9, None, "give_up_s"),
+            ("remote_kv_source", True, None, "give_up_s"),
+            ("remote_kv_source", "0.5", None, "give_up_s"),
+        ],
+    )
+    def test_give_up_extension(
+        self, role: str, value: object, give_up: float | None, problem: str | None
+    ) -> None:
+        """A bad value is named and ignored: the pull waits as it would without one."""
+        routing = parse_transfer_params({role: {**SRC, "give_up_s": value}})
+        assert routing.source is not None
+        assert routing.source.give_up_s == give_up
+        if problem is None:
+            assert routing.problems == ()
+        else:
+            [text] = routing.problems
+            assert problem in text
+
     def test_producer_leg(self) -> None:
         routing = parse_transfer_params({"remote_decoder": {"kv_request_id": "req-9"}})
         assert routing.destination == Destination("req-9")

@@ -211,6 +211,29 @@ class TestStaged:
         assert [a.block(s) for s in dest] == [b.parent.expected(k) for k in KEYS]
         rows_accounted(a)
 
+    def test_a_job_still_waiting_at_its_give_up_fails_and_the_fetch_stages_anyway(
+        self,
+    ) -> None:
+        """The router's ``give_up_s``: a job waiting for a prefetch that has not landed by
+        then fails (its engine computes); the fetch lands later and is staged unclaimed."""
+        cluster, a, b = setup()
+        produce(b, KEYS)
+        Router(cluster).prefetch(a, b, TOKENS)
+        a.tier.poll()  # a asks; b has not answered
+        ctx = a.request("c", {"remote_kv_source": {**b.source("kv-c"), "give_up_s": 0.5}})
+        assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * len(KEYS)
+        job_id, _ = a.load(ctx, KEYS)
+        a.record(a.tier.take_results())
+        assert a.outcome(job_id) is None
+        cluster.advance(0.5)
+        a.tier.poll()
+        a.record(a.tier.take_results())
+        assert a.outcome(job_id) is False
+        assert ahead_counts(a)["jobs_given_up"] == 1
+        poll(a, b)  # the fetch lands: staged for whoever asks next, not handed out
+        assert a.stats().staged_blocks == len(KEYS)
+        rows_accounted(a)
+
     def test_a_job_with_a_key_not_staged_goes_the_ordinary_way(self) -> None:
         cluster, a, b = setup()
         produce(b, KEYS)

@@ -9,6 +9,7 @@ import pytest
 
 from kvpeer.router.cost import CostModel, CostPriors, Line
 from kvpeer.router.decide import (
+    MIN_GIVE_UP_S,
     REASON_CACHE,
     REASON_LOAD,
     REASON_NO_ENGINE,
@@ -95,6 +96,13 @@ def test_longer_prefix_on_a_peer_busy_decoding_is_pulled() -> None:
     # The consumer is told all the source holds, the prompt's last block included:
     # kvpeer's connector loads it too and computes the last token only.
     assert plan.source_held_tokens == 1024
+    # ... and when to stop waiting for the pull: about what computing it would cost e0
+    idle_compute = policy.cost.compute_s("e0", USABLE - 64, idle())
+    assert plan.give_up_s == pytest.approx(max(MIN_GIVE_UP_S, idle_compute))
+    local = policy.plan("r2", PROMPT, {"e0": idle(), "e1": idle()}, 0.0, serve_on="e0")
+    assert local.source is None or local.give_up_s is not None
+    assert policy.plan("r3", PROMPT, {"e0": idle(), "e1": idle()}, 0.0,
+                       serve_on="e1").give_up_s is None  # e1 holds it: nothing to pull
 
 
 def test_the_source_held_tokens_are_what_it_holds_of_a_partly_held_prompt() -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import (
+    MIN_GIVE_UP_S,
     REASON_CACHE,
     REASON_LOAD,
     REASON_NO_ENGINE,
@@ -214,10 +215,13 @@ def reference_plan(
     else:
         reason = REASON_CACHE if cached > 0 else REASON_LOAD
     source_held = index.longest_prefix(chosen, keys, MEDIUM_CPU, now) if chosen else 0
+    idle = EngineLoad(healthy=True, in_flight=0, queued_prompt_tokens=0)
+    give_up = (max(MIN_GIVE_UP_S, cost.compute_s(engine, cached - local, idle))
+               if chosen else None)  # fmt: skip
     return Plan(engine=engine, source=chosen, predicted_cached_tokens=cached,
                 predicted_pulled_tokens=cached - local if chosen else 0,
                 predicted_ttft_s=ttft, reason=reason,
-                source_held_tokens=source_held)  # fmt: skip
+                source_held_tokens=source_held, give_up_s=give_up)  # fmt: skip
 
 
 def random_priors(rng: random.Random) -> CostPriors:

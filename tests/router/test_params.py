@@ -44,6 +44,9 @@ def test_decode_and_shared_legs_name_only_the_given_peer() -> None:
     assert params.shared_leg(body, "id1", PEER, 0)["kv_transfer_params"] == {
         "remote_kv_source": target}  # nothing held: the engine probes as before
     assert params.shared_leg(body, "id1", None, 640) == body
+    assert params.shared_leg(body, "id1", PEER, 640, 0.41234)["kv_transfer_params"] == {
+        "remote_kv_source": target | {"held_tokens": 640, "give_up_s": 0.412}}
+    assert params.shared_leg(body, "id1", None, 640, 0.4) == body
 
 
 def test_want_usage_only_when_streaming_and_not_asked() -> None:

@@ -221,6 +221,34 @@ class TestLoadTimeout:
         assert stats_of(pair)[:2] == (1, 1)
         assert pair.a.session.next_deadline() == start + timeout + pair.settings.abort_ack_timeout_s
 
+    def test_give_up_aborts_before_the_load_timeout(self) -> None:
+        """The router's ``give_up_s``: the round is aborted that long after it was sent
+        (computing is faster by then), counted apart from load timeouts."""
+        pair = SessionPair(settings=PATIENT)
+        start = pair.clock.now
+        job = pair.next_job_id()
+        pair.a.session.request_blocks(job, ID, [key(0)], [3], start, give_up_s=0.5)
+        assert pair.a.session.next_deadline() == start + 0.5
+        pair.advance(0.4)
+        pair.poll()
+        assert sent(pair.a, AbortFetch) == []
+        pair.advance(0.1)
+        pair.poll()
+        assert sent(pair.a, AbortFetch) == [AbortFetch(kv_request_id=ID, round_seq=0)]
+        pair.pump()  # b acks the abort: the load fails, saying why
+        assert not pair.a.loads[job].success
+        assert "give_up_s" in pair.a.loads[job].reason
+        timeouts = pair.a.session.statistics().consumer.timeouts
+        assert timeouts.get("give_up") == 1
+        assert not timeouts.get("load")
+
+    def test_a_give_up_later_than_the_load_timeout_changes_nothing(self) -> None:
+        pair = SessionPair(settings=PATIENT)
+        start = pair.clock.now
+        pair.a.session.request_blocks(pair.next_job_id(), ID, [key(0)], [3], start,
+                                      give_up_s=pair.settings.load_timeout_s + 5)  # fmt: skip
+        assert pair.a.session.next_deadline() == start + pair.settings.load_timeout_s
+
     def test_abort_ack_fails_the_load_with_a_reason(self) -> None:
         """The producer's abort_ack ends the load as a failure that says why."""
         pair = SessionPair()

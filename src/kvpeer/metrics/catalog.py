@@ -74,6 +74,7 @@ TIMEOUT_KINDS = (
     "lookup",  # consumer: probes unanswered (lookup_timeout_s)
     "load",  # consumer: fetch without transfer_done (load_timeout_s)
     "abort_ack",  # consumer: abort without ack (abort_ack_timeout_s)
+    "give_up",  # consumer: a pull slower than computing, per the router (give_up_s)
     "lookup_pending",  # producer: HIT_PENDING/RETRY key answered MISS
     "store",  # producer: pinned supply never fetched (store_timeout_s)
     "transfer",  # producer: a write outlived transfer_timeout_s

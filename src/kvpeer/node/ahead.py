@@ -103,6 +103,7 @@ class PullAhead:
         self._entries: dict[Key, _Entry] = {}  # insertion order: oldest first
         self._fetches: dict[int, AheadFetch] = {}
         self._waiting: list[TransferJob] = []  # engine jobs waiting for fetches
+        self._give_up: dict[int, float] = {}  # waiting job id -> when it fails (give_up_s)
         self._requests: set[str] = set()  # engine requests that found staged keys
         self._keys_of: KeysOf | None = None
         self._copy: RowCopy | None = None
@@ -301,11 +302,13 @@ class PullAhead:
         return [(key, e.row) for key, e in self._entries.items() if e.fetch is None]
 
     def take(
-        self, job: TransferJob, now: float, peer_id: str | None = None
+        self, job: TransferJob, now: float, peer_id: str | None = None, *,
+        give_up_s: float | None = None,
     ) -> list[JobResult] | None:
         """Serve ``job`` from staging (invariant 5): its results now (empty while it
         waits for fetches from ``peer_id``, its request's source), or None if it is not
-        ours to serve."""
+        ours to serve. ``give_up_s``: a job still waiting that long fails (the engine
+        computes its blocks; the fetch goes on and stages them for whoever comes)."""
         entries = self._entries
         if not job.keys or self._shut:
             return None
@@ -318,6 +321,8 @@ class PullAhead:
         for key in job.keys:
             entries[key].claimed = True
         self._waiting.append(job)
+        if give_up_s is not None:
+            self._give_up[job.job_id] = now + give_up_s
         return self._settle(now)
 
     def _settle(self, now: float) -> list[JobResult]:
@@ -326,16 +331,30 @@ class PullAhead:
         still: list[TransferJob] = []
         for job in self._waiting:
             entries = [self._entries.get(key) for key in job.keys]
+            give_up = self._give_up.get(job.job_id)
             if any(entry is None for entry in entries):
                 self._release(job.keys)
                 self._counters["jobs_failed"] += 1
                 results.append(JobResult(job.job_id, False))
             elif any(entry is not None and entry.fetch is not None for entry in entries):
-                still.append(job)
+                if give_up is not None and now >= give_up:
+                    self._release(job.keys)  # the fetch lands unclaimed: staged as usual
+                    self._counters["jobs_given_up"] += 1
+                    results.append(JobResult(job.job_id, False))
+                else:
+                    still.append(job)
             else:
                 results.append(self._copy_out(job))
         self._waiting = still
+        waiting = {job.job_id for job in still}
+        self._give_up = {j: t for j, t in self._give_up.items() if j in waiting}
         return results
+
+    def give_up(self, now: float) -> list[JobResult]:
+        """Fail the waiting jobs whose ``give_up_s`` passed (invariant 5)."""
+        if not any(now >= due for due in self._give_up.values()):
+            return []
+        return self._settle(now)
 
     def _copy_out(self, job: TransferJob) -> JobResult:
         assert self._copy is not None
@@ -383,7 +402,8 @@ class PullAhead:
 
     def next_deadline(self) -> float | None:
         return min(
-            (e.deadline for e in self._entries.values() if e.fetch is None and not e.claimed),
+            [*(e.deadline for e in self._entries.values() if e.fetch is None and not e.claimed),
+             *self._give_up.values()],
             default=None,
         )
 
@@ -394,6 +414,7 @@ class PullAhead:
         the set of rows stays."""
         results = [JobResult(job.job_id, False) for job in self._waiting]
         self._waiting = []
+        self._give_up.clear()
         self._counters["jobs_failed"] += len(results)
         for key, entry in list(self._entries.items()):
             if entry.fetch is None:
@@ -410,6 +431,7 @@ class PullAhead:
         self._shut = True
         results = [JobResult(job.job_id, False) for job in self._waiting]
         self._waiting = []
+        self._give_up.clear()
         for fetch in list(self._fetches.values()):
             self._end_fetch(fetch.job_id, success=False)
         for key in list(self._entries):

@@ -44,10 +44,11 @@ PULL_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 PULL_WAIT_OUTCOMES = ("landed", "missed")  # the engine's wait in a lookup for a pull
 #: What pulling ahead counted (kvpeer.node.ahead): prefetches received and refused,
 #: blocks fetched, staged, used by the engine, expired unused or evicted for room,
-#: fetches failed, engine jobs served from staging or failed there.
+#: fetches failed, engine jobs served from staging or failed there, or given up on
+#: (still waiting for their fetch at the router's ``give_up_s``: the engine computes).
 AHEAD_EVENTS = ("prefetches", "refused", "already_staged", "blocks_fetched", "blocks_staged",
                 "blocks_used", "blocks_expired", "blocks_evicted", "fetches_failed",
-                "jobs_served", "jobs_adopted", "jobs_failed")  # fmt: skip
+                "jobs_served", "jobs_adopted", "jobs_failed", "jobs_given_up")  # fmt: skip
 FETCH_SIZE_BUCKETS = tuple(float(4096 * 4**i) for i in range(10))  # 4 KiB .. 1 GiB
 
 

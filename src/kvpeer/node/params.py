@@ -6,7 +6,8 @@ consumer: the peer has every block, no probing) and ``remote_kv_source``
 (symmetric consumer: probe, then fetch the hits; with ``held_tokens``, a
 kvpeer extension the router sets from the peer's KV events, the consumer
 trusts that the peer holds the prompt's first ``held_tokens`` tokens and
-fetches them without probing). ``remote_decoder`` may
+fetches them without probing; with ``give_up_s``, another, it stops waiting for the
+pull that long after submitting it and the engine computes instead). ``remote_decoder`` may
 combine with one consumer role. Anything malformed is reported as a problem
 and that role is dropped, so the request runs locally; parsing never raises.
 """
@@ -44,6 +45,9 @@ class Source:
     #: kvpeer extension (symmetric only): the peer holds the prompt's first
     #: ``held_tokens`` tokens, as the router last saw them.
     held_tokens: int | None = None
+    #: kvpeer extension (symmetric only): the router's word that a pull still running
+    #: this many seconds after it was submitted is slower than computing its blocks
+    give_up_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +159,23 @@ def _source(role: str, value: object, problems: list[str], *, probe: bool) -> So
             f"got {held!r:.80}; probing instead"
         )
         held = None
-    return Source(kv_request_id, format_peer_id(host, port), probe, prefill_done, held)
+    give_up = value.get("give_up_s") if probe else None
+    if give_up is not None and not _is_give_up(give_up):
+        problems.append(
+            f"{role}.give_up_s: expected seconds in (0, {MAX_GIVE_UP_S:g}], got "
+            f"{give_up!r:.80}; waiting for the pull as long as it takes"
+        )
+        give_up = None
+    return Source(kv_request_id, format_peer_id(host, port), probe, prefill_done, held,
+                  None if give_up is None else float(give_up))
+
+
+MAX_GIVE_UP_S = 3600.0
+
+
+def _is_give_up(value: object) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and 0 < value <= MAX_GIVE_UP_S)  # NaN compares False: refused too
 
 
 def _is_count(value: object) -> bool:

@@ -351,7 +351,8 @@ class Tier:
     def submit_load(self, job: TransferJob) -> None:
         source = self._requests.get(job.request.req_id, LOCAL).source
         staged = (
-            self._ahead.take(job, self._clock(), source.peer_id if source else None)
+            self._ahead.take(job, self._clock(), source.peer_id if source else None,
+                             give_up_s=source.give_up_s if source else None)
             if source is None or source.probe
             else None
         )
@@ -377,7 +378,8 @@ class Tier:
         try:
             peer.session.request_blocks(job.job_id, source.kv_request_id, job.keys, job.slots,
                                         now, prefill_done=source.prefill_done,
-                                        resolve=source.held_tokens is not None)  # fmt: skip
+                                        resolve=source.held_tokens is not None,
+                                        give_up_s=source.give_up_s)  # fmt: skip
         except ProtocolError as exc:
             log.error("load %s of request %s refused: %s", job.job_id, job.request.req_id, exc)
             self._results.append(JobResult(job.job_id, False))
@@ -664,6 +666,7 @@ class Tier:
             self._apply_one(polled, now)
         self._results.extend(self._bindings.expire(now))
         self._ahead.expire(now)
+        self._results.extend(self._ahead.give_up(now))
         self._peers.expire(now)
         for peer in self._peers:  # peer work reached us: its wait for a step starts
             if peer.serve_wait_since is None and peer.session.needs_serve():

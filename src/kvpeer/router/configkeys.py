@@ -109,7 +109,8 @@ _DISCOVERY_MEANINGS = {
     "api": "kubernetes: the API server",
     "port_name": "kubernetes: the EndpointSlice port that is the engines' HTTP port",
     "interval_s": "seconds between observations of the source",
-    "leave_after_s": "an engine missing from every answer this long leaves",
+    "leave_after_s": "an engine missing from every answer this long leaves (long enough "
+                     "for a restarting engine to come back: one move, not a leave and a join)",
     "timeout_s": "how long one observation may take",
     "port": "the engines' HTTP port (when the source gives none)",
     "peer_port": "their kvpeer tier's port",

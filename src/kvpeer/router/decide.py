@@ -30,6 +30,10 @@
 7. Estimates go stale: what a busy source costs is learned only from pulls from busy
    sources, so it relaxes toward its prior as time passes without one
    (:meth:`CostModel.relax`), and no decision rests on an old bad experience alone.
+8. A pull is bounded: a shared plan that pulls tells the engine when to give up
+   (``Plan.give_up_s``: its compute of the pulled tokens, idle, at least
+   :data:`MIN_GIVE_UP_S`), so a pull the model got wrong (a source busier than it
+   looked, blocks no longer held) costs at most about twice computing them.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ __all__ = [
     "RouterPolicy",
 ]
 
+#: The least ``Plan.give_up_s``: a pull is never abandoned sooner (a short prompt's
+#: compute is quick, but a pull's round trip and a step are not free either).
+MIN_GIVE_UP_S: Final = 0.25
 REASON_LOAD: Final = "load"  # nobody holds any of the prompt: least predicted wait
 REASON_CACHE: Final = "cache"  # the chosen engine's own cache made it the fastest
 REASON_PULL: Final = "pull"  # the chosen engine pulls a longer prefix from a peer
@@ -437,6 +444,7 @@ class RouterPolicy:
             predicted_pulled_tokens=option.pulled, predicted_ttft_s=option.ttft_s,
             reason=reason,
             source_held_tokens=in_cpu.get(option.source, 0) if option.source else 0,
+            give_up_s=self._give_up_s(engine, option.pulled) if option.source else None,
         )
         local = held.get(engine, _NOTHING)[0]
         return plan, _Pending(plan, n, local, 0, dict(healthy))
@@ -575,6 +583,12 @@ class RouterPolicy:
             # No session with it is warm: whoever pulls from it pays the cold one.
             quotes.append(warm if cost.warm_source(source) else cold)
         return min(quotes), second
+
+    def _give_up_s(self, engine: str, pulled_tokens: int) -> float:
+        """When a pull into ``engine`` stops paying: its compute of the pulled tokens,
+        idle (rule 2's alternative, started late), at least :data:`MIN_GIVE_UP_S`."""
+        idle = EngineLoad(healthy=True, in_flight=0, queued_prompt_tokens=0)
+        return max(MIN_GIVE_UP_S, self.cost.compute_s(engine, pulled_tokens, idle))
 
     def _explorable(self, option: _Option) -> _Option | None:
         """The rejected pull of ``option``, if it is time to try one (rule 6)."""

@@ -88,7 +88,7 @@ DISCOVERY_KEYS: Mapping[str, tuple[type, object]] = {
     "api": (str, IN_CLUSTER_API),
     "port_name": (str, "http"),
     "interval_s": (float, 5.0),
-    "leave_after_s": (float, 30.0),
+    "leave_after_s": (float, 300.0),
     "timeout_s": (float, 5.0),
     "port": (int, 8000),
     "peer_port": (int, 5710),
@@ -123,7 +123,9 @@ class DiscoveryConfig:
     api: str = IN_CLUSTER_API
     port_name: str = "http"  # kubernetes: the EndpointSlice port that is the HTTP port
     interval_s: float = 5.0
-    leave_after_s: float = 30.0
+    # long enough for an engine pod to come back (vLLM loads for minutes): its restart is
+    # then one move (a new address), not a leave and a join, each a new generation
+    leave_after_s: float = 300.0
     timeout_s: float = 5.0
     port: int = 8000
     peer_port: int = 5710

@@ -211,7 +211,8 @@ class Forwarder:
             else:
                 source = self._config.entry(plan.source).spec if plan.source else None
                 source = self._peers().dialable(source)
-                leg = params.shared_leg(ctx.body, ctx.request_id, source, plan.source_held_tokens)
+                leg = params.shared_leg(ctx.body, ctx.request_id, source, plan.source_held_tokens,
+                                        plan.give_up_s)  # fmt: skip
                 self._pull_ahead(ctx, entry.spec, source, plan.source_held_tokens)
             self._sent(ctx, plan)
             try:

@@ -91,18 +91,23 @@ def shared_leg(
     kv_request_id: str,
     source: EngineSpec | None,
     held_tokens: int | None = None,
+    give_up_s: float | None = None,
 ) -> dict[str, Any]:
     """A whole request; with ``source`` it pulls the prefix that peer holds.
 
     ``held_tokens`` (a kvpeer extension vLLM's tier ignores) is how much of the prompt
     the router saw ``source`` hold: a kvpeer consumer then fetches that much without
     asking the peer first, which saves the engine step that waits for the answer.
+    ``give_up_s`` (another): a kvpeer consumer whose pull has not landed that long
+    after it started computes the blocks instead.
     """
     leg = dict(body)
     if source is not None:
         target = _target(kv_request_id, source)
         if held_tokens is not None and held_tokens > 0:
             target["held_tokens"] = held_tokens
+        if give_up_s is not None:
+            target["give_up_s"] = round(give_up_s, 3)
         leg["kv_transfer_params"] = {"remote_kv_source": target}
     return leg
 

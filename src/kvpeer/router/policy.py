@@ -85,6 +85,10 @@ class Plan:
     #: ``predicted_cached_tokens`` when the prompt is held whole, because a consumer
     #: loading synchronously takes the last block too and computes one token only
     source_held_tokens: int = 0
+    #: (shared, with ``source``) how long after its engine submits the pull it should
+    #: stop waiting and compute instead: about what computing the pulled tokens costs
+    #: that engine idle, so a pull stuck behind a busy source costs at most that twice
+    give_up_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

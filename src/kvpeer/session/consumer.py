@@ -63,6 +63,13 @@ class _Load:
     submitted_at: float
     aborted_at: float | None = None
     abort_reason: str = ""
+    #: the orchestrator's word: past this, computing is faster than waiting (give_up_s)
+    give_up_at: float | None = None
+
+    def deadline(self, load_timeout_s: float) -> float:
+        """When the load is aborted unless its transfer_done came first."""
+        due = self.submitted_at + load_timeout_s
+        return due if self.give_up_at is None else min(due, self.give_up_at)
 
 
 @dataclass(slots=True)
@@ -171,11 +178,14 @@ class ConsumerRole:
         *,
         prefill_done: bool = False,
         resolve: bool = False,
+        give_up_s: float | None = None,
     ) -> None:
         """Fetch ``keys`` into our ``slots`` as a new round; the job reports later.
         ``prefill_done``: tell the producer its prefill leg already answered.
         ``resolve``: keys we never probed, that the producer is to look up itself
-        (sent as such only if some key was not confirmed by a probe)."""
+        (sent as such only if some key was not confirmed by a probe). ``give_up_s``:
+        abort the round if it has not landed by then (the router's estimate of when
+        computing the blocks would have been faster), as ``load_timeout_s`` does."""
         if len(keys) != len(slots):
             raise ProtocolError(f"load job {job_id}: {len(keys)} keys but {len(slots)} slots")
         if not keys:
@@ -208,7 +218,8 @@ class ConsumerRole:
         round_seq = request.round_seq
         request.round_seq += 1
         slot_tuple = tuple(slots)
-        request.loads[round_seq] = _Load(job_id, slot_tuple, now)
+        give_up = None if give_up_s is None else now + give_up_s
+        request.loads[round_seq] = _Load(job_id, slot_tuple, now, give_up_at=give_up)
         self._with_loads.add(kv_request_id)
         # The fetch closes the round's lookup phase: the next round probes anew,
         # because the peer unpins what this fetch does not take.
@@ -310,6 +321,16 @@ class ConsumerRole:
                             now,
                             f"no transfer_done within {self._settings.load_timeout_s:g}s",
                         )
+                    elif load.give_up_at is not None and now >= load.give_up_at:
+                        self._timeouts["give_up"] += 1
+                        self._abort(
+                            kv_request_id,
+                            round_seq,
+                            load,
+                            now,
+                            f"no transfer_done within {load.give_up_at - load.submitted_at:g}s "
+                            "(give_up_s: computing is faster now)",
+                        )
                 elif now >= load.aborted_at + self._settings.abort_ack_timeout_s:
                     self._timeouts["abort_ack"] += 1
                     self._complete(
@@ -344,7 +365,7 @@ class ConsumerRole:
         for kv_request_id in self._with_loads:
             for load in self._requests[kv_request_id].loads.values():
                 if load.aborted_at is None:
-                    deadlines.append(load.submitted_at + self._settings.load_timeout_s)
+                    deadlines.append(load.deadline(self._settings.load_timeout_s))
                 else:
                     deadlines.append(load.aborted_at + self._settings.abort_ack_timeout_s)
         for kv_request_id in self._with_probes:

@@ -395,8 +395,12 @@ class PeerSession:
         keys: Sequence[Key],
         slots: Sequence[int],
         now: float,
-        **flags: bool,  # the fetch's: prefill_done, resolve (ConsumerRole.request_blocks)
+        *,
+        prefill_done: bool = False,
+        resolve: bool = False,
+        give_up_s: float | None = None,
     ) -> None:
+        """The consumer's next round (ConsumerRole.request_blocks has the flags)."""
         if self._closed is not None:
             self._late_loads.append(
                 LoadFinished(job_id, kv_request_id, False, f"session closed: {self._closed.reason}")
@@ -404,7 +408,9 @@ class PeerSession:
             return
         # Not guarded: a bad job is the engine's mistake (ProtocolError to the owner).
         self._note_wait(now)
-        self._consumer.request_blocks(job_id, kv_request_id, keys, slots, now, **flags)
+        self._consumer.request_blocks(job_id, kv_request_id, keys, slots, now,
+                                      prefill_done=prefill_done, resolve=resolve,
+                                      give_up_s=give_up_s)  # fmt: skip
         self._settle_deferred_close()
 
     def _note_wait(self, now: float) -> None:
