@@ -228,6 +228,37 @@ def test_a_long_stream_stays_whole_across_a_router_stop() -> None:
     run(scenario())
 
 
+def test_a_request_on_a_kept_alive_connection_while_draining_is_sent_away() -> None:
+    async def scenario() -> None:
+        async with fleet(settings={"drain_timeout_s": 30}) as f:
+            idle = aiohttp.ClientSession()  # its connection stays open, idle, after this
+            try:
+                async with idle.post(f.url + "/v1/completions", json=completion_body()) as r:
+                    assert r.status == 200
+                    await r.read()
+                for fake in f.engines.values():
+                    fake.behaviour.hold_last = True
+                async with f.client.post(f.url + "/v1/completions",
+                                         json=completion_body(stream=True)) as resp:
+                    events = read_events(resp)
+                    await anext(events)
+                    stopping = asyncio.create_task(f.router.stop())
+                    await refused(f.url)
+                    async with idle.post(f.url + "/v1/completions",
+                                         json=completion_body()) as late:
+                        assert late.status == 503  # the client sends it elsewhere
+                        assert late.headers["Connection"] == "close"
+                        await late.read()
+                    for fake in f.engines.values():
+                        fake.release_last.set()
+                    assert [e async for e in events][-1] == b"data: [DONE]"
+                await asyncio.wait_for(stopping, 10)
+            finally:
+                await idle.close()
+
+    run(scenario())
+
+
 def test_a_stream_longer_than_the_drain_is_cut_and_counted() -> None:
     async def scenario() -> None:
         async with fleet(settings={"drain_timeout_s": 0.2}) as f:

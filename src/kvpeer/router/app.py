@@ -167,6 +167,10 @@ class Router:
         self._peers_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._active = 0  # generation requests being answered (the drain waits for them)
+        # Stopping: a request that still arrives on a kept-alive connection is refused
+        # (503, Connection: close) so the client retries elsewhere; the drain waits only
+        # for requests that came before.
+        self._draining = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._runner: web.AppRunner | None = None
@@ -257,11 +261,12 @@ class Router:
     async def stop(self) -> None:
         """Stop listening, drain the requests in flight (at most ``drain_timeout_s``;
         what is left then is cut), then stop the feeds and loops."""
-        if self._runner is not None:
-            for site in list(self._runner.sites):
+        runner, self._runner = self._runner, None  # a second stop() has nothing to do
+        self._draining = True
+        if runner is not None:
+            for site in list(runner.sites):
                 await site.stop()  # no new connections; requests in flight go on
             await self._drain()
-            runner, self._runner = self._runner, None  # a second stop() has nothing to do
             await runner.cleanup()
         self._events_stop.set()
         await asyncio.gather(*self._event_tasks, return_exceptions=True)
@@ -455,6 +460,10 @@ class Router:
     # -- handlers --------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self._draining:
+            refused = web.json_response({"status": "shutting down"}, status=503)
+            refused.force_close()
+            return refused
         stats = self.health.statistics()
         status = 200 if stats.up else 503
         return web.json_response(
@@ -488,6 +497,11 @@ class Router:
         return await self._generation(request, chat=True)
 
     async def _generation(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        if self._draining:
+            refused = error_response(503, "router shutting down: send it again",
+                                     "service_unavailable")
+            refused.force_close()
+            return refused
         started = time.monotonic()
         mode = self.config.mode.value
         self._counts["requests"] += 1
