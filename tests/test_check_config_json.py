@@ -29,7 +29,12 @@ def test_a_tier_config_with_problems_and_one_without(tmp_path: Path) -> None:
     assert any("secondary_tiers[1].max_peers" in p for p in document["problems"])
     good = tmp_path / "good.json"
     good.write_text(json.dumps(transfer_config()))
-    assert check(good) == (0, {"file": str(good), "kind": "tier", "ok": True, "problems": []})
+    code, document = check(good)
+    assert code == 0
+    effective = document.pop("effective")
+    assert document == {"file": str(good), "kind": "tier", "ok": True, "problems": []}
+    assert any("held blocks: a quarter of the CPU tier" in line for line in effective)
+    assert any("pulling ahead: obeys prefetches from" in line for line in effective)
 
 
 def test_a_router_toml(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpeer.checkconfig import check_transfer_config
+from kvpeer.checkconfig import check_transfer_config, effective_settings
 
 
 def transfer_config(**tier: object) -> dict[str, Any]:
@@ -75,7 +75,8 @@ def test_cli_prints_problems_and_exits_non_zero(tmp_path: Path) -> None:
     assert "secondary_tiers[1].max_peers" in failed.stdout
     passed = subprocess.run([*run, str(good)], capture_output=True, text=True, check=False)
     assert passed.returncode == 0
-    assert passed.stdout.strip().endswith(": ok")
+    assert passed.stdout.splitlines()[0].endswith("good.json: ok")
+    assert "held blocks: a quarter of the CPU tier" in passed.stdout
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     crashed = subprocess.run([*run, str(broken)], capture_output=True, text=True, check=False)
@@ -119,3 +120,31 @@ def test_a_cpu_only_spec_is_refused_on_a_gpu_and_the_right_one_is_named() -> Non
     assert "'KVPeerTieringOffloadingSpec'" in problem
     config["kv_connector_extra_config"]["spec_name"] = "KVPeerTieringOffloadingSpec"
     assert check_transfer_config(config, device="cuda") == []
+
+
+def test_check_config_shows_the_effective_sizes_of_the_defaults() -> None:
+    """A tier entry with only host and port: held blocks sized from the CPU tier, and
+    pulling ahead from the routers it trusts; keys that change either are reflected."""
+    config = transfer_config(host="10.0.0.5", port=5710)
+    config["kv_connector_extra_config"]["cpu_bytes_to_use"] = 8 << 30
+    where = "kv_connector_extra_config.secondary_tiers[1]"
+    assert effective_settings(config) == [
+        f"{where}: held blocks: up to 2,048 MiB (a quarter of the CPU tier, at most "
+        "4,096 MiB; cpu_bytes_to_use 8,192 MiB)",
+        f"{where}: pulling ahead: obeys prefetches from 127.0.0.0/8, ::1/128 (by default), "
+        "staging 256 rows of the CPU tier",
+    ]
+    config["kv_connector_extra_config"]["cpu_bytes_to_use"] = 64 << 30
+    assert "up to 4,096 MiB" in effective_settings(config)[0]  # bounded
+    fleet = transfer_config(allowed_peers=["10.0.0.0/16"], held_bytes=0, prefetch_from=[])
+    assert effective_settings(fleet) == [
+        f"{where}: held blocks: off (held_bytes 0)",
+        f"{where}: pulling ahead: off (prefetch_from is [])",
+    ]
+    listed = transfer_config(allowed_peers=["10.0.0.0/16"], data_transports=["tcp"])
+    assert effective_settings(listed) == [
+        f"{where}: held blocks: none (only the shm data plane serves them)",
+        f"{where}: pulling ahead: obeys prefetches from 10.0.0.0/16 (by default), staging "
+        "256 rows of the CPU tier",
+    ]
+    assert effective_settings(transfer_config(max_peers=0)) == []  # refused: nothing said

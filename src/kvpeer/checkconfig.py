@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvpeer.config import validate_dict
+from kvpeer.config import HELD_BYTES_MAX, HELD_SHARE, TierConfig, validate_dict
 
-__all__ = ["DEVICES", "check_transfer_config"]
+__all__ = ["DEVICES", "check_transfer_config", "effective_settings"]
 
 TIER_TYPES = ("KVPeerTier", "kvpeer")
 TIERING_SPECS = ("TieringOffloadingSpec", "CpuTieringOffloadingSpec", "KVPeerTieringOffloadingSpec")
@@ -121,3 +121,54 @@ def check_transfer_config(config: object, device: str | None = None) -> list[str
             '"type": "KVPeerTier", "module_path": "kvpeer.integrations.vllm")'
         )
     return problems
+
+
+def effective_settings(config: object) -> list[str]:
+    """What each valid kvpeer tier entry of ``config`` will do that its keys do not say:
+    the held blocks' size (from ``cpu_bytes_to_use``, the CPU tier's) and whose prefetches
+    it obeys. One line each; [] for anything :func:`check_transfer_config` refuses."""
+    if not isinstance(config, Mapping) or check_transfer_config(config):
+        return []
+    if "kv_connector" not in config and "kv_connector_extra_config" not in config:
+        entries: list[tuple[str, Mapping[str, object]]] = [("tier", config)]
+        cpu_bytes: object = None
+    else:
+        extra = config["kv_connector_extra_config"]
+        cpu_bytes = extra.get("cpu_bytes_to_use")
+        entries = [(f"kv_connector_extra_config.secondary_tiers[{i}]", entry)
+                   for i, entry in enumerate(extra["secondary_tiers"])
+                   if isinstance(entry, Mapping) and _is_kvpeer_tier(entry)]  # fmt: skip
+    lines = []
+    for where, entry in entries:
+        keys = {k: v for k, v in entry.items() if k not in _VLLM_TIER_KEYS}
+        tier = TierConfig.from_dict(keys)
+        lines.append(f"{where}: held blocks: {_held(tier, cpu_bytes)}")
+        trusted = tier.prefetch_trusted()
+        if trusted.nobody:
+            ahead = "off (prefetch_from is [])"
+        else:
+            whom = ("anyone CURVE admits" if trusted.everyone
+                    else ", ".join(trusted.to_entries() or []))  # fmt: skip
+            origin = "prefetch_from" if tier.prefetch_from is not None else "by default"
+            ahead = (f"obeys prefetches from {whom} ({origin}), staging "
+                     f"{tier.staging_blocks} rows of the CPU tier")
+        lines.append(f"{where}: pulling ahead: {ahead}")
+    return lines
+
+
+def _held(tier: TierConfig, cpu_bytes: object) -> str:
+    if "shm" not in tier.data_transports:
+        return "none (only the shm data plane serves them)"
+    if tier.held_bytes is not None:
+        if tier.held_bytes == 0:
+            return "off (held_bytes 0)"
+        return f"{_mib(tier.held_bytes)} (held_bytes)"
+    share = f"a quarter of the CPU tier, at most {_mib(HELD_BYTES_MAX)}"
+    if isinstance(cpu_bytes, int) and not isinstance(cpu_bytes, bool) and cpu_bytes > 0:
+        size = min(cpu_bytes // HELD_SHARE, HELD_BYTES_MAX)
+        return f"up to {_mib(size)} ({share}; cpu_bytes_to_use {_mib(cpu_bytes)})"
+    return share
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f} MiB"

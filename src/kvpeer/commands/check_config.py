@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kvpeer import configschema
-from kvpeer.checkconfig import DEVICES, check_transfer_config
+from kvpeer.checkconfig import DEVICES, check_transfer_config, effective_settings
 from kvpeer.errors import ConfigError
 from kvpeer.router import config as router_config
 from kvpeer.router import configcheck
@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpeer: {args.file}: {exc}", file=sys.stderr)
         return 2
     problems = [f"{args.file}: {p}" for p in check_transfer_config(loaded, device=args.device)]
-    return _report(str(path), "tier", problems, as_json=args.json)
+    return _report(str(path), "tier", problems, as_json=args.json,
+                   effective=effective_settings(loaded))
 
 
 def _router(path: Path, *, as_json: bool) -> int:
@@ -64,14 +65,20 @@ def _router(path: Path, *, as_json: bool) -> int:
                    as_json=as_json)
 
 
-def _report(file: str, kind: str, problems: list[str], *, as_json: bool) -> int:
-    """Every problem, one a line (or one JSON object); exit 1 on problems."""
+def _report(file: str, kind: str, problems: list[str], *, as_json: bool,
+            effective: list[str] | None = None) -> int:
+    """Every problem, one a line (or one JSON object); exit 1 on problems. A valid tier
+    config also says what its defaults come to (``effective``)."""
     if as_json:
-        print(json.dumps({"file": file, "kind": kind, "ok": not problems,
-                          "problems": problems}, indent=2))
+        document = {"file": file, "kind": kind, "ok": not problems, "problems": problems}
+        if effective is not None:
+            document["effective"] = effective
+        print(json.dumps(document, indent=2))
     else:
         for problem in problems:
             print(problem)
         if not problems:
             print(f"{file}: ok")
+            for line in effective or ():
+                print(f"  {line}")
     return 1 if problems else 0
