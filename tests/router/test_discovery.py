@@ -111,13 +111,16 @@ class FakeResolver:
 
 
 def test_a_headless_services_a_records_are_engines_named_by_address() -> None:
-    resolver = FakeResolver(a={"kvpeer-engine": ["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::7"]})
+    resolver = FakeResolver(a={"kvpeer-engine": ["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::7"],
+                               "v6-only": ["fd00::7", "fd00::8"]})  # fmt: skip
     source = DnsSource("kvpeer-engine", resolver)
     found = run(source.observe())
-    assert found == [Found("10.0.0.2", "10.0.0.2"), Found("10.0.0.1", "10.0.0.1"),
-                     Found("fd00::7", "fd00::7")]  # fmt: skip
+    # Dual stack: the pods' IPv4 addresses only (fd00::7 is one of them again).
+    assert found == [Found("10.0.0.2", "10.0.0.2"), Found("10.0.0.1", "10.0.0.1")]
+    found = run(DnsSource("v6-only", resolver).observe())
+    assert found == [Found("fd00::7", "fd00::7"), Found("fd00::8", "fd00::8")]
     config = DiscoveryConfig.from_mapping({"dns": "kvpeer-engine"})
-    assert engine_table(config, found[2]) == {
+    assert engine_table(config, found[0]) == {
         "name": "fd00::7", "url": "http://[fd00::7]:8000", "peer": "[fd00::7]:5710",
         "kv_events": "tcp://[fd00::7]:5557", "kv_events_replay": "tcp://[fd00::7]:5558",
     }  # fmt: skip
@@ -265,6 +268,14 @@ def test_the_kubernetes_source_lists_endpoint_slices_by_label_selector(tmp_path:
             other = KubernetesSource(api.url, "fleet", "app=other", lambda: session,
                                      token_file=account / "token")  # fmt: skip
             assert await other.observe() == []
+            # Dual stack: the IPv6 slice (listed first here) names the same pods; each
+            # stays at its IPv4 address.
+            v6 = [{**s, "addressType": "IPv6",
+                   "endpoints": [{**s["endpoints"][0], "addresses": ["fd00::1"]}]}
+                  for s in api.slices]  # fmt: skip
+            api.slices = v6 + api.slices
+            assert [f.host for f in await source.observe()] == ["10.244.1.5", "10.244.2.9"]
+            api.slices = api.slices[len(v6):]
             api.token = "rotated"
             with pytest.raises(DiscoveryFailed, match="HTTP 401"):
                 await source.observe()

@@ -5,7 +5,8 @@ list must be edited each time. With a ``[discovery]`` table the router instead a
 *source* every ``interval_s`` which engines exist now:
 
 - ``dns``: a headless Service's name; its A/AAAA records are the engines' pod IPs, each
-  engine named by its address;
+  engine named by its address (only the IPv4 ones when there are any: a dual-stack pod is
+  one engine);
 - ``srv``: an SRV name (``_http._tcp.SERVICE.NAMESPACE.svc.cluster.local``); each record's
   target is an engine, named by the target's first label (a StatefulSet pod's name), its
   port the engine's HTTP port;
@@ -299,11 +300,19 @@ class DnsSource:
                 found = [_found(target.rstrip(".").split(".")[0], target, port)
                          for target, port in records]  # fmt: skip
             else:
-                found = [_found(address, address) for address in
-                         dict.fromkeys(await self.resolver.addresses(self.name))]  # fmt: skip
+                addresses = _one_family(await self.resolver.addresses(self.name))
+                found = [_found(address, address) for address in addresses]
         except OSError as exc:
             raise DiscoveryFailed(f"{'SRV' if self.srv else 'DNS'} {self.name}: {exc}") from exc
         return _bounded(found, self)
+
+
+def _one_family(addresses: Sequence[str]) -> list[str]:
+    """Each address once, and only the IPv4 ones if there are any: a dual-stack pod has an
+    A and an AAAA record, and is one engine, not two."""
+    unique = list(dict.fromkeys(addresses))
+    ipv4 = [a for a in unique if _host(a) is not None and "." in a and ":" not in a]
+    return ipv4 or unique
 
 
 def _bounded(found: Sequence[Found | None], source: DnsSource | KubernetesSource) -> list[Found]:
@@ -311,7 +320,8 @@ def _bounded(found: Sequence[Found | None], source: DnsSource | KubernetesSource
         raise DiscoveryFailed(f"{len(found)} engines in one answer (at most {MAX_ENGINES})")
     good = [f for f in found if f is not None]
     source.skipped += len(found) - len(good)
-    return good
+    first = {f.name: f for f in reversed(good)}  # one name twice: the first stands
+    return [f for f in good if first[f.name] is f]
 
 
 @dataclass(slots=True)
@@ -366,10 +376,12 @@ class KubernetesSource:
         if not isinstance(items, list):
             raise DiscoveryFailed("not an EndpointSliceList (no items)")
         found: list[Found | None] = []
-        for item in items:
-            if not isinstance(item, dict):
-                found.append(None)
-                continue
+        # A dual-stack Service has an IPv4 and an IPv6 slice naming the same pods: the IPv4
+        # one first, so each pod is the same engine at every observation (the first name
+        # stands, Membership), never flipping between its addresses.
+        dicts = [i for i in items if isinstance(i, dict)]
+        found.extend(None for _ in range(len(items) - len(dicts)))
+        for item in sorted(dicts, key=lambda i: i.get("addressType") != "IPv4"):
             ports = item.get("ports") or []
             named = [p.get("port") for p in ports
                      if isinstance(p, dict) and p.get("name") == self.port_name]  # fmt: skip
