@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="TTFT p90 and reuse against load, per fleet size")
+    parser.add_argument("--runs-log", default=None, metavar="FILE",
+                        help="append each run's row to FILE as one JSON line when it ends")
     parser.add_argument("--from-json", default=None, metavar="FILE",
                         help="render (and --plot) a saved --json result instead of running")
 
@@ -97,6 +99,9 @@ def _run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str,
             row = summary(result, load, pooled.get((spec.engines, spec.link),
                                                    pooled.get((spec.engines, links[0]))))
             runs.append(row)
+            if args.runs_log:
+                with open(args.runs_log, "a", encoding="utf-8") as log:
+                    log.write(json.dumps(row) + "\n")
     return {"trace": str(args.trace), "window_s": args.window,
             "window_start_s": args.window_start, "gpu": gpu.name,
             "facts": trace_facts(requests, gpu), "runs": runs}
