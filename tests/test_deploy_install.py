@@ -34,11 +34,11 @@ def base_environment(tmp_path: Path) -> Path:
     env_dir = tmp_path / "env"
     # No pip of its own: the "image's" pip and setuptools (this one's) do the work.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)],
-                   check=True, timeout=120)  # fmt: skip
+                   check=True, timeout=600)  # fmt: skip
     python = env_dir / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True, capture_output=True, text=True, timeout=600,
     ).stdout.strip()  # fmt: skip
     (Path(purelib) / "zz_base_image.pth").write_text(f"{view}\n", encoding="utf-8")
     return python
@@ -55,7 +55,7 @@ def install_sh(python: Path, *args: str, **env: str) -> subprocess.CompletedProc
 def pip_list(python: Path) -> dict[str, str]:
     out = subprocess.run(
         [str(python), "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
-        check=True, capture_output=True, text=True, timeout=120,
+        check=True, capture_output=True, text=True, timeout=600,
     ).stdout  # fmt: skip
     return dict(line.lower().split("==", 1) for line in out.splitlines() if "==" in line)
 
@@ -97,6 +97,6 @@ def test_the_build_fails_when_the_c_extension_does_not_build(tmp_path: Path) -> 
 
 def test_usage_errors_name_the_usage() -> None:
     result = subprocess.run(["sh", str(SCRIPT), "bogus"], capture_output=True, text=True,
-                            timeout=60, check=False)  # fmt: skip
+                            timeout=600, check=False)  # fmt: skip
     assert result.returncode == 1
     assert "usage: install.sh wheel" in result.stderr
