@@ -92,14 +92,15 @@ def test_defaults_match_the_design() -> None:
     assert config.port == 5710
     assert config.peer_id == "127.0.0.1:5710"
     assert config.load_timeout_s == 30.0
-    assert config.abort_ack_timeout_s == 10.0
+    assert config.abort_ack_timeout_s == 12.0  # over a vLLM producer's 10 s cancel drain
     assert config.lookup_pending_timeout_s == 5.0
     assert config.lookup_timeout_s == 30.0
     assert config.store_timeout_s == 30.0
     assert config.unbound_store_timeout_s == 60.0
     assert config.tombstone_retention_s == 60.0
     assert config.handshake_timeout_s == 30.0
-    assert config.abort_drain_timeout_s == 5.0  # under abort_ack_timeout_s: we ack first
+    # under abort_ack_timeout_s and vLLM 0.34's 5 s: we ack first (docs/interop.md)
+    assert config.abort_drain_timeout_s == 3.0
     assert config.heartbeat_interval_s == 2.0
     assert config.heartbeat_timeout_s == 10.0
     assert config.max_peers == 128

@@ -486,7 +486,7 @@ class TierConfig:
     host: str = "127.0.0.1"
     port: int = 5710
     load_timeout_s: float = 30.0
-    abort_ack_timeout_s: float = 10.0
+    abort_ack_timeout_s: float = 12.0  # over vLLM p2p producers' 10 s cancel drain
     lookup_pending_timeout_s: float = 5.0
     lookup_timeout_s: float = 30.0
     store_timeout_s: float = 30.0
@@ -495,7 +495,7 @@ class TierConfig:
     handshake_timeout_s: float = 30.0
     peer_wait_s: float = 1.5
     peer_retry_max_s: float = 30.0
-    abort_drain_timeout_s: float = 5.0
+    abort_drain_timeout_s: float = 3.0  # under vLLM 0.34 consumers' 5 s abort-ack wait
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     max_peers: int = 128

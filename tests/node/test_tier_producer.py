@@ -19,6 +19,7 @@ from kvpeer.types import LookupResult, OffloadPolicy
 KEYS = keys(1, 2, 3)
 UNBOUND_S = 60.0  # unbound_store_timeout_s default
 LOAD_S = 30.0  # load_timeout_s default
+ABORT_ACK_S = 12.0  # abort_ack_timeout_s default
 RETENTION_S = 2 * LOAD_S  # tombstone_retention_s default
 
 
@@ -212,7 +213,7 @@ class TestLateFetch:
         assert a.sent_of(AbortFetch) == []
         consumer = a.session(b).statistics().consumer
         assert (consumer.loads_in_flight, consumer.loads_aborting) == (0, 0)
-        cluster.advance(LOAD_S + 11)
+        cluster.advance(LOAD_S + ABORT_ACK_S + 1)
         cluster.step(2)
         assert a.sent_of(AbortFetch) == []
         assert a.lookup(req, *KEYS) == [LookupResult.MISS] * 3
@@ -288,7 +289,7 @@ class TestLateFetch:
         cluster.run()  # the consumer gives up: abort_fetch, abort_ack
         assert a.outcome(job) is False
         assert len(a.sent_of(AbortFetch, to=b)) == 1
-        cluster.advance(10)
+        cluster.advance(ABORT_ACK_S)
         cluster.step()
         assert b.stats().early_fetches == 0
 

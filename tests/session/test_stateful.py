@@ -499,7 +499,7 @@ class TestShrunkSequences:
         state.engine_step(writes_finish=False)  # b holds round 0's demand
         state.finish_consumer(consumer="a", pd=True, act=True)  # abort_fetch in transit
         state.add_supply(producer="b", keys=[KEYS[0]], cover=False)  # b starts the write
-        state.advance(seconds=10.0, then_poll=True)  # a: no abort_ack, load failed
+        state.advance(seconds=_DEFAULTS.abort_ack_timeout_s, then_poll=True)  # a: no abort_ack
         before = bytes(state.pair.a.region.memory)
         state.data_plane(node="b", action="complete", pick=0)
         state.writes_stay_inside_opened_slots()

@@ -366,6 +366,39 @@ def test_the_cpu_worker_takes_each_vllms_calls() -> None:
     worker.shutdown()
 
 
+# --- item 5: kvpeer's timeouts against a vLLM p2p peer's ----------------------------------
+
+MARGIN_S = 1.0  # what a stalled step or a busy machine may add on either side
+
+
+def _p2p(module: str, name: str) -> float | None:
+    """One of the imported vLLM p2p tier's timeouts (private constants, named here so a
+    vLLM that renames one fails by that name), None where this vLLM has none."""
+    found = __import__(f"vllm.v1.kv_offload.tiering.p2p.session.{module}", fromlist=["_"])
+    value = getattr(found, name, None)
+    return None if value is None else float(value)
+
+
+def test_kvpeers_timeouts_leave_a_margin_under_a_vllm_peers() -> None:
+    """Issue 38 item 5 (docs/interop.md has the table): a kvpeer producer acks a vLLM
+    consumer's abort before that consumer gives up and disconnects (0.34: after 5 s, the
+    old abort_drain_timeout_s exactly); a kvpeer consumer waits for a vLLM producer's
+    ack longer than that producer may drain; a lookup kvpeer holds pending is answered
+    before a vLLM consumer's lookup deadline (0.33: 30 s, 0.34: 8 s)."""
+    from kvpeer.config import TierConfig
+
+    ours = TierConfig()
+    abort_ack = _p2p("client", "_ABORT_ACK_TIMEOUT_S")
+    cancel_drain = _p2p("server", "_CANCEL_DRAIN_TIMEOUT_S")
+    assert abort_ack is not None, f"vLLM {vllm.__version__}: no client._ABORT_ACK_TIMEOUT_S"
+    assert cancel_drain is not None, f"vLLM {vllm.__version__}: no server._CANCEL_DRAIN_TIMEOUT_S"
+    assert ours.abort_drain_timeout_s + MARGIN_S <= abort_ack
+    assert ours.abort_ack_timeout_s >= cancel_drain + MARGIN_S
+    lookup = _p2p("client", "_LOOKUP_TIMEOUT_S")  # 0.33+; 0.32's lookups have no deadline
+    if lookup is not None:
+        assert ours.lookup_pending_timeout_s + MARGIN_S <= lookup
+
+
 # --- every private name of vLLM that kvpeer reaches into -------------------------------------
 
 # (where, name): a class attribute or method, or an attribute its code sets on instances.

@@ -37,12 +37,12 @@ class SessionSettings:
     """
 
     load_timeout_s: float = 30.0
-    abort_ack_timeout_s: float = 10.0
+    abort_ack_timeout_s: float = 12.0
     lookup_timeout_s: float = 30.0
     lookup_pending_timeout_s: float = 5.0
     store_timeout_s: float = 30.0
-    abort_drain_timeout_s: float = 5.0
-    transfer_timeout_s: float = 40.0
+    abort_drain_timeout_s: float = 3.0
+    transfer_timeout_s: float = 42.0
     handshake_timeout_s: float = 30.0
     peer_wait_s: float = 1.5
     max_queued_messages: int = 4096
