@@ -499,3 +499,53 @@ def test_kvpeer_routers_serve_follows_the_systems_dns(tmp_path: Path) -> None:
             await fake.stop()
 
     run(scenario())
+
+
+def test_a_discovered_set_that_makes_no_valid_config_keeps_the_running_generation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Invariant 3: a static engine and a discovered one on the same tier address are no
+    valid config; nothing starts for that set, and the error is logged once."""
+
+    async def scenario() -> None:
+        resolver = FakeResolver(a={"svc": ["127.0.0.9"]})
+        config = from_mapping({
+            "listen": "127.0.0.1:0", "policy": "load", "health_interval_s": 30,
+            "engine": [{"name": "static", "url": "http://127.0.0.9:1", "peer": "127.0.0.9:5710"}],
+            "discovery": {"dns": "svc", "interval_s": 3600, "leave_after_s": 0.001,
+                          "kv_events_port": 0},
+        })  # fmt: skip
+        clock = Clock()
+        router = DiscoveringRouter(config, resolver=resolver, clock=clock)
+        url = await router.start()
+        connector = aiohttp.TCPConnector(force_close=True)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as client:
+                async with client.get(f"{url}/health") as response:
+                    assert response.status == 503
+                    assert "not usable" in (await response.json())["status"]
+                resolver.a["svc"] = ["127.0.0.8"]  # a valid set: a generation with both
+                clock.now = 1
+                assert await router.loop.observe_once()
+                assert router.router is not None
+                assert [e.name for e in router.router.config.engines] == ["static", "127.0.0.8"]
+                assert router.generations == 2
+                # Invalid again (the same clash, then with one more engine): the running
+                # generation stays, and the same error is not logged again.
+                resolver.a["svc"] = ["127.0.0.9"]
+                clock.now = 2
+                assert await router.loop.observe_once()
+                resolver.a["svc"] = ["127.0.0.9", "127.0.0.7"]
+                clock.now = 3
+                assert await router.loop.observe_once()
+                assert router.generations == 2
+                assert [e.name for e in router.router.config.engines] == ["static", "127.0.0.8"]
+                async with client.get(f"{url}/health") as response:
+                    assert set((await response.json())["down"]) == {"static", "127.0.0.8"}
+        finally:
+            await router.stop()
+
+    with caplog.at_level("ERROR", logger="kvpeer.router.generations"):
+        run(scenario())
+    refusals = [r for r in caplog.records if "no valid router config" in r.getMessage()]
+    assert len(refusals) == 2  # at start, and once when it came back (not again at 3)

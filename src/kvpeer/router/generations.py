@@ -124,10 +124,6 @@ class DiscoveringRouter:
         self._task = asyncio.create_task(self.loop.run(self._stop), name="engine-discovery")
         return self.url
 
-    async def settled(self) -> None:
-        """Wait until every generation before the current one has stopped."""
-        await asyncio.gather(*self._retiring, return_exceptions=True)
-
     async def stop(self) -> None:
         self._stop.set()
         if self._task is not None:
@@ -164,7 +160,8 @@ class DiscoveringRouter:
                 if self.current is not None:
                     return
                 nxt = _Placeholder(registry, f"discovered engines are not usable: {exc}")
-            self._rejected = ""
+            else:
+                self._rejected = ""
             sock = self._sock.dup()
             try:
                 await nxt.start(listening=sock)
