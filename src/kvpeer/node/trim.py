@@ -10,7 +10,7 @@ short-lived sessions, frames up to the size limit, connections and threads opene
 closed by the thousand) so keeps the high-water mark of every arena resident, long
 after the objects are gone (``kvpeer fuzz``: 62 MiB after the warm-up, 169 MiB after
 10^6 frames and the goodbyes; with one arena, ``MALLOC_ARENA_MAX=1``, +3 MiB over
-10^5 frames against +22 MiB: docs/loose-ends.md).
+10^5 frames against +22 MiB: docs/benchmarks.md).
 
 Two remedies, both for a process the node owns (``kvpeer serve``; never inside an
 engine, whose heap is the engine's): :func:`cap_malloc_arenas` caps glibc's arenas
