@@ -38,16 +38,22 @@ def base_environment(tmp_path: Path) -> Path:
     python = env_dir / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, timeout=600,
+        check=True, capture_output=True, text=True, timeout=600, env=isolated_env(),
     ).stdout.strip()  # fmt: skip
     (Path(purelib) / "zz_base_image.pth").write_text(f"{view}\n", encoding="utf-8")
     return python
 
 
+def isolated_env() -> dict[str, str]:
+    """This environment without PYTHONPATH: the script must see only the target's
+    packages (a PYTHONPATH naming a checkout would shadow the installed kvpeer)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def install_sh(python: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["sh", str(SCRIPT), *args],
-        env={**os.environ, "PYTHON": str(python), "KVPEER_OFFLINE": "1", **env},
+        env={**isolated_env(), "PYTHON": str(python), "KVPEER_OFFLINE": "1", **env},
         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT,
     )  # fmt: skip
 
@@ -55,7 +61,7 @@ def install_sh(python: Path, *args: str, **env: str) -> subprocess.CompletedProc
 def pip_list(python: Path) -> dict[str, str]:
     out = subprocess.run(
         [str(python), "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
-        check=True, capture_output=True, text=True, timeout=600,
+        check=True, capture_output=True, text=True, timeout=600, env=isolated_env(),
     ).stdout  # fmt: skip
     return dict(line.lower().split("==", 1) for line in out.splitlines() if "==" in line)
 
