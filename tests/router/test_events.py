@@ -180,7 +180,7 @@ def encode_raw(value: Any) -> bytes:
 def test_unknown_trailing_fields_are_tolerated_and_counted(loops: str) -> None:
     """vLLM 0.33 added ``BlockStored.lookahead_token_ids`` (EAGLE / MTP lookahead hashing,
     on in 0.34's OffloadingConnector): a batch carrying it, or any field or batch item a
-    later vLLM appends, decodes as before, and the names are counted."""
+    later vLLM appends, decodes as before, and is counted under the field's name."""
     payload = encode_raw([
         1.0,
         [{**GOOD_STORED, "lookahead_token_ids": [[5, 6]]},
@@ -196,11 +196,14 @@ def test_unknown_trailing_fields_are_tolerated_and_counted(loops: str) -> None:
         BlocksRemoved(MEDIUM_GPU, (H2,)),
         BlocksStored.of_ids(MEDIUM_GPU, (H3,), H1, (1, 2, 3, 4), BS),
     )
-    assert result.unknown_fields == (
-        ("BlockRemoved.future", 1), ("BlockStored.lookahead_token_ids", 2),
-        ("KVEventBatch[3]", 1),
-    )
+    # counted once a batch, by the first the decoder met
+    assert result.unknown_fields == (("BlockStored.lookahead_token_ids", 1),)
     assert result.data_parallel_rank == 0
+    removal = encode_raw([1.0, [{"type": "BlockRemoved", "block_hashes": [H2],
+                                 "medium": "GPU", "future": 1}]])  # fmt: skip
+    assert decoded(removal).unknown_fields == (("BlockRemoved.future", 1),)
+    trailing = encode_raw([1.0, [GOOD_STORED], 0, "a fourth item", "a fifth"])
+    assert decoded(trailing).unknown_fields == (("KVEventBatch[3]", 1),)
     # a batch of only known fields reports none
     assert decoded(encode_raw([1.0, [GOOD_STORED]])).unknown_fields == ()
 
