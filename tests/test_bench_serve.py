@@ -630,7 +630,7 @@ def test_repeats_run_each_seed_on_the_same_engines_and_pool_per_arm_and_workload
     arms = FakeArms()
     progress: list[str] = []
     result = run_matrix(spec, arms, progress.append)
-    assert arms.opened == ["none", "kvpeer"]  # engines start once per arm, not per turn
+    assert arms.opened == ["none", "kvpeer", "none", "kvpeer"]  # arms in turns, fresh each
     assert [(c.arm, c.workload, c.repeat) for c in result.repeat_cells] == [
         (arm, workload, k) for k in (0, 1) for arm in ("none", "kvpeer")
         for workload in ("pinned-chat", "pd")

@@ -15,10 +15,10 @@ kvpeer-affinity kvpeer, as the README starts it   affinity: the tier present, ne
 vllm-p2p        vLLM 0.32's own ``p2p`` tier      pull
 =============== ================================= ====================================
 
-With ``--repeat N`` the arms run in turns (A B C, A B C, ...): every arm's engines start
-once and stay up, and turn ``k`` runs each arm on seed ``seed + k`` one after another, so
-a ratio compares arms measured minutes apart on the same requests; the median of the
-per-turn ratios is the result (this machine drifts by tens of percent between runs).
+With ``--repeat N`` the arms run in turns (A B C, A B C, ...): turn ``k`` runs each arm,
+on fresh engines, on seed ``seed + k`` one after another, so a ratio compares arms
+measured minutes apart on the same requests; the median of the per-turn ratios is the
+result (this machine drifts by tens of percent between runs).
 
 Every chosen workload (:mod:`kvpeer.lab.bench.serve_workloads`) is driven through the
 routers' OpenAI API (:mod:`kvpeer.lab.bench.serve_client`). *Unpinned* workloads (``prefix``,
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -275,9 +274,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a probe measures on the first arm)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="N turns, the arms in turns within each (A B A B ...; every "
-                             "arm's engines stay up), turn k on seed S+k (default 1); the "
-                             "table pools the turns, then each turn's ratios and their median")
+                        help="N turns, the arms in turns within each (A B A B ..., fresh "
+                             "engines each), turn k on seed S+k (default 1); the table pools "
+                             "the turns, then each turn's ratios and their median")
     parser.add_argument("--quick", action="store_true",
                         help="few requests, 1,024-token prompts (5-8 minutes for 3 arms here)")
     parser.add_argument("--data-plane", default="shm",
@@ -366,13 +365,12 @@ class BenchResult:
 
 def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
                observe: Observe | None = None, tokenizer: Any = None) -> BenchResult:
-    """Every arm x every turn x every workload it runs. With one turn the arms run one
-    after another (fresh engines each, stopped before the next starts); with
-    ``spec.repeats`` > 1 every arm's fleet is started first and stays up, and turn ``k``
-    runs each arm in order on seed ``spec.seed + k`` (arms in turns, so drift over the
-    run falls on every arm alike). Unpinned workloads run at both offered loads (probed on
-    the first arm that runs them, unless given). ``tokenizer``: the served model's (the
-    ``prefix`` workload needs it)."""
+    """Every turn x every arm x every workload it runs: turn ``k`` runs each arm in order
+    on seed ``spec.seed + k``, fresh engines each (started, measured, stopped before the
+    next arm starts: two CPU fleets of this bench's size do not fit one 24 GiB machine
+    beside a third), so drift over the run falls on every arm alike. Unpinned workloads
+    run at both offered loads (probed on the first arm that runs them, unless given).
+    ``tokenizer``: the served model's (the ``prefix`` workload needs it)."""
     started = time.monotonic()
     loads: dict[str, tuple[float, float]] = {}
     if spec.loads is not None:
@@ -408,30 +406,17 @@ def run_matrix(spec: ServeBenchSpec, open_arm: OpenArm, progress: Progress,
         progress(f"arm {arm} {reason}")
         errors.append(ArmError(arm, reason))
 
-    if spec.repeats == 1:
+    stopped: set[str] = set()
+    for k in range(spec.repeats):
         for arm, names in runs:
+            if arm in stopped:
+                continue
             try:
                 with open_arm(arm) as fleet:
-                    turn(arm, names, fleet, 0)
-            except Exception as exc:
+                    turn(arm, names, fleet, k)
+            except Exception as exc:  # the arm stops; the others go on
                 failed(arm, exc)
-    else:
-        with contextlib.ExitStack() as stack:
-            fleets: dict[str, ArmFleet] = {}
-            for arm, _ in runs:
-                try:
-                    fleets[arm] = stack.enter_context(open_arm(arm))
-                except Exception as exc:
-                    failed(arm, exc)
-            for k in range(spec.repeats):
-                for arm, names in runs:
-                    if arm not in fleets:
-                        continue
-                    try:
-                        turn(arm, names, fleets[arm], k)
-                    except Exception as exc:  # the arm stops; the others go on
-                        failed(arm, exc)
-                        del fleets[arm]
+                stopped.add(arm)
     seconds = time.monotonic() - started
     if spec.repeats == 1:
         return BenchResult(spec, cells, errors, seconds, setup_errors=setup_errors,
