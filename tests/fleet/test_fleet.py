@@ -231,3 +231,11 @@ def test_a_saved_result_is_rendered_and_plotted(
                  str(tmp_path / "p.png")]) == 0
     assert "kvpeer" in capsys.readouterr().out
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_held_blocks_and_sync_pulls_are_a_run_option_and_reported() -> None:
+    trace = shared_trace()
+    slow = run_at_load(FleetSpec(engines=4, policy="kvpeer"), trace, 0.9)
+    fast = run_at_load(FleetSpec(engines=4, policy="kvpeer", held_sync=True), trace, 0.9)
+    assert summary(fast, 0.9)["held_sync"] is True
+    assert fast.requests == slow.requests

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
     parser.add_argument("--event-delay", type=float, default=0.01,
                         help="seconds from an engine's step to the router's index")
+    parser.add_argument("--held-sync", action="store_true",
+                        help="tiers serve held blocks and engines run kvpeer's connector: "
+                             "a pull waits for no engine step")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="TTFT p90 and reuse against load, per fleet size")
@@ -85,7 +88,8 @@ def _run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str,
     if len(requests) < 2:
         raise ConfigError(f"--trace {args.trace}: fewer than 2 requests in the window")
     gpu = GpuModel()
-    base = FleetSpec(seed=args.seed, slo_s=args.slo, event_delay_s=args.event_delay, gpu=gpu)
+    base = FleetSpec(seed=args.seed, slo_s=args.slo, event_delay_s=args.event_delay, gpu=gpu,
+                     held_sync=args.held_sync)
     runs: list[dict[str, Any]] = []
     ordered = [p for p in ("pooled", "infinite") if p in policies] + [
         p for p in policies if p not in BOUNDS]
@@ -123,8 +127,9 @@ def render(result: dict[str, Any]) -> str:
     for r in result["runs"]:
         vs = r.get("reuse_vs_pooled", math.nan)
         link = r["link"] if r["policy"] not in ("load", "affinity") else "-"
+        policy = r["policy"] + ("+hs" if r.get("held_sync") and r["policy"] == "kvpeer" else "")
         lines.append(
-            f"{r['engines']:>4} {r['load']:>5.2f} {r['policy']:<9} {link:<7} "
+            f"{r['engines']:>4} {r['load']:>5.2f} {policy:<9} {link:<7} "
             f"{r['ttft_p50_s']:>7.3f} {r['ttft_p90_s']:>7.3f} {r['ttft_p99_s']:>7.3f} "
             f"{100 * r['goodput']:>5.1f}% {100 * r['reuse']:>5.1f}% {100 * vs:>5.0f}% "
             f"{r['pulls']:>6} {r['bytes_moved'] / 1e9:>9.1f} "

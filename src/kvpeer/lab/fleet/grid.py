@@ -62,6 +62,7 @@ def summary(result: FleetResult, load: float, pooled_reuse: float | None = None)
     met = sum(1 for t in ttfts if t <= spec.slo_s)
     out: dict[str, Any] = {
         "engines": spec.engines, "policy": spec.policy, "link": spec.link, "load": load,
+        "held_sync": spec.held_sync,
         "seed": spec.seed, "requests": result.requests,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
         "ttft_p99_s": percentile(ttfts, 99),

@@ -16,7 +16,9 @@ Rules:
    the head of its queue; the source answers at its next step boundary with what its
    CPU tier holds *then*; the blocks cross the network (:class:`Network`, queued per
    NIC), land in the consumer's CPU tier, are loaded over PCIe, and the request waits
-   out :data:`~kvpeer.router.cost.CONSUMER_PULL_STEPS` of the consumer's steps.
+   out :data:`~kvpeer.router.cost.CONSUMER_PULL_STEPS` of the consumer's steps. With
+   ``held_sync`` (tiers serving held blocks, engines running kvpeer's connector) the
+   source answers at once and the consumer waits out no step.
 3. Bounds: ``infinite`` and ``pooled`` place by load (the router's load policy) and
    look every prompt up in one cache shared by the fleet (infinite, or all engines'
    CPU tiers pooled, LRU); a hit costs only its transfer and PCIe load (no queueing,
@@ -65,6 +67,10 @@ class FleetSpec:
     seed: int = 0
     slo_s: float = 2.0  # TTFT service-level objective for goodput
     event_delay_s: float = 0.01  # ASSUMPTION: engine step -> router index
+    #: every tier serves held blocks and every engine runs kvpeer's connector: a pull
+    #: waits for no step of its source and costs its consumer none (EngineSpec's
+    #: ``serves_held`` and ``sync_pulls``, told to the router as an operator would)
+    held_sync: bool = False
     gpu: GpuModel = field(default_factory=GpuModel)
 
     def __post_init__(self) -> None:
@@ -116,7 +122,8 @@ class _World(EngineHost):
         Random(spec.seed).shuffle(names)  # which engine wins a tie is the seed's
         bound = spec.policy in BOUNDS
         self.index: PrefixIndex | None = None
-        specs = [EngineSpec(n, f"http://{n}:8000", n, 5710) for n in names]
+        specs = [EngineSpec(n, f"http://{n}:8000", n, 5710, serves_held=spec.held_sync,
+                            sync_pulls=spec.held_sync) for n in names]
         self.policy: Policy
         if spec.policy in ("affinity", "kvpeer"):
             self.index = PrefixIndex(block_size=bt)
@@ -190,12 +197,14 @@ class _World(EngineHost):
             return Fetched(local, now)
         source.cpu_tier.touch(blocks[:held])
         tokens = (held - local) * self._bt
+        window = now if self.spec.held_sync else source.next_window(now)
         arrived = self.network.transfer(source.name, engine.name, tokens * kv // self._bt,
-                                        source.next_window(now))
+                                        window)
         self.pulls += 1
         pulled = blocks[:held]
         self.schedule(arrived, lambda _: engine.stored_pulled(pulled))
-        return Fetched(held, arrived + self.spec.gpu.load_s(tokens), PULL_STEPS)
+        steps = 0 if self.spec.held_sync else PULL_STEPS
+        return Fetched(held, arrived + self.spec.gpu.load_s(tokens), steps)
 
     def first_token(self, job: Job, now: float) -> None:
         self.ttft[job.rid] = now - job.arrival
