@@ -177,6 +177,11 @@ def test_pull_predicted_slower_is_not_planned() -> None:
     plan = policy.plan("r1", PROMPT, {"e0": idle(), "e1": busy()}, 0.0)
     assert (plan.engine, plan.source, plan.reason) == ("e0", None, REASON_PULL_SLOWER)
     assert plan.predicted_cached_tokens == 0
+    # the pull it passed over, as predicted (traced against the outcome by bench serve)
+    assert plan.rejected_pull_ttft_s is not None
+    assert plan.predicted_ttft_s is not None
+    assert plan.rejected_pull_ttft_s >= plan.predicted_ttft_s
+    assert plan.give_up_s is None
 
 
 def test_gpu_blocks_are_not_a_pull_source() -> None:

@@ -221,7 +221,9 @@ def reference_plan(
     return Plan(engine=engine, source=chosen, predicted_cached_tokens=cached,
                 predicted_pulled_tokens=cached - local if chosen else 0,
                 predicted_ttft_s=ttft, reason=reason,
-                source_held_tokens=source_held, give_up_s=give_up)  # fmt: skip
+                source_held_tokens=source_held, give_up_s=give_up,
+                rejected_pull_ttft_s=(rejected[0] if reason == REASON_PULL_SLOWER
+                                      and rejected is not None else None))  # fmt: skip
 
 
 def random_priors(rng: random.Random) -> CostPriors:

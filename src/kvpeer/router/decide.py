@@ -445,6 +445,8 @@ class RouterPolicy:
             reason=reason,
             source_held_tokens=in_cpu.get(option.source, 0) if option.source else 0,
             give_up_s=self._give_up_s(engine, option.pulled) if option.source else None,
+            rejected_pull_ttft_s=(option.rejected.ttft_s if reason == REASON_PULL_SLOWER
+                                  and option.rejected is not None else None),
         )
         local = held.get(engine, _NOTHING)[0]
         return plan, _Pending(plan, n, local, 0, dict(healthy))

@@ -446,6 +446,8 @@ def _route_headers(ctx: RoutedRequest, plan: Plan, prefill_s: float | None) -> d
                "X-Kvpeer-Plan": plan.reason}
     if plan.predicted_ttft_s is not None:
         headers["X-Kvpeer-Predicted-Ttft-Seconds"] = f"{plan.predicted_ttft_s:.6f}"
+    if plan.rejected_pull_ttft_s is not None:  # the pull passed over, predicted
+        headers["X-Kvpeer-Rejected-Pull-Ttft-Seconds"] = f"{plan.rejected_pull_ttft_s:.6f}"
     source = plan.prefill_engine if prefill_s is not None else plan.source
     if source is not None:
         headers[SOURCE_HEADER] = source

@@ -89,6 +89,8 @@ class Plan:
     #: stop waiting and compute instead: about what computing the pulled tokens costs
     #: that engine idle, so a pull stuck behind a busy source costs at most that twice
     give_up_s: float | None = None
+    #: (``compute: pull slower``) the predicted TTFT of the best pull it passed over
+    rejected_pull_ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,18 +170,21 @@ async def send_like_vllm(
 
 def _route(headers: Mapping[str, str]) -> dict[str, Any]:
     """What the router's answer headers say of the request's route and plan."""
-    predicted = headers.get("X-Kvpeer-Predicted-Ttft-Seconds")
-    try:
-        predicted_s = None if predicted is None else float(predicted)
-    except ValueError:
-        predicted_s = None
     return {
         "engine": headers.get("X-Kvpeer-Engine"),
         "source": headers.get("X-Kvpeer-Source"),
         "request_id": headers.get("X-Kvpeer-Request-Id"),
         "plan": headers.get("X-Kvpeer-Plan"),
-        "predicted_ttft_s": predicted_s,
+        "predicted_ttft_s": _seconds(headers.get("X-Kvpeer-Predicted-Ttft-Seconds")),
+        "rejected_pull_ttft_s": _seconds(headers.get("X-Kvpeer-Rejected-Pull-Ttft-Seconds")),
     }
+
+
+def _seconds(text: str | None) -> float | None:
+    try:
+        return None if text is None else float(text)
+    except ValueError:
+        return None
 
 
 def header_trace() -> tuple[aiohttp.TraceConfig, dict[str, dict[str, str]]]:

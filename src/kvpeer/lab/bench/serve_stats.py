@@ -47,6 +47,9 @@ class RequestRecord:
     request_id: str | None = None  # X-Kvpeer-Request-Id: the kv_request_id (--trace)
     plan: str | None = None  # X-Kvpeer-Plan: the router's reason for its plan
     predicted_ttft_s: float | None = None  # X-Kvpeer-Predicted-Ttft-Seconds
+    #: X-Kvpeer-Rejected-Pull-Ttft-Seconds: the pull a ``compute: pull slower`` plan
+    #: passed over, as the router predicted it
+    rejected_pull_ttft_s: float | None = None
 
     @property
     def done_s(self) -> float:
@@ -237,19 +240,23 @@ def summarize(
 
 
 def _outcomes(records: Sequence[RequestRecord]) -> dict[str, dict[str, float]]:
-    """Per plan reason: requests, mean predicted TTFT, mean measured TTFT."""
+    """Per plan reason: requests, mean predicted TTFT, mean measured TTFT; for plans that
+    passed a pull over, also the mean predicted TTFT of that pull."""
     groups: dict[str, list[RequestRecord]] = {}
     for record in records:
         if record.plan is not None and record.predicted_ttft_s is not None:
             groups.setdefault(record.plan, []).append(record)
-    return {
-        reason: {
+    found: dict[str, dict[str, float]] = {}
+    for reason, group in sorted(groups.items()):
+        found[reason] = {
             "n": float(len(group)),
             "predicted_mean_s": sum(r.predicted_ttft_s or 0.0 for r in group) / len(group),
             "actual_mean_s": sum(r.ttft_s for r in group) / len(group),
         }
-        for reason, group in sorted(groups.items())
-    }
+        rejected = [r.rejected_pull_ttft_s for r in group if r.rejected_pull_ttft_s is not None]
+        if rejected:
+            found[reason]["rejected_pull_mean_s"] = sum(rejected) / len(rejected)
+    return found
 
 
 def _sum_known(values: Sequence[int | None]) -> int | None:
@@ -318,7 +325,8 @@ def _record(row: Mapping[str, Any]) -> RequestRecord:
     """A ``per_request`` row back as a record (what :func:`_outcomes` reads of it)."""
     return RequestRecord(row["sent_s"], row["ttft_s"], row["latency_s"], row["prompt_tokens"],
                          0, row["cached_tokens"], plan=row.get("plan"),
-                         predicted_ttft_s=row.get("predicted_ttft_s"))  # fmt: skip
+                         predicted_ttft_s=row.get("predicted_ttft_s"),
+                         rejected_pull_ttft_s=row.get("rejected_pull_ttft_s"))  # fmt: skip
 
 
 def _sum_plans(plans: Sequence[Mapping[str, int]]) -> dict[str, int]:
@@ -342,6 +350,7 @@ def _brief(record: RequestRecord) -> dict[str, Any]:
         "request_id": record.request_id,
         "plan": record.plan,
         "predicted_ttft_s": record.predicted_ttft_s,
+        "rejected_pull_ttft_s": record.rejected_pull_ttft_s,
     }
 
 
@@ -448,6 +457,8 @@ def render(
             each = ", ".join(
                 f"{reason} {int(o['n'])}: {_ms(o['predicted_mean_s'])} -> "
                 f"{_ms(o['actual_mean_s'])}"
+                + (f" (pull passed over: {_ms(o['rejected_pull_mean_s'])})"
+                   if "rejected_pull_mean_s" in o else "")
                 for reason, o in c.outcomes.items()
             )
             lines.append(f"  {c.workload:<17} {each}")
