@@ -80,4 +80,12 @@ def test_demo_json_reports_every_scenario_pulled_from_the_peer_over_http(
         # names it too): the consumer computes only the prompt's last token
         assert scenarios[name]["blocks_from_peer"] == 768 // BLOCK_TOKENS, scenarios[name]
         assert scenarios[name]["tokens_from_peer"] == 768 - 1, scenarios[name]
+    # The demo's engines run the README's tier entry (host and port only): the fast paths
+    # are on by default. The producer holds copies of what it stored, and in shared mode
+    # the router prefetches into the serving engine's tier, which obeys it (loopback).
+    for s in scenarios.values():
+        assert s["source_held_blocks"] > 0, s
+    for name in ("shared", "chat"):
+        assert scenarios[name]["prefetches"] >= 1, scenarios[name]
+    assert scenarios["pd"]["prefetches"] == 0  # PD moves every block by its own fetch
     assert serve_shm_files() <= shm_before, "the demo left region files in /dev/shm"

@@ -85,6 +85,12 @@ class ScenarioResult:
     speedup: float | None = None  # ttft_local_s / ttft_pulled_s
     source: str | None = None  # the peer the router named
     problems: list[str] = field(default_factory=list)
+    #: the serving engine's tier: router prefetches it received during the request
+    #: (pulling ahead, on by default), and blocks it took from staging
+    prefetches: int = 0
+    blocks_pulled_ahead: int = 0
+    #: blocks the source's tier held a copy of after the request (held blocks, default)
+    source_held_blocks: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -121,12 +127,18 @@ class PeerCounters:
     blocks: float = 0.0
     bytes: float = 0.0
     fetch_seconds: float = 0.0
+    prefetches: float = 0.0  # pull_ahead_total{event="prefetches"}
+    ahead_blocks: float = 0.0  # pull_ahead_total{event="blocks_used"}
+    held_blocks: float = 0.0  # a gauge: kept as it is now by a difference
 
     def __sub__(self, other: PeerCounters) -> PeerCounters:
         return PeerCounters(
             self.blocks - other.blocks,
             self.bytes - other.bytes,
             self.fetch_seconds - other.fetch_seconds,
+            self.prefetches - other.prefetches,
+            self.ahead_blocks - other.ahead_blocks,
+            self.held_blocks,
         )
 
 
@@ -229,7 +241,8 @@ def _run_scenarios(
             local = direct["b"].complete(fresh(prompt_tokens), OUTPUT_TOKENS)
             pulled = _pulled(b, lambda: via_pd.complete(prompt, OUTPUT_TOKENS))
             reference = direct["a"].complete(prompt, OUTPUT_TOKENS)
-            results.append(judge("pd", data_plane, prompt_tokens, reference, local, pulled))
+            results.append(judge("pd", data_plane, prompt_tokens, reference, local, pulled,
+                                 source_held=_held_blocks(a.url)))
 
             progress("scenario shared: a computes a prompt, then b serves it from a's KV")
             prompt = fresh(prompt_tokens)
@@ -238,7 +251,8 @@ def _run_scenarios(
             _wait_indexed(shared, "a", prompt)
             pulled = _pulled(b, lambda: via_shared.complete(text, OUTPUT_TOKENS, _pin("b")))
             results.append(
-                judge("shared", data_plane, prompt_tokens, reference, reference, pulled)
+                judge("shared", data_plane, prompt_tokens, reference, reference, pulled,
+                      source_held=_held_blocks(a.url))
             )
 
             progress("scenario chat: turn one on a, turn two on b, pulling turn one from a")
@@ -255,7 +269,8 @@ def _run_scenarios(
             pulled = _pulled(b, lambda: via_shared.chat(second, OUTPUT_TOKENS, _pin("b")))
             reference = direct["a"].chat(second, OUTPUT_TOKENS)
             results.append(judge("chat", data_plane, turn_two, reference, local, pulled,
-                                 expected_from_peer=_chat_tokens(first)))
+                                 expected_from_peer=_chat_tokens(first),
+                                 source_held=_held_blocks(a.url)))
             return results
         finally:
             for client in (via_shared, via_pd, *direct.values()):
@@ -330,6 +345,11 @@ def _settled_counters(url: str, before: PeerCounters) -> PeerCounters:
     return current
 
 
+def _held_blocks(url: str) -> int:
+    """Blocks the engine's kvpeer tier holds a copy of now."""
+    return int(_peer_counters(url).held_blocks)
+
+
 def _peer_counters(url: str) -> PeerCounters:
     from kvpeer.lab.engines.serving import kvpeer_samples
 
@@ -338,6 +358,9 @@ def _peer_counters(url: str) -> PeerCounters:
         found.get("pulled_blocks_total", 0.0),
         found.get("pulled_bytes_total", 0.0),
         found.get("fetch_duration_seconds_sum", 0.0),
+        found.get("pull_ahead_total[prefetches]", 0.0),
+        found.get("pull_ahead_total[blocks_used]", 0.0),
+        found.get("held_blocks", 0.0),
     )
 
 
@@ -367,6 +390,7 @@ def judge(
     pulled: Pulled,
     *,
     expected_from_peer: list[int] | None = None,
+    source_held: int | None = None,
 ) -> ScenarioResult:
     """Compare the pulled run with the reference and check it took the prompt from the
     peer. ``local`` is the serving engine computing a prompt of this length itself."""
@@ -409,6 +433,9 @@ def judge(
         speedup=local.ttft_s / ttft_pulled if ttft_pulled > 0 else None,
         source=pulled.source,
         problems=problems,
+        prefetches=int(counters.prefetches),
+        blocks_pulled_ahead=int(counters.ahead_blocks),
+        source_held_blocks=source_held,
     )
 
 
