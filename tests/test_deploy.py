@@ -387,6 +387,17 @@ def test_the_router_pods_read_the_config_the_configmap_holds() -> None:
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
 
 
+def test_a_router_pod_is_given_longer_to_stop_than_its_drain_takes() -> None:
+    """On a rollout Kubernetes sends SIGTERM, then SIGKILL after the grace period; the
+    router drains streams in flight for ``drain_timeout_s`` first, so the grace period
+    must be longer, or long streams are cut by the kill instead of ended by the drain."""
+    deployment = the("Deployment", "kvpeer-router")
+    grace = deployment["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+    router = the("ConfigMap", "kvpeer-router")["data"]["router.toml"]
+    drain = from_mapping(tomllib.loads(router)).drain_timeout_s
+    assert grace > drain, (grace, drain)
+
+
 # -- monitoring ---------------------------------------------------------------------------
 
 
