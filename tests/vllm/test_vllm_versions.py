@@ -439,6 +439,8 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
 # the newest vLLM's form: vLLM 0.33+'s manager's thread stop, the scheduler's fence.
 NEWER_PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("vllm.v1.kv_offload.tiering.manager", "TieringOffloadingManager", "_stop_tier_poll_thread"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+     "OffloadingConnectorScheduler", "_manager_locked"),
 ]
 
 

@@ -192,9 +192,15 @@ class KVPeerOffloadingConnector(OffloadingConnector):
         super().update_connector_output(connector_output)
 
     def _manager_lock(self) -> AbstractContextManager[object]:
-        """The offloading manager's lock where vLLM has one (0.33+), else nothing."""
+        """The offloading manager's lock where vLLM has one (0.33+), taken the way its
+        scheduler takes it outside a step (``_manager_locked``, which first releases a
+        step's hold a failed ``schedule()`` left behind), else nothing (0.32)."""
         scheduler = self.connector_scheduler
         assert scheduler is not None
+        locked = getattr(scheduler, "_manager_locked", None)
+        if locked is not None:
+            region: AbstractContextManager[object] = locked()
+            return region
         lock: AbstractContextManager[object] | None = getattr(scheduler.manager, "lock", None)
         return lock if lock is not None else contextlib.nullcontext()
 
