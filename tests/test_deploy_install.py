@@ -90,6 +90,31 @@ def test_the_image_steps_build_the_extension_and_install_without_re_pinning(
     after = pip_list(python)
     # Only kvpeer was added; every package the "image" had keeps its version.
     assert {k: v for k, v in after.items() if before.get(k) != v} == {"kvpeer": "0.1.0"}
+    product_only(python, wheel)
+
+
+def product_only(python: Path, wheel: Path) -> None:
+    """The wheel is the product: no lab, no simulation; ``kvpeer serve`` imports no lab,
+    bench or router module; a lab command says it is not installed, in one line."""
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.startswith(("kvpeer/lab/", "kvpeer/sim/"))]
+    assert "kvpeer/testing/__init__.py" in names  # the test kit ships (trio.testing-like)
+    probe = ("import sys\nfrom kvpeer.cli import main\n"
+             "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in sys.modules if m.startswith(('kvpeer.lab', "
+             "'kvpeer.router', 'kvpeer.commands.bench'))), file=sys.stderr)")
+    served = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+                            timeout=600, env=isolated_env(), check=False)  # fmt: skip
+    assert served.returncode == 0, served.stderr
+    assert served.stderr.strip().splitlines()[-1] == "[]"
+    lab = subprocess.run([str(python), "-m", "kvpeer", "bench", "serve", "--quick"],
+                         capture_output=True, text=True, timeout=600, env=isolated_env(),
+                         check=False)  # fmt: skip
+    assert lab.returncode == 2
+    assert lab.stderr.strip() == (
+        "kvpeer: bench serve is a lab tool, and this installation has no lab (kvpeer's "
+        "wheel carries the product only): run it from a checkout of kvpeer (pip install -e .)"
+    )
 
 
 def test_the_build_fails_when_the_c_extension_does_not_build(tmp_path: Path) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from kvpeer.lab.bench import faults
-
 HELP = "producer faults in real engines: consumer fallback time, kvpeer vs p2p"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpeer.lab.bench import faults
+
     faults.add_arguments(parser)
 
 

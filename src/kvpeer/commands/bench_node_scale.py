@@ -6,16 +6,19 @@ import argparse
 import json
 
 from kvpeer.commands.progress import progress_printer
-from kvpeer.lab.bench import node_scale
 
 HELP = "one node with 127 peer sessions: idle CPU and memory per session, lookups at once"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpeer.lab.bench import node_scale
+
     node_scale.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpeer.lab.bench import node_scale
+
     progress = progress_printer("bench node-scale")
 
     result = node_scale.run(node_scale.NodeScaleSpec.from_args(args), progress)

@@ -6,16 +6,19 @@ import argparse
 import json
 
 from kvpeer.commands.progress import progress_printer
-from kvpeer.lab.bench import router_scale
 
 HELP = "router data layer vs fleet size: event intake CPU, index memory, decision time"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpeer.lab.bench import router_scale
+
     router_scale.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpeer.lab.bench import router_scale
+
     progress = progress_printer("bench router-scale")
 
     spec = router_scale.RouterScaleSpec.from_args(args)

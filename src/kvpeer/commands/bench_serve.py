@@ -8,18 +8,19 @@ import os
 from pathlib import Path
 
 from kvpeer.commands.progress import progress_printer
-from kvpeer.lab.bench import serve_bench
 
 HELP = ("TTFT through kvpeer router: kvpeer vs a prefix-aware router with no tier, load only, "
         "vLLM's p2p tier")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpeer.lab.bench import serve_bench
+
     serve_bench.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpeer.lab.bench import serve_vllm
+    from kvpeer.lab.bench import serve_bench, serve_vllm
     from kvpeer.lab.bench.serve_stats import render
     from kvpeer.lab.demo_run import default_model_dir
 

@@ -9,12 +9,13 @@ import os
 from pathlib import Path
 
 from kvpeer.commands.progress import progress_printer
-from kvpeer.lab.bench.trace_bench import DEFAULT_ARMS, QUICK_WINDOW_S, TraceBenchSpec, render
 
 HELP = "replay a trace window (Mooncake format) through kvpeer router and real vllm serve engines"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpeer.lab.bench.trace_bench import DEFAULT_ARMS, QUICK_WINDOW_S
+
     parser.add_argument("--trace", required=True, help="a trace file in Mooncake's format")
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                         help="affinity, load, kvpeer, vllm-p2p (comma-separated)")
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvpeer.lab.bench import trace_run
+    from kvpeer.lab.bench.trace_bench import QUICK_WINDOW_S, TraceBenchSpec, render
     from kvpeer.lab.demo_run import default_model_dir
 
     window = args.window if args.window is not None else (

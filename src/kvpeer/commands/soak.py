@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from kvpeer.lab.bench import soak_verdict
-
 HELP = ("two vllm serve engines under mixed traffic and injected faults: outputs, leaks, "
         "leftover files")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpeer.lab.bench import soak_verdict
+
     soak_verdict.add_arguments(parser)
 
 
