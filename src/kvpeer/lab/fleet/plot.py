@@ -57,5 +57,5 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(Path(result["trace"]).name + " (fleet model: Llama-3.1-8B on H100, assumptions "
                  "in docs/fleet.md)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
