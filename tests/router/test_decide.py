@@ -9,6 +9,7 @@ import pytest
 
 from kvpeer.router.cost import CostModel, CostPriors, Line
 from kvpeer.router.decide import (
+    GIVE_UP_FACTOR,
     MIN_GIVE_UP_S,
     REASON_CACHE,
     REASON_LOAD,
@@ -98,7 +99,7 @@ def test_longer_prefix_on_a_peer_busy_decoding_is_pulled() -> None:
     assert plan.source_held_tokens == 1024
     # ... and when to stop waiting for the pull: about what computing it would cost e0
     idle_compute = policy.cost.compute_s("e0", USABLE - 64, idle())
-    assert plan.give_up_s == pytest.approx(max(MIN_GIVE_UP_S, idle_compute))
+    assert plan.give_up_s == pytest.approx(max(MIN_GIVE_UP_S, GIVE_UP_FACTOR * idle_compute))
     local = policy.plan("r2", PROMPT, {"e0": idle(), "e1": idle()}, 0.0, serve_on="e0")
     assert local.source is None or local.give_up_s is not None
     assert policy.plan("r3", PROMPT, {"e0": idle(), "e1": idle()}, 0.0,

@@ -18,6 +18,7 @@ import pytest
 
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import (
+    GIVE_UP_FACTOR,
     MIN_GIVE_UP_S,
     REASON_CACHE,
     REASON_LOAD,
@@ -216,7 +217,7 @@ def reference_plan(
         reason = REASON_CACHE if cached > 0 else REASON_LOAD
     source_held = index.longest_prefix(chosen, keys, MEDIUM_CPU, now) if chosen else 0
     idle = EngineLoad(healthy=True, in_flight=0, queued_prompt_tokens=0)
-    give_up = (max(MIN_GIVE_UP_S, cost.compute_s(engine, cached - local, idle))
+    give_up = (max(MIN_GIVE_UP_S, GIVE_UP_FACTOR * cost.compute_s(engine, cached - local, idle))
                if chosen else None)  # fmt: skip
     return Plan(engine=engine, source=chosen, predicted_cached_tokens=cached,
                 predicted_pulled_tokens=cached - local if chosen else 0,

@@ -31,9 +31,9 @@
    sources, so it relaxes toward its prior as time passes without one
    (:meth:`CostModel.relax`), and no decision rests on an old bad experience alone.
 8. A pull is bounded: a shared plan that pulls tells the engine when to give up
-   (``Plan.give_up_s``: its compute of the pulled tokens, idle, at least
+   (``Plan.give_up_s``: twice its compute of the pulled tokens, idle, at least
    :data:`MIN_GIVE_UP_S`), so a pull the model got wrong (a source busier than it
-   looked, blocks no longer held) costs at most about twice computing them.
+   looked, blocks no longer held) costs at most about three times computing them.
 """
 
 from __future__ import annotations
@@ -58,8 +58,13 @@ __all__ = [
 ]
 
 #: The least ``Plan.give_up_s``: a pull is never abandoned sooner (a short prompt's
-#: compute is quick, but a pull's round trip and a step are not free either).
-MIN_GIVE_UP_S: Final = 0.25
+#: compute is quick, but a first pull's session set-up on a loaded host is not, and the
+#: compute line is a prior until it has learned the engine).
+MIN_GIVE_UP_S: Final = 1.0
+#: ``Plan.give_up_s`` is this many times the predicted compute of the pulled tokens: a
+#: pull gives up once waiting has cost what computing would have, with room for the
+#: prediction being low (a pull that lands late still beats computing from then on).
+GIVE_UP_FACTOR: Final = 2.0
 REASON_LOAD: Final = "load"  # nobody holds any of the prompt: least predicted wait
 REASON_CACHE: Final = "cache"  # the chosen engine's own cache made it the fastest
 REASON_PULL: Final = "pull"  # the chosen engine pulls a longer prefix from a peer
@@ -587,10 +592,12 @@ class RouterPolicy:
         return min(quotes), second
 
     def _give_up_s(self, engine: str, pulled_tokens: int) -> float:
-        """When a pull into ``engine`` stops paying: its compute of the pulled tokens,
-        idle (rule 2's alternative, started late), at least :data:`MIN_GIVE_UP_S`."""
+        """When a pull into ``engine`` stops paying: :data:`GIVE_UP_FACTOR` times its
+        compute of the pulled tokens, idle (rule 2's alternative, started late), at least
+        :data:`MIN_GIVE_UP_S`."""
         idle = EngineLoad(healthy=True, in_flight=0, queued_prompt_tokens=0)
-        return max(MIN_GIVE_UP_S, self.cost.compute_s(engine, pulled_tokens, idle))
+        return max(MIN_GIVE_UP_S,
+                   GIVE_UP_FACTOR * self.cost.compute_s(engine, pulled_tokens, idle))
 
     def _explorable(self, option: _Option) -> _Option | None:
         """The rejected pull of ``option``, if it is time to try one (rule 6)."""

@@ -86,8 +86,7 @@ class Plan:
     #: loading synchronously takes the last block too and computes one token only
     source_held_tokens: int = 0
     #: (shared, with ``source``) how long after its engine submits the pull it should
-    #: stop waiting and compute instead: about what computing the pulled tokens costs
-    #: that engine idle, so a pull stuck behind a busy source costs at most that twice
+    #: stop waiting and compute instead (kvpeer.router.decide rule 8)
     give_up_s: float | None = None
     #: (``compute: pull slower``) the predicted TTFT of the best pull it passed over
     rejected_pull_ttft_s: float | None = None
