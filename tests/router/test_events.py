@@ -30,6 +30,8 @@ from kvpeer.router.events import (
     decode_batch,
 )
 from kvpeer.router.feed import (
+    MAX_UNKNOWN_NAMES,
+    OTHER_UNKNOWN,
     REPLAY_END_SEQ,
     EventFeed,
     FeedItem,
@@ -225,6 +227,19 @@ def test_a_feed_counts_unknown_fields() -> None:
     feed.on_live(frame(0, payload), 0.0)
     feed.on_live(frame(1, payload), 0.0)
     assert feed.statistics().unknown_fields == (("BlockStored.lookahead_token_ids", 2),)
+
+
+def test_an_engine_naming_endless_new_fields_is_counted_in_bounded_memory() -> None:
+    """The names are an engine's bytes and become metric labels: a bounded few are kept,
+    the rest counted under one name."""
+    feed = EventFeed(can_replay=False)
+    for seq in range(MAX_UNKNOWN_NAMES + 40):
+        payload = encode_raw([1.0, [{**GOOD_STORED, f"field_{seq}": 1}]])
+        feed.on_live(frame(seq, payload), 0.0)
+    names = dict(feed.statistics().unknown_fields)
+    assert len(names) == MAX_UNKNOWN_NAMES + 1
+    assert names[OTHER_UNKNOWN] == 40
+    assert sum(names.values()) == MAX_UNKNOWN_NAMES + 40
 
 
 def test_state_checkpoints_of_a_recurrent_group_are_skipped(loops: str) -> None:

@@ -83,6 +83,8 @@ __all__ = [
 
 REPLAY_END_SEQ: Final = (1 << 64) - 1  # vLLM's END_SEQ: -1 as signed 8 bytes
 _MAX_SEQ: Final = (1 << 63) - 1
+MAX_UNKNOWN_NAMES: Final = 16  # distinct unknown field names kept per feed (metric labels)
+OTHER_UNKNOWN: Final = "(other)"  # where the names past those are counted
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,8 +610,13 @@ class EventFeed:
         self._bump("batches_applied")
         for reason, count in decoded.skipped:
             self._skipped[reason] = self._skipped.get(reason, 0) + count
-        for name, count in decoded.unknown_fields:
-            self._unknown_fields[name] = self._unknown_fields.get(name, 0) + count
+        for wire_name, count in decoded.unknown_fields:
+            # The names are an engine's bytes: a bounded few are kept by name (they
+            # become metric labels), the rest counted together.
+            known = self._unknown_fields
+            name = (wire_name if wire_name in known or len(known) < MAX_UNKNOWN_NAMES
+                    else OTHER_UNKNOWN)
+            known[name] = known.get(name, 0) + count
         if decoded.events:
             self._fresh = False
             self._bump("events_applied", len(decoded.events))

@@ -189,6 +189,9 @@ FAMILIES: tuple[Family, ...] = (
            "batch the decoder refused names its fault).", ("engine", "reason")),
     Family("feed_skipped_events_total", C, "Events the decoder left out of applied batches, "
            "by reason.", ("engine", "reason")),
+    Family("feed_unknown_fields_total", C, "Batches carrying fields this router does not know "
+           "(a newer vLLM's), decoded without them, by the first such field's name.",
+           ("engine", "field")),
     # the prefix index
     Family("index_blocks", G, "Blocks the index holds per engine and medium (bounded by "
            "what the engine holds).", ("engine", "medium")),
@@ -367,6 +370,7 @@ def _feed_metrics(feeds: Sequence[FeedView]) -> Iterator[Metric]:
     restarts, resets = _counter("feed_restarts_total"), _counter("feed_resets_total")
     replays, dropped = _counter("feed_replays_total"), _counter("feed_dropped_total")
     skipped = _counter("feed_skipped_events_total")
+    unknown = _counter("feed_unknown_fields_total")
     for feed in feeds:
         engine, stats = feed.engine, feed.statistics()
         synced.add_metric([engine], float(stats.synced))
@@ -384,7 +388,9 @@ def _feed_metrics(feeds: Sequence[FeedView]) -> Iterator[Metric]:
             dropped.add_metric([engine, reason], float(count))
         for reason, count in stats.skipped:
             skipped.add_metric([engine, reason], float(count))
-    yield from (synced, applied, gaps, restarts, resets, replays, dropped, skipped)
+        for name, count in stats.unknown_fields:
+            unknown.add_metric([engine, name[:64]], float(count))
+    yield from (synced, applied, gaps, restarts, resets, replays, dropped, skipped, unknown)
 
 
 def _policy_metrics(numbers: Mapping[str, float]) -> Iterator[Metric]:
