@@ -210,6 +210,10 @@ def test_the_command_runs_a_small_trace_to_json(
     assert (4, "kvpeer", "tcp") in rows
     assert (4, "affinity", "tcp") not in rows  # no pulls: one run serves every link
     assert all("reuse_vs_pooled" in r for r in out["runs"])
+    assert all(r["held_sync"] for r in out["runs"])  # the router's defaults for kvpeer tiers
+    assert main(["lab", "fleet", "--trace", str(path), "--engines", "2", "--policy", "kvpeer",
+                 "--no-held-sync", "--json"]) == 0
+    assert not any(r["held_sync"] for r in json.loads(capsys.readouterr().out)["runs"])
     assert main(["lab", "fleet", "--trace", str(path), "--link", "carrier-pigeon"]) == 2
 
 

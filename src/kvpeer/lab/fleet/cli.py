@@ -34,9 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
     parser.add_argument("--event-delay", type=float, default=0.01,
                         help="seconds from an engine's step to the router's index")
-    parser.add_argument("--held-sync", action="store_true",
+    parser.add_argument("--held-sync", action=argparse.BooleanOptionalAction, default=True,
                         help="tiers serve held blocks and engines run kvpeer's connector: "
-                             "a pull waits for no engine step")
+                             "a pull waits for no engine step (the router's defaults for a "
+                             "kvpeer tier; --no-held-sync: a busy source answers at its next "
+                             "step and the consumer waits out two)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="TTFT p90 and reuse against load, per fleet size")
