@@ -176,16 +176,26 @@ def test_an_empty_prefetch_from_turns_pulling_ahead_off(
         assert not consumer.has_session(producer.peer_id)
 
 
+def refused_sender(consumer: LocalNode, producer_id: str) -> tuple[PrefetchSender, list[str]]:
+    """A router's sender whose first prefetch to ``consumer`` was refused (counted)."""
+    counted: list[str] = []
+    sender = PrefetchSender(count=counted.append)
+    try:
+        sender.connect([spec(consumer.peer_id)])
+        assert wait_until(lambda: sender.send(spec(consumer.peer_id), "r1",
+                                              spec(producer_id), [1, 2]), DEADLINE_S)
+        assert wait_until(lambda: refused(sender, counted), DEADLINE_S)
+    except BaseException:
+        sender.close()
+        raise
+    return sender, counted
+
+
 def test_a_router_stops_prefetching_to_a_tier_that_never_obeys(serve: StartNode) -> None:
     producer = serve(plane="tcp")
     with staged(LocalNode("tcp", prefetch_from=[])) as consumer:
-        counted: list[str] = []
-        sender = PrefetchSender(count=counted.append)
+        sender, counted = refused_sender(consumer, producer.peer_id)
         try:
-            sender.connect([spec(consumer.peer_id)])
-            assert wait_until(lambda: sender.send(spec(consumer.peer_id), "r1",
-                                                  spec(producer.peer_id), [1, 2]), DEADLINE_S)
-            assert wait_until(lambda: refused(sender, counted), DEADLINE_S)
             assert sender.barred(consumer.peer_id)
             sent = counted.count("sent")
             assert not sender.send(spec(consumer.peer_id), "r2", spec(producer.peer_id), [1, 2])
@@ -197,13 +207,8 @@ def test_a_router_stops_prefetching_to_a_tier_that_never_obeys(serve: StartNode)
 def test_the_senders_count_refusals(serve: StartNode) -> None:
     producer = serve(plane="tcp")
     with LocalNode("tcp", prefetch_from=["127.0.0.1/32"]) as consumer:  # no staging rows
-        counted: list[str] = []
-        sender = PrefetchSender(count=counted.append)
+        sender, _ = refused_sender(consumer, producer.peer_id)
         try:
-            sender.connect([spec(consumer.peer_id)])
-            assert wait_until(lambda: sender.send(spec(consumer.peer_id), "r1",
-                                                  spec(producer.peer_id), [1, 2]), DEADLINE_S)
-            assert wait_until(lambda: refused(sender, counted), DEADLINE_S)
             (reason,) = sender.refused_reasons(consumer.peer_id)
             assert "stages nothing" in reason
             assert sender.barred(consumer.peer_id)

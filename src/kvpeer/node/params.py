@@ -15,8 +15,9 @@ and that role is dropped, so the request runs locally; parsing never raises.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeGuard, TypeVar
 
 from kvpeer.protocol import limits
 
@@ -29,6 +30,7 @@ __all__ = [
     "split_peer_id",
 ]
 
+T = TypeVar("T")
 ROLE_KEYS = ("remote_decoder", "remote_prefiller", "remote_kv_source")
 
 
@@ -152,33 +154,37 @@ def _source(role: str, value: object, problems: list[str], *, probe: bool) -> So
     if kv_request_id is None or host is None or port is None:
         return None
     prefill_done = not probe and value.get("prefill_done") is True
-    held = value.get("held_tokens") if probe else None
-    if held is not None and not _is_count(held):
-        problems.append(
-            f"{role}.held_tokens: expected a token count 0..{limits.INT_LIMIT - 1}, "
-            f"got {held!r:.80}; probing instead"
-        )
-        held = None
-    give_up = value.get("give_up_s") if probe else None
-    if give_up is not None and not _is_give_up(give_up):
-        problems.append(
-            f"{role}.give_up_s: expected seconds in (0, {MAX_GIVE_UP_S:g}], got "
-            f"{give_up!r:.80}; waiting for the pull as long as it takes"
-        )
-        give_up = None
+    held = _extension(role, value, "held_tokens", _is_count, problems, probe=probe,
+                      expected=f"a token count 0..{limits.INT_LIMIT - 1}",
+                      instead="probing instead")  # fmt: skip
+    give_up = _extension(role, value, "give_up_s", _is_give_up, problems, probe=probe,
+                         expected=f"seconds in (0, {MAX_GIVE_UP_S:g}]",
+                         instead="waiting for the pull as long as it takes")  # fmt: skip
     return Source(kv_request_id, format_peer_id(host, port), probe, prefill_done, held,
                   None if give_up is None else float(give_up))
+
+
+def _extension(role: str, value: Mapping[str, object], key: str,
+               valid: Callable[[object], TypeGuard[T]], problems: list[str], *, probe: bool,
+               expected: str, instead: str) -> T | None:  # fmt: skip
+    """A symmetric consumer's kvpeer extension ``key``: its value if ``valid``; a bad one
+    is named (``instead``: what the request does without it) and dropped."""
+    found = value.get(key) if probe else None
+    if found is not None and not valid(found):
+        problems.append(f"{role}.{key}: expected {expected}, got {found!r:.80}; {instead}")
+        return None
+    return found
 
 
 MAX_GIVE_UP_S = 3600.0
 
 
-def _is_give_up(value: object) -> bool:
+def _is_give_up(value: object) -> TypeGuard[float]:
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and 0 < value <= MAX_GIVE_UP_S)  # NaN compares False: refused too
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and (
         0 <= value < limits.INT_LIMIT
     )
