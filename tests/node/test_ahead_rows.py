@@ -163,3 +163,23 @@ def test_configure_refuses_rows_named_twice() -> None:
     ahead = PullAhead(TierConfig(), TierCounters(), "127.0.0.1:1")
     with pytest.raises(ValueError, match="distinct"):
         ahead.configure([1, 1], keys_of, lambda pairs: None, 8)
+
+
+def test_shutdown_lets_go_of_the_engines_region() -> None:
+    """The row copier views the engine's region; after shutdown nothing of it is held, so
+    the engine can unmap the region (vLLM closes it after its tiers: a view kept past the
+    tier's shutdown made every engine log a BufferError at exit)."""
+    import mmap
+
+    from kvpeer.node.ahead import row_copier
+    from kvpeer.transport.data.base import PrimaryRegion
+
+    memory = mmap.mmap(-1, 8 * 64)
+    region = PrimaryRegion(memoryview(memory), 8, 64)
+    ahead = PullAhead(TierConfig(), TierCounters(), "127.0.0.1:1")
+    ahead.configure([6, 7], lambda tokens, most: None, row_copier(region), 64)
+    with pytest.raises(BufferError):
+        memory.close()  # the copier's view holds it
+    ahead.shutdown()
+    region.view.release()
+    memory.close()  # nothing holds it any more

@@ -436,6 +436,10 @@ class PullAhead:
             self._end_fetch(fetch.job_id, success=False)
         for key in list(self._entries):
             self._free.append(self._entries.pop(key).row)
+        # The copier holds a view of the engine's region: dropped, so the engine can unmap
+        # it once the tier shut down (vLLM closes the region after its tiers).
+        self._copy = None
+        self._keys_of = None
         return results
 
     def statistics(self) -> tuple[int, int, int]:
