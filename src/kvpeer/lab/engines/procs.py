@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ __all__ = [
     "process_info",
     "shm_in_use",
     "shm_names",
+    "shm_used_by",
 ]
 
 PROC = Path("/proc")
@@ -108,12 +110,22 @@ def shm_names(directory: str = SHM_DIR) -> set[str]:
 
 def shm_in_use(directory: str = SHM_DIR) -> set[str]:
     """Names under ``directory`` that a living process maps or holds open (processes
-    we may not read are skipped: as root, that is none)."""
+    we may not read are skipped: as root, that is none).
+
+    A named semaphore's creator is not seen: glibc's ``sem_open(O_CREAT)`` maps a
+    temporary ``sem.XXXXXX`` file and renames it, so the creator's map names the
+    temporary file (deleted); only processes that opened the semaphore by name map
+    ``sem.<name>``. So "not in use" never proves a file is a leftover: remove only files
+    known to be one's own (:func:`shm_used_by` one's own processes)."""
+    return shm_used_by(int(e.name) for e in PROC.iterdir() if e.name.isdigit())
+
+
+def shm_used_by(pids: Iterable[int], directory: str = SHM_DIR) -> set[str]:
+    """Names under ``directory`` that the processes ``pids`` map or hold open."""
     prefix = directory.rstrip("/") + "/"
     used: set[str] = set()
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in pids:
+        entry = PROC / str(pid)
         with contextlib.suppress(OSError):
             for line in (entry / "maps").read_text().splitlines():
                 at = line.find(prefix)

@@ -13,9 +13,14 @@ run directly instead (same server, same flags).
 process group and removes the ``/dev/shm/vllm_offload_<engine_id>*.mmap`` files of its
 engines — named files only. A process group killed with SIGKILL also leaves what Python's
 ``resource_tracker`` (killed with it) would have removed: vLLM's shared-memory message
-queues (``psm_*``) and a named semaphore (``sem.mp-*``). The fleet notes the ones that
-appeared while an engine started and removes those that no living process uses once the
-engine is stopped (:meth:`ServeFleet.restart`, :meth:`ServeFleet.close`).
+queues (``psm_*``) and a named semaphore (``sem.mp-*``). The fleet notes the ones the
+engine's own processes map or hold open (when it is ready, and again before it stops)
+and removes those that no living process uses once the engine is stopped
+(:meth:`ServeFleet.restart`, :meth:`ServeFleet.close`). Never a file that merely
+appeared while it started: on a shared machine that is another program's, and its
+creator's map does not show a semaphore's name (``procs.shm_in_use``), so a fleet that
+took every new ``sem.mp-*`` as its own unlinked other engines' semaphores before their
+workers opened them (their start failed with ``FileNotFoundError`` in ``SemLock``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvpeer.lab.engines.launcher import engine_env, free_port, log_excerpt, shm_files
-from kvpeer.lab.engines.procs import shm_in_use, shm_names
+from kvpeer.lab.engines.procs import group_pids, shm_in_use, shm_names, shm_used_by
 from kvpeer.lab.engines.scenario import HOST, kvpeer_tier, vllm_p2p_tier
 from kvpeer.router.policy import EngineSpec, Role
 
@@ -178,8 +183,8 @@ class ServeEngine:
     spec: ServeSpec
     process: subprocess.Popen[bytes]
     log_path: Path
-    shm_before: frozenset[str] = frozenset()  # /dev/shm when it was spawned
-    tracked_files: set[str] = field(default_factory=set)  # TRACKED_SHM_PREFIXES it made
+    #: TRACKED_SHM_PREFIXES files its own processes were seen to map or hold
+    tracked_files: set[str] = field(default_factory=set)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -196,6 +201,12 @@ class ServeEngine:
             return log_excerpt(self.log_path, chars)
         return ""
 
+    def note_tracked(self) -> None:
+        """Add to :attr:`tracked_files` the ``psm_``/``sem.mp-`` files the group's
+        processes map or hold open now (module docstring: only its own)."""
+        used = shm_used_by(group_pids(self.process.pid))
+        self.tracked_files |= {n for n in used if n.startswith(TRACKED_SHM_PREFIXES)}
+
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the whole group (API server, EngineCore, worker)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -205,6 +216,7 @@ class ServeEngine:
         """SIGTERM the API server, which shuts its engine down in order (a SIGTERM to the
         whole group would kill the workers before they release their regions); SIGKILL
         the group if the server has not exited within STOP_TIMEOUT_S."""
+        self.note_tracked()
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 self.process.terminate()
@@ -343,10 +355,7 @@ class ServeFleet:
                     )
                 if engine.healthy():
                     waiting.remove(name)
-                    engine.tracked_files |= {
-                        n for n in shm_names() - engine.shm_before
-                        if n.startswith(TRACKED_SHM_PREFIXES)
-                    }  # fmt: skip
+                    engine.note_tracked()
                     self._progress(f"engine {name} ready in {time.monotonic() - started:.0f} s")
             now = time.monotonic()
             if waiting and now - started > timeout_s:
@@ -380,7 +389,6 @@ class ServeFleet:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"{spec.name}{suffix}.log"
         self._progress(f"starting engine {spec.name} ({spec.tier} tier) on {spec.url}")
-        before = frozenset(shm_names())
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 spec.command(),
@@ -391,7 +399,7 @@ class ServeFleet:
                 env={**engine_env(multiprocessing=True), "PYTHONUNBUFFERED": "1", **spec.env},
                 start_new_session=True,  # one group: the server and what vLLM spawns
             )
-        return ServeEngine(spec, process, log_path, shm_before=before)
+        return ServeEngine(spec, process, log_path)
 
 
 def _remove_unused(names: set[str], directory: str = "/dev/shm") -> list[Path]:
