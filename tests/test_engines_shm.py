@@ -16,15 +16,21 @@ from kvpeer.lab.engines.serving import ServeEngine, ServeFleet, ServeSpec
 SHM = Path("/dev/shm")
 
 
-def test_a_semaphores_creator_does_not_map_it_by_its_name() -> None:
-    """Why "no living process uses it" cannot tell a leftover semaphore: glibc creates a
-    named semaphore under a temporary name and links it, so its creator's map shows the
-    temporary file; a fleet that trusted it unlinked other engines' live semaphores."""
+def test_a_semaphore_only_its_creator_maps_is_seen_in_use() -> None:
+    """glibc creates a named semaphore under a temporary name and links it, so its
+    creator's map names a deleted file: matched by name alone, a live semaphore looked
+    unused and a fleet unlinked other engines' semaphores. Matched by inode, it is seen."""
     lock = multiprocessing.get_context("spawn").Lock()
     name = "sem." + lock._semlock.name.lstrip("/")  # type: ignore[attr-defined]
     assert (SHM / name).exists()
-    assert name not in shm_in_use()
-    assert name not in shm_used_by([os.getpid()])
+    assert name in shm_in_use()
+    assert name in shm_used_by([os.getpid()])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert name not in shm_used_by([child.pid])  # another process: not its user
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_an_engine_tracks_only_what_its_own_group_holds(tmp_path: Path) -> None:

@@ -110,27 +110,33 @@ def shm_names(directory: str = SHM_DIR) -> set[str]:
 
 def shm_in_use(directory: str = SHM_DIR) -> set[str]:
     """Names under ``directory`` that a living process maps or holds open (processes
-    we may not read are skipped: as root, that is none).
-
-    A named semaphore's creator is not seen: glibc's ``sem_open(O_CREAT)`` maps a
-    temporary ``sem.XXXXXX`` file and renames it, so the creator's map names the
-    temporary file (deleted); only processes that opened the semaphore by name map
-    ``sem.<name>``. So "not in use" never proves a file is a leftover: remove only files
-    known to be one's own (:func:`shm_used_by` one's own processes)."""
-    return shm_used_by(int(e.name) for e in PROC.iterdir() if e.name.isdigit())
+    we may not read are skipped: as root, that is none)."""
+    return shm_used_by((int(e.name) for e in PROC.iterdir() if e.name.isdigit()), directory)
 
 
 def shm_used_by(pids: Iterable[int], directory: str = SHM_DIR) -> set[str]:
-    """Names under ``directory`` that the processes ``pids`` map or hold open."""
+    """Names under ``directory`` that the processes ``pids`` map or hold open.
+
+    Matched by inode as well as by name: glibc's ``sem_open(O_CREAT)`` creates a named
+    semaphore under a temporary ``sem.XXXXXX`` name, maps it, then links it as
+    ``sem.<name>`` and unlinks the temporary one, so its creator's map names a deleted
+    file, but the same inode as the live name. By name alone, a semaphore whose only user
+    was its creator looked unused, and a fleet that took "unused" for "leftover" unlinked
+    other programs' live semaphores."""
     prefix = directory.rstrip("/") + "/"
     used: set[str] = set()
+    inodes: set[int] = set()
     for pid in pids:
         entry = PROC / str(pid)
         with contextlib.suppress(OSError):
             for line in (entry / "maps").read_text().splitlines():
                 at = line.find(prefix)
-                if at >= 0:
-                    used.add(line[at + len(prefix) :].removesuffix(" (deleted)"))
+                if at < 0:
+                    continue
+                used.add(line[at + len(prefix) :].removesuffix(" (deleted)"))
+                fields = line[:at].split()  # address perms offset device inode
+                if len(fields) == 5 and fields[4].isdigit():
+                    inodes.add(int(fields[4]))
         with contextlib.suppress(OSError):
             fd_dir = entry / "fd"
             for fd in os.listdir(fd_dir):
@@ -138,4 +144,11 @@ def shm_used_by(pids: Iterable[int], directory: str = SHM_DIR) -> set[str]:
                     target = os.readlink(fd_dir / fd)
                     if target.startswith(prefix):
                         used.add(target[len(prefix) :].removesuffix(" (deleted)"))
+                        inodes.add(os.stat(fd_dir / fd).st_ino)
+    if inodes:
+        with contextlib.suppress(OSError), os.scandir(directory) as entries:
+            for found in entries:
+                with contextlib.suppress(OSError):
+                    if found.inode() in inodes:
+                        used.add(found.name)
     return used

@@ -14,13 +14,14 @@ process group and removes the ``/dev/shm/vllm_offload_<engine_id>*.mmap`` files 
 engines — named files only. A process group killed with SIGKILL also leaves what Python's
 ``resource_tracker`` (killed with it) would have removed: vLLM's shared-memory message
 queues (``psm_*``) and a named semaphore (``sem.mp-*``). The fleet notes the ones the
-engine's own processes map or hold open (when it is ready, and again before it stops)
-and removes those that no living process uses once the engine is stopped
-(:meth:`ServeFleet.restart`, :meth:`ServeFleet.close`). Never a file that merely
-appeared while it started: on a shared machine that is another program's, and its
-creator's map does not show a semaphore's name (``procs.shm_in_use``), so a fleet that
-took every new ``sem.mp-*`` as its own unlinked other engines' semaphores before their
-workers opened them (their start failed with ``FileNotFoundError`` in ``SemLock``).
+engine's own processes map or hold open, by name or by inode (when it is ready, before a
+SIGKILL, and before it stops) and removes those that no living process uses once the
+engine is stopped (:meth:`ServeFleet.restart`, :meth:`ServeFleet.close`). Never a file
+that merely appeared while it started: on a shared machine that is another program's.
+A semaphore's creator maps it under a temporary name (``procs.shm_used_by``), so by
+name alone a live semaphore looked unused: a fleet that took such files as leftovers
+unlinked other engines' semaphores before their workers opened them (their start
+failed with ``FileNotFoundError`` in ``SemLock``).
 """
 
 from __future__ import annotations
@@ -208,7 +209,11 @@ class ServeEngine:
         self.tracked_files |= {n for n in used if n.startswith(TRACKED_SHM_PREFIXES)}
 
     def signal(self, signum: int) -> None:
-        """Send ``signum`` to the whole group (API server, EngineCore, worker)."""
+        """Send ``signum`` to the whole group (API server, EngineCore, worker); before a
+        SIGKILL, note what it holds (:meth:`note_tracked`): nothing is left to look at
+        after."""
+        if signum == signal.SIGKILL:
+            self.note_tracked()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signum)
 
