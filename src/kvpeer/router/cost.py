@@ -16,6 +16,10 @@ The model (all terms in seconds):
   serve wait, from the ``source_busy_s`` prior. Plus ``cold_session_s`` for the first
   pull between the pair (handshake, data-plane registration).
 
+Each source has its own busy-source cost once a pull from it while busy was seen; until
+then it is quoted the fleet's (every source's busy pulls). One holder whose NIC or cores
+are queued must not make the fleet's other holders look slow (docs/fleet.md, finding 5).
+
 A pull also costs the *consumer* engine steps that computing would not: vLLM's tiered
 manager starts the promotion in the step that sees the hit, learns it finished in a later
 one, and loads into the KV cache in the next (:data:`CONSUMER_PULL_STEPS`); an engine
@@ -32,15 +36,29 @@ than its queue wait, the consumer's compute of nothing at its load
 of such a pull is the pull less that wait; a residual of zero or less says only that the
 pull hid, and teaches the pull line nothing.
 
-The busy-source cost is only learned from pulls from busy sources, which the model stops
-planning once it has learned that they are slow; so it relaxes toward its prior with a
-half-life of ``stale_half_life_s`` seconds without such a pull (:meth:`CostModel.relax`):
-a bad experience is not believed for ever.
+The busy-source costs are only learned from pulls from busy sources, which the model
+stops planning once it has learned that they are slow; so they relax toward their prior
+with a half-life of ``stale_half_life_s`` seconds (:meth:`CostModel.relax`): a bad
+experience is not believed for ever.
 
 An engine with fewer than ``own_samples`` observations of its own is predicted by the
 fleet's pooled compute line (every engine's observations): engines of one fleet mostly
 run one model on one kind of machine, and an engine that has only pulled so far would
-otherwise be judged by the prior alone.
+otherwise be judged by the prior alone. Pulls likewise: a source with fewer than
+``own_samples`` pulls learned is quoted the fleet's pooled pull line. In a fleet each
+source is pulled from rarely, and a line that had learned from two warm idle pulls
+(the rest were busy or first pulls) was three times the true cost in the fleet model.
+
+A source that answers without its engine (held blocks, served by its node's thread;
+PD's parked supply) is quoted its line alone, busy or not: no serve wait and no
+busy-source cost. What a pull's residual teaches (:meth:`CostModel.observe_pull`): the
+first pull between a pair teaches the cold-session penalty (its excess over the warm
+quote); a warm pull from a busy source that had to serve it with its engine teaches the
+busy-source costs (its excess over the line and the serve wait) and nothing else; every
+other warm pull teaches the pull lines (the source's and the pooled one). With held
+blocks on by default most pulls come from busy sources: a line that learned only from
+idle ones hardly learned, and one that learned from the same residuals as a busy cost
+split them at random between the two.
 
 ``(overhead_e, rate_e)`` and ``(base_s, per_token_s)`` are straight lines fitted by
 exponentially weighted least squares (:class:`Line`): each observation counts a little
@@ -142,9 +160,14 @@ class CostModel:
         self._compute: dict[str, Line] = {}
         self._pooled = self._new_compute_line()
         self._pull: dict[str, Line] = {}
+        self._pooled_pull = self._new_pull_line()
         self._cold_s = self.priors.cold_session_s
-        self._busy_s = self.priors.source_busy_s
-        self._busy_at: float | None = None  # when _busy_s was last relaxed or learned
+        self._busy_s = self.priors.source_busy_s  # the fleet's, for sources not yet seen busy
+        # Each source's own busy cost, kept as (cost - prior) / _busy_scale: relaxing
+        # them all is one multiplication of the scale (relax()).
+        self._busy: dict[str, float] = {}
+        self._busy_scale = 1.0
+        self._busy_at: float | None = None  # when the busy costs were last relaxed
         self._warm: set[tuple[str, str]] = set()
         self._warm_sources: frozenset[str] | None = None  # of _warm, until it changes
         self._floor_s: float | None = None  # pull_floor_s(), until a pull line learns
@@ -196,11 +219,9 @@ class CostModel:
     ) -> tuple[float, float]:
         """:meth:`pull_s` into any engine: (its session with ``source`` warm, cold). A
         decision asks once per source and prefix, not once per consumer."""
-        seconds = self._pull_line(source).predict(max(0, tokens))
-        if source_load.in_flight > 0:
-            seconds += self._busy_s
-            if not parked and not held:
-                seconds += self.serve_wait_s(source, source_load)
+        seconds = self._quoted_line(source).predict(max(0, tokens))
+        if source_load.in_flight > 0 and not parked and not held:
+            seconds += self.busy_s(source) + self.serve_wait_s(source, source_load)
         return seconds, seconds + self._cold_s
 
     def pull_floor_s(self) -> float:
@@ -209,7 +230,7 @@ class CostModel:
         cold-session penalty): lets a decision skip the engines a pull cannot make
         fastest without predicting their pulls."""
         if self._floor_s is None:
-            bases = [line.params[0] for line in self._pull.values()]
+            bases = [line.params[0] for line in (self._pooled_pull, *self._pull.values())]
             floor = min([self.priors.pull_base_s, *bases])
             self._floor_s = floor if self._warm else floor + self._cold_s
         return self._floor_s
@@ -237,6 +258,14 @@ class CostModel:
             line = self._pooled
         return line.predict(min(max(0, source_load.queued_prompt_tokens), self.priors.step_tokens))
 
+    def busy_s(self, source: str) -> float:
+        """What pulling from ``source`` costs while it is busy, beyond its line and its
+        serve wait: its own learned cost, or the fleet's until it has one."""
+        own = self._busy.get(source)
+        if own is None:
+            return self._busy_s
+        return self.priors.source_busy_s + own * self._busy_scale
+
     def is_warm(self, engine: str, source: str) -> bool:
         return (engine, source) in self._warm
 
@@ -248,13 +277,17 @@ class CostModel:
         return source in self._warm_sources
 
     def relax(self, now: float) -> None:
-        """Let the busy-source cost drift toward its prior, at ``stale_half_life_s``."""
+        """Let the busy-source costs drift toward their prior, at ``stale_half_life_s``."""
         if self._busy_at is None or now <= self._busy_at:
             self._busy_at = now if self._busy_at is None else self._busy_at
             return
         keep = 0.5 ** ((now - self._busy_at) / self.priors.stale_half_life_s)
         prior = self.priors.source_busy_s
         self._busy_s = prior + (self._busy_s - prior) * keep
+        self._busy_scale *= keep
+        if self._busy_scale < 1e-9:  # renormalise before the scale underflows
+            self._busy = {source: own * self._busy_scale for source, own in self._busy.items()}
+            self._busy_scale = 1.0
         self._busy_at = now
 
     # --- learning ---------------------------------------------------------------------
@@ -271,27 +304,34 @@ class CostModel:
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float,
         *, parked: bool = False, held: bool = False,
     ) -> None:
-        """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT)."""
-        line = self._pull_line(source)
+        """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT);
+        what it teaches is in the module docstring."""
         self._floor_s = None
-        wait = 0.0 if parked or held else self.serve_wait_s(source, source_load)
-        if source_load.in_flight > 0 and (engine, source) in self._warm:
-            # What a busy source costs beyond an idle one's pull (the line learns only
-            # from idle sources, so the two stay apart).
-            alpha = self.priors.cold_alpha
-            excess = seconds - line.predict(tokens) - wait
-            self._busy_s = max(0.0, (1 - alpha) * self._busy_s + alpha * excess)
-            return
-        if source_load.in_flight > 0:
-            seconds -= wait + self._busy_s
+        # Busy as a pull sees it: its source's engine ran requests and had to serve it.
+        busy = source_load.in_flight > 0 and not parked and not held
+        wait = self.serve_wait_s(source, source_load) if busy else 0.0
+        quoted = self._quoted_line(source).predict(tokens)
+        alpha = self.priors.cold_alpha
         if (engine, source) not in self._warm:
             self._warm.add((engine, source))
             self._warm_sources = None
-            excess = seconds - line.predict(tokens)
-            alpha = self.priors.cold_alpha
+            extra = self.busy_s(source) + wait if busy else 0.0
+            excess = seconds - quoted - extra
             self._cold_s = max(0.0, (1 - alpha) * self._cold_s + alpha * excess)
             return
-        line.observe(tokens, max(0.0, seconds))
+        if busy:
+            excess = seconds - quoted - wait
+            self._busy_s = max(0.0, (1 - alpha) * self._busy_s + alpha * excess)
+            # A source's own cost starts from the prior: the fleet's is only a guess
+            # for sources not yet seen.
+            own = self._busy.get(source)
+            before = self.priors.source_busy_s if own is None else self.busy_s(source)
+            learned = max(0.0, (1 - alpha) * before + alpha * excess)
+            self._busy[source] = (learned - self.priors.source_busy_s) / self._busy_scale
+            return
+        y = max(0.0, seconds)
+        self._pull_line(source).observe(tokens, y)
+        self._pooled_pull.observe(tokens, y)
 
     def forget_sessions(self, engine: str) -> None:
         """``engine`` restarted: its kvpeer sessions are new, so its pairs are cold."""
@@ -307,10 +347,13 @@ class CostModel:
             a, b = line.params
             out[f"overhead_s:{name}"] = a
             out[f"prefill_s_per_token:{name}"] = b
+        out["pull_base_s:*"], out["pull_s_per_token:*"] = self._pooled_pull.params
         for name, line in sorted(self._pull.items()):
             a, b = line.params
             out[f"pull_base_s:{name}"] = a
             out[f"pull_s_per_token:{name}"] = b
+        for name in sorted(self._busy):
+            out[f"source_busy_own_s:{name}"] = self.busy_s(name)
         return out
 
     def _floor_line(self) -> tuple[float, float]:
@@ -333,11 +376,21 @@ class CostModel:
             line = self._compute[engine] = self._new_compute_line()
         return line
 
+    def _new_pull_line(self) -> Line:
+        p = self.priors
+        return Line(p.pull_base_s, p.pull_s_per_token, x_ref=p.tokens_ref,
+                    weight=p.prior_weight, half_life=p.half_life)
+
     def _pull_line(self, source: str) -> Line:
         line = self._pull.get(source)
         if line is None:
-            p = self.priors
-            line = Line(p.pull_base_s, p.pull_s_per_token, x_ref=p.tokens_ref,
-                        weight=p.prior_weight, half_life=p.half_life)
-            self._pull[source] = line
+            line = self._pull[source] = self._new_pull_line()
+        return line
+
+    def _quoted_line(self, source: str) -> Line:
+        """``source``'s own pull line once it has learned ``own_samples`` pulls, else the
+        fleet's pooled one."""
+        line = self._pull.get(source)
+        if line is None or line.samples < self.priors.own_samples:
+            return self._pooled_pull
         return line

@@ -124,6 +124,7 @@ POLICY_COUNTERS: dict[str, str] = {
 POLICY_RATES: dict[str, tuple[str, str | None]] = {
     "cold_session_s": ("policy_cold_session_seconds", None),
     "source_busy_s": ("policy_source_busy_seconds", None),
+    "source_busy_own_s": ("policy_source_busy_own_seconds", "source"),
     "overhead_s": ("policy_overhead_seconds", "engine"),
     "prefill_s_per_token": ("policy_prefill_seconds_per_token", "engine"),
     "pull_base_s": ("policy_pull_base_seconds", "source"),
@@ -210,15 +211,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("policy_cold_session_seconds", G, "Learned cost of a pull's first session to a "
            "source."),
     Family("policy_source_busy_seconds", G, "Learned extra cost of pulling from a busy "
-           "source."),
+           "source, the fleet's (quoted for sources not yet seen busy)."),
+    Family("policy_source_busy_own_seconds", G, "Learned extra cost of pulling from a "
+           "busy source, per source seen busy.", ("source",)),
     Family("policy_overhead_seconds", G, "Learned fixed cost of a request per engine "
            "(`*`: pooled over engines).", _E),
     Family("policy_prefill_seconds_per_token", G, "Learned prefill time per prompt token "
            "per engine (`*`: pooled).", _E),
-    Family("policy_pull_base_seconds", G, "Learned fixed cost of a pull per source.",
-           ("source",)),
-    Family("policy_pull_seconds_per_token", G, "Learned pull time per token per source.",
-           ("source",)),
+    Family("policy_pull_base_seconds", G, "Learned fixed cost of a pull per source "
+           "(`*`: pooled over sources, quoted for those with few pulls).", ("source",)),
+    Family("policy_pull_seconds_per_token", G, "Learned pull time per token per source "
+           "(`*`: pooled).", ("source",)),
     # engine discovery (kvpeer.router.generations), with [discovery] only
     Family("discovery_engines", G, "Engines discovered now.", scope="discovery"),
     Family("discovery_observations_total", C, "Observations of the discovery source, by "
