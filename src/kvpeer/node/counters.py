@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from kvpeer.session import SessionStatistics
 
 __all__ = [
     "AHEAD_EVENTS",
@@ -155,6 +157,48 @@ class TierCounters:
             + self.timeouts.changes + self.pull_wait_seconds.count
             + self.step_wait_seconds.count + self.ahead.changes
         )  # fmt: skip
+
+    def retire(self, stats: SessionStatistics) -> None:
+        """Keep what an ending session counted (invariant 3)."""
+        self.retired_blocks_served += stats.producer.blocks_written
+        self.retired_unknown_messages += stats.unknown_messages
+        self.retired_stale_frames += stats.stale_frames
+        self.retired_timeouts.update(stats.consumer.timeouts)
+        self.retired_timeouts.update(stats.producer.timeouts)
+
+    def snapshot(
+        self, live: Iterable[SessionStatistics], handshake_timeouts: int
+    ) -> CounterSnapshot:
+        """Since-start values: what ended sessions counted plus the ``live`` ones'
+        (invariant 3), and ``handshake_timeouts`` sessions that timed out shaking hands."""
+        served, unknown = self.retired_blocks_served, self.retired_unknown_messages
+        timeouts: Counter[str] = Counter()
+        timeouts.update(self.retired_timeouts)
+        timeouts.update(self.timeouts)
+        for stats in live:
+            served += stats.producer.blocks_written
+            unknown += stats.unknown_messages
+            timeouts.update(stats.consumer.timeouts)
+            timeouts.update(stats.producer.timeouts)
+        timeouts["handshake"] += handshake_timeouts
+        return CounterSnapshot(
+            lookups=dict(self.lookups),
+            loads_ok=self.loads_ok,
+            loads_failed=self.loads_failed,
+            sessions_opened=self.sessions_opened,
+            late_fetches_rejected=self.late_fetches_rejected,
+            stores_reaped=self.stores_reaped,
+            blocks_served=served,
+            unknown_messages=unknown,
+            timeouts=dict(timeouts),
+            lookup_seconds=self.lookup_seconds.snapshot(),
+            load_seconds=self.load_seconds.snapshot(),
+            load_bytes=self.load_bytes.snapshot(),
+            step_wait_seconds=self.step_wait_seconds.snapshot(),
+            pull_waits=dict(self.pull_waits),
+            pull_wait_seconds=self.pull_wait_seconds.snapshot(),
+            ahead=dict(self.ahead),
+        )
 
 
 @dataclass(frozen=True, slots=True)
