@@ -4,9 +4,10 @@ Per generation request (``/v1/completions``, ``/v1/chat/completions``):
 
 1. Parse the body, strip what a client may not set (:func:`params.sanitize`), take the
    prompt's token ids (given, or one ``/tokenize`` call; on any failure route by load).
-2. Ask the policy for a :class:`Plan` over the healthy engines. A policy that raises or
-   names an engine it may not use costs the request nothing: the edge falls back to
-   :class:`LoadOnlyPolicy` (or drops the invalid source / prefill engine).
+2. Ask the policy for a :class:`Plan` over the healthy engines (the health filter:
+   :mod:`kvpeer.router.candidates`). A policy that raises or names an engine it may
+   not use costs the request nothing: the edge falls back to :class:`LoadOnlyPolicy`
+   (or drops the invalid source / prefill engine; :mod:`kvpeer.router.planner`).
 3. PD: run the prefill leg to completion; if it fails the request goes on decode-only
    (counted as a fallback), never to a client error.
 4. Send the serving leg. Before the client's first byte — connect errors, 5xx, a hang
@@ -23,8 +24,13 @@ Per generation request (``/v1/completions``, ``/v1/chat/completions``):
    other engine dead that one miss made every request a 503
    (``kvpeer_router_last_resort_total`` counts these).
 
-Load (requests in flight, prompt tokens whose first byte is not back) is counted here,
-per engine, and handed to the policy with every plan.
+Load (requests in flight, prompt tokens whose first byte is not back) is counted per
+engine (:mod:`kvpeer.router.load`) and handed to the policy with every plan.
+
+Construction points one way: the edge builds the health filter, the :class:`Planner`
+over it and the policy, and the :class:`Forwarder` given that planner (steps 3-5:
+:mod:`kvpeer.router.forward`); it calls the forwarder, which calls the planner, and
+nothing calls back up.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -46,6 +52,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvpeer.errors import ConfigError
 from kvpeer.router import params
 from kvpeer.router.ahead import CurveClient, PrefetchSender
+from kvpeer.router.candidates import Candidates
 from kvpeer.router.config import RouterConfig
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
@@ -55,19 +62,19 @@ from kvpeer.router.forward import (
     FORWARDED_HEADERS,
     SOURCE_HEADER,
     Forwarder,
-    Load,
-    RoutedRequest,
-    Served,
     engine_headers,
     error_response,
     failure_reason,
 )
 from kvpeer.router.health import EngineHealth
 from kvpeer.router.index import PrefixIndex
-from kvpeer.router.loadonly import DECODE_ROLES, PREFILL_ROLES, LoadOnlyPolicy
+from kvpeer.router.load import Load, Loads
+from kvpeer.router.loadonly import LoadOnlyPolicy
 from kvpeer.router.metrics import LiveCollector, RouterMetrics
 from kvpeer.router.peeraddr import PeerAddresses
-from kvpeer.router.policy import EngineLoad, Mode, Outcome, Plan, Policy
+from kvpeer.router.planner import Planner
+from kvpeer.router.policy import Mode, Policy
+from kvpeer.router.routed import RoutedRequest, Served
 from kvpeer.router.server_socket import bind
 from kvpeer.router.subscriber import EventSubscriber
 from kvpeer.router.witness import FeedWitness, StartTimeWitness
@@ -80,7 +87,6 @@ ACCESS_LOGGER = "kvpeer.router.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 PIN_HEADER = "X-Kvpeer-Engine"  # honoured with config.allow_pinning only
-REASON_LAST_RESORT = "last resort: no healthy engine"  # rule 6
 DNS_CACHE_S = 10  # seconds an answer for an engine URL's host name is reused
 FEED_WATCH_S = 1.0  # how often the engines' event feeds are looked at for the log
 CUT_AFTER_DRAIN_S = 1.0  # what aiohttp waits for handlers still running after the drain
@@ -146,7 +152,7 @@ class Router:
         )
         # Engines dial each other's tiers by IP address: peer names resolved (peeraddr).
         self.peers = PeerAddresses(config.specs, timeout_s=config.health_timeout_s)
-        self._loads = {entry.name: Load() for entry in config.engines}
+        self._loads = Loads(entry.name for entry in config.engines)
         self.engine_load: EngineLoadFeed | None = None
         if config.load_scrape_interval_s > 0:
             self.engine_load = EngineLoadFeed(
@@ -186,10 +192,12 @@ class Router:
                                          config.prefetch_curve_server_key)  # fmt: skip
             self.ahead = PrefetchSender(count=lambda outcome: counter.labels(outcome).inc(),
                                         curve=curve)  # fmt: skip
+        candidates = Candidates(config, self.health, self._loads, self.engine_load)
+        self._planner = Planner(config, self.policy, self._fallback, candidates,
+                                lambda: self.peers, self._metrics, self._counts)  # fmt: skip
         self._forwarder = Forwarder(
-            config, lambda: self.session, self._loads, self._metrics, self.health,
-            lambda: self.peers, self._counts,
-            plan=self._plan, sent=self._sent, outcome=self._outcome, ahead=self.ahead,
+            config, self._planner, lambda: self.session, self._loads, self._metrics,
+            self.health, lambda: self.peers, self._counts, ahead=self.ahead,
         )  # fmt: skip
         self.url = ""
         app = web.Application(client_max_size=config.max_body_bytes)
@@ -352,110 +360,14 @@ class Router:
             {name: load.in_flight for name, load in self._loads.items()},
         )
 
-    # -- the policy, guarded ---------------------------------------------------------
+    # -- engine restarts ---------------------------------------------------------------
 
     def _on_restart(self, name: str) -> None:
         self._metrics.restarts.inc()
         subscriber = self.subscribers.get(name)
         if subscriber is not None:
             subscriber.resync()  # a new process: its event sequence starts over
-        try:
-            self.policy.on_engine_restart(name, time.monotonic())
-        except Exception:
-            log.exception("policy.on_engine_restart(%s) failed", name)
-
-    def _policy_error(self, kind: str) -> None:
-        self._counts["policy_errors"] += 1
-        self._metrics.policy_errors.labels(kind).inc()
-
-    def _plan(self, ctx: RoutedRequest, exclude: set[str]) -> Plan | None:
-        """A valid plan over healthy engines not in ``exclude``, or None if none can serve."""
-        loads = {}
-        for name, load in self._loads.items():
-            in_flight, queued = load.in_flight, load.queued_prompt_tokens
-            if self.engine_load is not None:  # what other routers sent there too
-                in_flight, queued = self.engine_load.combine(
-                    name, in_flight, queued, self._forwarder.mean_prompt_tokens)
-            loads[name] = EngineLoad(
-                healthy=name not in exclude and self.health.healthy(name),
-                in_flight=in_flight,
-                queued_prompt_tokens=queued,
-            )
-        pd = self.config.mode is Mode.PD
-        servers = [e.name for e in self.config.engines
-                   if loads[e.name].healthy and (not pd or e.spec.role in DECODE_ROLES)]
-        if not servers:
-            return self._last_resort(ctx, exclude, loads)
-        now = time.monotonic()
-        serve_on = ctx.serve_on if ctx.serve_on in servers else None
-        try:
-            plan = self.policy.plan(
-                ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on, pull_from=ctx.pull_from
-            )
-        except Exception:
-            log.exception("policy.plan failed for %s: routing by load", ctx.request_id)
-            self._policy_error("raised")
-            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on)
-        if plan.engine not in servers or (serve_on is not None and plan.engine != serve_on):
-            log.warning("plan for %s names %r, not a healthy serving engine: load only",
-                        ctx.request_id, plan.engine)
-            self._policy_error("invalid_engine")
-            return self._fallback.plan(ctx.request_id, ctx.tokens, loads, now, serve_on=serve_on)
-        other = plan.prefill_engine if pd else plan.source
-        if other is not None and not (
-            self.config.has(other)
-            and loads[other].healthy
-            and other != plan.engine
-            and (not pd or self.config.entry(other).spec.role in PREFILL_ROLES)
-        ):
-            log.warning("plan for %s names %r as its %s: dropped", ctx.request_id, other,
-                        "prefill engine" if pd else "source")
-            self._policy_error("invalid_peer")
-            plan = replace(plan, prefill_engine=None, source=None)
-        elif other is not None and self.peers.dialable(self.config.entry(other).spec) is None:
-            # Its peer name never resolved: an engine must not be told to dial a name.
-            log.debug("plan for %s: %s has no peer address yet, computing locally",
-                      ctx.request_id, other)
-            plan = replace(
-                plan, prefill_engine=None, source=None, predicted_pulled_tokens=0,
-                predicted_cached_tokens=plan.predicted_cached_tokens - plan.predicted_pulled_tokens,
-            )
-        return replace(plan, source=None) if pd else replace(plan, prefill_engine=None)
-
-    def _last_resort(
-        self, ctx: RoutedRequest, exclude: set[str], loads: dict[str, EngineLoad]
-    ) -> Plan | None:
-        """Rule 6: no engine is healthy, so try one that is down but not known to be gone,
-        by load, computing locally (no pull is named: its cache may be gone). A check
-        missed under load must not turn every request into a 503 while the request path's
-        own retries can find out whether it answers."""
-        pd = self.config.mode is Mode.PD
-        reachable = [e.name for e in self.config.engines
-                     if e.name not in exclude and self.health.reachable(e.name)
-                     and (not pd or e.spec.role in DECODE_ROLES)]  # fmt: skip
-        if not reachable:
-            return None
-        as_up = {name: replace(loads[name], healthy=name in reachable) for name in loads}
-        plan = self._fallback.plan(ctx.request_id, ctx.tokens, as_up, time.monotonic())
-        if plan.engine not in reachable:
-            return None
-        self._metrics.last_resort.inc()
-        log.warning("request %s: no healthy engine, trying %s (down, not known gone)",
-                    ctx.request_id, plan.engine)
-        return replace(plan, source=None, prefill_engine=None, predicted_pulled_tokens=0,
-                       source_held_tokens=0, reason=REASON_LAST_RESORT)
-
-    def _sent(self, ctx: RoutedRequest, plan: Plan) -> None:
-        try:
-            self.policy.on_sent(ctx.request_id, plan, ctx.tokens, time.monotonic())
-        except Exception:
-            log.exception("policy.on_sent failed")
-
-    def _outcome(self, outcome: Outcome) -> None:
-        try:
-            self.policy.on_outcome(outcome, time.monotonic())
-        except Exception:
-            log.exception("policy.on_outcome failed")
+        self._planner.engine_restarted(name)
 
     # -- handlers --------------------------------------------------------------------
 

@@ -1,11 +1,14 @@
 """A request's way to the engines: the prefill leg, the serving leg, the stream relayed.
 
 :class:`kvpeer.router.app.Router` parses a generation request and builds a
-:class:`RoutedRequest`; :meth:`Forwarder.route` runs the edge's steps 3-5 (the
-app's docstring): the PD prefill leg to completion, then the serving leg
-(:meth:`Forwarder.forward`), retried on another healthy engine while nothing has
-reached the client (:class:`BeforeFirstByte`), the stream relayed as it arrives
-and the policy told the outcome. Load per engine (:class:`Load`) is counted here.
+:class:`~kvpeer.router.routed.RoutedRequest`; :meth:`Forwarder.route` runs the edge's
+steps 3-5 (the app's docstring): the PD prefill leg to completion, then the serving
+leg (:meth:`Forwarder.forward`), retried on another healthy engine while nothing has
+reached the client (:class:`BeforeFirstByte`), the stream relayed as it arrives.
+Each attempt is planned by the :class:`~kvpeer.router.planner.Planner` the forwarder
+is given, which is told what was sent and how it went; the forwarder calls nothing
+of the edge's. This router's load per engine (:mod:`kvpeer.router.load`) is counted
+here as legs are sent and answered.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -25,18 +28,18 @@ from kvpeer.router import params
 from kvpeer.router.ahead import PrefetchSender
 from kvpeer.router.config import EngineEntry, RouterConfig
 from kvpeer.router.health import EngineHealth, is_refused
+from kvpeer.router.load import Loads
 from kvpeer.router.metrics import RouterMetrics
 from kvpeer.router.peeraddr import PeerAddresses
+from kvpeer.router.planner import Planner
 from kvpeer.router.policy import EngineSpec, Mode, Outcome, Plan
+from kvpeer.router.routed import REQUEST_ID_HEADER, RoutedRequest, Served
 
 __all__ = [
     "FORWARDED_HEADERS",
     "SOURCE_HEADER",
     "BeforeFirstByte",
     "Forwarder",
-    "Load",
-    "RoutedRequest",
-    "Served",
     "engine_headers",
     "error_response",
     "failure_reason",
@@ -46,10 +49,8 @@ log = logging.getLogger("kvpeer.router.app")  # the edge's log, as before the sp
 # One line per request when this logger is at INFO (``KVPEER_TRACE=1``; kvpeer.node.trace).
 trace_log = logging.getLogger("kvpeer.trace")
 
-REQUEST_ID_HEADER = "X-Request-Id"  # the client's is kept; else the router's id
 FORWARDED_HEADERS = ("Authorization", REQUEST_ID_HEADER)
 SOURCE_HEADER = "X-Kvpeer-Source"  # honoured with config.allow_pinning; answers carry it
-MEAN_PROMPT_PRIOR = 1024  # prompt tokens per request, until this router has seen some
 
 
 def error_response(status: int, message: str, kind: str) -> web.Response:
@@ -81,55 +82,6 @@ def failure_reason(exc: BaseException) -> str:
     return "connection"
 
 
-@dataclass(slots=True)
-class Load:
-    """This router's requests on one engine."""
-
-    in_flight: int = 0
-    queued_prompt_tokens: int = 0
-    queued: int = 0  # requests whose first token is not back
-
-    def sent(self, tokens: int) -> None:
-        self.in_flight += 1
-        self.queued_prompt_tokens += tokens
-        self.queued += 1
-
-    def answering(self, tokens: int) -> None:
-        """The first token is back (or the request ended before it)."""
-        self.queued_prompt_tokens -= tokens
-        self.queued -= 1
-
-
-@dataclass(frozen=True, slots=True)
-class RoutedRequest:
-    request_id: str  # also the kv_request_id both PD legs carry
-    path: str
-    chat: bool
-    body: dict[str, Any]
-    tokens: list[int]
-    stream: bool
-    started: float
-    headers: dict[str, str]
-    serve_on: str | None = None  # a pinned serving engine (allow_pinning)
-    pull_from: str | None = None  # a pinned source (allow_pinning, shared mode)
-
-    @property
-    def client_request_id(self) -> str:
-        """The client's ``X-Request-Id`` if it sent one, else the router's id."""
-        return self.headers.get(REQUEST_ID_HEADER, self.request_id)
-
-
-@dataclass(slots=True)
-class Served:
-    """What became of one request, filled in as it goes: the serving engine of its last
-    attempt (``""``: none), its plan and the client's TTFT (the metrics' ``engine``
-    label, the access log's line)."""
-
-    engine: str = ""
-    plan: Plan | None = None
-    ttft_s: float | None = None
-
-
 def engine_headers(entry: EngineEntry, request: web.Request | None = None,
                    request_id: str | None = None) -> dict[str, str]:
     """The headers of a request to ``entry``: its own, the client's that pass, the id."""
@@ -142,29 +94,27 @@ def engine_headers(entry: EngineEntry, request: web.Request | None = None,
     return headers
 
 
-
 class Forwarder:
     """Runs each routed request's legs (what the edge's policy planned)."""
 
     def __init__(
         self,
         config: RouterConfig,
+        planner: Planner,
         session: Callable[[], aiohttp.ClientSession],
-        loads: dict[str, Load],
+        loads: Loads,
         metrics: RouterMetrics,
         health: EngineHealth,
         peers: Callable[[], PeerAddresses],
         counts: dict[str, int],
         *,
-        plan: Callable[[RoutedRequest, set[str]], Plan | None],
-        sent: Callable[[RoutedRequest, Plan], None],
-        outcome: Callable[[Outcome], None],
         ahead: PrefetchSender | None = None,
     ) -> None:
-        """``session`` and ``peers`` are read when used (the edge's, which start() opens
-        and a test may replace); ``plan``, ``sent`` and ``outcome``: the edge's policy,
-        guarded."""
+        """``planner`` plans each attempt and hears what was sent and how it went;
+        ``session`` and ``peers`` are read when used (the edge's, which start() opens
+        and a test may replace)."""
         self._config = config
+        self._planner = planner
         self._ahead = ahead
         self._session = session
         self._loads = loads
@@ -172,11 +122,6 @@ class Forwarder:
         self._health = health
         self._peers = peers
         self._counts = counts
-        self._plan = plan
-        self._sent = sent
-        self._outcome = outcome
-        #: Prompt tokens per request, a moving mean of what was sent (the plan's prior).
-        self.mean_prompt_tokens = float(MEAN_PROMPT_PRIOR)
 
     async def route(
         self, request: web.Request, ctx: RoutedRequest, served: Served | None = None
@@ -186,7 +131,7 @@ class Forwarder:
         filled in with the serving engine, its plan and the TTFT as they are known."""
         served = served if served is not None else Served()
         tried: set[str] = set()
-        plan = self._plan(ctx, tried)
+        plan = self._planner.plan(ctx, tried)
         if plan is None:
             return error_response(503, "no healthy engine", "service_unavailable"), "unavailable"
         prefill: EngineSpec | None = None
@@ -196,7 +141,7 @@ class Forwarder:
         failure: BeforeFirstByte | None = None
         for attempt in range(self._config.retries + 1):
             if attempt:
-                replanned = self._plan(ctx, tried)
+                replanned = self._planner.plan(ctx, tried)
                 if replanned is None:
                     break
                 # PD: the prefill leg already ran (or failed); the retry's plan says so
@@ -214,7 +159,7 @@ class Forwarder:
                 leg = params.shared_leg(ctx.body, ctx.request_id, source, plan.source_held_tokens,
                                         plan.give_up_s)  # fmt: skip
                 self._pull_ahead(ctx, entry.spec, source, plan.source_held_tokens)
-            self._sent(ctx, plan)
+            self._planner.sent(ctx, plan)
             try:
                 return await self.forward(request, ctx, entry, leg, plan, prefill_s, served)
             except BeforeFirstByte as exc:
@@ -286,9 +231,7 @@ class Forwarder:
         leg, strip_usage = params.want_usage(leg)
         served = served if served is not None else Served()
         ttft_series = self._metrics.ttft.labels(self._config.mode.value, entry.name)
-        load = self._loads[entry.name]
-        load.sent(len(ctx.tokens))
-        self.mean_prompt_tokens += 0.1 * (len(ctx.tokens) - self.mean_prompt_tokens)
+        load = self._loads.serving(entry.name, len(ctx.tokens))
         queued = True
         sent, sent_wall = time.monotonic(), time.time()
         ok = False
@@ -408,7 +351,7 @@ class Forwarder:
         if ok and cached is not None:
             self._metrics.predicted_cached.inc(plan.predicted_cached_tokens)
             self._metrics.actual_cached.inc(cached)
-        self._outcome(Outcome(
+        self._planner.outcome(Outcome(
             request_id=ctx.request_id,
             engine=entry.name,
             ok=ok,
