@@ -173,7 +173,7 @@ class _ParentProbe:
 
 
 class TierProbe:
-    """A transparent :class:`~kvpeer.node.interface.SecondaryTier` around a Tier."""
+    """A transparent :class:`~kvpeer.host.interface.SecondaryTier` around a Tier."""
 
     def __init__(self, tier: Tier, where: str, pool: BlockPool, ctx: SimContext) -> None:
         self.tier = tier
