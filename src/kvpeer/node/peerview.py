@@ -4,14 +4,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpeer.node.peermemory import PeerMemory
+from kvpeer.session import PeerSession
 
-if TYPE_CHECKING:
-    from kvpeer.node.peertable import Peer
+__all__ = ["PeerView", "ViewedPeer", "peer_views"]
 
-__all__ = ["PeerView", "peer_views"]
+
+class ViewedPeer(Protocol):
+    """What a view reads of a peer table's entry (:class:`kvpeer.node.peertable.Peer`):
+    the peer table imports this module, never the other way round."""
+
+    @property
+    def session(self) -> PeerSession: ...
+
+    @property
+    def opened_at(self) -> float: ...
+
+    @property
+    def last_heard(self) -> float | None: ...
+
+    @property
+    def blocks_pulled(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +51,8 @@ class PeerView:
     retry_in_s: float | None
 
 
-
 def peer_views(
-    peers: Mapping[str, Peer], memory: PeerMemory, now: float, limit: int
+    peers: Mapping[str, ViewedPeer], memory: PeerMemory, now: float, limit: int
 ) -> tuple[list[PeerView], int]:
     """At most ``limit`` peers (sessions, then backed-off peers without one, each by
     peer id) and how many there are in all."""
