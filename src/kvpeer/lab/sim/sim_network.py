@@ -1,17 +1,18 @@
 """The simulation's control network: ZMQ-over-TCP failure semantics in simulated time.
 
-Each node attaches with its peer id and gets a :class:`SimControl` (the
-:class:`~kvpeer.transport.base.ControlTransport` contract); attaching again
-under the same id is a restart on the same address (a new incarnation).
-Frames on a link keep their order and spend ``delay(sender, receiver)`` in
-flight. Frames from one node to one incarnation of another keep their order
-across links too: a node's next link to a peer never delivers before what its
-earlier links already sent there (``kvpeer.transport.zmq_control`` rules 6 and
-7: the next link rides the parked connection after its last words, or the
-peer's ROUTER reads a fresh connection only once it let go of the old one, or -
-with handover - after the frames already in the old one). The faults, and
-what a node sees of them (``kvpeer.transport.zmq_control`` rule 3: a link that
-loses its connection is dead, never reconnected):
+The in-memory network of the test kit (:class:`kvpeer.testing.network.ControlNetwork`:
+nodes by id, inboxes of frames due at a time) with the faults below. Each node
+attaches with its peer id and gets a :class:`SimControl` (the
+:class:`~kvpeer.transport.base.ControlTransport` contract); attaching again under the
+same id is a restart on the same address (a new incarnation). Frames on a link keep
+their order and spend ``delay(sender, receiver)`` in flight. Frames from one node to
+one incarnation of another keep their order across links too: a node's next link to a
+peer never delivers before what its earlier links already sent there
+(``kvpeer.transport.zmq_control`` rules 6 and 7: the next link rides the parked
+connection after its last words, or the peer's ROUTER reads a fresh connection only
+once it let go of the old one, or - with handover - after the frames already in the
+old one). The faults, and what a node sees of them (``kvpeer.transport.zmq_control``
+rule 3: a link that loses its connection is dead, never reconnected):
 
 1. **Death** (:meth:`SimNetwork.kill`, the process vanished but its host is
    up; attaching again is a restart on the same address): links toward it
@@ -51,7 +52,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpeer.transport.base import InboundFrame
+from kvpeer.testing.network import ControlNetwork, Endpoint
 from kvpeer.transport.zmq_control import ZMQ_HANDSHAKE_MS
 
 __all__ = ["ZMQ_HANDSHAKE_S", "Heartbeat", "SimControl", "SimLink", "SimNetwork"]
@@ -69,7 +70,7 @@ class Heartbeat:
         return self.timeout + self.interval
 
 
-class SimNetwork:
+class SimNetwork(ControlNetwork["SimControl"]):
     """Routes frames between attached nodes under the faults the world injects."""
 
     def __init__(
@@ -79,38 +80,27 @@ class SimNetwork:
         heartbeat: Heartbeat,
         rng: random.Random,
     ) -> None:
-        self._clock = clock
+        super().__init__(clock)
         self._delay = delay
         self.heartbeat = heartbeat
         self._rng = rng
-        self._nodes: dict[str, SimControl] = {}
         self._cuts: dict[tuple[str, str], float] = {}  # (from, to) -> cut since
         self._frozen: dict[str, float] = {}  # node id -> frozen since
         self._arrivals: dict[tuple[str, str], float] = {}  # (from, to) -> last frame due
-        self._seq = 0
-        self.frames_sent = 0
-        self.frames_dropped = 0
 
     # -- nodes -------------------------------------------------------------------------
 
+    def _endpoint(self, node_id: str) -> SimControl:
+        return SimControl(self, node_id)
+
     def attach(self, node_id: str) -> SimControl:
-        old = self._nodes.get(node_id)
-        if old is not None and not old.closed:
-            raise ValueError(f"{node_id!r} is already attached")
+        control = super().attach(node_id)
         self._frozen.pop(node_id, None)
-        control = SimControl(self, node_id)
-        self._nodes[node_id] = control
         return control
 
     def kill(self, node_id: str) -> None:
-        control = self._nodes.get(node_id)
-        if control is not None:
-            control.close()
+        super().kill(node_id)
         self._frozen.pop(node_id, None)
-
-    def is_up(self, node_id: str) -> bool:
-        control = self._nodes.get(node_id)
-        return control is not None and not control.closed
 
     def exists(self, node_id: str) -> bool:
         """Some incarnation ever attached (its host exists and refuses when it is down)."""
@@ -259,8 +249,7 @@ class SimNetwork:
         due = max(due, target.last_due.get(link.sender, 0.0))
         target.last_due[link.sender] = due
         self._arrivals[(link.sender, link.peer_id)] = due
-        self._seq += 1
-        target.inbox.append((due, self._seq, InboundFrame(link.sender, frame)))
+        self._enqueue(target, due, link.sender, frame)
         self.frames_sent += 1
 
     def _refuse(self, sender: str, peer_id: str, frame: bytes) -> None:
@@ -268,9 +257,8 @@ class SimNetwork:
         target = self._nodes.get(peer_id)
         if target is None or target.closed or self.is_cut(sender, peer_id):
             return
-        self._seq += 1
         self._arrivals[(sender, peer_id)] = self._clock()
-        target.inbox.append((self._clock(), self._seq, InboundFrame(sender, frame)))
+        self._enqueue(target, self._clock(), sender, frame)
 
     def _dial(self, control: SimControl, peer_id: str) -> SimLink:
         target = self._nodes.get(peer_id)
@@ -333,21 +321,14 @@ class SimLink:
         self.held.clear()
 
 
-class SimControl:
+class SimControl(Endpoint[SimLink]):
     """One node incarnation's endpoint on a :class:`SimNetwork`."""
 
     def __init__(self, network: SimNetwork, node_id: str) -> None:
+        super().__init__(network._clock, node_id)
         self._network = network
-        self._local_id = node_id
-        self.inbox: list[tuple[float, int, InboundFrame]] = []
         #: per sender: when its latest frame to this incarnation arrives (all its links)
         self.last_due: dict[str, float] = {}
-        self.closed = False
-        self.links: list[SimLink] = []
-
-    @property
-    def local_id(self) -> str:
-        return self._local_id
 
     def connect(self, peer_id: str) -> SimLink:
         if self.closed:
@@ -357,29 +338,5 @@ class SimControl:
         self.links.append(link)
         return link
 
-    def receive(self) -> list[InboundFrame]:
-        if self.closed or not self.inbox:
-            return []
-        now = self._network._clock()
-        ready = [item for item in self.inbox if item[0] <= now]
-        if not ready:
-            return []
-        self.inbox = [item for item in self.inbox if item[0] > now]
-        ready.sort(key=lambda item: (item[0], item[1]))
-        return [frame for _, _, frame in ready]
-
-    def flush(self) -> None:
-        """Frames are handed to the network at transmit time: nothing to do."""
-
-    def next_deadline(self) -> float | None:
-        """No timers of its own."""
-        return None
-
     def refuse(self, peer_id: str, frame: bytes) -> None:
         self._network._refuse(self._local_id, peer_id, frame)
-
-    def close(self) -> None:
-        self.closed = True
-        self.inbox.clear()
-        for link in self.links:
-            link.close()
