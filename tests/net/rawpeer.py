@@ -18,11 +18,11 @@ from kvpeer.protocol import (
     Codec,
     Connect,
     ConnectAck,
-    ConnectExtension,
     Message,
     TransportChoice,
     UnknownMessage,
 )
+from kvpeer.testing import make_hello
 from tests.net.common import BLOCK_LEN, DEADLINE_S, HASH_SEED, free_port
 
 __all__ = [
@@ -77,21 +77,11 @@ class RawPeer:
     ) -> Connect:
         """A well-formed ``connect`` offering the tcp plane at ``data_port`` (``session``:
         its session number, as kvpeer nodes number theirs)."""
-        return Connect(
-            peer_id=self.peer_id,
-            agent_metadata=b"",
-            base_addr=0,
-            num_blocks=num_blocks,
-            block_len=block_len,
-            hash_seed=hash_seed,
-            config_fingerprint="",
-            kvpeer=ConnectExtension(
-                version=PROTOCOL_VERSION,
-                boot_id=self.boot_id,
-                transports={"tcp": {"host": "127.0.0.1", "port": data_port or free_port()}},
-                session=session,
-            ),
-        )
+        return make_hello(
+            self.peer_id, num_blocks=num_blocks, block_len=block_len, hash_seed=hash_seed,
+            boot_id=self.boot_id, session=session,
+            transports={"tcp": {"host": "127.0.0.1", "port": data_port or free_port()}},
+        )  # fmt: skip
 
     def ack(self) -> ConnectAck:
         """Our ``connect_ack`` of the node's connect: we "write into it" over tcp."""

@@ -24,12 +24,12 @@ from kvpeer.protocol import (
     Codec,
     Connect,
     ConnectAck,
-    ConnectExtension,
     Disconnect,
     Fetch,
     Lookup,
     TransportChoice,
 )
+from kvpeer.testing import make_hello
 from kvpeer.transport.data.nixl import NixlBackend
 from kvpeer.transport.zmq_control import ZmqControl
 from tests.net.common import BLOCK_LEN, HASH_SEED, free_port, keys_of, wait_until
@@ -208,20 +208,8 @@ def _links(node: ServingNode) -> int:
 
 
 def _hello(peer_id: str) -> Connect:
-    return Connect(
-        peer_id=peer_id,
-        agent_metadata=b"",
-        base_addr=0,
-        num_blocks=64,
-        block_len=BLOCK_LEN,
-        hash_seed=HASH_SEED,
-        config_fingerprint="",
-        kvpeer=ConnectExtension(
-            version=PROTOCOL_VERSION,
-            boot_id=os.urandom(16),
-            transports={"tcp": {"host": "127.0.0.5", "port": free_port()}},
-        ),
-    )
+    return make_hello(peer_id, num_blocks=64, block_len=BLOCK_LEN, hash_seed=HASH_SEED,
+                      transports={"tcp": {"host": "127.0.0.5", "port": free_port()}})  # fmt: skip
 
 
 # -- item 7: bounded in bytes, no takeover, no half-open connections ---------------------------

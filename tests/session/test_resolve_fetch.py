@@ -8,15 +8,13 @@ would, and is answered only by its round's ``transfer_done`` (no ``lookup_resp``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 
 import pytest
-from msgspec.structs import replace
 
 from kvpeer.protocol import (
     RESOLVE_VERSION,
     AbortFetch,
-    Connect,
     Fetch,
     LookupResponse,
     TransferDone,
@@ -24,7 +22,6 @@ from kvpeer.protocol import (
 from kvpeer.session import SessionSettings
 from kvpeer.session.results import CloseKind
 from kvpeer.testing import SessionPair
-from kvpeer.testing.dataplane import Region
 from kvpeer.testing.harness import make_hello
 from kvpeer.testing.steps import inject, sent
 from kvpeer.types import Key
@@ -70,18 +67,6 @@ def assert_settled(pair: SessionPair) -> None:
     assert (stats.requests, stats.lookups_queued) == (0, 0)
 
 
-def older(version: tuple[int, int] | None) -> Callable[[Region], Connect]:
-    """The ``connect`` of a peer of ``version`` (None: vLLM's tier, no extension)."""
-
-    def hello(region: Region) -> Connect:
-        connect = make_hello("b", region, kvpeer=version is not None)
-        if connect.kvpeer is None or version is None:
-            return connect
-        return replace(connect, kvpeer=replace(connect.kvpeer, version=version))
-
-    return hello
-
-
 @pytest.mark.parametrize(
     ("version", "resolves"),
     [(RESOLVE_VERSION, True), ((1, 1), False), ((1, 0), False), (None, False)],
@@ -90,7 +75,8 @@ def older(version: tuple[int, int] | None) -> Callable[[Region], Connect]:
 def test_only_peers_of_the_resolve_version_are_sent_resolve_fetches(
     version: tuple[int, int] | None, resolves: bool
 ) -> None:
-    pair = SessionPair(hello_b=older(version))
+    # b is a peer of ``version`` (None: vLLM's tier, no extension)
+    pair = SessionPair(hello_b=partial(make_hello, "b", kvpeer=version or False))
     assert pair.a.session.resolves_fetches is resolves
 
 

@@ -8,12 +8,14 @@ reads nothing and says nothing); time moves by hand.
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 import pytest
 
-from kvpeer.protocol import Connect, ConnectExtension, Disconnect, Fetch, Ping, Pong
+from kvpeer.protocol import Disconnect, Fetch, Ping, Pong
 from kvpeer.session import CloseKind, SessionSettings
-from kvpeer.testing import Region, SessionPair, make_hello
+from kvpeer.testing import SessionPair, make_hello
 from kvpeer.testing.steps import closed, fetch, probe, sent
 from kvpeer.types import Key
 
@@ -139,26 +141,14 @@ class TestLivePeer:
         assert sent(p.b, Pong) == [Pong()]
 
 
-def _hello(version: tuple[int, int] | None) -> object:
-    def build(region: Region) -> Connect:
-        hello = make_hello("b", region)
-        if version is None:  # a vLLM peer: no kvpeer extension at all
-            return msgspec.structs.replace(hello, kvpeer=None)
-        assert hello.kvpeer is not None
-        return msgspec.structs.replace(
-            hello, kvpeer=ConnectExtension(version=version, boot_id=hello.kvpeer.boot_id)
-        )
-
-    return build
-
-
 @pytest.mark.parametrize("version", [None, (1, 0)], ids=["vllm", "kvpeer-1.0"])
 def test_a_peer_that_cannot_answer_pings_is_left_to_the_heartbeat(
     version: tuple[int, int] | None,
 ) -> None:
     """Pinging a peer that ignores pings would give up every busy one: once it has
     spoken, only the transport's heartbeat (and the session timeouts) judge it."""
-    p = pair(hello_b=_hello(version))
+    # b is a peer of ``version`` (None: a vLLM peer, no kvpeer extension)
+    p = pair(hello_b=partial(make_hello, "b", kvpeer=version or False))
     job = fetch(p, [key(0)], [3], ID)
     p.pump()
     p.clock.advance(10 * WAIT)

@@ -14,6 +14,7 @@ import pytest
 from kvpeer.host import BlockPool
 from kvpeer.protocol import Connect
 from kvpeer.session.ports import TransferEvent
+from kvpeer.testing import make_hello
 from kvpeer.testing.conformance import TIMEOUT_S
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.shm import ShmBackend
@@ -59,14 +60,8 @@ def backend(
 
 
 def hello(num_blocks: int, block_len: int = BLOCK) -> Connect:
-    return Connect(
-        peer_id="B",
-        agent_metadata=b"",
-        base_addr=0,
-        num_blocks=num_blocks,
-        block_len=block_len,
-        hash_seed="seed",
-    )
+    return make_hello("B", num_blocks=num_blocks, block_len=block_len, hash_seed="seed",
+                      fingerprint=None, kvpeer=False)  # fmt: skip
 
 
 def wait_event(backend: ShmBackend, peer: str, transfer_id: int) -> TransferEvent:

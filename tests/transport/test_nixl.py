@@ -27,8 +27,9 @@ from msgspec.structs import replace
 
 from kvpeer.errors import DataPlaneError
 from kvpeer.host import BlockPool
-from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportChoice
+from kvpeer.protocol import Connect, TransportChoice
 from kvpeer.session.ports import TransferEvent
+from kvpeer.testing import make_hello
 from kvpeer.testing.conformance import collect_events
 from kvpeer.transport.data import nixl as nixl_module
 from kvpeer.transport.data.base import PrimaryRegion
@@ -47,19 +48,9 @@ def hello(
     peer_id: str, backend: NixlBackend, region: PrimaryRegion, *, kvpeer: bool = False
 ) -> Connect:
     """The ``connect`` a node with ``backend`` over ``region`` sends."""
-    return Connect(
-        peer_id=peer_id,
-        agent_metadata=backend.agent_metadata(),
-        base_addr=region.base_addr,
-        num_blocks=region.num_blocks,
-        block_len=region.block_len,
-        hash_seed=SEED,
-        kvpeer=ConnectExtension(
-            version=PROTOCOL_VERSION, boot_id=os.urandom(16), transports={"nixl": {}}
-        )
-        if kvpeer
-        else None,
-    )
+    return make_hello(peer_id, region, base_addr=region.base_addr, hash_seed=SEED,
+                      agent_metadata=backend.agent_metadata(), fingerprint=None,
+                      kvpeer=kvpeer, transports={"nixl": {}})  # fmt: skip
 
 
 def region_of(pool: BlockPool) -> PrimaryRegion:

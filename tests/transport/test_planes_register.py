@@ -16,8 +16,9 @@ import pytest
 
 from kvpeer.errors import DataPlaneError
 from kvpeer.lab.pull import PullResult
-from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportOffer
+from kvpeer.protocol import Connect, TransportOffer
 from kvpeer.session.ports import TransferEvent
+from kvpeer.testing import make_hello
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
 from kvpeer.transport.data.shm import ShmBackend
@@ -76,17 +77,8 @@ class GatedRegistration(QuietBackend):
 
 
 def hello(name: str, num_blocks: int = 8) -> Connect:
-    return Connect(
-        peer_id=name,
-        agent_metadata=b"",
-        base_addr=0,
-        num_blocks=num_blocks,
-        block_len=64,
-        hash_seed="seed",
-        kvpeer=ConnectExtension(
-            version=PROTOCOL_VERSION, boot_id=b"\0" * 16, transports={"gated": {}}
-        ),
-    )
+    return make_hello(name, num_blocks=num_blocks, block_len=64, hash_seed="seed",
+                      fingerprint=None, boot_id=b"\0" * 16, transports={"gated": {}})  # fmt: skip
 
 
 class Planes:

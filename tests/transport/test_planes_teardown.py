@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from kvpeer.errors import DataPlaneError
-from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension, TransportOffer
+from kvpeer.protocol import Connect, TransportOffer
 from kvpeer.session.ports import TransferEvent
+from kvpeer.testing import make_hello
 from kvpeer.transport.data.base import PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
 from tests.transport.quietbackend import QuietBackend
@@ -84,17 +85,8 @@ class SlowTeardown(QuietBackend):
 
 
 def hello(name: str) -> Connect:
-    return Connect(
-        peer_id=name,
-        agent_metadata=b"",
-        base_addr=0,
-        num_blocks=8,
-        block_len=64,
-        hash_seed="seed",
-        kvpeer=ConnectExtension(
-            version=PROTOCOL_VERSION, boot_id=b"\0" * 16, transports={"slow": {}}
-        ),
-    )
+    return make_hello(name, num_blocks=8, block_len=64, hash_seed="seed", fingerprint=None,
+                      boot_id=b"\0" * 16, transports={"slow": {}})  # fmt: skip
 
 
 @pytest.fixture

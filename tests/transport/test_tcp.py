@@ -23,6 +23,7 @@ from kvpeer.errors import DataPlaneError, LocalFault
 from kvpeer.host import BlockPool
 from kvpeer.protocol import Connect
 from kvpeer.session.ports import TransferEvent
+from kvpeer.testing import make_hello
 from kvpeer.testing.conformance import (
     TIMEOUT_S,
     BackendCluster,
@@ -44,14 +45,8 @@ CONSUMER_ID = "127.0.0.1:5703"
 
 
 def hello(num_blocks: int, block_len: int = BLOCK) -> Connect:
-    return Connect(
-        peer_id="peer",
-        agent_metadata=b"",
-        base_addr=0,
-        num_blocks=num_blocks,
-        block_len=block_len,
-        hash_seed="seed",
-    )
+    return make_hello("peer", num_blocks=num_blocks, block_len=block_len, hash_seed="seed",
+                      fingerprint=None, kvpeer=False)  # fmt: skip
 
 
 class Side:

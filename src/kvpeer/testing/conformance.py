@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 from kvpeer.errors import DataPlaneError
 from kvpeer.host import BlockPool
-from kvpeer.protocol import PROTOCOL_VERSION, Connect, ConnectExtension
+from kvpeer.protocol import Connect
 from kvpeer.session.ports import TransferEvent
 from kvpeer.testing.dataplane import Fabric, FakeDataPlane, Region
 from kvpeer.testing.expect import raises, record_once, skip
+from kvpeer.testing.harness import make_hello
 from kvpeer.transport.base import NodeDataPlane
 from kvpeer.transport.data.base import Backend, PrimaryRegion
 from kvpeer.transport.data.planes import DataPlaneSet
@@ -101,20 +102,10 @@ class Node:
 
 
 def hello_of(name: str, plane: NodeDataPlane) -> Connect:
-    """The ``connect`` a node named ``name`` sends (like ``kvpeer.testing.make_hello``)."""
+    """The ``connect`` a node named ``name`` over ``plane`` sends."""
     region = plane.describe()
-    return Connect(
-        peer_id=name,
-        agent_metadata=region.agent_metadata,
-        base_addr=region.base_addr,
-        num_blocks=region.num_blocks,
-        block_len=region.block_len,
-        hash_seed="conformance-seed",
-        config_fingerprint="",
-        kvpeer=ConnectExtension(
-            version=PROTOCOL_VERSION, boot_id=os.urandom(16), transports=region.offers
-        ),
-    )
+    return make_hello(name, region, base_addr=region.base_addr, hash_seed="conformance-seed",
+                      agent_metadata=region.agent_metadata, transports=region.offers)  # fmt: skip
 
 
 class Cluster(abc.ABC):

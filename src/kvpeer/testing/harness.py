@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpeer.protocol import (
     PROTOCOL_VERSION,
     Connect,
     ConnectExtension,
     Message,
+    TransportOffer,
     UnknownMessage,
 )
 from kvpeer.session.peer import Admit, PeerSession
@@ -32,31 +34,53 @@ from kvpeer.testing.parent import FakeParent
 __all__ = ["Node", "SessionPair", "make_hello"]
 
 
+class Shape(Protocol):
+    """What a ``connect`` says of a region: how many rows, of how many bytes."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_len(self) -> int: ...
+
+
 def make_hello(
     peer_id: str,
-    region: Region,
+    region: Shape | None = None,
     *,
+    num_blocks: int = 64,
+    block_len: int = 64,
     hash_seed: str = "vllm-none-hash",
-    fingerprint: str = "",
+    fingerprint: str | None = "",
+    base_addr: int = 0,
+    agent_metadata: bytes = b"",
+    kvpeer: bool | tuple[int, int] = True,
     boot_id: bytes | None = None,
-    kvpeer: bool = True,
+    transports: Mapping[str, TransportOffer] | None = None,
     session: int | None = None,
 ) -> Connect:
-    """A ``connect`` describing ``region``, as a node would send it (``session``: its
-    session number, as a kvpeer node of this version sends it)."""
-    extension = (
-        ConnectExtension(
-            version=PROTOCOL_VERSION, boot_id=boot_id or os.urandom(16), session=session
+    """A ``connect`` as a node would send it, describing ``region`` (without one:
+    ``num_blocks`` rows of ``block_len`` bytes at ``base_addr``). ``kvpeer``: with
+    kvpeer's extension, of this protocol version (True) or of the one given (``boot_id``,
+    random by default; the data planes offered in ``transports``; ``session``, its
+    session number, as a kvpeer node of this version sends it); False: as vLLM sends it.
+    The tests' one builder of a ``connect``."""
+    if region is not None:
+        num_blocks, block_len = region.num_blocks, region.block_len
+    extension = None
+    if kvpeer is not False:
+        extension = ConnectExtension(
+            version=PROTOCOL_VERSION if kvpeer is True else kvpeer,
+            boot_id=boot_id or os.urandom(16),
+            transports=dict(transports or {}),
+            session=session,
         )
-        if kvpeer
-        else None
-    )
     return Connect(
         peer_id=peer_id,
-        agent_metadata=b"",
-        base_addr=0,
-        num_blocks=region.num_blocks,
-        block_len=region.block_len,
+        agent_metadata=agent_metadata,
+        base_addr=base_addr,
+        num_blocks=num_blocks,
+        block_len=block_len,
         hash_seed=hash_seed,
         config_fingerprint=fingerprint,
         kvpeer=extension,
