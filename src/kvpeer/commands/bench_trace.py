@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sender", choices=("vllm", "kvpeer"), default="vllm",
                         help="vLLM's request function (default) or kvpeer's client")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the arms in N turns (A B, A B); report each arm's median")
+    parser.add_argument("--probe", action="store_true",
+                        help="measure the engines first (prefill, hit, decode, pull): the "
+                             "fleet model's CPU preset")
     parser.add_argument("--quick", action="store_true", help="a few seconds of trace")
     parser.add_argument("--model", default=None, help="the random Llama's directory")
     parser.add_argument("--log-dir", default=None)
@@ -46,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     spec = TraceBenchSpec(
         Path(args.trace), tuple(a.strip() for a in args.arms.split(",") if a.strip()),
         args.block_tokens, args.time_scale, args.window_start, window, args.slo, args.seed,
-        args.sender,
+        args.sender, repeat=args.repeat, probe=args.probe,
     )
     result = trace_run.run(
         spec, model_dir=Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),

@@ -7,9 +7,8 @@ without vLLM. Rules:
 1. A trace in Mooncake's format (:mod:`kvpeer.lab.trace`) is cut to ``window`` seconds
    from ``window_start``, its ids made ``block_tokens`` tokens (the engines' block:
    one id is one engine block, so a shared id is a shared cached block), its timestamps
-   multiplied by ``time_scale``. A prompt longer than the engines' context keeps its
-   first blocks (a prefix of a prefix is still shared as it was); output lengths are
-   kept within the context too.
+   multiplied by ``time_scale``, and fitted to the engines' context
+   (:func:`~kvpeer.lab.trace.scaling.fit_context`: a long prompt keeps its first blocks).
 2. Each id is one fixed block of the serving model's ordinary token ids
    (:class:`~kvpeer.lab.trace.tokens.BlockTokens`); requests are sent at their
    timestamps by vLLM's own request function (or kvpeer's client), greedy, fixed
@@ -18,11 +17,17 @@ without vLLM. Rules:
    cache and their connector's hits, from their own counters, over the window) over
    the window's infinite-cache reuse: tokens of each prompt's usable full blocks whose
    id an earlier request of the window had.
+4. With ``repeat`` N the arms run in turns (A B C, A B C, ...), each turn on fresh
+   engines and the same requests; an arm's reported figure is the median of its turns'
+   (:func:`median_rows`), each turn's row is kept beside it. A row keeps every
+   request's TTFT with its prompt and the engine that served it (``per_request``),
+   which ``kvpeer lab fleet --measured`` compares the model against.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +39,21 @@ from kvpeer.lab.bench.serve_client import Sender
 from kvpeer.lab.bench.serve_stats import FleetCounters, RequestRecord
 from kvpeer.lab.bench.serve_workloads import BLOCK_TOKENS, MAX_CONTEXT, VOCAB, BenchRequest
 from kvpeer.lab.trace.mooncake import TraceRequest, read_trace
-from kvpeer.lab.trace.scaling import TraceScale, scale_trace
+from kvpeer.lab.trace.scaling import TraceScale, fit_context, scale_trace
 from kvpeer.lab.trace.tokens import BlockTokens
 
-__all__ = ["TRACE_ARMS", "TraceBenchSpec", "bench_requests", "reusable_tokens", "summarise"]
+__all__ = [
+    "TRACE_ARMS", "TraceBenchSpec", "bench_requests", "median_rows", "reusable_tokens",
+    "summarise",
+]
 
 TRACE_ARMS = ("affinity", "load", "kvpeer", "vllm-p2p")
 DEFAULT_ARMS = ("affinity", "load", "kvpeer")
 QUICK_WINDOW_S = 4.0
+MAX_REPEATS = 20
+#: figures of an arm's row that :func:`median_rows` takes the median of over its turns
+MEDIAN_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "goodput",
+                 "reuse_realised")
 assert set(TRACE_ARMS) <= set(SERVE_ARMS)
 
 
@@ -57,6 +69,8 @@ class TraceBenchSpec:
     seed: int = 0
     sender: Sender = "vllm"
     data_plane: str = "shm"
+    repeat: int = 1
+    probe: bool = False  # measure the engines first (``kvpeer.lab.bench.trace_probe``)
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.arms if a not in TRACE_ARMS]
@@ -69,6 +83,8 @@ class TraceBenchSpec:
         TraceScale(self.block_tokens, self.time_scale, self.window_start_s, self.window_s)
         if not self.slo_s > 0:
             raise ConfigError(f"--slo {self.slo_s}: must be > 0 s")
+        if not 1 <= self.repeat <= MAX_REPEATS:
+            raise ConfigError(f"--repeat {self.repeat}: must be 1..{MAX_REPEATS}")
 
 
 def bench_requests(spec: TraceBenchSpec, requests: Sequence[TraceRequest] | None = None
@@ -86,13 +102,10 @@ def bench_requests(spec: TraceBenchSpec, requests: Sequence[TraceRequest] | None
     fitted: list[TraceRequest] = []
     sent: list[BenchRequest] = []
     for r in scaled:
-        output = max(1, min(r.output_length, MAX_CONTEXT // 4))
-        room = MAX_CONTEXT - output - 1
-        length = min(r.input_length, room)
-        blocks = r.hash_ids[: -(-length // spec.block_tokens)]
-        fit = TraceRequest(r.line, r.timestamp_ms, length, output, blocks, r.block_tokens)
+        fit = fit_context(r, MAX_CONTEXT)
         fitted.append(fit)
-        sent.append(BenchRequest(r.timestamp_ms / 1000.0, tuple(tokens.prompt(fit)), output))
+        sent.append(BenchRequest(r.timestamp_ms / 1000.0, tuple(tokens.prompt(fit)),
+                                 fit.output_length))
     return fitted, sent
 
 
@@ -126,6 +139,7 @@ def summarise(arm: str, records: Sequence[RequestRecord], counters: FleetCounter
     reused = counters.local_hit_tokens + counters.external_hit_tokens
     return {
         "arm": arm, "requests": len(records), "errors": len(records) - len(ok),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "ttft_p50_s": _percentile(ttfts, 50), "ttft_p90_s": _percentile(ttfts, 90),
         "ttft_p99_s": _percentile(ttfts, 99), "slo_s": slo_s,
         "goodput": sum(1 for t in ttfts if t <= slo_s) / len(records) if records else 0.0,
@@ -133,7 +147,31 @@ def summarise(arm: str, records: Sequence[RequestRecord], counters: FleetCounter
         "reuse_realised": reused / reusable if reusable else None,
         "plans": dict(counters.plans),
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        # sent s, TTFT s, prompt tokens, serving engine, plan: in the window's order
+        "per_request": [[round(r.sent_s, 4), round(r.ttft_s, 4), r.prompt_tokens, r.engine,
+                         r.plan] for r in records if r.error is None],
     }
+
+
+def median_rows(turns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rule 4: one row per arm (in first-seen order), each :data:`MEDIAN_FIELDS` figure the
+    median of the arm's turns (``None`` if a turn lacks it), ``turns`` the turns' count."""
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for row in turns:
+        arms.setdefault(row["arm"], []).append(row)
+    out = []
+    for arm, rows in arms.items():
+        merged: dict[str, Any] = {
+            "arm": arm, "turns": len(rows),
+            "requests": rows[0]["requests"], "errors": sum(r["errors"] for r in rows),
+            "slo_s": rows[0]["slo_s"], "reusable_tokens": rows[0]["reusable_tokens"],
+        }
+        for name in MEDIAN_FIELDS:
+            values = [r[name] for r in rows]
+            merged[name] = (None if any(v is None for v in values)
+                            else statistics.median(values))
+        out.append(merged)
+    return out
 
 
 def render(result: dict[str, Any]) -> str:
@@ -142,14 +180,14 @@ def render(result: dict[str, Any]) -> str:
         f"trace time x{result['time_scale']:g}, {result['requests']} requests, "
         f"{result['reusable_tokens']} tokens reusable with an infinite cache",
         "",
-        f"{'arm':<10} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'goodput':>8} {'reuse':>7} "
-        f"{'errors':>6}",
+        f"{'arm':<10} {'mean s':>7} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'goodput':>8} "
+        f"{'reuse':>7} {'errors':>6}",
     ]
     for row in result["arms"]:
         reuse = row["reuse_realised"]
         lines.append(
-            f"{row['arm']:<10} {_f(row['ttft_p50_s'])} {_f(row['ttft_p90_s'])} "
-            f"{_f(row['ttft_p99_s'])} {100 * row['goodput']:>7.1f}% "
+            f"{row['arm']:<10} {_f(row.get('ttft_mean_s'))} {_f(row['ttft_p50_s'])} "
+            f"{_f(row['ttft_p90_s'])} {_f(row['ttft_p99_s'])} {100 * row['goodput']:>7.1f}% "
             f"{'-' if reuse is None else f'{100 * reuse:.1f}%':>7} {row['errors']:>6}"
         )
     for name, reason in result.get("arms_not_run", {}).items():

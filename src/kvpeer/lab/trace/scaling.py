@@ -9,6 +9,10 @@ trace stay shared, and a scaled trace's infinite-cache reuse counts the same blo
 2. ``time_scale``: every timestamp is multiplied by it (2.0 replays at half the rate).
 3. ``window``: only requests whose trace time lies in ``[start, start + duration)``
    seconds are kept, their timestamps made relative to ``start`` (before rule 2).
+4. :func:`fit_context`: a request is fitted to an engine's context: its output kept to a
+   quarter of it (at least 1 token), its prompt cut to what then fits, keeping its first
+   blocks (a prefix of a prefix is still shared as it was). ``kvpeer bench trace`` and
+   ``kvpeer lab fleet --context`` fit alike, so the model sees the bench's requests.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from kvpeer.errors import ConfigError
 from kvpeer.lab.trace.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["TraceScale", "scale_trace"]
+__all__ = ["TraceScale", "fit_context", "scale_trace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +75,12 @@ def _scaled(request: TraceRequest, scale: TraceScale, start_ms: float) -> TraceR
         request.hash_ids,
         size,
     )
+
+
+def fit_context(request: TraceRequest, context: int) -> TraceRequest:
+    """Rule 4: ``request`` as an engine of ``context`` tokens can serve it."""
+    output = max(1, min(request.output_length, context // 4))
+    length = min(request.input_length, context - output - 1)
+    blocks = request.hash_ids[: -(-length // request.block_tokens)]
+    return TraceRequest(request.line, request.timestamp_ms, length, output, blocks,
+                        request.block_tokens)
