@@ -4,7 +4,8 @@ code in the loop, determinism, and zero reuse where nothing is shared."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,12 @@ from kvpeer.cli import main
 from kvpeer.lab.fleet.engine import Fetched, Job, SimEngine
 from kvpeer.lab.fleet.grid import run_at_load, summary
 from kvpeer.lab.fleet.link import Network
-from kvpeer.lab.fleet.params import GpuModel, LinkModel
+from kvpeer.lab.fleet.params import LINKS, GpuModel, LinkModel
 from kvpeer.lab.fleet.world import FleetSpec, run_fleet
 from kvpeer.lab.trace.mooncake import TraceRequest
 from kvpeer.router.decide import RouterPolicy
 from kvpeer.router.events import KVEvent
+from kvpeer.router.policy import EngineLoad, Outcome, Plan
 
 # 1 ms per token of compute, 10 ms per step, no attention term, decode compute-bound.
 SIMPLE = GpuModel(params=5e8, layers=1, hidden=0, peak_flops=1e12, mfu=1.0,
@@ -243,3 +245,62 @@ def test_held_blocks_and_sync_pulls_are_a_run_option_and_reported() -> None:
     fast = run_at_load(FleetSpec(engines=4, policy="kvpeer", held_sync=True), trace, 0.9)
     assert summary(fast, 0.9)["held_sync"] is True
     assert fast.requests == slow.requests
+
+
+class Scripted:
+    """A policy that places each request as the test says: rid -> (engine, source)."""
+
+    def __init__(self, places: dict[str, tuple[int, int | None]], names: Sequence[str]) -> None:
+        self._places = places
+        self._names = names
+
+    def plan(self, request_id: str, prompt: Sequence[int], loads: Mapping[str, EngineLoad],
+             now: float, *, serve_on: str | None = None, pull_from: str | None = None,
+             ) -> Plan:  # fmt: skip
+        engine, source = self._places[request_id]
+        return Plan(self._names[engine],
+                    source=None if source is None else self._names[source])
+
+    def on_sent(self, request_id: str, plan: Plan, prompt: Sequence[int], now: float) -> None:
+        pass
+
+    def on_outcome(self, outcome: Outcome, now: float) -> None:
+        pass
+
+    def on_engine_restart(self, engine: str, now: float) -> None:
+        pass
+
+
+def test_pulling_ahead_starts_the_pull_when_the_router_sends_the_request() -> None:
+    """By hand (SIMPLE: 10 ms a step, 1 ms a token, 100-token budget; 10 MB of KV a token
+    over TCP; blocks of 16 tokens):
+
+    r0 (t=0, 64 tokens) is computed on A: first token 0.010 + 0.064; A's tier holds its
+    4 blocks, 3 of them usable by a 64-token prompt. r1 (t=0.1, 200 fresh tokens) is
+    computed on B in two steps of 100: 0.1 + 2 x 0.110 = 0.32. r2 (t=0.12, r0's prompt) goes
+    to B with A named as its source; it reaches the head of B's queue at 0.21, when r1's
+    first step ends. Its 48 tokens (480 MB) take 0.0005 + 2 x 50 us + 480e6 / 2.8125e9 s
+    on TCP, and 0.48 ms to load. Pulling ahead, the pull starts at 0.12 and lands before
+    r1's second step ends; r2 then computes its last 16 tokens in one step: 0.346.
+    Pulled at the lookup, it starts at 0.21 and lands after B went idle at 0.32."""
+    gpu = replace(SIMPLE, kv_bytes_per_token=10_000_000, pcie_bytes_s=1e12,
+                  cpu_tier_bytes=1e12)
+    trace = [request(0, 64, [0, 1, 2, 3]), request(100, 200, range(10, 23)),
+             request(120, 64, [0, 1, 2, 3])]
+    places = {"r0": (0, None), "r1": (1, None), "r2": (1, 0)}
+    transfer = LINKS["tcp"].transfer_s(48 * 10_000_000)
+    load = 48 * 10_000_000 / 1e12
+    assert transfer == pytest.approx(0.0005 + 1e-4 + 480e6 / 2.8125e9)
+
+    def ttfts(ahead: bool) -> tuple[float, ...]:
+        spec = FleetSpec(engines=2, policy="kvpeer", link="tcp", gpu=gpu, held_sync=True,
+                         ahead=ahead)
+        result = run_fleet(spec, trace, policy=lambda names: Scripted(places, names))
+        assert (result.pulls, result.fetched_blocks) == (1, 3)
+        return result.ttfts
+
+    r2_done = 0.32 + 0.010 + 0.016  # after r1's last step, one step of 16 tokens
+    assert ttfts(ahead=True) == pytest.approx((0.074, 0.22, r2_done - 0.12))
+    landed = 0.21 + transfer + load  # later than r1's first token at 0.32
+    assert landed > 0.32
+    assert ttfts(ahead=False) == pytest.approx((0.074, 0.22, landed + 0.026 - 0.12))

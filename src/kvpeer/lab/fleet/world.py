@@ -19,12 +19,23 @@ Rules:
    out :data:`~kvpeer.router.cost.CONSUMER_PULL_STEPS` of the consumer's steps. With
    ``held_sync`` (tiers serving held blocks, engines running kvpeer's connector) the
    source answers at once and the consumer waits out no step.
+2a. Pulling ahead (``ahead``, the router's default for a kvpeer tier:
+   ``EngineSpec.pulls_ahead``, ``kvpeer.router.ahead``, ``kvpeer.node.ahead``): when
+   the router sends a request with a source, the consumer's tier asks the source *then*
+   for the blocks it holds beyond the consumer's own prefix at that moment (the source
+   answering as in rule 2), and stages them as they land. When the request reaches the
+   head of its queue its lookup takes the staged blocks: at once if they have landed,
+   else when they land (it is parked meanwhile); they are copied in (a load) with no
+   step of the consumer's. A prefix the consumer came to hold itself meanwhile is not
+   taken from staging (the bytes were moved all the same). Staging is not bounded.
 3. Bounds: ``infinite`` and ``pooled`` place by load (the router's load policy) and
    look every prompt up in one cache shared by the fleet (infinite, or all engines'
    CPU tiers pooled, LRU); a hit costs only its transfer and PCIe load (no queueing,
    no engine cache, no step): the most any placement and tier could realise.
 4. Deterministic: the same trace, spec and seed give the same result, except the
    measured router CPU time.
+4a. A request reaches its engine ``GpuModel.request_overhead_s`` after the router
+   placed it (the HTTP hops, the engine's tokenisation), and that is part of its TTFT.
 5. Diagnostics read the router's own view and change nothing: for each plan, what its
    index said the best CPU-tier holder had (asked outside the timed decision, after it)
    against the reuse the request realised, grouped by the plan's reason.
@@ -53,7 +64,7 @@ from kvpeer.router.index import MEDIUM_CPU, PrefixIndex
 from kvpeer.router.loadonly import LoadOnlyPolicy
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Policy
 
-__all__ = ["BOUNDS", "POLICIES", "FleetResult", "FleetSpec", "run_fleet"]
+__all__ = ["BOUNDS", "POLICIES", "FleetResult", "FleetSpec", "engine_names", "run_fleet"]
 
 POLICIES = ("load", "affinity", "kvpeer")
 BOUNDS = ("pooled", "infinite")
@@ -71,6 +82,9 @@ class FleetSpec:
     #: waits for no step of its source and costs its consumer none (EngineSpec's
     #: ``serves_held`` and ``sync_pulls``, told to the router as an operator would)
     held_sync: bool = False
+    #: the consumer's tier pulls ahead (rule 2a): the router's prefetch starts a pull
+    #: when it sends the request (``EngineSpec.pulls_ahead``)
+    ahead: bool = False
     gpu: GpuModel = field(default_factory=GpuModel)
 
     def __post_init__(self) -> None:
@@ -107,8 +121,23 @@ class FleetResult:
         return (self.local_blocks + self.fetched_blocks) / self.blocks if self.blocks else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A pull ahead under way or landed (rule 2a)."""
+
+    held: int  # prefix blocks in all once it is in
+    local: int  # what the consumer held itself when it started
+    arrives: float
+
+
+def engine_names(engines: int) -> list[str]:
+    """The engines' names, ``e000`` on (the seed shuffles their order, rule 4)."""
+    return [f"e{i:03d}" for i in range(engines)]
+
+
 class _World(EngineHost):
-    def __init__(self, spec: FleetSpec, requests: Sequence[TraceRequest]) -> None:
+    def __init__(self, spec: FleetSpec, requests: Sequence[TraceRequest],
+                 policy: Policy | None = None) -> None:  # fmt: skip
         self.spec = spec
         self.requests = requests
         self.now = 0.0
@@ -118,12 +147,13 @@ class _World(EngineHost):
         bt = requests[0].block_tokens if requests else 512
         self._bt = bt
         self._tokens = BlockTokens(bt, seed=spec.seed)
-        names = [f"e{i:03d}" for i in range(spec.engines)]
+        names = engine_names(spec.engines)
         Random(spec.seed).shuffle(names)  # which engine wins a tie is the seed's
         bound = spec.policy in BOUNDS
         self.index: PrefixIndex | None = None
         specs = [EngineSpec(n, f"http://{n}:8000", n, 5710, serves_held=spec.held_sync,
-                            sync_pulls=spec.held_sync) for n in names]
+                            sync_pulls=spec.held_sync, pulls_ahead=spec.ahead)
+                 for n in names]  # fmt: skip
         self.policy: Policy
         if spec.policy in ("affinity", "kvpeer"):
             self.index = PrefixIndex(block_size=bt)
@@ -136,6 +166,9 @@ class _World(EngineHost):
             )
         else:
             self.policy = LoadOnlyPolicy(specs, Mode.SHARED)
+        if policy is not None:  # a test's scripted decisions
+            self.policy = policy
+        self._staged: dict[str, _Staged] = {}
         self.engines = {
             n: SimEngine(n, gpu, self, block_tokens=bt, local_caches=not bound,
                          events=self.index is not None)
@@ -189,6 +222,15 @@ class _World(EngineHost):
             ready = (now + self.network.link.transfer_s(hit * kv)
                      + self.spec.gpu.load_s(hit * self._bt))
             return Fetched(hit, ready)
+        staged = self._staged.pop(job.rid, None)
+        if staged is not None:  # rule 2a
+            if staged.held <= local:
+                return Fetched(local, now)
+            landed = max(now, staged.arrives)
+            pulled = blocks[: staged.held]
+            self.schedule(landed, lambda _: engine.stored_pulled(pulled))
+            return Fetched(staged.held,
+                           landed + self.spec.gpu.load_s((staged.held - local) * self._bt))
         source = self.engines.get(job.source or "")
         if source is None or source is engine:
             return Fetched(local, now)
@@ -205,6 +247,25 @@ class _World(EngineHost):
         self.schedule(arrived, lambda _: engine.stored_pulled(pulled))
         steps = 0 if self.spec.held_sync else PULL_STEPS
         return Fetched(held, arrived + self.spec.gpu.load_s(tokens), steps)
+
+    def _pull_ahead(self, job: Job, now: float) -> None:
+        """Rule 2a: the router's prefetch, sent with the request."""
+        engine = self.engines[job.engine]
+        source = self.engines.get(job.source or "")
+        if source is None or source is engine:
+            return
+        blocks = job.request.full_blocks
+        usable = max(0, job.prompt - 1) // self._bt
+        local = max(engine.gpu_cache.prefix(blocks, usable), engine.cpu_tier.prefix(blocks, usable))
+        held = source.cpu_tier.prefix(blocks, usable)
+        if held <= local:
+            return
+        source.cpu_tier.touch(blocks[:held])
+        kv = self.spec.gpu.kv_bytes_per_token * self._bt
+        window = now if self.spec.held_sync else source.next_window(now)
+        arrives = self.network.transfer(source.name, engine.name, (held - local) * kv, window)
+        self.pulls += 1
+        self._staged[job.rid] = _Staged(held, local, arrives)
 
     def first_token(self, job: Job, now: float) -> None:
         self.ttft[job.rid] = now - job.arrival
@@ -250,7 +311,14 @@ class _World(EngineHost):
         self._in_flight[plan.engine] += 1
         self._queued[plan.engine] += request.input_length
         self._load(plan.engine)
-        self.engines[plan.engine].submit(job, now)
+        if self.spec.ahead and self.pool is None:
+            self._pull_ahead(job, now)
+        engine = self.engines[plan.engine]
+        overhead = self.spec.gpu.request_overhead_s  # rule 4a
+        if overhead > 0:
+            self.schedule(now + overhead, lambda t: engine.submit(job, t))
+        else:
+            engine.submit(job, now)
 
     def run(self) -> None:
         for i, request in enumerate(self.requests):
@@ -262,9 +330,14 @@ class _World(EngineHost):
             action(at)
 
 
-def run_fleet(spec: FleetSpec, requests: Sequence[TraceRequest]) -> FleetResult:
-    """Send ``requests`` (timestamps already scaled) through ``spec``'s fleet."""
-    world = _World(spec, requests)
+def run_fleet(spec: FleetSpec, requests: Sequence[TraceRequest], *,
+              policy: Callable[[Sequence[str]], Policy] | None = None) -> FleetResult:
+    """Send ``requests`` (timestamps already scaled) through ``spec``'s fleet.
+
+    ``policy`` (tests only): made from the engines' names, it decides instead of the
+    policy ``spec`` names (the index, events and engines are ``spec``'s)."""
+    scripted = None if policy is None else policy(engine_names(spec.engines))
+    world = _World(spec, requests, scripted)
     world.run()
     jobs = world.jobs
     reasons: dict[str, float] = {}
