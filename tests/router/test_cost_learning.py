@@ -128,3 +128,32 @@ def test_the_per_source_busy_costs_and_the_pooled_line_are_exported_as_gauges() 
     assert cost.busy_s("s") > 0.1
     pooled = ("kvpeer_router_policy_pull_base_seconds", (("source", "*"),))
     assert samples[pooled] == pytest.approx(cost.rates()["pull_base_s:*"])
+
+
+def test_pulls_booked_on_a_source_make_the_next_quote_wait_until_its_link_is_free() -> None:
+    """docs/fleet.md finding 5: pulls from a popular holder queue on its NIC. The wait
+    is the source's, not the fleet's; it drains with time; a pull's residual is learned
+    net of the wait it was quoted; a restarted source's bookings are gone."""
+    cost = CostModel()
+    cost.relax(10.0)
+    alone = cost.pull_quote_s("hot", 2000, IDLE)[0]
+    transfer = alone - cost.queue_s("hot")
+    assert cost.reserve_pull("hot", 2000) == 0.0
+    assert cost.queue_s("hot") == pytest.approx(transfer)
+    assert cost.pull_quote_s("hot", 2000, IDLE)[0] == pytest.approx(alone + transfer)
+    assert cost.pull_quote_s("other", 2000, IDLE)[0] == pytest.approx(alone)
+    assert cost.reserve_pull("hot", 2000) == pytest.approx(transfer)  # second in line
+    cost.relax(10.0 + transfer)
+    assert cost.queue_s("hot") == pytest.approx(transfer)  # the first is done
+    cost.relax(11.0 + 2 * transfer)
+    assert cost.queue_s("hot") == 0.0
+    # Learning: a pull that took its quoted wait plus the line's time teaches the line
+    # its time only.
+    warm(cost, "c", "hot")
+    for _ in range(30):
+        cost.observe_pull("c", "hot", 2000, IDLE, transfer + 5.0, queued_s=5.0)
+    assert cost.pull_quote_s("hot", 2000, IDLE)[0] == pytest.approx(transfer, rel=0.05)
+    cost.reserve_pull("hot", 2000)
+    assert cost.queue_s("hot") > 0.0
+    cost.forget_sessions("hot")
+    assert cost.queue_s("hot") == 0.0

@@ -450,7 +450,8 @@ def test_a_pull_predicted_a_little_slower_is_explored_now_and_then() -> None:
     policy, index = shared("e0", "e1", config=DecideConfig(explore_every=4))
     hold(index, "e1", 1024, MEDIUM_CPU)
     near = {"e0": idle(), "e1": busy(queued=500, in_flight=1)}  # pulling loses a little
-    plans = [policy.plan(f"r{i}", PROMPT, near, 0.0, serve_on="e0") for i in range(12)]
+    # A second apart: an explored pull books the source's link for its transfer.
+    plans = [policy.plan(f"r{i}", PROMPT, near, float(i), serve_on="e0") for i in range(12)]
     assert [p.reason for p in plans] == ([REASON_PULL_SLOWER] * 3 + [REASON_PULL_EXPLORE]) * 3
     computed, explored = plans[0], plans[3]
     assert (computed.source, explored.source) == (None, "e1")
@@ -503,27 +504,29 @@ def test_a_pull_costs_a_busy_consumer_two_of_its_steps_and_an_idle_one_nothing()
     steps = cost.consumer_steps_s("e0", busy_consumer)
     assert steps == pytest.approx(2 * cost.serve_wait_s("e0", busy_consumer))
     assert steps > 0.2  # two steps of a 1,500-token queue at the prior rates
-    plan = policy.plan("r1", PROMPT, {"e0": busy_consumer, "e1": idle()}, 0.0,
+    cost.relax(1.0)  # as plan() does first; r0's pull, booked on e1's link, is over
+    pulled = cost.pull_s("e0", "e1", USABLE, idle())
+    plan = policy.plan("r1", PROMPT, {"e0": busy_consumer, "e1": idle()}, 1.0,
                        serve_on="e0", pull_from="e1")  # fmt: skip
     computed = cost.compute_s("e0", 1024 - USABLE, busy_consumer)
-    pulled = cost.pull_s("e0", "e1", USABLE, idle())
     assert plan.predicted_ttft_s == pytest.approx(computed + pulled + steps)
     # Learning takes the steps out again, so the pull line keeps the transfer's cost. The
     # engines' first outcomes are their warm-up and the pair's first pull its cold start:
     # neither teaches the line.
     for i in range(2):
-        warm = policy.plan(f"w{i}", PROMPT, {"e0": idle(), "e1": idle()}, 0.0, serve_on="e0")
+        at = 2.0 + i  # a second apart: no pull waits for another on e1's link
+        warm = policy.plan(f"w{i}", PROMPT, {"e0": idle(), "e1": idle()}, at, serve_on="e0")
         assert warm.predicted_ttft_s is not None
         policy.on_outcome(Outcome(f"w{i}", "e0", True, 1024, USABLE, warm.predicted_ttft_s),
-                          0.0)  # fmt: skip
+                          at)  # fmt: skip
     heavy = busy(queued=4000, in_flight=2)
     steps = cost.consumer_steps_s("e0", heavy)
     assert steps > 0.5
-    plan = policy.plan("r2", PROMPT, {"e0": heavy, "e1": idle()}, 0.0, serve_on="e0",
+    plan = policy.plan("r2", PROMPT, {"e0": heavy, "e1": idle()}, 4.0, serve_on="e0",
                        pull_from="e1")  # fmt: skip
     assert plan.predicted_ttft_s is not None
     before = cost.rates()["pull_base_s:*"]  # the pooled line: e1 is quoted it so far
-    policy.on_outcome(Outcome("r2", "e0", True, 1024, USABLE, plan.predicted_ttft_s), 1.0)
+    policy.on_outcome(Outcome("r2", "e0", True, 1024, USABLE, plan.predicted_ttft_s), 5.0)
     assert abs(cost.rates()["pull_base_s:*"] - before) < 0.05  # not +steps/5 (0.1 s)
     assert abs(cost.rates()["pull_base_s:e1"] - before) < 0.05
 
@@ -572,3 +575,23 @@ def test_a_consumer_running_kvpeers_connector_pays_no_extra_steps_for_a_pull() -
     assert sync_plan.predicted_ttft_s is not None
     assert steps_plan.predicted_ttft_s is not None
     assert steps_plan.predicted_ttft_s - sync_plan.predicted_ttft_s == pytest.approx(steps)
+
+
+def test_two_requests_at_once_for_one_holders_prefix_queue_on_its_link() -> None:
+    """Rule 9: the second of two simultaneous pulls from one source is quoted the first's
+    transfer as a wait; a second later the link is free again."""
+    policy, index = shared("e0", "e1", "e2")
+    hold(index, "e2", 1024, MEDIUM_CPU)
+    loads = {"e0": idle(), "e1": idle(), "e2": idle()}
+    first = policy.plan("a", PROMPT, loads, 5.0, serve_on="e0")
+    assert (first.source, first.reason) == ("e2", REASON_PULL)
+    wait = policy.cost.queue_s("e2")
+    assert wait > 0.0
+    second = policy.plan("b", PROMPT, loads, 5.0, serve_on="e1")
+    assert first.predicted_ttft_s is not None
+    assert second.predicted_ttft_s is not None
+    assert second.source == "e2"  # still faster than computing: it waits its turn
+    assert second.predicted_ttft_s == pytest.approx(first.predicted_ttft_s + wait)
+    later = policy.plan("c", PROMPT, loads, 5.0 + 3 * wait + 1.0, serve_on="e1")
+    assert later.source == "e2"
+    assert later.predicted_ttft_s == pytest.approx(first.predicted_ttft_s)

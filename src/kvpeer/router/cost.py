@@ -16,6 +16,13 @@ The model (all terms in seconds):
   serve wait, from the ``source_busy_s`` prior. Plus ``cold_session_s`` for the first
   pull between the pair (handshake, data-plane registration).
 
+A source's pulls share its link: the router books each pull it plans on its source
+(:meth:`CostModel.reserve_pull`, the transfer by the source's line, after those already
+booked), and a quote adds the wait until the source's link is free of them
+(:meth:`CostModel.queue_s`); the residual a pull teaches is net of the wait it was
+quoted. A popular holder's pulls then queue in the prediction as they do on its NIC,
+instead of teaching the fleet that busy sources are slow (docs/fleet.md, finding 5).
+
 Each source has its own busy-source cost once a pull from it while busy was seen; until
 then it is quoted the fleet's (every source's busy pulls). One holder whose NIC or cores
 are queued must not make the fleet's other holders look slow (docs/fleet.md, finding 5).
@@ -168,6 +175,8 @@ class CostModel:
         self._busy: dict[str, float] = {}
         self._busy_scale = 1.0
         self._busy_at: float | None = None  # when the busy costs were last relaxed
+        self._now = 0.0  # the time of the plan being made (relax())
+        self._link_free_at: dict[str, float] = {}  # when each source's booked pulls end
         self._warm: set[tuple[str, str]] = set()
         self._warm_sources: frozenset[str] | None = None  # of _warm, until it changes
         self._floor_s: float | None = None  # pull_floor_s(), until a pull line learns
@@ -219,7 +228,7 @@ class CostModel:
     ) -> tuple[float, float]:
         """:meth:`pull_s` into any engine: (its session with ``source`` warm, cold). A
         decision asks once per source and prefix, not once per consumer."""
-        seconds = self._quoted_line(source).predict(max(0, tokens))
+        seconds = self._quoted_line(source).predict(max(0, tokens)) + self.queue_s(source)
         if source_load.in_flight > 0 and not parked and not held:
             seconds += self.busy_s(source) + self.serve_wait_s(source, source_load)
         return seconds, seconds + self._cold_s
@@ -258,6 +267,19 @@ class CostModel:
             line = self._pooled
         return line.predict(min(max(0, source_load.queued_prompt_tokens), self.priors.step_tokens))
 
+    def queue_s(self, source: str) -> float:
+        """How long pulls already booked on ``source`` keep its link busy from now."""
+        free = self._link_free_at.get(source)
+        return 0.0 if free is None else max(0.0, free - self._now)
+
+    def reserve_pull(self, source: str, tokens: int) -> float:
+        """Book a planned pull of ``tokens`` on ``source``'s link, after those booked
+        already; returns the wait it was quoted (:meth:`queue_s`), for its outcome."""
+        wait = self.queue_s(source)
+        transfer = self._quoted_line(source).predict(max(0, tokens))
+        self._link_free_at[source] = self._now + wait + transfer
+        return wait
+
     def busy_s(self, source: str) -> float:
         """What pulling from ``source`` costs while it is busy, beyond its line and its
         serve wait: its own learned cost, or the fleet's until it has one."""
@@ -277,7 +299,9 @@ class CostModel:
         return source in self._warm_sources
 
     def relax(self, now: float) -> None:
-        """Let the busy-source costs drift toward their prior, at ``stale_half_life_s``."""
+        """Let the busy-source costs drift toward their prior, at ``stale_half_life_s``;
+        ``now`` is also the time of the plan being made (:meth:`queue_s`)."""
+        self._now = now
         if self._busy_at is None or now <= self._busy_at:
             self._busy_at = now if self._busy_at is None else self._busy_at
             return
@@ -302,11 +326,13 @@ class CostModel:
 
     def observe_pull(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float,
-        *, parked: bool = False, held: bool = False,
+        *, parked: bool = False, held: bool = False, queued_s: float = 0.0,
     ) -> None:
-        """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT);
+        """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT),
+        ``queued_s`` of them waiting for pulls booked before it (:meth:`reserve_pull`);
         what it teaches is in the module docstring."""
         self._floor_s = None
+        seconds -= max(0.0, queued_s)
         # Busy as a pull sees it: its source's engine ran requests and had to serve it.
         busy = source_load.in_flight > 0 and not parked and not held
         wait = self.serve_wait_s(source, source_load) if busy else 0.0
@@ -336,6 +362,7 @@ class CostModel:
     def forget_sessions(self, engine: str) -> None:
         """``engine`` restarted: its kvpeer sessions are new, so its pairs are cold."""
         self._warm = {pair for pair in self._warm if engine not in pair}
+        self._link_free_at.pop(engine, None)
         self._warm_sources = None
         self._floor_s = None
 

@@ -34,6 +34,8 @@
    (``Plan.give_up_s``: twice its compute of the pulled tokens, idle, at least
    :data:`MIN_GIVE_UP_S`), so a pull the model got wrong (a source busier than it
    looked, blocks no longer held) costs at most about three times computing them.
+9. A source's pulls queue on its link: each shared pull planned is booked on its source
+   (:meth:`CostModel.reserve_pull`), and later quotes from that source wait for it.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class _Pending:
     local_cached: int  # the serving engine's own prefix
     prefill_local_cached: int  # PD: the prefill engine's own prefix
     loads: Mapping[str, EngineLoad]
+    queued_s: float = 0.0  # shared: the wait for the source's booked pulls it was quoted
 
 
 class DecisionStats:
@@ -454,7 +457,8 @@ class RouterPolicy:
                                   and option.rejected is not None else None),
         )
         local = held.get(engine, _NOTHING)[0]
-        return plan, _Pending(plan, n, local, 0, dict(healthy))
+        wait = cost.reserve_pull(option.source, option.pulled) if option.source else 0.0
+        return plan, _Pending(plan, n, local, 0, dict(healthy), wait)
 
     def _best_option(
         self,
@@ -730,7 +734,8 @@ class RouterPolicy:
                 residual += hidden
         self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
                                parked=plan.prefill_engine is not None,
-                               held=self._specs[source].serves_held)  # fmt: skip
+                               held=self._specs[source].serves_held,
+                               queued_s=pending.queued_s)  # fmt: skip
         self._stats.add("pulled_tokens_observed_total", pulled)
 
 
