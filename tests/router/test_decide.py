@@ -11,6 +11,14 @@ from kvpeer.router.cost import CostModel, CostPriors, Line
 from kvpeer.router.decide import (
     GIVE_UP_FACTOR,
     MIN_GIVE_UP_S,
+    DecideConfig,
+    RouterPolicy,
+)
+from kvpeer.router.events import BlocksStored
+from kvpeer.router.feed import StreamSynced
+from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy, Role
+from kvpeer.router.reasons import (
     REASON_CACHE,
     REASON_LOAD,
     REASON_NO_ENGINE,
@@ -21,13 +29,7 @@ from kvpeer.router.decide import (
     REASON_PULL_EXPLORE,
     REASON_PULL_PINNED,
     REASON_PULL_SLOWER,
-    DecideConfig,
-    RouterPolicy,
 )
-from kvpeer.router.events import BlocksStored
-from kvpeer.router.feed import StreamSynced
-from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
-from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy, Role
 
 BS = 16
 PROMPT = [(7 * i) % 500 for i in range(1024)]

@@ -20,13 +20,6 @@ from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import (
     GIVE_UP_FACTOR,
     MIN_GIVE_UP_S,
-    REASON_CACHE,
-    REASON_LOAD,
-    REASON_NO_ENGINE,
-    REASON_PULL,
-    REASON_PULL_EXPLORE,
-    REASON_PULL_PINNED,
-    REASON_PULL_SLOWER,
     DecideConfig,
     RouterPolicy,
 )
@@ -34,6 +27,15 @@ from kvpeer.router.events import AllCleared, BlocksRemoved, BlocksStored, Blocks
 from kvpeer.router.feed import StreamReset, StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Plan
+from kvpeer.router.reasons import (
+    REASON_CACHE,
+    REASON_LOAD,
+    REASON_NO_ENGINE,
+    REASON_PULL,
+    REASON_PULL_EXPLORE,
+    REASON_PULL_PINNED,
+    REASON_PULL_SLOWER,
+)
 
 BS = 4
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU)

@@ -41,21 +41,31 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Final
 
 from kvpeer.router.cost import CostModel
+from kvpeer.router.decisionstats import DecisionStats, PredictionRecord
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex, PromptKeys
-from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Role
+from kvpeer.router.learning import Pending, learn
+from kvpeer.router.pdplan import NOTHING, plan_pd
+from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan
+from kvpeer.router.reasons import (
+    REASON_CACHE,
+    REASON_LOAD,
+    REASON_PULL,
+    REASON_PULL_EXPLORE,
+    REASON_PULL_PINNED,
+    REASON_PULL_SLOWER,
+)
 
 __all__ = [
-    "REASONS",
+    "GIVE_UP_FACTOR",
+    "MIN_GIVE_UP_S",
     "DecideConfig",
-    "DecisionStats",
-    "PredictionRecord",
     "RouterPolicy",
 ]
 
@@ -67,25 +77,7 @@ MIN_GIVE_UP_S: Final = 1.0
 #: pull gives up once waiting has cost what computing would have, with room for the
 #: prediction being low (a pull that lands late still beats computing from then on).
 GIVE_UP_FACTOR: Final = 2.0
-REASON_LOAD: Final = "load"  # nobody holds any of the prompt: least predicted wait
-REASON_CACHE: Final = "cache"  # the chosen engine's own cache made it the fastest
-REASON_PULL: Final = "pull"  # the chosen engine pulls a longer prefix from a peer
-REASON_PULL_SLOWER: Final = "compute: pull slower"  # a peer had more; computing wins
-REASON_PULL_PINNED: Final = "pull: pinned source"  # the client pinned the source
-REASON_PULL_EXPLORE: Final = "pull: exploring"  # predicted a little slower: tried (rule 6)
-REASON_PD: Final = "pd"
-REASON_PD_CACHED: Final = "pd: decode-only, cached"
-REASON_PD_NO_PREFILL: Final = "pd: decode-only, no prefill engine"
-REASON_NO_ENGINE: Final = "no healthy engine"  # Plan.engine is "": answer 503
-REASONS: Final = (
-    REASON_LOAD, REASON_CACHE, REASON_PULL, REASON_PULL_SLOWER, REASON_PULL_PINNED,
-    REASON_PULL_EXPLORE, REASON_PD,
-    REASON_PD_CACHED, REASON_PD_NO_PREFILL, REASON_NO_ENGINE,
-)
-
-_ERROR_BUCKETS: Final = (-1024, -256, -64, -1, 0, 64, 256, 1024)  # actual - predicted
 _TOP_QUOTES: Final = 4  # at most this many holders of the longest prefix: quote them first
-_NOTHING: Final = (0, 0)  # (local, CPU tier) of an engine holding none of the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,83 +89,6 @@ class DecideConfig:
     pulls: bool = True  # False: the engines have no peer tier (policy "affinity")
     explore_every: int = 16  # at most one exploring pull per this many plans (0: never)
     explore_max_loss_s: float = 0.05  # only pulls predicted to lose at most this much
-
-
-@dataclass(frozen=True, slots=True)
-class PredictionRecord:
-    request_id: str
-    engine: str
-    predicted_cached_tokens: int
-    actual_cached_tokens: int | None
-    predicted_ttft_s: float | None
-    actual_ttft_s: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    """What the plan assumed, so its outcome can be split into what to learn."""
-
-    plan: Plan
-    prompt_tokens: int
-    local_cached: int  # the serving engine's own prefix
-    prefill_local_cached: int  # PD: the prefill engine's own prefix
-    loads: Mapping[str, EngineLoad]
-    queued_s: float = 0.0  # shared: the wait for the source's booked pulls it was quoted
-
-
-class DecisionStats:
-    """Counters of plans and outcomes, as plain numbers for the edge to export."""
-
-    def __init__(self, recent: int) -> None:
-        self._counts: dict[str, float] = {}
-        self._reasons: dict[str, int] = dict.fromkeys(REASONS, 0)
-        self._errors = [0] * (len(_ERROR_BUCKETS) + 1)
-        self._recent: deque[PredictionRecord] = deque(maxlen=recent)
-
-    def add(self, name: str, value: float = 1.0) -> None:
-        self._counts[name] = self._counts.get(name, 0.0) + value
-
-    def planned(self, plan: Plan) -> None:
-        self.add("plans_total")
-        self._reasons[plan.reason] = self._reasons.get(plan.reason, 0) + 1
-        if plan.source is not None:
-            self.add("pulls_planned_total")
-        self.add("predicted_pulled_tokens_planned_total", plan.predicted_pulled_tokens)
-
-    def finished(self, record: PredictionRecord) -> None:
-        self._recent.append(record)
-        if record.actual_cached_tokens is None:
-            self.add("cached_tokens_unreported_total")
-            return
-        self.add("predicted_cached_tokens_total", record.predicted_cached_tokens)
-        self.add("actual_cached_tokens_total", record.actual_cached_tokens)
-        error = record.actual_cached_tokens - record.predicted_cached_tokens
-        self.add("cached_tokens_abs_error_total", abs(error))
-        bucket = next((i for i, le in enumerate(_ERROR_BUCKETS) if error <= le), -1)
-        self._errors[bucket] += 1
-
-    def recent(self) -> tuple[PredictionRecord, ...]:
-        return tuple(self._recent)
-
-    def snapshot(self) -> dict[str, float]:
-        out = {
-            name: 0.0
-            for name in (
-                "plans_total", "pulls_planned_total", "outcomes_total",
-                "outcomes_failed_total", "outcomes_unmatched_total", "outcomes_warmup_total",
-                "predicted_cached_tokens_total", "actual_cached_tokens_total",
-                "cached_tokens_abs_error_total", "cached_tokens_unreported_total",
-                "predicted_pulled_tokens_planned_total", "explorations_total",
-            )
-        }
-        out.update(self._counts)
-        for reason, count in self._reasons.items():
-            out[f"plans_by_reason:{reason}"] = float(count)
-        cumulative = 0
-        for le, count in zip((*_ERROR_BUCKETS, "+Inf"), self._errors, strict=True):
-            cumulative += count
-            out[f"cached_tokens_error_bucket:le={le}"] = float(cumulative)
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +161,7 @@ class RouterPolicy:
         self._index = index
         self.cost = cost or CostModel()
         self._config = config or DecideConfig()
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._pending: OrderedDict[str, Pending] = OrderedDict()
         self._stats = DecisionStats(self._config.recent_records)
         # Engines whose first request since (re)start has not finished: that request
         # pays the engine's warm-up (seconds here) and would teach the model nonsense.
@@ -279,7 +194,9 @@ class RouterPolicy:
         self.cost.relax(now)
         self._since_explore += 1
         if self._mode is Mode.PD:
-            plan, pending = self._plan_pd(prompt, keys, usable, healthy, servers, now)
+            held, _ = self._held(keys, usable, now)
+            plan, pending = plan_pd(self.cost, self._specs, len(prompt), usable, healthy,
+                                    servers, held)
         else:
             pinned = pull_from if pull_from in healthy else None
             plan, pending = self._plan_shared(prompt, keys, usable, healthy, servers, now, pinned)
@@ -320,7 +237,7 @@ class RouterPolicy:
             self._warming -= involved
             self._stats.add("outcomes_warmup_total")
             return
-        self._learn(pending, outcome)
+        learn(self.cost, self._specs, self._stats, pending, outcome)
 
     def on_engine_restart(self, engine: str, now: float) -> None:
         self._index.forget(engine)
@@ -352,7 +269,7 @@ class RouterPolicy:
         servers: Sequence[str],
         now: float,
         pull_from: str | None = None,
-    ) -> tuple[Plan, _Pending]:
+    ) -> tuple[Plan, Pending]:
         """Rule 2, at a cost that grows with the fleet once, not with servers x sources
         (``kvpeer bench router-scale``: 25 ms a decision at 256 engines when every
         server predicted every source).
@@ -370,13 +287,13 @@ class RouterPolicy:
         """
         n = len(prompt)
         if not servers:
-            return _no_engine(n, healthy)
+            return Pending.no_engine(n, healthy)
         cost = self.cost
         held, in_cpu = self._held(keys, usable, now)
         sources: list[tuple[str, int]] = []  # (name, CPU-tier prefix), in plan order
         if self._config.pulls:
             for name in healthy if pull_from is None else (pull_from,):
-                cpu = held.get(name, _NOTHING)[1]
+                cpu = held.get(name, NOTHING)[1]
                 if cpu > 0:
                     sources.append((name, cpu))
         pool = _Pool()
@@ -456,9 +373,9 @@ class RouterPolicy:
             rejected_pull_ttft_s=(option.rejected.ttft_s if reason == REASON_PULL_SLOWER
                                   and option.rejected is not None else None),
         )
-        local = held.get(engine, _NOTHING)[0]
+        local = held.get(engine, NOTHING)[0]
         wait = cost.reserve_pull(option.source, option.pulled) if option.source else 0.0
-        return plan, _Pending(plan, n, local, 0, dict(healthy), wait)
+        return plan, Pending(plan, n, local, 0, dict(healthy), wait)
 
     def _best_option(
         self,
@@ -619,7 +536,7 @@ class RouterPolicy:
         self, keys: PromptKeys, usable: int, now: float
     ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
         """(local prefix in either medium, prefix in the CPU tier), capped (rule 4), of
-        every engine holding some of the prompt (any other engine holds ``_NOTHING``);
+        every engine holding some of the prompt (any other engine holds ``NOTHING``);
         and each one's CPU-tier prefix uncapped."""
         gpu = self._index.prefixes(keys, MEDIUM_GPU, now)
         cpu = self._index.prefixes(keys, MEDIUM_CPU, now)
@@ -636,116 +553,8 @@ class RouterPolicy:
             held[name] = (local if local > in_cpu else in_cpu, in_cpu)
         return held, cpu
 
-    # --- pd ---------------------------------------------------------------------------
-
-    def _plan_pd(
-        self,
-        prompt: Sequence[int],
-        keys: PromptKeys,
-        usable: int,
-        healthy: Mapping[str, EngineLoad],
-        servers: Sequence[str],
-        now: float,
-    ) -> tuple[Plan, _Pending]:
-        n = len(prompt)
-        decoders = [e for e in servers if self._specs[e].role in (Role.DECODE, Role.BOTH)]
-        prefillers = [e for e in healthy if self._specs[e].role in (Role.PREFILL, Role.BOTH)]
-        if not decoders:
-            return _no_engine(n, healthy)
-        held, _ = self._held(keys, usable, now)
-        local = {e: held.get(e, _NOTHING)[0] for e in healthy}
-        # Prefill engines, soonest predicted prefill leg first.
-        legs = sorted(
-            (self.cost.compute_s(e, n - local[e], healthy[e]), healthy[e].in_flight, e)
-            for e in prefillers
-        )
-        best: tuple[float, int, str] | None = None
-        best_prefill: str | None = None
-        for d in decoders:
-            load = healthy[d]
-            prefill = next(((t, e) for t, _, e in legs if e != d), None)
-            chosen: str | None = None
-            if prefill is None or (usable > 0 and local[d] >= usable):
-                t = self.cost.compute_s(d, n - local[d], load)  # decode-only (rule 3)
-            else:
-                t, chosen = prefill
-                # The decode engine pulls what it lacks, then computes the last tokens.
-                t += self.cost.pull_s(d, chosen, usable - local[d], healthy[chosen], parked=True)
-                t += self.cost.compute_s(d, n - usable, load)
-            rank = (t, load.in_flight, d)
-            if best is None or rank < best:
-                best, best_prefill = rank, chosen
-        assert best is not None
-        ttft, _, decode = best
-        prefill_engine = best_prefill
-        if prefill_engine is None:
-            others = [e for _, _, e in legs if e != decode]
-            reason = REASON_PD_CACHED if others else REASON_PD_NO_PREFILL
-            cached, pulled = local[decode], 0
-        else:
-            reason, cached, pulled = REASON_PD, usable, usable - local[decode]
-        plan = Plan(
-            engine=decode, prefill_engine=prefill_engine, predicted_cached_tokens=cached,
-            predicted_pulled_tokens=pulled, predicted_ttft_s=ttft, reason=reason,
-        )
-        prefill_local = local[prefill_engine] if prefill_engine else 0
-        return plan, _Pending(plan, n, local[decode], prefill_local, dict(healthy))
-
-    # --- learning ---------------------------------------------------------------------
-
-    def _learn(self, pending: _Pending, outcome: Outcome) -> None:
-        plan, loads = pending.plan, pending.loads
-        assert outcome.ttft_s is not None
-        engine_load = loads[plan.engine]
-        cached = outcome.cached_tokens
-        if cached is None:  # the engine does not report it: trust the prediction
-            cached = plan.predicted_cached_tokens
-        cached = max(0, min(cached, outcome.prompt_tokens))
-        computed = outcome.prompt_tokens - cached
-        ttft = outcome.ttft_s
-        source = plan.source or plan.prefill_engine
-        if plan.prefill_engine is not None:
-            leg = outcome.prefill_leg_s
-            if leg is None:  # the prefill leg failed: the decode engine computed alone
-                self.cost.observe_compute(plan.engine, computed, engine_load, ttft)
-                return
-            self.cost.observe_compute(
-                plan.prefill_engine,
-                pending.prompt_tokens - pending.prefill_local_cached,
-                loads[plan.prefill_engine],
-                leg,
-            )
-            ttft = max(0.0, ttft - leg)
-        pulled = cached - pending.local_cached
-        if source is None or pulled <= 0:
-            if source is not None:
-                self._stats.add("pulls_missed_total")
-            self.cost.observe_compute(plan.engine, computed, engine_load, ttft)
-            return
-        residual = ttft - self.cost.compute_s(plan.engine, computed, engine_load)
-        if plan.prefill_engine is None:  # shared mode: the consumer's own extra steps
-            spec = self._specs[plan.engine]
-            residual -= self.cost.consumer_steps_s(plan.engine, engine_load, sync=spec.sync_pulls)
-            hidden = self.cost.pull_hidden_s(plan.engine, engine_load, ahead=spec.pulls_ahead)
-            if hidden > 0.0:
-                if residual <= 0.0:  # the pull hid behind the queue wait: its length is unseen
-                    self._stats.add("pulls_hidden_total")
-                    return
-                residual += hidden
-        self.cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
-                               parked=plan.prefill_engine is not None,
-                               held=self._specs[source].serves_held,
-                               queued_s=pending.queued_s)  # fmt: skip
-        self._stats.add("pulled_tokens_observed_total", pulled)
-
-
 def _usable_tokens(prompt_tokens: int, block_size: int) -> int:
     """Full blocks vLLM can take from a cache: at least the last token is computed."""
     if block_size <= 0 or prompt_tokens <= 0:
         return 0
     return ((prompt_tokens - 1) // block_size) * block_size
-
-
-def _no_engine(prompt_tokens: int, loads: Mapping[str, EngineLoad]) -> tuple[Plan, _Pending]:
-    plan = Plan(engine="", reason=REASON_NO_ENGINE)
-    return plan, _Pending(plan, prompt_tokens, 0, 0, dict(loads))
