@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -23,6 +26,7 @@ import pytest
 import yaml
 
 from kvpeer.config import TierConfig
+from kvpeer.router import events
 from kvpeer.router.config import engine_entries, from_mapping
 from kvpeer.router.discovery import Found, engine_table
 
@@ -484,6 +488,39 @@ def test_the_image_is_built_on_the_pinned_vllm_in_two_stages() -> None:
     assert "install.sh wheel" in run(build_steps)
     assert "install.sh install" in run(runtime_steps)
     assert any(op == "COPY" and args.startswith("--from=build ") for op, args in runtime_steps)
+
+
+def import_check(python: str, pythonpath: Path | None) -> subprocess.CompletedProcess[str]:
+    """The runtime stage's last ``RUN`` (the image's check that the C extension imports),
+    run with ``python`` for the image's ``python3``, kvpeer from ``pythonpath`` if given."""
+    (_, _), (_, runtime_steps) = stages()
+    op, last = runtime_steps[-1]
+    assert op == "RUN", "the runtime stage must end with the import check"
+    command = shlex.split(last)
+    assert command[:2] == ["python3", "-c"], last
+    assert len(command) == 3, last
+    assert "import kvpeer.router._intake" in command[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([python, "-c", command[2]], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=pythonpath or ROOT, check=False)  # fmt: skip
+
+
+def test_the_image_fails_to_build_without_the_c_extension(tmp_path: Path) -> None:
+    """setup.py marks the extension optional, so a build can fall back to Python quietly;
+    the Dockerfile's last step fails then. Run here against kvpeer's sources without the
+    built extension (as a wheel built without a compiler holds them) and with it."""
+    shutil.copytree(ROOT / "src" / "kvpeer", tmp_path / "kvpeer",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))  # fmt: skip
+    without = import_check(sys.executable, tmp_path)
+    assert without.returncode != 0
+    assert "No module named 'kvpeer.router._intake'" in without.stderr
+    built = import_check(sys.executable, None)
+    if events._native_intake is None:  # KVPEER_REQUIRE=native (scripts/test) fails first
+        pytest.skip("kvpeer.router._intake is not built here")
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.startswith("kvpeer.router._intake: ")
 
 
 def test_nothing_re_pins_what_the_base_image_has() -> None:
