@@ -7,18 +7,20 @@
 # Nothing here skips: a toolchain that cannot be installed fails the script, loudly (CI
 # runs both through scripts/test on a fresh machine; a silent skip would pass it).
 
-# Debian 12's (bookworm's) packages, pinned: gcc's AddressSanitizer runtime and the
-# unversioned libasan.so the link needs (gcc 12 pulls both in; a bare system may not), and
-# clang 14 with its sanitizer and libFuzzer runtimes for the fuzzer's build.
-APT_LIBASAN=(libasan8=12.2.0-14+deb12u1 libgcc-12-dev=12.2.0-14+deb12u1)
-APT_CLANG=(clang-14=1:14.0.6-12 libclang-rt-14-dev=1:14.0.6-12)
+# Debian 12's (bookworm's) packages, pinned by their major version, which their names
+# carry (an exact revision would fail the day a point release or security update replaces
+# it in the archive): gcc 12's AddressSanitizer runtime and the unversioned libasan.so the
+# link needs (gcc 12 pulls both in; a bare system may not), and clang 14 with its sanitizer
+# and libFuzzer runtimes for the fuzzer's build.
+APT_LIBASAN=(libasan8 libgcc-12-dev)
+APT_CLANG=(clang-14 libclang-rt-14-dev)
 
 intake_die() {
     echo "$(basename "$0"): FAILED: $*" >&2
     exit 1
 }
 
-# apt_install PKG=VERSION...: install pinned Debian packages (root, or sudo), or fail.
+# apt_install PKG...: install Debian packages (root, or sudo), or fail.
 apt_install() {
     local sudo=""
     if [ "$(id -u)" != 0 ]; then
