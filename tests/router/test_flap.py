@@ -371,6 +371,10 @@ async def sent(replay_endpoint: str, batches: int, timeout: float = 10.0) -> Non
 
 
 async def flap_down(router: Router, engine: FakeEngine, name: str = "a") -> None:
+    # Up first: with a short health timeout on a loaded machine, the router's first check
+    # of an engine can time out, and an engine never seen up cannot flap (CI saw it: the
+    # proof under test was never asked for).
+    await router.health.wait_for(lambda h: h.healthy(name), 10)
     engine.behaviour.health_status = 503
     await router.health.wait_for(lambda h: not h.healthy(name), 10)
     engine.behaviour.health_status = 200

@@ -46,8 +46,13 @@ def test_a_quick_replay_through_two_engines(serve_llama: Path, tmp_path: Path) -
     assert result["reusable_tokens"] > 0
     arms = {row["arm"]: row for row in result["arms"]}
     assert set(arms) == {"affinity", "kvpeer"}
-    for row in arms.values():
-        assert (row["requests"], row["errors"]) == (12, 0)
+    for row in arms.values():  # each arm's median over its turns (one here)
+        assert (row["requests"], row["errors"], row["turns"]) == (12, 0, 1)
         assert row["ttft_p90_s"] >= row["ttft_p50_s"] > 0
-        assert row["reused_tokens"] > 0
-        assert sum(row["plans"].values()) == 12
+        assert row["reuse_realised"] > 0
+    turns = result["turns"]
+    assert sorted(turn["arm"] for turn in turns) == ["affinity", "kvpeer"]
+    for turn in turns:  # what each arm's turn did
+        assert turn["reused_tokens"] > 0
+        assert sum(turn["plans"].values()) == 12
+        assert len(turn["per_request"]) == 12

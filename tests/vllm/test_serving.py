@@ -306,7 +306,9 @@ def test_a_second_router_sees_the_load_the_first_put_on_an_engine(
         Mode.SHARED, entries(fleet, (Role.BOTH, Role.BOTH)), listen_port=0,
         health_interval_s=0.5, load_scrape_interval_s=0.25,
     )
-    long_body = {**greedy(fresh(64)), "max_tokens": 400}
+    # Long enough to outlast the wait for a's /metrics and the two requests on a loaded
+    # machine (400 tokens did not, once in CI); within max_model_len (2,048) with the prompt.
+    long_body = {**greedy(fresh(64)), "max_tokens": 1600}
     with BackgroundRouter(config) as second, ThreadPoolExecutor(3) as pool:
         feed = second.router.engine_load
         assert feed is not None
