@@ -14,6 +14,7 @@ network (``kvpeer.lab.sim.sim_network``) puts ZMQ-over-TCP faults on the same tw
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -74,7 +75,7 @@ class Endpoint(Generic[LinkT]):
             link.close()
 
 
-class ControlNetwork(Generic[EndpointT]):
+class ControlNetwork(ABC, Generic[EndpointT]):
     """Nodes by id (the latest incarnation of each); frames numbered and counted."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -84,9 +85,9 @@ class ControlNetwork(Generic[EndpointT]):
         self.frames_sent = 0
         self.frames_dropped = 0
 
+    @abstractmethod
     def _endpoint(self, node_id: str) -> EndpointT:
         """A new incarnation's endpoint (each network says which kind)."""
-        raise NotImplementedError
 
     def attach(self, node_id: str) -> EndpointT:
         old = self._nodes.get(node_id)
