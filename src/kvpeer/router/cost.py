@@ -187,9 +187,7 @@ class CostModel:
     def compute_s(self, engine: str, tokens: int, load: EngineLoad) -> float:
         """Seconds until ``engine`` has prefilled ``tokens`` of ours, given its load."""
         ahead = max(0, load.queued_prompt_tokens) + max(0, tokens)
-        line = self._compute_line(engine)
-        if line.samples < self.priors.own_samples:
-            line = self._pooled
+        line = self._quoted_compute_line(engine)
         return line.predict(ahead) + max(0, load.in_flight) * self.priors.in_flight_s
 
     def compute_floor_s(self, tokens: int, load: EngineLoad) -> float:
@@ -262,9 +260,7 @@ class CostModel:
         if source_load.in_flight <= 0:
             return 0.0
         # The step under way prefills the queue; a decode-only step is the line's base.
-        line = self._compute_line(source)
-        if line.samples < self.priors.own_samples:
-            line = self._pooled
+        line = self._quoted_compute_line(source)
         return line.predict(min(max(0, source_load.queued_prompt_tokens), self.priors.step_tokens))
 
     def queue_s(self, source: str) -> float:
@@ -412,6 +408,14 @@ class CostModel:
         line = self._pull.get(source)
         if line is None:
             line = self._pull[source] = self._new_pull_line()
+        return line
+
+    def _quoted_compute_line(self, engine: str) -> Line:
+        """``engine``'s own compute line once it has ``own_samples`` observations, else the
+        fleet's pooled one."""
+        line = self._compute.get(engine)
+        if line is None or line.samples < self.priors.own_samples:
+            return self._pooled
         return line
 
     def _quoted_line(self, source: str) -> Line:
