@@ -2,8 +2,10 @@
 
 ``kvpeer.router._intake`` runs the router's KV event intake past msgspec: the batch's
 translation and token ids (``kvpeer/router/events.py``), the index's per-block loops, its
-holder masks and its chain keys (``kvpeer/router/index.py``; docs/scale.md). It is
-optional: without a C compiler the install still succeeds and the router runs the same
+holder masks and its chain keys (``kvpeer/router/index.py``; docs/scale.md). It links
+OpenSSL's libcrypto, which CPython's hashlib already loads (building needs its headers:
+Debian's ``libssl-dev``). It is optional: without a C compiler or those headers the
+install still succeeds and the router runs the same
 work in Python, at about 2.4 times the CPU per event at 256 engines; ``kvpeer router``
 logs which one it runs.
 """
@@ -15,6 +17,7 @@ setup(
         Extension(
             "kvpeer.router._intake",
             ["src/kvpeer/router/_intake.c"],
+            libraries=["crypto"],  # OpenSSL's SHA-256 for the chain keys (hashlib's own)
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
         )

@@ -484,6 +484,7 @@ def test_the_image_is_built_on_the_pinned_vllm_in_two_stages() -> None:
 
     # The compiler is installed in the builder only; the runtime stage gets the wheel.
     assert "gcc" in run(build_steps)
+    assert "libssl-dev" in run(build_steps)  # OpenSSL's headers: the extension's SHA-256
     assert not re.search(r"\b(gcc|cc|clang|build-essential|apt-get install)\b", run(runtime_steps))
     assert "install.sh wheel" in run(build_steps)
     assert "install.sh install" in run(runtime_steps)

@@ -14,6 +14,7 @@
 # and libFuzzer runtimes for the fuzzer's build.
 APT_LIBASAN=(libasan8 libgcc-12-dev)
 APT_CLANG=(clang-14 libclang-rt-14-dev)
+APT_OPENSSL=(libssl-dev) # the extension's SHA-256 (libcrypto; its headers to build)
 
 intake_die() {
     echo "$(basename "$0"): FAILED: $*" >&2
@@ -74,6 +75,9 @@ ensure_fuzz_requirements() {
 build_intake() {
     local cc=$1 dir=$2 include suffix
     shift 2
+    if ! echo '#include <openssl/evp.h>' | "$cc" -E -x c - >/dev/null 2>&1; then
+        apt_install "${APT_OPENSSL[@]}"
+    fi
     include=$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
     suffix=$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
     mkdir -p "$dir"
@@ -81,7 +85,7 @@ build_intake() {
     # -O1 and frame pointers: the sanitizers' advice for reports with whole stacks.
     "$cc" -shared -fPIC -g -O1 -fno-omit-frame-pointer -Wall -Wextra \
         -Werror=implicit-function-declaration -I"$include" "$@" \
-        src/kvpeer/router/_intake.c -o "$dir/kvpeer/router/_intake$suffix" \
+        src/kvpeer/router/_intake.c -lcrypto -o "$dir/kvpeer/router/_intake$suffix" \
         || intake_die "$cc could not build _intake.c with $*"
 }
 

@@ -36,6 +36,12 @@ ensure_venv() {
         fi
         step "installing kvpeer (editable)"
         python -m pip install --quiet --no-deps -e .
+        # setup.py marks the router's C extension optional: say so when it was not built.
+        if ! python -c 'import kvpeer.router._intake' 2>/dev/null; then
+            echo "warning: kvpeer's C extension was not built (needs a C compiler and" \
+                "OpenSSL's headers: Debian's gcc and libssl-dev); the router runs its" \
+                "Python loops (docs/scale.md)" >&2
+        fi
         echo "$want" > "$stamp"
     fi
 }

@@ -5,6 +5,7 @@ order included; hostile arguments raise, never crash; nothing leaks a reference.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import re
 import struct
@@ -548,12 +549,58 @@ def test_the_holders_table_refuses_what_is_not_a_chain_key_or_a_bit() -> None:
 @settings(max_examples=500, deadline=None)
 @given(parent=st.binary(max_size=40), tokens=st.binary(max_size=400),
        width=st.integers(1, 300))
-def test_chain_keys_in_c_are_hashlibs_blake2b(parent: bytes, tokens: bytes, width: int) -> None:
-    """Our BLAKE2b (RFC 7693) against hashlib's, across block boundaries (128 bytes)."""
+def test_chain_keys_in_c_are_hashlibs_sha256(parent: bytes, tokens: bytes, width: int) -> None:
+    """OpenSSL's SHA-256 through the extension against hashlib's, truncated to 16 bytes,
+    across SHA-256's block boundaries (64 bytes) and widths that leave a short last key."""
     assert native is not None
+    assert native.chain(parent, tokens) == hashlib.sha256(parent + tokens).digest()[:16]
     assert native.chain(parent, tokens) == index_module._chain_python(parent, tokens)
     assert native.chain_keys(parent, tokens, width) == index_module._chain_keys_python(
         parent, tokens, width)
+
+
+@needs_native
+def test_the_holders_table_spreads_keys_that_are_not_chain_keys() -> None:
+    """Keys placed by their own bits: counters that differ only in their last word, or
+    only in their first, still answer as the reference does (the mix spreads both)."""
+    assert native is not None
+    table, reference = native.Holders(), index_module._Holders()
+    keys = [i.to_bytes(16, "big") for i in range(3000)]
+    keys += [(i << 64).to_bytes(16, "big") for i in range(1, 3000)]
+    for i, key in enumerate(keys):
+        table.set_bit(key, i % 70)
+        reference.set_bit(key, i % 70)
+    assert len(table) == len(reference) == len(keys)
+    assert all(table.get(key) == reference.get(key) for key in keys)
+    for i, key in enumerate(keys[::2]):
+        table.clear_bit(key, (2 * i) % 70)
+        reference.clear_bit(key, (2 * i) % 70)
+    assert dict(table.items()) == dict(reference.items())
+
+
+def test_chain_keys_are_each_router_processs_own() -> None:
+    """The attacker's view: the same prompt keys differently in two router processes, and
+    neither key is one anybody can compute from public constants (no root known, no
+    key aimed at). Also without the extension: the Python reference uses the same root."""
+    script = (
+        "from kvpeer.router.index import PrefixIndex, _chain_python, _ROOT\n"
+        "from kvpeer.router.events import BlocksStored\n"
+        "index = PrefixIndex()\n"
+        "index.apply('e', BlocksStored.of_ids('GPU', (1,), None, list(range(16)), 16))\n"
+        "key = index.keys(list(range(16))).keys[0]\n"
+        "tokens = b''.join(i.to_bytes(4, 'little') for i in range(16))\n"
+        "assert key == _chain_python(_ROOT, tokens)\n"
+        "print(key.hex(), _ROOT.hex())\n"
+    )
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=True).stdout.split() for _ in range(2)]
+    (key_a, root_a), (key_b, root_b) = runs
+    assert key_a != key_b
+    assert root_a != root_b
+    tokens = b"".join(i.to_bytes(4, "little") for i in range(16))
+    for public_root in (b"", b"kvpeer-router-chain-root", bytes(16)):
+        guess = hashlib.sha256(public_root + tokens).digest()[:16].hex()
+        assert guess not in (key_a, key_b)
 
 
 @needs_native

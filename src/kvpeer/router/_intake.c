@@ -3,7 +3,7 @@
  * - msgpack_tokens: a store's token ids, kept raw by the decoder, checked and packed;
  * - translate: a batch's wire events into the router's events (events.py's _translate);
  * - stores_of: a run of stores ordered parents first and joined into chains;
- * - chain / chain_keys: the index's chain keys, BLAKE2b written from RFC 7693;
+ * - chain / chain_keys: the index's chain keys (SHA-256 by OpenSSL's libcrypto);
  * - Holders: a medium's holder masks, in an open-addressing table of their own;
  * - stored / removed: the two loops of PrefixIndex that every block goes through.
  *
@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <openssl/evp.h>
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -34,9 +35,11 @@
  * and its mask inline: a lookup costs the one or two cache lines of its slot, where a
  * dict of bytes to ints cost its index, its entry, the key object and the int object --
  * the largest part of the intake's CPU at 256 engines (docs/scale.md, session 21). An
- * empty slot is an all-zero mask: a held key has a bit set. Slots are found by the
- * process's keyed string hash of the key (_Py_HashBytes, what a dict uses), so engines
- * that choose token contents cannot choose where their keys land. The table holds no
+ * empty slot is an all-zero mask: a held key has a bit set. A key's slot is taken from its
+ * own bits: chain keys hash from a root drawn at random by each router process (index.py's
+ * _ROOT) and are never shown outside it, so engines and clients that choose token contents
+ * cannot know, let alone choose, where their keys land. A fixed mix of both words spreads
+ * keys that are not chain keys (a test's counters) as well. The table holds no
  * Python object; it is the C loops' and the decision walk's (index.py keeps a Python
  * class with the same methods as the reference). */
 
@@ -80,7 +83,11 @@ holders_empty(const HoldersObject *h, const uint64_t *slot)
 static inline Py_ssize_t
 holders_home(const HoldersObject *h, const uint64_t *key)
 {
-    return (Py_ssize_t)((size_t)_Py_HashBytes(key, KEY_BYTES) & (size_t)(h->capacity - 1));
+    uint64_t x = key[0] ^ (key[1] * 0x9e3779b97f4a7c15ULL); /* splitmix64's finaliser */
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return (Py_ssize_t)(x & (uint64_t)(h->capacity - 1));
 }
 
 /* The slot of `key`, or -1 - (the empty slot where it would go). The table is not full. */
@@ -244,7 +251,12 @@ holders_index(PyObject *obj)
 }
 
 /* The mask in `slot` as a Python int, made at once from its words (a decision asks for
- * the masks of a prompt's every block; shifting word by word cost five times as much). */
+ * the masks of a prompt's every block; shifting word by word cost five times as much):
+ * by PyLong_FromUnsignedNativeBytes where the API has it (3.13), else by int.from_bytes on
+ * the words' little-endian bytes, both public. */
+static PyObject *int_from_bytes; /* int.from_bytes, looked up once per process */
+static PyObject *str_little;
+
 static PyObject *
 holders_mask(const HoldersObject *h, const uint64_t *slot)
 {
@@ -252,18 +264,28 @@ holders_mask(const HoldersObject *h, const uint64_t *slot)
     if (h->words == 1) {
         return PyLong_FromUnsignedLongLong(mask[0]);
     }
-#if PY_LITTLE_ENDIAN
-    return _PyLong_FromByteArray((const unsigned char *)mask, (size_t)h->words * 8, 1, 0);
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyLong_FromUnsignedNativeBytes(mask, (size_t)h->words * 8,
+                                          Py_ASNATIVEBYTES_LITTLE_ENDIAN);
 #else
-    unsigned char *bytes = PyMem_Malloc((size_t)h->words * 8);
+    unsigned char little[8 * 8]; /* words <= 8: masks of up to 512 engines on the stack */
+    unsigned char *bytes = h->words <= 8 ? little : PyMem_Malloc((size_t)h->words * 8);
     if (bytes == NULL) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t b = 0; b < h->words * 8; b++) {
         bytes[b] = (unsigned char)(mask[b / 8] >> (8 * (b % 8)));
     }
-    PyObject *out = _PyLong_FromByteArray(bytes, (size_t)h->words * 8, 1, 0);
-    PyMem_Free(bytes);
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)bytes, h->words * 8);
+    if (bytes != little) {
+        PyMem_Free(bytes);
+    }
+    if (raw == NULL) {
+        return NULL;
+    }
+    PyObject *args[2] = {raw, str_little};
+    PyObject *out = PyObject_Vectorcall(int_from_bytes, args, 2, NULL);
+    Py_DECREF(raw);
     return out;
 #endif
 }
@@ -415,146 +437,32 @@ expect_holders(PyObject *obj)
     return (HoldersObject *)obj;
 }
 
-/* --- Chain keys: BLAKE2b (RFC 7693) with a 16-byte digest, unkeyed -----------------------
+/* --- Chain keys: SHA-256 by OpenSSL, truncated to 16 bytes ------------------------------
  *
- * index.py's _chain(parent, tokens) = blake2b(parent || tokens, digest_size=16), written here
- * from the RFC so the stored loop and a prompt's keys hash with no Python call per block
- * (the call cost four times the hashing). tests/router/test_index_native.py compares it
- * with hashlib on random inputs of every length that crosses a block boundary. */
+ * index.py's _chain(parent, tokens) = sha256(parent || tokens).digest()[:16], hashed here by
+ * the libcrypto the interpreter's own hashlib links (no primitive of ours), so the stored
+ * loop and a prompt's keys hash with no Python call per block (the call cost four times the
+ * hashing). One context is fetched at import and reused under the GIL (a fetch per key cost
+ * three times the hashing). tests/router/test_index_native.py compares it with hashlib. */
 
 #define CHAIN_BYTES 16
 
-static const uint64_t blake2b_iv[8] = {
-    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
-    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
-};
-
-static const uint8_t blake2b_sigma[10][16] = { /* round r permutes by row r mod 10 */
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
-    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
-    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
-    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
-    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
-    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
-    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
-    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
-    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
-};
-
-typedef struct {
-    uint64_t h[8];
-    uint64_t counted; /* bytes compressed or buffered so far (inputs here are far below 2**64) */
-    unsigned char block[128];
-    size_t filled;
-} Blake2b;
-
-static inline uint64_t
-rotr64(uint64_t x, int n)
-{
-    return x >> n | x << (64 - n);
-}
-
-static inline uint64_t
-load64(const unsigned char *p)
-{
-    uint64_t x = 0;
-    for (int i = 7; i >= 0; i--) {
-        x = x << 8 | p[i];
-    }
-    return x;
-}
-
-#define BLAKE2B_G(a, b, c, d, x, y)       \
-    do {                                  \
-        a = a + b + (x);                  \
-        d = rotr64(d ^ a, 32);            \
-        c = c + d;                        \
-        b = rotr64(b ^ c, 24);            \
-        a = a + b + (y);                  \
-        d = rotr64(d ^ a, 16);            \
-        c = c + d;                        \
-        b = rotr64(b ^ c, 63);            \
-    } while (0)
-
-static void
-blake2b_compress(Blake2b *s, int last)
-{
-    uint64_t m[16], v[16];
-    for (int i = 0; i < 16; i++) {
-        m[i] = load64(s->block + 8 * i);
-    }
-    for (int i = 0; i < 8; i++) {
-        v[i] = s->h[i];
-        v[i + 8] = blake2b_iv[i];
-    }
-    v[12] ^= s->counted; /* the counter's high word stays 0 */
-    if (last) {
-        v[14] = ~v[14];
-    }
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *z = blake2b_sigma[r % 10];
-        BLAKE2B_G(v[0], v[4], v[8], v[12], m[z[0]], m[z[1]]);
-        BLAKE2B_G(v[1], v[5], v[9], v[13], m[z[2]], m[z[3]]);
-        BLAKE2B_G(v[2], v[6], v[10], v[14], m[z[4]], m[z[5]]);
-        BLAKE2B_G(v[3], v[7], v[11], v[15], m[z[6]], m[z[7]]);
-        BLAKE2B_G(v[0], v[5], v[10], v[15], m[z[8]], m[z[9]]);
-        BLAKE2B_G(v[1], v[6], v[11], v[12], m[z[10]], m[z[11]]);
-        BLAKE2B_G(v[2], v[7], v[8], v[13], m[z[12]], m[z[13]]);
-        BLAKE2B_G(v[3], v[4], v[9], v[14], m[z[14]], m[z[15]]);
-    }
-    for (int i = 0; i < 8; i++) {
-        s->h[i] ^= v[i] ^ v[i + 8];
-    }
-}
-
-static void
-blake2b_init(Blake2b *s)
-{
-    memcpy(s->h, blake2b_iv, sizeof(s->h));
-    s->h[0] ^= 0x01010000ULL ^ CHAIN_BYTES; /* depth 1, fanout 1, no key, 16-byte digest */
-    s->counted = 0;
-    s->filled = 0;
-}
-
-/* A full block is compressed only once more input follows: the last one is final. */
-static void
-blake2b_update(Blake2b *s, const unsigned char *in, size_t n)
-{
-    while (n > 0) {
-        if (s->filled == sizeof(s->block)) {
-            blake2b_compress(s, 0);
-            s->filled = 0;
-        }
-        size_t take = sizeof(s->block) - s->filled < n ? sizeof(s->block) - s->filled : n;
-        memcpy(s->block + s->filled, in, take);
-        s->filled += take;
-        s->counted += take;
-        in += take;
-        n -= take;
-    }
-}
-
-static void
-blake2b_final(Blake2b *s, unsigned char out[CHAIN_BYTES])
-{
-    memset(s->block + s->filled, 0, sizeof(s->block) - s->filled);
-    blake2b_compress(s, 1);
-    for (int i = 0; i < CHAIN_BYTES; i++) {
-        out[i] = (unsigned char)(s->h[i / 8] >> (8 * (i % 8)));
-    }
-}
+static EVP_MD *chain_md;      /* SHA-256, fetched once per process */
+static EVP_MD_CTX *chain_ctx; /* reused: every call holds the GIL from init to final */
 
 /* The chain key of `n` bytes of tokens after `parent`: a new bytes object, or NULL. */
 static PyObject *
 chain_key(const char *parent, Py_ssize_t parent_n, const char *tokens, Py_ssize_t n)
 {
-    Blake2b s;
-    unsigned char out[CHAIN_BYTES];
-    blake2b_init(&s);
-    blake2b_update(&s, (const unsigned char *)parent, (size_t)parent_n);
-    blake2b_update(&s, (const unsigned char *)tokens, (size_t)n);
-    blake2b_final(&s, out);
+    unsigned char out[EVP_MAX_MD_SIZE];
+    unsigned int out_n = 0;
+    if (!EVP_DigestInit_ex2(chain_ctx, chain_md, NULL)
+        || !EVP_DigestUpdate(chain_ctx, parent, (size_t)parent_n)
+        || !EVP_DigestUpdate(chain_ctx, tokens, (size_t)n)
+        || !EVP_DigestFinal_ex(chain_ctx, out, &out_n) || out_n < CHAIN_BYTES) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL's SHA-256 failed");
+        return NULL;
+    }
     return PyBytes_FromStringAndSize((const char *)out, CHAIN_BYTES);
 }
 
@@ -1793,7 +1701,7 @@ static PyMethodDef intake_methods[] = {
     {"stores_of", (PyCFunction)(void (*)(void))intake_stores_of, METH_FASTCALL,
      "events.py's _stores_of up to the events: [(head, hashes, tokens), ...]."},
     {"chain", (PyCFunction)(void (*)(void))intake_chain, METH_FASTCALL,
-     "chain(parent, tokens): blake2b(parent + tokens, digest_size=16).digest()."},
+     "chain(parent, tokens): sha256(parent + tokens).digest()[:16]."},
     {"chain_keys", (PyCFunction)(void (*)(void))intake_chain_keys, METH_FASTCALL,
      "chain_keys(parent, tokens, width): the chain key of each width bytes of tokens."},
     {"translate", (PyCFunction)(void (*)(void))intake_translate, METH_FASTCALL,
@@ -1806,6 +1714,24 @@ static PyMethodDef intake_methods[] = {
 static int
 intake_exec(PyObject *module)
 {
+    if (int_from_bytes == NULL) { /* once per process, like the strings below */
+        int_from_bytes = PyObject_GetAttrString((PyObject *)&PyLong_Type, "from_bytes");
+        str_little = PyUnicode_InternFromString("little");
+        if (int_from_bytes == NULL || str_little == NULL) {
+            Py_CLEAR(int_from_bytes);
+            return -1;
+        }
+    }
+    if (chain_ctx == NULL) {
+        chain_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+        chain_ctx = chain_md == NULL ? NULL : EVP_MD_CTX_new();
+        if (chain_ctx == NULL) {
+            EVP_MD_free(chain_md);
+            chain_md = NULL;
+            PyErr_SetString(PyExc_ImportError, "OpenSSL's libcrypto has no SHA-256");
+            return -1;
+        }
+    }
     if (PyType_Ready(&HoldersType) < 0
         || PyModule_AddObjectRef(module, "Holders", (PyObject *)&HoldersType) < 0) {
         return -1;

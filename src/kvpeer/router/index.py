@@ -2,7 +2,7 @@
 
 Engines name blocks by hashes the router cannot recompute (salted per process unless
 ``PYTHONHASHSEED`` is fixed, and ``bytes`` or ``int`` by configuration). So the index
-keys every full block by a *chain key* of its own: ``blake2b(parent_key || tokens)``,
+keys every full block by a *chain key* of its own: ``sha256(parent_key || tokens)``,
 computed from token ids alone, and maps each engine's hashes onto chain keys as its
 ``BlockStored`` events arrive (each event carries its parent's hash and its tokens).
 A prompt resolves to chain keys once (:meth:`PrefixIndex.keys`), and each engine and
@@ -66,14 +66,21 @@ Invariants:
 10. Stored and removed blocks go through the C loops of ``kvpeer.router._intake`` when
     that extension is built (``native``), else through the Python loops below, which are
     its reference: both leave the same state, order included
-    (``tests/router/test_index_native.py``). Chain keys are hashed by the extension's
-    BLAKE2b when it is built (:func:`_chain_python`, hashlib's, otherwise: the same keys,
-    compared in the same tests), so a new block costs no Python call.
+    (``tests/router/test_index_native.py``). Chain keys are hashed by the extension
+    (OpenSSL's SHA-256) when it is built (:func:`_chain_python`, hashlib's, otherwise: the
+    same keys, compared in the same tests), so a new block costs no Python call.
+11. Chain keys are the router's own: SHA-256 truncated to 16 bytes, chained from a root
+    drawn at random when the process starts (``_ROOT``) and never shown outside it. No
+    engine or client can compute a key, so none can aim token contents at another
+    prefix's key or at one slot of the holder table (which places keys by their own
+    bits); a chance collision needs about 2**64 keys. Keys are not comparable between
+    router processes, and nothing compares them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,7 +107,7 @@ __all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "IndexStatistics", "PrefixIndex", "Prompt
 
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
-_ROOT: Final = b"kvpeer-router-chain-root"
+_ROOT: Final = secrets.token_bytes(16)  # invariant 11: this process's own, never shown
 _CHAIN_BYTES: Final = 16
 _UNKEYED: Final = b"kvpeer-unkeyed:"
 _K = TypeVar("_K")
@@ -680,7 +687,7 @@ def _drop_holder(holders: _Masks, key: bytes, index: int) -> None:
 
 
 def _chain_python(parent: bytes, tokens: bytes) -> bytes:
-    return hashlib.blake2b(parent + tokens, digest_size=_CHAIN_BYTES).digest()
+    return hashlib.sha256(parent + tokens).digest()[:_CHAIN_BYTES]
 
 
 def _chain_keys_python(parent: bytes, tokens: bytes, width: int) -> tuple[bytes, ...]:
@@ -693,7 +700,7 @@ def _chain_keys_python(parent: bytes, tokens: bytes, width: int) -> tuple[bytes,
     return tuple(keys)
 
 
-# The same keys hashed in C when built (blake2b from RFC 7693, compared with hashlib in
+# The same keys hashed in C when built (by OpenSSL, compared with hashlib in
 # tests/router/test_index_native.py): the stored loop then calls no Python per block.
 _chain: Callable[[bytes, bytes], bytes] = (
     _chain_python if _native_intake is None else _native_intake.chain
