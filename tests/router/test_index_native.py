@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router import events as events_module
 from kvpeer.router import index as index_module
+from kvpeer.router import indexloops
 from kvpeer.router.app import Router
 from kvpeer.router.events import (
     AllCleared,
@@ -492,7 +493,7 @@ def test_the_holders_table_answers_as_a_dict_of_masks(ops: list[tuple[str, int, 
     masks wider than a word) against the Python reference, op by op."""
     assert native is not None
     keys = [index_module._chain(b"k", bytes([i])) for i in range(61)]
-    table, reference = native.Holders(), index_module._Holders()
+    table, reference = native.Holders(), indexloops.Holders()
     for op, at, bit in ops:
         key = keys[at]
         if op == "set":
@@ -554,8 +555,8 @@ def test_chain_keys_in_c_are_hashlibs_sha256(parent: bytes, tokens: bytes, width
     across SHA-256's block boundaries (64 bytes) and widths that leave a short last key."""
     assert native is not None
     assert native.chain(parent, tokens) == hashlib.sha256(parent + tokens).digest()[:16]
-    assert native.chain(parent, tokens) == index_module._chain_python(parent, tokens)
-    assert native.chain_keys(parent, tokens, width) == index_module._chain_keys_python(
+    assert native.chain(parent, tokens) == indexloops.chain(parent, tokens)
+    assert native.chain_keys(parent, tokens, width) == indexloops.chain_keys(
         parent, tokens, width)
 
 
@@ -564,7 +565,7 @@ def test_the_holders_table_spreads_keys_that_are_not_chain_keys() -> None:
     """Keys placed by their own bits: counters that differ only in their last word, or
     only in their first, still answer as the reference does (the mix spreads both)."""
     assert native is not None
-    table, reference = native.Holders(), index_module._Holders()
+    table, reference = native.Holders(), indexloops.Holders()
     keys = [i.to_bytes(16, "big") for i in range(3000)]
     keys += [(i << 64).to_bytes(16, "big") for i in range(1, 3000)]
     for i, key in enumerate(keys):
@@ -583,13 +584,14 @@ def test_chain_keys_are_each_router_processs_own() -> None:
     neither key is one anybody can compute from public constants (no root known, no
     key aimed at). Also without the extension: the Python reference uses the same root."""
     script = (
-        "from kvpeer.router.index import PrefixIndex, _chain_python, _ROOT\n"
+        "from kvpeer.router.index import PrefixIndex, _ROOT\n"
+        "from kvpeer.router.indexloops import chain\n"
         "from kvpeer.router.events import BlocksStored\n"
         "index = PrefixIndex()\n"
         "index.apply('e', BlocksStored.of_ids('GPU', (1,), None, list(range(16)), 16))\n"
         "key = index.keys(list(range(16))).keys[0]\n"
         "tokens = b''.join(i.to_bytes(4, 'little') for i in range(16))\n"
-        "assert key == _chain_python(_ROOT, tokens)\n"
+        "assert key == chain(_ROOT, tokens)\n"
         "print(key.hex(), _ROOT.hex())\n"
     )
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -49,9 +49,10 @@ Invariants:
    answers for every engine (at 256 engines one walk per engine and medium was the
    largest part of a decision after scoring). With the C loops the masks of a medium are
    a table of their own (``kvpeer.router._intake.Holders``: 16-byte keys and their masks
-   inline, probed by the process's keyed hash, on huge pages when large), else
-   :class:`_Holders`, its Python reference: a dict's index, entry, key object and int
-   object were four cache misses per block at 256 engines, the table's slot one.
+   inline, placed by their own bits, on huge pages when large), else
+   ``kvpeer.router.indexloops.Holders``, its Python reference: a dict's index, entry,
+   key object and int object were four cache misses per block at 256 engines, the
+   table's slot one.
 8. A hash already mapped (live or retired) keeps its chain key when stored again under a
    keyed parent: vLLM derives a block's hash from its parent's hash and its tokens, so a
    known hash names known content, and its key is not hashed again. The CPU tier
@@ -64,11 +65,11 @@ Invariants:
    collection -- set off by the decoder's short-lived objects -- walked every block of
    every engine: at 256 engines, half of the intake's CPU (``docs/scale.md``).
 10. Stored and removed blocks go through the C loops of ``kvpeer.router._intake`` when
-    that extension is built (``native``), else through the Python loops below, which are
-    its reference: both leave the same state, order included
-    (``tests/router/test_index_native.py``). Chain keys are hashed by the extension
-    (OpenSSL's SHA-256) when it is built (:func:`_chain_python`, hashlib's, otherwise: the
-    same keys, compared in the same tests), so a new block costs no Python call.
+    that extension is built (``native``), else through ``kvpeer.router.indexloops``, a
+    module with the same interface that is its reference: both leave the same state,
+    order included (``tests/router/test_index_native.py``). Chain keys are hashed by the
+    extension (OpenSSL's SHA-256) when it is built (hashlib's otherwise: the same keys,
+    compared in the same tests), so a new block costs no Python call.
 11. Chain keys are the router's own: SHA-256 truncated to 16 bytes, chained from a root
     drawn at random when the process starts (``_ROOT``) and never shown outside it. No
     engine or client can compute a key, so none can aim token contents at another
@@ -79,15 +80,14 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from types import ModuleType
-from typing import Final, Protocol, TypeVar
+from typing import Final, TypeVar
 
+from kvpeer.router import indexloops
 from kvpeer.router.events import (
     AllCleared,
     BlockHash,
@@ -96,6 +96,7 @@ from kvpeer.router.events import (
     BlocksUnkeyable,
 )
 from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
+from kvpeer.router.indexloops import Masks, drop_holder, oldest_out
 
 _native_intake: ModuleType | None
 try:  # the per-block loops in C, when built (setup.py: an optional extension)
@@ -108,10 +109,8 @@ __all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "IndexStatistics", "PrefixIndex", "Prompt
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 _ROOT: Final = secrets.token_bytes(16)  # invariant 11: this process's own, never shown
-_CHAIN_BYTES: Final = 16
 _UNKEYED: Final = b"kvpeer-unkeyed:"
 _K = TypeVar("_K")
-_V = TypeVar("_V")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,55 +131,6 @@ class IndexStatistics:
     speculative: tuple[tuple[str, int], ...]  # (engine, live speculative entries)
     counts: tuple[tuple[str, int], ...]  # named counters: orphans, evictions, ...
     hash_mappings: tuple[tuple[str, int], ...] = ()  # (engine, live + retired mappings)
-
-
-class _Masks(Protocol):
-    """Invariant 7's masks of one medium: chain key -> bits of the engines holding it."""
-
-    def get(self, key: bytes, default: int = 0, /) -> int: ...
-    def set_bit(self, key: bytes, index: int, /) -> None: ...
-    def clear_bit(self, key: bytes, index: int, /) -> None: ...
-    def items(self) -> list[tuple[bytes, int]]: ...
-    def __len__(self) -> int: ...
-
-
-class _Holders:
-    """The Python reference of ``kvpeer.router._intake.Holders`` (a table of 16-byte keys
-    with their masks inline, which the C loops use): the same methods and errors."""
-
-    __slots__ = ("_masks",)
-
-    def __init__(self) -> None:
-        self._masks: dict[bytes, int] = {}
-
-    def get(self, key: bytes, default: int = 0, /) -> int:
-        return self._masks.get(_chained(key), default)
-
-    def set_bit(self, key: bytes, index: int, /) -> None:
-        key = _chained(key)
-        self._masks[key] = self._masks.get(key, 0) | 1 << index
-
-    def clear_bit(self, key: bytes, index: int, /) -> None:
-        bits = self._masks[_chained(key)]
-        if not bits >> index & 1:
-            raise KeyError(key)  # invariant 7 broken
-        bits ^= 1 << index
-        if bits:
-            self._masks[key] = bits
-        else:
-            del self._masks[key]
-
-    def items(self) -> list[tuple[bytes, int]]:
-        return list(self._masks.items())
-
-    def __len__(self) -> int:
-        return len(self._masks)
-
-
-def _chained(key: bytes) -> bytes:
-    if type(key) is not bytes or len(key) != _CHAIN_BYTES:
-        raise TypeError(f"holder keys are {_CHAIN_BYTES}-byte chain keys, not {key!r:.60}")
-    return key
 
 
 @dataclass(slots=True)
@@ -232,11 +182,14 @@ class PrefixIndex:
             raise RuntimeError(
                 "native=True, but kvpeer.router._intake is not built (no C compiler at install?)"
             )
-        self._native = _native_intake if native is not False else None
+        self._loops: ModuleType = (
+            _native_intake if native is not False and _native_intake is not None
+            else indexloops
+        )
         self._engines: dict[str, _Engine] = {}
         self._names: list[str] = []  # by bit
         self._learned_bits = 0
-        self._holders: dict[str, _Masks] = {}  # medium -> chain key -> engine bits
+        self._holders: dict[str, Masks] = {}  # medium -> chain key -> engine bits
         self._speculating: dict[tuple[str, bytes], int] = {}  # (medium, key) -> bits
         self._counts: dict[str, int] = {}
 
@@ -247,7 +200,7 @@ class PrefixIndex:
     @property
     def native(self) -> bool:
         """Whether stored and removed blocks go through the C loops."""
-        return self._native is not None
+        return self._loops is not indexloops
 
     # --- queries ----------------------------------------------------------------------
 
@@ -309,7 +262,7 @@ class PrefixIndex:
             return out
         holders = self._holders.get(medium)
         if holders is None:  # nothing stored there yet; speculative entries may be
-            holders = _Holders()
+            holders = indexloops.Holders()
         speculating = self._speculating
         alive = self._learned_bits
         size = prompt.block_size
@@ -458,56 +411,11 @@ class PrefixIndex:
         holders = self._holders[medium]
         refcounted = medium in self._refcounted
         speculative, bit = state.speculative, state.bit
-        if self._native is not None:
-            remapped, unkeyed = self._native.stored(
-                hashes, retired, present, holders, speculative, medium, bit, state.index,
-                refcounted, parent, tuple(event.block_hashes), event.tokens, 4 * size,
-                _UNKEYED, _chain, _unkeyed, self._unspeculated,
-            )
-            self._stored_counts(remapped, unkeyed)
-            self._bound(state, medium)
-            return
-        tokens = event.tokens
-        width = 4 * size
-        unkeyed = parent.startswith(_UNKEYED)
-        remapped = 0
-        # Most blocks are known and keyed (the CPU tier's copies of the GPU's blocks):
-        # each costs a lookup and two moves to the newest end.
-        lookup, unretire, held = hashes.get, retired.pop, present.get
-        for i, block_hash in enumerate(event.block_hashes):
-            previous = lookup(block_hash)
-            if previous is not None and not unkeyed and not previous.startswith(_UNKEYED):
-                parent = previous  # a known hash names known content (invariant 8)
-                del hashes[block_hash]
-                hashes[block_hash] = parent
-            else:
-                live = previous is not None
-                if previous is None:
-                    previous = unretire(block_hash, None)  # held again: live (invariant 2)
-                if previous is None:
-                    if unkeyed:
-                        parent = _unkeyed(block_hash)  # a salted block's child (invariant 6)
-                    else:
-                        parent = _chain(parent, tokens[i * width : (i + 1) * width])
-                elif unkeyed or previous.startswith(_UNKEYED):
-                    parent = _unkeyed(block_hash)  # a salted block or its child (invariant 6)
-                    remapped += previous != parent
-                    unkeyed = True
-                else:
-                    parent = previous
-                if live:
-                    del hashes[block_hash]
-                hashes[block_hash] = parent
-            count = held(parent)
-            if count is None:
-                present[parent] = 1
-                if not unkeyed:  # an unkeyed key is in no mask (invariant 7)
-                    holders.set_bit(parent, state.index)
-            else:
-                del present[parent]
-                present[parent] = count + 1 if refcounted else count  # a set's stays 1
-            if speculative and speculative.pop((medium, parent), None) is not None:
-                self._unspeculated((medium, parent), bit)
+        remapped, unkeyed = self._loops.stored(
+            hashes, retired, present, holders, speculative, medium, bit, state.index,
+            refcounted, parent, tuple(event.block_hashes), event.tokens, 4 * size,
+            _UNKEYED, _chain, _unkeyed, self._unspeculated,
+        )
         self._stored_counts(remapped, unkeyed)
         self._bound(state, medium)
 
@@ -545,7 +453,7 @@ class PrefixIndex:
     def _present(self, state: _Engine, medium: str) -> dict[bytes, int]:
         if medium not in self._holders:
             self._holders[medium] = (
-                self._native.Holders() if self._native is not None else _Holders()
+                self._loops.Holders()
             )
         present: dict[bytes, int] = {}
         state.present[medium] = present
@@ -555,11 +463,11 @@ class PrefixIndex:
         present = state.present[medium]
         if len(present) > self._max_blocks:
             holders = self._holders[medium]
-            gone = _oldest_out(present, self._max_blocks)
+            gone = oldest_out(present, self._max_blocks)
             for key in gone:
-                _drop_holder(holders, key, state.index)
+                drop_holder(holders, key, state.index, _UNKEYED)
             self._bump("evicted_blocks", len(gone))
-        _oldest_out(state.hashes, 2 * self._max_blocks)
+        oldest_out(state.hashes, 2 * self._max_blocks)
 
     def _removed(self, state: _Engine, event: BlocksRemoved) -> None:
         """One event may name many blocks (the decoder joins a step's removals): the
@@ -573,38 +481,10 @@ class PrefixIndex:
         hashes, retired, index = state.hashes, state.retired, state.index
         holders = self._holders[medium]
         others = [held for other, held in state.present.items() if other != medium]
-        if self._native is not None:
-            unknown = self._native.removed(
-                hashes, retired, present, holders, others, state.index, refcounted,
-                self._max_retired, tuple(event.block_hashes), _UNKEYED,
-            )
-            if unknown:
-                self._bump("unknown_removed", unknown)
-            return
-        max_retired, lookup, held_count = self._max_retired, hashes.get, present.get
-        unknown = 0
-        for block_hash in event.block_hashes:
-            key = lookup(block_hash)
-            if key is None:
-                unknown += 1
-                continue
-            count = held_count(key)
-            if count is None:
-                unknown += 1
-                continue
-            if refcounted and count > 1:
-                present[key] = count - 1
-                continue
-            del present[key]
-            _drop_holder(holders, key, index)
-            for held in others:
-                if key in held:
-                    break
-            else:  # the block left every medium: retire its mapping (invariant 2)
-                del hashes[block_hash]
-                retired[block_hash] = key  # never there while live: goes in as newest
-                if len(retired) > max_retired:
-                    _oldest_out(retired, max_retired)
+        unknown = self._loops.removed(
+            hashes, retired, present, holders, others, index, refcounted,
+            self._max_retired, tuple(event.block_hashes), _UNKEYED,
+        )
         if unknown:
             self._bump("unknown_removed", unknown)
 
@@ -613,7 +493,7 @@ class PrefixIndex:
         for medium, present in state.present.items():
             holders = self._holders[medium]
             for key in present:
-                _drop_holder(holders, key, state.index)
+                drop_holder(holders, key, state.index, _UNKEYED)
         state.present.clear()
         for entry in state.speculative:
             self._unspeculated(entry, state.bit)
@@ -659,18 +539,6 @@ class PrefixIndex:
         self._counts[name] = self._counts.get(name, 0) + by
 
 
-def _oldest_out(entries: dict[_K, _V], limit: int) -> list[_K]:
-    """Past ``limit``, the oldest entries out down to ``limit - limit // 8``: the keys
-    gone. A plain dict finds its oldest by a walk from the front past the slots of
-    entries deleted before, so they go an eighth of the bound at a time (invariant 2)."""
-    if len(entries) <= limit:
-        return []
-    gone = list(islice(entries, len(entries) - (limit - limit // 8)))
-    for key in gone:
-        del entries[key]
-    return gone
-
-
 def _drop_bit(masks: dict[_K, int], key: _K, bit: int) -> None:
     """Clear ``bit`` (set: invariant 7) in ``masks[key]``; no bit left, no entry."""
     bits = masks[key] ^ bit
@@ -680,38 +548,19 @@ def _drop_bit(masks: dict[_K, int], key: _K, bit: int) -> None:
         del masks[key]
 
 
-def _drop_holder(holders: _Masks, key: bytes, index: int) -> None:
-    """Engine ``index`` no longer holds ``key`` (an unkeyed key is in no mask)."""
-    if not key.startswith(_UNKEYED):
-        holders.clear_bit(key, index)
-
-
-def _chain_python(parent: bytes, tokens: bytes) -> bytes:
-    return hashlib.sha256(parent + tokens).digest()[:_CHAIN_BYTES]
-
-
-def _chain_keys_python(parent: bytes, tokens: bytes, width: int) -> tuple[bytes, ...]:
-    """The chain keys of ``tokens`` (packed ``uint32``), ``width`` bytes a block, from
-    ``parent``."""
-    keys = []
-    for start in range(0, len(tokens), width):
-        parent = _chain_python(parent, tokens[start : start + width])
-        keys.append(parent)
-    return tuple(keys)
-
-
-# The same keys hashed in C when built (by OpenSSL, compared with hashlib in
-# tests/router/test_index_native.py): the stored loop then calls no Python per block.
-_chain: Callable[[bytes, bytes], bytes] = (
-    _chain_python if _native_intake is None else _native_intake.chain
-)
-_chain_keys: Callable[[bytes, bytes, int], tuple[bytes, ...]] = (
-    _chain_keys_python if _native_intake is None else _native_intake.chain_keys
-)
-
-
 def _unkeyed(block_hash: BlockHash) -> bytes:
     """The key of a block under extra keys: its engine hash behind a prefix no chain key
     has, so no prompt resolves to it (invariant 6)."""
     raw = block_hash if isinstance(block_hash, bytes) else b"%d" % block_hash
     return _UNKEYED + raw
+
+
+# The chain keys of prompts and of the stored loop: hashed in C when built (OpenSSL's
+# SHA-256, compared with hashlib's in tests/router/test_index_native.py), so the stored
+# loop calls no Python per block.
+_chain: Callable[[bytes, bytes], bytes] = (
+    indexloops.chain if _native_intake is None else _native_intake.chain
+)
+_chain_keys: Callable[[bytes, bytes, int], tuple[bytes, ...]] = (
+    indexloops.chain_keys if _native_intake is None else _native_intake.chain_keys
+)

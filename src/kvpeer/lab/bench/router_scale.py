@@ -50,6 +50,7 @@ import msgspec
 
 from kvpeer.router import events as events_module
 from kvpeer.router import index as index_module
+from kvpeer.router import indexloops
 from kvpeer.router.decide import RouterPolicy
 from kvpeer.router.feed import EventFeed
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
@@ -270,8 +271,8 @@ def without_c() -> Iterator[None]:
     per index: ``PrefixIndex(native=False)``)."""
     saved = (events_module._native_intake, index_module._chain, index_module._chain_keys)
     events_module._native_intake = None
-    index_module._chain = index_module._chain_python
-    index_module._chain_keys = index_module._chain_keys_python
+    index_module._chain = indexloops.chain
+    index_module._chain_keys = indexloops.chain_keys
     try:
         yield
     finally:

@@ -1,0 +1,202 @@
+"""The index's per-block work in Python: the reference of ``kvpeer.router._intake``.
+
+``PrefixIndex`` (``router/index.py``) hands every stored and removed block to one of two
+modules with the same interface -- the C extension when it is built, this one otherwise
+(and whenever ``PrefixIndex(native=False)``):
+
+- ``Holders()``: invariant 7's masks of one medium, chain key -> bits of its holders;
+- ``stored(...)`` / ``removed(...)``: the two loops every block goes through;
+- ``chain(parent, tokens)`` / ``chain_keys(parent, tokens, width)``: chain keys.
+
+Same arguments, same results, the same state left behind (dict order included) and the
+same errors for what the index can pass; ``tests/router/test_index_native.py`` compares the
+two on random event streams. The C side also refuses wrong types one by one (it must not
+trust its caller's memory); here Python's own checks do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from itertools import islice
+from typing import Any, Final, Protocol, TypeVar
+
+from kvpeer.router.events import BlockHash
+
+__all__ = ["CHAIN_BYTES", "Holders", "Masks", "chain", "chain_keys", "removed", "stored"]
+
+CHAIN_BYTES: Final = 16
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class Masks(Protocol):
+    """Invariant 7's masks of one medium: chain key -> bits of the engines holding it."""
+
+    def get(self, key: bytes, default: int = 0, /) -> int: ...
+    def set_bit(self, key: bytes, index: int, /) -> None: ...
+    def clear_bit(self, key: bytes, index: int, /) -> None: ...
+    def items(self) -> list[tuple[bytes, int]]: ...
+    def __len__(self) -> int: ...
+
+
+class Holders:
+    """``_intake.Holders`` in Python (there: an open-addressing table of 16-byte keys with
+    their masks inline): the same methods and errors."""
+
+    __slots__ = ("_masks",)
+
+    def __init__(self) -> None:
+        self._masks: dict[bytes, int] = {}
+
+    def get(self, key: bytes, default: int = 0, /) -> int:
+        return self._masks.get(_chained(key), default)
+
+    def set_bit(self, key: bytes, index: int, /) -> None:
+        key = _chained(key)
+        self._masks[key] = self._masks.get(key, 0) | 1 << index
+
+    def clear_bit(self, key: bytes, index: int, /) -> None:
+        bits = self._masks[_chained(key)]
+        if not bits >> index & 1:
+            raise KeyError(key)  # invariant 7 broken
+        bits ^= 1 << index
+        if bits:
+            self._masks[key] = bits
+        else:
+            del self._masks[key]
+
+    def items(self) -> list[tuple[bytes, int]]:
+        return list(self._masks.items())
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+
+def _chained(key: bytes) -> bytes:
+    if type(key) is not bytes or len(key) != CHAIN_BYTES:
+        raise TypeError(f"holder keys are {CHAIN_BYTES}-byte chain keys, not {key!r:.60}")
+    return key
+
+
+def stored(
+    hashes: dict[BlockHash, bytes], retired: dict[BlockHash, bytes],
+    present: dict[bytes, int], holders: Masks,
+    speculative: dict[tuple[str, bytes], float], medium: str, bit: int, index: int,
+    refcounted: bool, parent: bytes, block_hashes: Sequence[BlockHash], tokens: bytes,
+    width: int, prefix: bytes, chain_of: Callable[[bytes, bytes], bytes],
+    unkeyed_of: Callable[[BlockHash], bytes],
+    unspeculated: Callable[[tuple[str, bytes], int], Any],
+) -> tuple[int, bool]:
+    """One store of ``block_hashes`` (each ``width`` bytes of ``tokens``) under ``parent``
+    by the engine at ``index`` (mask ``bit``): maps each hash to its chain key, counts it
+    present, marks the holder and ends a speculation it fulfils. Returns (hashes remapped,
+    whether the store was unkeyed). Keys that start with ``prefix`` are unkeyed
+    (invariant 6) and in no mask."""
+    unkeyed = parent.startswith(prefix)
+    remapped = 0
+    # Most blocks are known and keyed (the CPU tier's copies of the GPU's blocks):
+    # each costs a lookup and two moves to the newest end.
+    lookup, unretire, held = hashes.get, retired.pop, present.get
+    for i, block_hash in enumerate(block_hashes):
+        previous = lookup(block_hash)
+        if previous is not None and not unkeyed and not previous.startswith(prefix):
+            parent = previous  # a known hash names known content (invariant 8)
+            del hashes[block_hash]
+            hashes[block_hash] = parent
+        else:
+            live = previous is not None
+            if previous is None:
+                previous = unretire(block_hash, None)  # held again: live (invariant 2)
+            if previous is None:
+                if unkeyed:
+                    parent = unkeyed_of(block_hash)  # a salted block's child (invariant 6)
+                else:
+                    parent = chain_of(parent, tokens[i * width : (i + 1) * width])
+            elif unkeyed or previous.startswith(prefix):
+                parent = unkeyed_of(block_hash)  # a salted block or its child (invariant 6)
+                remapped += previous != parent
+                unkeyed = True
+            else:
+                parent = previous
+            if live:
+                del hashes[block_hash]
+            hashes[block_hash] = parent
+        count = held(parent)
+        if count is None:
+            present[parent] = 1
+            if not unkeyed:  # an unkeyed key is in no mask (invariant 7)
+                holders.set_bit(parent, index)
+        else:
+            del present[parent]
+            present[parent] = count + 1 if refcounted else count  # a set's stays 1
+        if speculative and speculative.pop((medium, parent), None) is not None:
+            unspeculated((medium, parent), bit)
+    return remapped, unkeyed
+
+
+def removed(
+    hashes: dict[BlockHash, bytes], retired: dict[BlockHash, bytes],
+    present: dict[bytes, int], holders: Masks, others: list[dict[bytes, int]], index: int,
+    refcounted: bool, max_retired: int, block_hashes: Sequence[BlockHash], prefix: bytes,
+) -> int:
+    """The engine at ``index`` removed ``block_hashes`` from the medium of ``present``
+    (``others``: what it holds in its other media). Returns how many it did not hold."""
+    lookup, held_count = hashes.get, present.get
+    unknown = 0
+    for block_hash in block_hashes:
+        key = lookup(block_hash)
+        if key is None:
+            unknown += 1
+            continue
+        count = held_count(key)
+        if count is None:
+            unknown += 1
+            continue
+        if refcounted and count > 1:
+            present[key] = count - 1
+            continue
+        del present[key]
+        drop_holder(holders, key, index, prefix)
+        for held in others:
+            if key in held:
+                break
+        else:  # the block left every medium: retire its mapping (invariant 2)
+            del hashes[block_hash]
+            retired[block_hash] = key  # never there while live: goes in as newest
+            if len(retired) > max_retired:
+                oldest_out(retired, max_retired)
+    return unknown
+
+
+def drop_holder(holders: Masks, key: bytes, index: int, prefix: bytes) -> None:
+    """Engine ``index`` no longer holds ``key`` (an unkeyed key is in no mask)."""
+    if not key.startswith(prefix):
+        holders.clear_bit(key, index)
+
+
+def oldest_out(entries: dict[_K, _V], limit: int) -> list[_K]:
+    """Past ``limit``, the oldest entries out down to ``limit - limit // 8``: the keys
+    gone. A plain dict finds its oldest by a walk from the front past the slots of
+    entries deleted before, so they go an eighth of the bound at a time (invariant 2)."""
+    if len(entries) <= limit:
+        return []
+    gone = list(islice(entries, len(entries) - (limit - limit // 8)))
+    for key in gone:
+        del entries[key]
+    return gone
+
+
+def chain(parent: bytes, tokens: bytes) -> bytes:
+    """The chain key of ``tokens`` after ``parent``: SHA-256, its first 16 bytes."""
+    return hashlib.sha256(parent + tokens).digest()[:CHAIN_BYTES]
+
+
+def chain_keys(parent: bytes, tokens: bytes, width: int) -> tuple[bytes, ...]:
+    """The chain keys of ``tokens`` (packed ``uint32``), ``width`` bytes a block (a
+    shorter last piece too), each the next one's parent, from ``parent``."""
+    keys = []
+    for start in range(0, len(tokens), width):
+        parent = chain(parent, tokens[start : start + width])
+        keys.append(parent)
+    return tuple(keys)
