@@ -180,10 +180,8 @@ def _args_removed() -> list[Any]:
 def _args_stored() -> list[Any]:
     assert native is not None
     return [
-        {}, {}, {}, native.Holders(), {}, MEDIUM_GPU, 1, 0, False,
+        {}, {}, {}, native.Holders(), {}, {}, MEDIUM_GPU, 1, 0, False,
         b"root", (5,), array("I", (1, 2)).tobytes(), 4 * BS, b"kvpeer-unkeyed:",
-        index_module._chain,
-        index_module._unkeyed, lambda entry, bit: None,
     ]
 
 
@@ -221,15 +219,16 @@ def test_removed_refuses_wrong_types(position: int, value: Any) -> None:
         (0, OrderedDict(), TypeError),
         (3, {}, TypeError),  # holders: a Holders table, not a dict
         (4, OrderedDict(), TypeError),
-        (6, 1.5, TypeError),
-        (7, -1, ValueError),  # an engine's bit position
-        (7, 1 << 40, ValueError),
-        (9, "root", TypeError),  # a parent key that is not bytes
-        (10, [5], TypeError),
-        (11, (1, 2), TypeError),  # tokens come packed (events.BlocksStored.tokens)
-        (11, bytearray(b"\x01\x00\x00\x00"), TypeError),
-        (12, -4, TypeError),
-        (13, "kvpeer-unkeyed:", TypeError),
+        (5, [], TypeError),  # speculating: the index's dict of masks
+        (7, 1.5, TypeError),
+        (8, -1, ValueError),  # an engine's bit position
+        (8, 1 << 40, ValueError),
+        (10, "root", TypeError),  # a parent key that is not bytes
+        (11, [5], TypeError),
+        (12, (1, 2), TypeError),  # tokens come packed (events.BlocksStored.tokens)
+        (12, bytearray(b"\x01\x00\x00\x00"), TypeError),
+        (13, -4, TypeError),
+        (14, "kvpeer-unkeyed:", TypeError),
     ],
 )
 def test_stored_refuses_wrong_types_and_token_ids(position: int, value: Any,
@@ -242,30 +241,33 @@ def test_stored_refuses_wrong_types_and_token_ids(position: int, value: Any,
 
 
 @needs_native
-def test_a_failing_or_lying_hash_function_raises_without_leaving_a_holder() -> None:
+def test_a_corrupt_mapping_or_speculation_raises_without_leaving_a_holder() -> None:
+    """The loop calls no Python code and trusts none of the state it is given: a mapping
+    that is not a chain key, or a fulfilled speculation the index has no mask for, is
+    an exception, and the block is not marked held."""
     assert native is not None
-
-    def boom(parent: bytes, tokens: bytes) -> bytes:
-        raise ValueError("hash failed")
-
-    args = _args_stored()
-    args[14] = boom
-    with pytest.raises(ValueError, match="hash failed"):
-        native.stored(*args)
-    assert not args[0]
-    assert not args[2]
     for lie, said in [(42, "not int"), (b"short", "not bytes of another size")]:
         args = _args_stored()
-        args[14] = lambda parent, tokens, lie=lie: lie
-        with pytest.raises(TypeError, match=f"16-byte chain keys, {said}"):
+        args[1][5] = lie  # a retired mapping that is not a 16-byte chain key
+        with pytest.raises(TypeError, match=f"16-byte chain keys, {said}|chain keys are bytes"):
             native.stored(*args)
         assert not args[3].items()  # no engine holds the lie
     args = _args_stored()
-    args[14] = lambda parent, tokens: 42  # mapped before it was refused: refused again
-    with pytest.raises(TypeError):
+    key = native.chain(b"root", array("I", (1, 2)).tobytes())
+    args[4][(MEDIUM_GPU, key)] = 9.0  # speculated by the engine, unknown to the index
+    with pytest.raises(KeyError):
         native.stored(*args)
-    with pytest.raises(TypeError, match="chain keys are bytes, not int"):
-        native.stored(*args)
+    for bad_hash in (1.5, "5", None):
+        args = _args_stored()
+        args[10] = b"kvpeer-unkeyed:x"  # an unkeyed parent: the child's key is its hash's
+        args[11] = (bad_hash,)
+        with pytest.raises(TypeError):
+            native.stored(*args)
+    args = _args_stored()
+    args[10], args[11] = b"kvpeer-unkeyed:x", (True, 7, b"h")
+    native.stored(*args)
+    assert list(args[0].values()) == [b"kvpeer-unkeyed:1", b"kvpeer-unkeyed:7",
+                                      b"kvpeer-unkeyed:h"]  # as b"%d" % True gives 1
 
 
 @needs_native

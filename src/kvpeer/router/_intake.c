@@ -830,49 +830,97 @@ intake_msgpack_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return pack_msgpack_tokens(args[0], max_count);
 }
 
-/* tokens[start:stop] as Python slices it (clipped to the bytes there are). */
+/* index.py's _unkeyed: `prefix` and the engine's hash (bytes as they are, an int in
+ * decimal), a key no chain key has (invariant 6). */
 static PyObject *
-slice_bytes(PyObject *tokens, Py_ssize_t start, Py_ssize_t stop)
+unkeyed_key(PyObject *prefix, PyObject *block_hash)
 {
-    Py_ssize_t size = PyBytes_GET_SIZE(tokens);
-    start = start < size ? start : size;
-    stop = stop < size ? stop : size;
-    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(tokens) + start,
-                                     stop > start ? stop - start : 0);
+    PyObject *raw;
+    if (PyBytes_Check(block_hash)) {
+        raw = Py_NewRef(block_hash);
+    } else if (PyLong_Check(block_hash)) {
+        PyObject *exact = PyNumber_Index(block_hash); /* an exact int: True is 1 */
+        PyObject *text = exact == NULL ? NULL : PyObject_Str(exact);
+        raw = text == NULL ? NULL : PyUnicode_AsASCIIString(text);
+        Py_XDECREF(text);
+        Py_XDECREF(exact);
+    } else {
+        PyErr_Format(PyExc_TypeError, "block hashes are bytes or int, not %.50s",
+                     Py_TYPE(block_hash)->tp_name);
+        return NULL;
+    }
+    if (raw == NULL) {
+        return NULL;
+    }
+    PyObject *key = PyBytes_FromStringAndSize(NULL, PyBytes_GET_SIZE(prefix)
+                                                        + PyBytes_GET_SIZE(raw));
+    if (key != NULL) {
+        memcpy(PyBytes_AS_STRING(key), PyBytes_AS_STRING(prefix),
+               (size_t)PyBytes_GET_SIZE(prefix));
+        memcpy(PyBytes_AS_STRING(key) + PyBytes_GET_SIZE(prefix), PyBytes_AS_STRING(raw),
+               (size_t)PyBytes_GET_SIZE(raw));
+    }
+    Py_DECREF(raw);
+    return key;
 }
 
-/* stored(hashes, retired, present, holders, speculative, medium, bit, index, refcounted,
- *        parent, block_hashes, tokens, width, unkeyed_prefix, chain, unkeyed_of,
- *        unspeculated) -> (hash_remapped, unkeyed)
+/* index.py's _drop_bit: clear `bit` in masks[entry] (KeyError if absent); no bit left, no
+ * entry. 0, or -1 with an exception. */
+static int
+drop_bit(PyObject *masks, PyObject *entry, PyObject *bit)
+{
+    PyObject *bits = PyDict_GetItemWithError(masks, entry);
+    if (bits == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, entry);
+        }
+        return -1;
+    }
+    PyObject *left = PyNumber_Xor(bits, bit);
+    if (left == NULL) {
+        return -1;
+    }
+    int some = PyObject_IsTrue(left);
+    int rc = some < 0 ? -1 : some ? PyDict_SetItem(masks, entry, left)
+                                  : PyDict_DelItem(masks, entry);
+    Py_DECREF(left);
+    return rc;
+}
+
+/* stored(hashes, retired, present, holders, speculative, speculating, medium, bit, index,
+ *        refcounted, parent, block_hashes, tokens, width, unkeyed_prefix)
+ *     -> (hash_remapped, unkeyed)
  *
  * PrefixIndex._stored's loop, from the chain key of the event's parent: each block gets
  * its chain key (a known keyed hash keeps its own: invariant 8; a new one is
- * chain(parent, its tokens); a salted block or its child is unkeyed_of(hash):
+ * chain(parent, its tokens); a salted block or its child is the unkeyed key of its hash:
  * invariant 6), is mapped, then counted in `present` (engine `index` into its mask in
- * `holders` when new, unless unkeyed), and confirms a speculative entry if there is one (unspeculated(entry, bit)). */
+ * `holders` when new, unless unkeyed), and confirms a speculative entry if there is one
+ * (its bit cleared in `speculating`). It calls no Python code: every step is a dict, bytes
+ * or int operation on the objects given. */
 static PyObject *
 intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 17) {
-        PyErr_Format(PyExc_TypeError, "stored() takes 17 arguments (%zd given)", nargs);
+    if (nargs != 15) {
+        PyErr_Format(PyExc_TypeError, "stored() takes 15 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *hashes = args[0], *retired = args[1], *present = args[2];
-    PyObject *speculative = args[4], *medium = args[5];
-    PyObject *bit = args[6];
+    PyObject *speculative = args[4], *speculating = args[5], *medium = args[6];
+    PyObject *bit = args[7];
     HoldersObject *holders = expect_holders(args[3]);
-    Py_ssize_t index = holders == NULL ? -1 : holders_index(args[7]);
-    int refcounted = index < 0 ? -1 : PyObject_IsTrue(args[8]);
-    PyObject *parent = args[9], *block_hashes = args[10], *tokens = args[11];
-    Py_ssize_t width = PyLong_AsSsize_t(args[12]);
-    PyObject *prefix = args[13], *chain = args[14], *unkeyed_of = args[15];
-    PyObject *unspeculated = args[16];
+    Py_ssize_t index = holders == NULL ? -1 : holders_index(args[8]);
+    int refcounted = index < 0 ? -1 : PyObject_IsTrue(args[9]);
+    PyObject *parent = args[10], *block_hashes = args[11], *tokens = args[12];
+    Py_ssize_t width = PyLong_AsSsize_t(args[13]);
+    PyObject *prefix = args[14];
     if (refcounted < 0 || (width == -1 && PyErr_Occurred())) {
         return NULL;
     }
     if (expect_dict(hashes, "hashes") || expect_dict(retired, "retired")
-        || expect_dict(present, "present") || expect_dict(speculative, "speculative")) {
+        || expect_dict(present, "present") || expect_dict(speculative, "speculative")
+        || expect_dict(speculating, "speculating")) {
         return NULL;
     }
     if (!PyTuple_CheckExact(block_hashes) || !PyBytes_CheckExact(tokens)
@@ -886,8 +934,6 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (unkeyed < 0) {
         return NULL;
     }
-    int own_chain = PyCFunction_Check(chain)
-                    && PyCFunction_GET_FUNCTION(chain) == (PyCFunction)(void (*)(void))intake_chain;
     PyObject *one = PyLong_FromLong(1);
     PyObject *result = NULL;
     Py_ssize_t remapped = 0;
@@ -936,21 +982,13 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             if (previous == NULL) {
                 if (unkeyed) { /* a salted block's child (invariant 6) */
-                    key = PyObject_CallOneArg(unkeyed_of, block_hash);
-                } else {
-                    if (own_chain && PyBytes_CheckExact(parent)) { /* no Python call */
-                        Py_ssize_t size = PyBytes_GET_SIZE(tokens);
-                        Py_ssize_t start = i * width < size ? i * width : size;
-                        Py_ssize_t stop = (i + 1) * width < size ? (i + 1) * width : size;
-                        key = chain_key(PyBytes_AS_STRING(parent), PyBytes_GET_SIZE(parent),
-                                        PyBytes_AS_STRING(tokens) + start, stop - start);
-                    } else {
-                        PyObject *block = slice_bytes(tokens, i * width, (i + 1) * width);
-                        key = block == NULL ? NULL
-                                            : PyObject_CallFunctionObjArgs(chain, parent, block,
-                                                                           NULL);
-                        Py_XDECREF(block);
-                    }
+                    key = unkeyed_key(prefix, block_hash);
+                } else { /* parent: bytes (checked by starts_with or at the start) */
+                    Py_ssize_t size = PyBytes_GET_SIZE(tokens);
+                    Py_ssize_t start = i * width < size ? i * width : size;
+                    Py_ssize_t stop = (i + 1) * width < size ? (i + 1) * width : size;
+                    key = chain_key(PyBytes_AS_STRING(parent), PyBytes_GET_SIZE(parent),
+                                    PyBytes_AS_STRING(tokens) + start, stop - start);
                 }
             } else {
                 int salted = unkeyed ? 1 : starts_with(previous, prefix);
@@ -959,7 +997,7 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     goto done;
                 }
                 if (salted) { /* a salted block or its child (invariant 6) */
-                    key = PyObject_CallOneArg(unkeyed_of, block_hash);
+                    key = unkeyed_key(prefix, block_hash);
                     int differs = key == NULL ? -1
                                               : PyObject_RichCompareBool(previous, key, Py_NE);
                     if (differs < 0) {
@@ -1014,9 +1052,7 @@ intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (expiry != NULL) {
                 rc = PyDict_DelItem(speculative, entry);
                 if (rc == 0) {
-                    PyObject *r = PyObject_CallFunctionObjArgs(unspeculated, entry, bit, NULL);
-                    rc = r == NULL ? -1 : 0;
-                    Py_XDECREF(r);
+                    rc = drop_bit(speculating, entry, bit);
                 }
             } else if (PyErr_Occurred()) {
                 rc = -1;

@@ -85,7 +85,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Final, TypeVar
+from typing import Final
 
 from kvpeer.router import indexloops
 from kvpeer.router.events import (
@@ -96,7 +96,7 @@ from kvpeer.router.events import (
     BlocksUnkeyable,
 )
 from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
-from kvpeer.router.indexloops import Masks, drop_holder, oldest_out
+from kvpeer.router.indexloops import Masks, drop_bit, drop_holder, oldest_out, unkeyed_key
 
 _native_intake: ModuleType | None
 try:  # the per-block loops in C, when built (setup.py: an optional extension)
@@ -110,7 +110,6 @@ MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 _ROOT: Final = secrets.token_bytes(16)  # invariant 11: this process's own, never shown
 _UNKEYED: Final = b"kvpeer-unkeyed:"
-_K = TypeVar("_K")
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,9 +411,9 @@ class PrefixIndex:
         refcounted = medium in self._refcounted
         speculative, bit = state.speculative, state.bit
         remapped, unkeyed = self._loops.stored(
-            hashes, retired, present, holders, speculative, medium, bit, state.index,
-            refcounted, parent, tuple(event.block_hashes), event.tokens, 4 * size,
-            _UNKEYED, _chain, _unkeyed, self._unspeculated,
+            hashes, retired, present, holders, speculative, self._speculating, medium, bit,
+            state.index, refcounted, parent, tuple(event.block_hashes), event.tokens,
+            4 * size, _UNKEYED,
         )
         self._stored_counts(remapped, unkeyed)
         self._bound(state, medium)
@@ -436,7 +435,7 @@ class PrefixIndex:
             previous = state.hashes.get(block_hash)
             if previous is None:
                 previous = state.retired.pop(block_hash, None)
-            key = _unkeyed(block_hash)
+            key = unkeyed_key(_UNKEYED, block_hash)
             if previous is not None and previous != key:
                 self._bump("hash_remapped")
             state.hashes.pop(block_hash, None)
@@ -509,7 +508,7 @@ class PrefixIndex:
         self._bump("forgotten")
 
     def _unspeculated(self, entry: tuple[str, bytes], bit: int) -> None:
-        _drop_bit(self._speculating, entry, bit)
+        drop_bit(self._speculating, entry, bit)
 
     def _drop_expired(self, state: _Engine, now: float) -> None:
         """Drop expired entries from the front: entries go in (or back in) as the newest,
@@ -537,22 +536,6 @@ class PrefixIndex:
 
     def _bump(self, name: str, by: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + by
-
-
-def _drop_bit(masks: dict[_K, int], key: _K, bit: int) -> None:
-    """Clear ``bit`` (set: invariant 7) in ``masks[key]``; no bit left, no entry."""
-    bits = masks[key] ^ bit
-    if bits:
-        masks[key] = bits
-    else:
-        del masks[key]
-
-
-def _unkeyed(block_hash: BlockHash) -> bytes:
-    """The key of a block under extra keys: its engine hash behind a prefix no chain key
-    has, so no prompt resolves to it (invariant 6)."""
-    raw = block_hash if isinstance(block_hash, bytes) else b"%d" % block_hash
-    return _UNKEYED + raw
 
 
 # The chain keys of prompts and of the stored loop: hashed in C when built (OpenSSL's

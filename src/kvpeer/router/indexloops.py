@@ -17,13 +17,16 @@ trust its caller's memory); here Python's own checks do.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import islice
-from typing import Any, Final, Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
 from kvpeer.router.events import BlockHash
 
-__all__ = ["CHAIN_BYTES", "Holders", "Masks", "chain", "chain_keys", "removed", "stored"]
+__all__ = [
+    "CHAIN_BYTES", "Holders", "Masks", "chain", "chain_keys", "removed", "stored",
+    "unkeyed_key",
+]
 
 CHAIN_BYTES: Final = 16
 _K = TypeVar("_K")
@@ -82,16 +85,16 @@ def _chained(key: bytes) -> bytes:
 def stored(
     hashes: dict[BlockHash, bytes], retired: dict[BlockHash, bytes],
     present: dict[bytes, int], holders: Masks,
-    speculative: dict[tuple[str, bytes], float], medium: str, bit: int, index: int,
+    speculative: dict[tuple[str, bytes], float],
+    speculating: dict[tuple[str, bytes], int], medium: str, bit: int, index: int,
     refcounted: bool, parent: bytes, block_hashes: Sequence[BlockHash], tokens: bytes,
-    width: int, prefix: bytes, chain_of: Callable[[bytes, bytes], bytes],
-    unkeyed_of: Callable[[BlockHash], bytes],
-    unspeculated: Callable[[tuple[str, bytes], int], Any],
+    width: int, prefix: bytes,
 ) -> tuple[int, bool]:
     """One store of ``block_hashes`` (each ``width`` bytes of ``tokens``) under ``parent``
     by the engine at ``index`` (mask ``bit``): maps each hash to its chain key, counts it
-    present, marks the holder and ends a speculation it fulfils. Returns (hashes remapped,
-    whether the store was unkeyed). Keys that start with ``prefix`` are unkeyed
+    present, marks the holder and ends a speculation it fulfils (its entry out of the
+    engine's ``speculative``, its bit out of the index's ``speculating``). Returns (hashes
+    remapped, whether the store was unkeyed). Keys that start with ``prefix`` are unkeyed
     (invariant 6) and in no mask."""
     unkeyed = parent.startswith(prefix)
     remapped = 0
@@ -110,11 +113,11 @@ def stored(
                 previous = unretire(block_hash, None)  # held again: live (invariant 2)
             if previous is None:
                 if unkeyed:
-                    parent = unkeyed_of(block_hash)  # a salted block's child (invariant 6)
+                    parent = unkeyed_key(prefix, block_hash)  # a salted block's child
                 else:
-                    parent = chain_of(parent, tokens[i * width : (i + 1) * width])
+                    parent = chain(parent, tokens[i * width : (i + 1) * width])
             elif unkeyed or previous.startswith(prefix):
-                parent = unkeyed_of(block_hash)  # a salted block or its child (invariant 6)
+                parent = unkeyed_key(prefix, block_hash)  # a salted block or its child
                 remapped += previous != parent
                 unkeyed = True
             else:
@@ -131,7 +134,7 @@ def stored(
             del present[parent]
             present[parent] = count + 1 if refcounted else count  # a set's stays 1
         if speculative and speculative.pop((medium, parent), None) is not None:
-            unspeculated((medium, parent), bit)
+            drop_bit(speculating, (medium, parent), bit)
     return remapped, unkeyed
 
 
@@ -167,6 +170,22 @@ def removed(
             if len(retired) > max_retired:
                 oldest_out(retired, max_retired)
     return unknown
+
+
+def unkeyed_key(prefix: bytes, block_hash: BlockHash) -> bytes:
+    """The key of a block under extra keys: its engine hash behind ``prefix``, which no
+    chain key starts with, so no prompt resolves to it (invariant 6)."""
+    raw = block_hash if isinstance(block_hash, bytes) else b"%d" % block_hash
+    return prefix + raw
+
+
+def drop_bit(masks: dict[_K, int], key: _K, bit: int) -> None:
+    """Clear ``bit`` (set: invariant 7) in ``masks[key]``; no bit left, no entry."""
+    bits = masks[key] ^ bit
+    if bits:
+        masks[key] = bits
+    else:
+        del masks[key]
 
 
 def drop_holder(holders: Masks, key: bytes, index: int, prefix: bytes) -> None:
