@@ -896,7 +896,7 @@ drop_bit(PyObject *masks, PyObject *entry, PyObject *bit)
  * chain(parent, its tokens); a salted block or its child is the unkeyed key of its hash:
  * invariant 6), is mapped, then counted in `present` (engine `index` into its mask in
  * `holders` when new, unless unkeyed), and confirms a speculative entry if there is one
- * (its bit cleared in `speculating`). It calls no Python code: every step is a dict, bytes
+ * (its bit cleared in `speculating`). It takes no callback: every step is a dict, bytes
  * or int operation on the objects given. */
 static PyObject *
 intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
