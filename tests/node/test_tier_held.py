@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvpeer.metrics import ThreadCpu, values
+from kvpeer.metrics.reading import read_tier
 from kvpeer.node.held import HeldBlocks
 from kvpeer.protocol import LookupResponse
 from kvpeer.testing.cluster import BLOCK_LEN, Cluster, TierNode, keys, kv_source
@@ -19,6 +21,12 @@ from kvpeer.types import LookupResult, RequestContext
 
 KEYS = keys(1, 2, 3)
 STORE_S = 30.0  # store_timeout_s default
+
+
+def peer_lookups(node: TierNode) -> dict[str, float]:
+    """``node``'s ``peer_lookups_total`` as its metrics export it, by path."""
+    series = values(read_tier(node.tier, ThreadCpu()))["peer_lookups_total"]
+    return {path: float(value) for (path,), value in series.items()}  # type: ignore[arg-type]
 
 
 def cluster_with(held_blocks: int) -> tuple[Cluster, TierNode, TierNode]:
@@ -104,6 +112,7 @@ class TestServedWithoutTheEngine:
         assert b.parent.requests_seen == 0
         session = b.session(a).statistics()
         assert session.producer.lookups_held == 1
+        assert peer_lookups(b) == {"held": 1.0, "engine": 0.0}
 
     def test_bytes_are_the_copy_even_after_the_engine_reused_the_slot(self) -> None:
         _, a, b = cluster_with(8)
@@ -125,6 +134,7 @@ class TestServedWithoutTheEngine:
         poll(a, b)
         assert [r.hits for r in b.sent_of(LookupResponse, a)] == [(True,) * 4]
         assert b.session(a).statistics().producer.lookups_held == 0
+        assert peer_lookups(b) == {"held": 0.0, "engine": 1.0}
 
     def test_held_bytes_zero_is_the_serve_window_path(self) -> None:
         cluster = Cluster()
@@ -138,6 +148,20 @@ class TestServedWithoutTheEngine:
         assert [r.hits for r in b.sent_of(LookupResponse, a)] == [(True,) * 3]
 
 
+def resolve_request(a: TierNode, b: TierNode) -> RequestContext:
+    """``a`` opens a request the router told holds KEYS at ``b`` (``held_tokens``: no
+    lookup, a resolve fetch), its session up (driver polls only on ``b``)."""
+    table = {k: (i + 1) * 32 for i, k in enumerate(KEYS)}
+    params = {"remote_kv_source": {**kv_source("kv1", b)["remote_kv_source"],  # type: ignore[dict-item]
+                                   "held_tokens": 96}}  # fmt: skip
+    ctx = RequestContext("c", params, key_position=table.get)
+    a.tier.on_new_request(ctx)
+    poll(a, b)
+    a.step()
+    poll(a, b)
+    return ctx
+
+
 class TestResolveFetch:
     """The router's ``held_tokens``: the consumer skips the lookup and fetches with
     ``resolve``; a producer holding every demanded key serves it without a window."""
@@ -147,17 +171,35 @@ class TestResolveFetch:
         where = produce(b, KEYS)
         for slot in where.values():
             b.region.write(slot, b"\xee" * BLOCK_LEN)  # the engine reused them
-        table = {k: (i + 1) * 32 for i, k in enumerate(KEYS)}
-        params = {"remote_kv_source": {**kv_source("kv1", b)["remote_kv_source"],  # type: ignore[dict-item]
-                                       "held_tokens": 96}}  # fmt: skip
-        ctx = RequestContext("c", params, key_position=table.get)
-        a.tier.on_new_request(ctx)
-        poll(a, b)
-        a.step()
-        poll(a, b)
+        ctx = resolve_request(a, b)
         load_originals(a, b, ctx)
         assert b.parent.requests_seen == 0  # no serve window, no parent
         assert b.sent_of(LookupResponse, a) == []
+        assert peer_lookups(b) == {"held": 1.0, "engine": 0.0}  # the router reads it
+
+    def test_a_resolve_fetch_not_all_held_counts_as_the_engines(self) -> None:
+        _, a, b = cluster_with(8)
+        produce(b, KEYS[:2])
+        b.parent.put(KEYS[2])  # in the engine's primary, never stored to the tier
+        ctx = resolve_request(a, b)
+        a.step()
+        assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3  # as the router said
+        a.load(ctx, KEYS)
+        poll(a, b)
+        assert peer_lookups(b) == {"held": 0.0, "engine": 1.0}
+
+
+class TestPeerLookupsMetric:
+    def test_counts_survive_the_session_that_counted_them(self) -> None:
+        cluster, a, b = cluster_with(8)
+        produce(b, KEYS)
+        job_id = pull_without_producer_steps(a, b, KEYS)
+        assert a.outcome(job_id) is True
+        cluster.kill(a)
+        cluster.advance(120.0)
+        cluster.run()
+        assert b.stats().sessions == 0
+        assert peer_lookups(b) == {"held": 1.0, "engine": 0.0}
 
 
 class TestBound:

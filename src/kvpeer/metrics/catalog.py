@@ -23,6 +23,7 @@ from kvpeer.node.counters import (
     FETCH_SECONDS_BUCKETS,
     FETCH_SIZE_BUCKETS,
     LOOKUP_SECONDS_BUCKETS,
+    PEER_LOOKUP_PATHS,
     PULL_WAIT_OUTCOMES,
     PULL_WAIT_SECONDS_BUCKETS,
     STEP_WAIT_SECONDS_BUCKETS,
@@ -143,6 +144,15 @@ CATALOG: tuple[Metric, ...] = (
         "Peer lookups and releases waiting for an engine step: from the oldest one "
         "reaching the tier to the step that served it, per peer and step.",
         buckets=STEP_WAIT_SECONDS_BUCKETS,
+    ),
+    Metric(
+        "peer_lookups_total",
+        MetricType.COUNTER,
+        "lookups",
+        "Peers' lookups (a resolve fetch's included) by how they were answered: at once "
+        "from held blocks, or in an engine step's serve window.",
+        ("path",),
+        _one_label(*PEER_LOOKUP_PATHS),
     ),
     Metric(
         "pull_waits_total",

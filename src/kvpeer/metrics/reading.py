@@ -23,6 +23,7 @@ from kvpeer.metrics.catalog import (
 )
 from kvpeer.node.counters import (
     AHEAD_EVENTS,
+    PEER_LOOKUP_PATHS,
     PULL_WAIT_OUTCOMES,
     CounterSnapshot,
     HistogramSnapshot,
@@ -121,6 +122,7 @@ def values(reading: NodeReading) -> dict[str, dict[tuple[str, ...], Value]]:
         "served_blocks_total": _one(c.blocks_served),
         "served_bytes_total": _one(c.blocks_served * reading.block_len),
         "peer_step_wait_seconds": {(): c.step_wait_seconds},
+        "peer_lookups_total": _by(PEER_LOOKUP_PATHS, c.peer_lookups),
         "pull_waits_total": _by(PULL_WAIT_OUTCOMES, c.pull_waits),
         "pull_wait_seconds": {(): c.pull_wait_seconds},
         "sessions": _one(s.sessions),

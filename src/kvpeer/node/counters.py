@@ -26,6 +26,7 @@ __all__ = [
     "FETCH_SECONDS_BUCKETS",
     "FETCH_SIZE_BUCKETS",
     "LOOKUP_SECONDS_BUCKETS",
+    "PEER_LOOKUP_PATHS",
     "PULL_WAIT_OUTCOMES",
     "PULL_WAIT_SECONDS_BUCKETS",
     "STEP_WAIT_SECONDS_BUCKETS",
@@ -44,6 +45,9 @@ FETCH_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 STEP_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 PULL_WAIT_SECONDS_BUCKETS = LOOKUP_SECONDS_BUCKETS
 PULL_WAIT_OUTCOMES = ("landed", "missed")  # the engine's wait in a lookup for a pull
+#: How the tier answered a peer's lookup (a resolve fetch's included): at once from held
+#: blocks on the node's thread, or in one of the engine's serve windows.
+PEER_LOOKUP_PATHS = ("held", "engine")
 #: What pulling ahead counted (kvpeer.node.ahead): prefetches received and refused,
 #: blocks fetched, staged, used by the engine, expired unused or evicted for room,
 #: fetches failed, engine jobs served from staging or failed there, or given up on
@@ -125,6 +129,7 @@ class TierCounters:
     retired_blocks_served: int = 0
     retired_unknown_messages: int = 0
     retired_stale_frames: int = 0
+    retired_peer_lookups: Counter[str] = field(default_factory=Counter)  # by PEER_LOOKUP_PATHS
     retired_timeouts: Counter[str] = field(default_factory=Counter)
     timeouts: EventCounter = field(default_factory=EventCounter)  # tier-level kinds
     lookup_seconds: Histogram = field(default_factory=lambda: Histogram(LOOKUP_SECONDS_BUCKETS))
@@ -165,6 +170,7 @@ class TierCounters:
         self.retired_stale_frames += stats.stale_frames
         self.retired_timeouts.update(stats.consumer.timeouts)
         self.retired_timeouts.update(stats.producer.timeouts)
+        self.retired_peer_lookups.update(_peer_lookups(stats))
 
     def snapshot(
         self, live: Iterable[SessionStatistics], handshake_timeouts: int
@@ -175,7 +181,9 @@ class TierCounters:
         timeouts: Counter[str] = Counter()
         timeouts.update(self.retired_timeouts)
         timeouts.update(self.timeouts)
+        peer_lookups = Counter(self.retired_peer_lookups)
         for stats in live:
+            peer_lookups.update(_peer_lookups(stats))
             served += stats.producer.blocks_written
             unknown += stats.unknown_messages
             timeouts.update(stats.consumer.timeouts)
@@ -198,7 +206,13 @@ class TierCounters:
             pull_waits=dict(self.pull_waits),
             pull_wait_seconds=self.pull_wait_seconds.snapshot(),
             ahead=dict(self.ahead),
+            peer_lookups=dict(peer_lookups),
         )
+
+
+def _peer_lookups(stats: SessionStatistics) -> dict[str, int]:
+    """One session's peer lookups by :data:`PEER_LOOKUP_PATHS`."""
+    return {"held": stats.producer.lookups_from_held, "engine": stats.producer.lookups_to_engine}
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,3 +235,4 @@ class CounterSnapshot:
     pull_waits: dict[str, int]
     pull_wait_seconds: HistogramSnapshot
     ahead: dict[str, int] = field(default_factory=dict)
+    peer_lookups: dict[str, int] = field(default_factory=dict)  # by PEER_LOOKUP_PATHS

@@ -8,7 +8,9 @@ Rules:
    that passes may be named as a source or prefill engine (the planner checks its role).
 2. The load each engine is planned with is this router's own (:mod:`kvpeer.router.load`),
    combined with what the engines report when load scraping is on
-   (:meth:`EngineLoadFeed.combine`, at this router's mean prompt length).
+   (:meth:`EngineLoadFeed.combine`, at this router's mean prompt length), and with
+   the share of peers' lookups its tier answered from held blocks
+   (:mod:`kvpeer.router.heldshare`; 1.0 without scraping).
 3. With no engine to serve, the last resort (rule 6 of :mod:`kvpeer.router.app`):
    engines down but not known to be gone or unwell (:meth:`EngineHealth.reachable`),
    not excluded, in a serving role.
@@ -48,13 +50,16 @@ class Candidates:
         loads = {}
         for name, load in self._loads.items():
             in_flight, queued = load.in_flight, load.queued_prompt_tokens
+            held = 1.0
             if self._engine_load is not None:  # what other routers sent there too
                 in_flight, queued = self._engine_load.combine(
                     name, in_flight, queued, self._loads.mean_prompt_tokens)
+                held = self._engine_load.held_share.share(name)
             loads[name] = EngineLoad(
                 healthy=name not in exclude and self._health.healthy(name),
                 in_flight=in_flight,
                 queued_prompt_tokens=queued,
+                held_share=held,
             )
         return loads
 

@@ -93,8 +93,8 @@ ENGINE: tuple[Key, ...] = (
         "data-parallel ranks behind it: one engine per rank", "1"),
     Key("tier", {"enum": ["kvpeer", "vllm-p2p"]},
         "its peer tier: `kvpeer` turns the next three on, `vllm-p2p` off", "kvpeer"),
-    Key("held", _BOOL, "its tier serves held blocks: pulls from it wait for no engine step",
-        "tier kvpeer"),
+    Key("held", _BOOL, "its tier serves held blocks: pulls it answers from them wait for no "
+        "engine step (the share it answers so: from its `/metrics`)", "tier kvpeer"),
     Key("sync_pulls", _BOOL, "it runs kvpeer's connector: a pull costs it no extra step",
         "tier kvpeer"),
     Key("ahead", _BOOL, "its tier obeys this router's prefetch: pulls start as the router "

@@ -56,16 +56,28 @@ otherwise be judged by the prior alone. Pulls likewise: a source with fewer than
 source is pulled from rarely, and a line that had learned from two warm idle pulls
 (the rest were busy or first pulls) was three times the true cost in the fleet model.
 
-A source that answers without its engine (held blocks, served by its node's thread;
-PD's parked supply) is quoted its line alone, busy or not: no serve wait and no
-busy-source cost. What a pull's residual teaches (:meth:`CostModel.observe_pull`): the
-first pull between a pair teaches the cold-session penalty (its excess over the warm
-quote); a warm pull from a busy source that had to serve it with its engine teaches the
-busy-source costs (its excess over the line and the serve wait) and nothing else; every
-other warm pull teaches the pull lines (the source's and the pooled one). With held
-blocks on by default most pulls come from busy sources: a line that learned only from
-idle ones hardly learned, and one that learned from the same residuals as a busy cost
-split them at random between the two.
+A source that answers without its engine (PD's parked supply) is quoted its line
+alone, busy or not: no serve wait and no busy-source cost. A source with held blocks
+answers so only the lookups whose keys are all in its held copy (at most a quarter of
+its CPU tier); the rest wait for its engine as without held blocks. Its quote adds the
+busy-source cost and serve wait weighted by the share it misses, ``1 - held``
+(``held``: the share of its peers' lookups it answered from held blocks lately,
+kvpeer.router.heldshare): ``held`` 1 is quoted like parked supply, 0 like a source
+without held blocks (issue 37: a pull from a busy producer predicted at 0.10 s waited
+4.3 s for its engine).
+
+What a pull's residual teaches (:meth:`CostModel.observe_pull`): the first pull between
+a pair teaches the cold-session penalty (its excess over the warm quote, less the busy
+terms if it waited); a warm pull from a busy source that had to serve it with its
+engine teaches the busy-source costs (its excess over the line and the serve wait) and
+nothing else; every other warm pull teaches the pull lines (the source's and the pooled
+one). A pull from a busy source with ``0 < held < 1`` is taken for one that waited when
+its residual exceeds its quote without the busy terms (the line, and the cold-session
+penalty for a pair's first pull) by half the serve wait or more (:data:`WAITED`),
+else for one answered from held blocks: each teaches what the part of the quote it
+stands for predicts. With held blocks on by default most pulls come from busy sources:
+a line that learned only from idle ones hardly learned, and one that learned from the
+same residuals as a busy cost split them at random between the two.
 
 ``(overhead_e, rate_e)`` and ``(base_s, per_token_s)`` are straight lines fitted by
 exponentially weighted least squares (:class:`Line`): each observation counts a little
@@ -85,9 +97,13 @@ from dataclasses import dataclass
 
 from kvpeer.router.policy import EngineLoad
 
-__all__ = ["CONSUMER_PULL_STEPS", "CostModel", "CostPriors", "Line"]
+__all__ = ["CONSUMER_PULL_STEPS", "WAITED", "CostModel", "CostPriors", "Line"]
 
 CONSUMER_PULL_STEPS = 2  # engine steps a pull adds on the consumer: promote, then load
+#: A pull from a source whose held blocks answer only part of its lookups waited for
+#: its engine if its residual exceeds its quote without the busy terms by this share
+#: of the serve wait.
+WAITED = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +175,11 @@ class Line:
         return a, b
 
 
+def _miss(held: float) -> float:
+    """The share of a source's lookups its engine serves (``held`` clamped to 0..1)."""
+    return 1.0 - min(1.0, max(0.0, held))
+
+
 class CostModel:
     """Per-engine compute lines, per-source pull lines, cold sessions per pair."""
 
@@ -210,25 +231,27 @@ class CostModel:
 
     def pull_s(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, *,
-        parked: bool = False, held: bool = False,
+        parked: bool = False, held: float = 0.0,
     ) -> float:
         """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier.
 
         ``parked``: a PD pull, served from what the prefill leg stored for it without
-        waiting for the source's engine (no serve wait); ``held``: the source serves held
-        blocks from its node's thread (no serve wait either)."""
+        waiting for the source's engine (no serve wait); ``held``: the share of its
+        peers' lookups the source answers from held blocks on its node's thread (that
+        share of pulls waits for no serve window either; 0: none held)."""
         warm, cold = self.pull_quote_s(source, tokens, source_load, parked=parked, held=held)
         return warm if (engine, source) in self._warm else cold
 
     def pull_quote_s(
         self, source: str, tokens: int, source_load: EngineLoad, *,
-        parked: bool = False, held: bool = False,
+        parked: bool = False, held: float = 0.0,
     ) -> tuple[float, float]:
         """:meth:`pull_s` into any engine: (its session with ``source`` warm, cold). A
         decision asks once per source and prefix, not once per consumer."""
         seconds = self._quoted_line(source).predict(max(0, tokens)) + self.queue_s(source)
-        if source_load.in_flight > 0 and not parked and not held:
-            seconds += self.busy_s(source) + self.serve_wait_s(source, source_load)
+        miss = _miss(held)
+        if source_load.in_flight > 0 and not parked and miss > 0.0:
+            seconds += miss * (self.busy_s(source) + self.serve_wait_s(source, source_load))
         return seconds, seconds + self._cold_s
 
     def pull_floor_s(self) -> float:
@@ -322,19 +345,26 @@ class CostModel:
 
     def observe_pull(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, seconds: float,
-        *, parked: bool = False, held: bool = False, queued_s: float = 0.0,
+        *, parked: bool = False, held: float = 0.0, queued_s: float = 0.0,
     ) -> None:
         """A pull of ``tokens`` from ``source`` took ``seconds`` (residual of the TTFT),
         ``queued_s`` of them waiting for pulls booked before it (:meth:`reserve_pull`);
-        what it teaches is in the module docstring."""
+        ``parked`` and ``held`` as for :meth:`pull_s`; what it teaches is in the module
+        docstring."""
         self._floor_s = None
         seconds -= max(0.0, queued_s)
-        # Busy as a pull sees it: its source's engine ran requests and had to serve it.
-        busy = source_load.in_flight > 0 and not parked and not held
-        wait = self.serve_wait_s(source, source_load) if busy else 0.0
         quoted = self._quoted_line(source).predict(tokens)
+        # Busy as a pull sees it: its source's engine ran requests and had to serve it
+        # (with some lookups held: it took long enough to have waited, WAITED).
+        miss = _miss(held)
+        busy = source_load.in_flight > 0 and not parked and miss > 0.0
+        wait = self.serve_wait_s(source, source_load) if busy else 0.0
+        cold = (engine, source) not in self._warm
+        if busy and miss < 1.0:  # its quote, cold or warm, was passed by WAITED * wait
+            busy = seconds - quoted - (self._cold_s if cold else 0.0) >= WAITED * wait
+            wait = wait if busy else 0.0
         alpha = self.priors.cold_alpha
-        if (engine, source) not in self._warm:
+        if cold:
             self._warm.add((engine, source))
             self._warm_sources = None
             extra = self.busy_s(source) + wait if busy else 0.0

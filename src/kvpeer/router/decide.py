@@ -421,7 +421,7 @@ class RouterPolicy:
                 if quote is None:
                     quote = quotes[(source, local)] = cost.pull_quote_s(
                         source, cpu - local, healthy[source],
-                        held=self._specs[source].serves_held,
+                        held=self._specs[source].held_share(healthy[source]),
                     )
                 pull = quote[0] if cost.is_warm(engine, source) else quote[1]
                 ttft = compute + max(0.0, pull - hidden) + steps  # as pull_s summed
@@ -507,7 +507,7 @@ class RouterPolicy:
         quotes = []
         for source in sources:
             warm, cold = cost.pull_quote_s(source, fewest, healthy[source],
-                                           held=self._specs[source].serves_held)
+                                           held=self._specs[source].held_share(healthy[source]))
             # No session with it is warm: whoever pulls from it pays the cold one.
             quotes.append(warm if cost.warm_source(source) else cold)
         return min(quotes), second

@@ -24,6 +24,9 @@ Rules:
 4. Engines behind one URL (data-parallel ranks of one API server) are told apart by the
    ``engine`` label vLLM puts on each series (the rank); one URL per engine sums every
    label.
+5. The same page carries the tier's count of peers' lookups answered from held blocks
+   and in serve windows: each scrape feeds them to :attr:`EngineLoadFeed.held_share`
+   (:mod:`kvpeer.router.heldshare`), read the same way (rules 3 and 4).
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 
 from kvpeer.router.config import EngineEntry
+from kvpeer.router.heldshare import MAX_COUNT, HeldShare
 
-__all__ = ["EngineLoadFeed", "Report", "parse_reported"]
+__all__ = ["EngineLoadFeed", "Report", "parse_peer_lookups", "parse_reported"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ STALE_INTERVALS = 3.0
 MAX_REPORTED = 1_000_000.0
 MAX_PAGE_BYTES = 8 << 20
 _LINE = re.compile(r'^(vllm:num_requests_(?:running|waiting))(\{[^}]*\})?\s+(\S+)')
+_LOOKUPS = re.compile(r'^(vllm:kvpeer_peer_lookups_total)(\{[^}]*\})\s+(\S+)')
+_PATH_LABEL = re.compile(r'(?:^|[{,])path="(held|engine)"')
 _ENGINE_LABEL = re.compile(r'(?:^|[{,])engine="([^"]*)"')
 
 
@@ -67,22 +73,44 @@ def parse_reported(page: str) -> dict[str, tuple[float, float]]:
     """``engine`` label -> (running, waiting) from a vLLM ``/metrics`` page (rule 3);
     series without the label count under ``""``."""
     found: dict[str, list[float]] = {}
+    for key, match, value in _samples(page, _LINE, MAX_REPORTED):
+        pair = found.setdefault(key, [0.0, 0.0])
+        pair[0 if match.group(1) == RUNNING else 1] += value
+    return {key: (pair[0], pair[1]) for key, pair in found.items()}
+
+
+def parse_peer_lookups(page: str) -> dict[str, tuple[float, float]]:
+    """``engine`` label -> (held, engine) counts of a kvpeer tier's peer lookups from a
+    vLLM ``/metrics`` page (rules 3 and 5, up to :data:`~kvpeer.router.heldshare.MAX_COUNT`):
+    a label without both series is left out."""
+    found: dict[str, list[float]] = {}
+    paths: dict[str, set[str]] = {}
+    for key, match, value in _samples(page, _LOOKUPS, MAX_COUNT):
+        path = _PATH_LABEL.search(match.group(2))
+        if path is None:
+            continue
+        pair = found.setdefault(key, [0.0, 0.0])
+        pair[0 if path.group(1) == "held" else 1] += value
+        paths.setdefault(key, set()).add(path.group(1))
+    return {key: (pair[0], pair[1]) for key, pair in found.items() if len(paths[key]) == 2}
+
+
+def _samples(
+    page: str, series: re.Pattern[str], most: float
+) -> Iterator[tuple[str, re.Match[str], float]]:
+    """(``engine`` label or ``""``, match, value) of each line of ``series`` whose value is
+    a finite number within ``0..most`` (rule 3)."""
     for line in page.splitlines():
-        match = _LINE.match(line)
+        match = series.match(line)
         if match is None:
             continue
         try:
             value = float(match.group(3))
         except ValueError:
             continue
-        if not (math.isfinite(value) and 0.0 <= value <= MAX_REPORTED):
-            continue
-        labels = match.group(2) or ""
-        engine = _ENGINE_LABEL.search(labels)
-        key = engine.group(1) if engine else ""
-        pair = found.setdefault(key, [0.0, 0.0])
-        pair[0 if match.group(1) == RUNNING else 1] += value
-    return {key: (pair[0], pair[1]) for key, pair in found.items()}
+        if math.isfinite(value) and 0.0 <= value <= most:
+            engine = _ENGINE_LABEL.search(match.group(2) or "")
+            yield engine.group(1) if engine else "", match, value
 
 
 class EngineLoadFeed:
@@ -107,6 +135,7 @@ class EngineLoadFeed:
         for entry in self._entries:
             self._urls.setdefault(entry.spec.url, []).append(entry)
         self._reports: dict[str, Report] = {}
+        self.held_share = HeldShare()  # rule 5
         self._scrapes = 0
         self._failures = 0
 
@@ -161,19 +190,32 @@ class EngineLoadFeed:
                 if response.status != 200:
                     raise ValueError(f"/metrics answered {response.status}")
                 raw = await response.content.read(MAX_PAGE_BYTES)
-            by_engine = parse_reported(raw.decode("utf-8", errors="replace"))
+            page = raw.decode("utf-8", errors="replace")
+            by_engine = parse_reported(page)
+            lookups = parse_peer_lookups(page)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             self._failures += 1
             log.debug("engine load from %s: %s", url, exc)
             return
         at = self._clock()
         for entry in entries:
-            if entry.dp_rank is None:
-                running = sum(pair[0] for pair in by_engine.values())
-                waiting = sum(pair[1] for pair in by_engine.values())
-            elif str(entry.dp_rank) in by_engine:
-                running, waiting = by_engine[str(entry.dp_rank)]
-            else:
+            counts = _of_engine(lookups, entry) if lookups else None
+            if counts is not None:
+                self.held_share.observe(entry.name, *counts)
+            pair = _of_engine(by_engine, entry)
+            if pair is None:
                 continue
+            running, waiting = pair
             in_flight, queued = own[entry.name]
             self._reports[entry.name] = Report(running, waiting, at, in_flight, queued)
+
+
+def _of_engine(
+    by_engine: Mapping[str, tuple[float, float]], entry: EngineEntry
+) -> tuple[float, float] | None:
+    """``entry``'s pair of a page's series by ``engine`` label: its rank's, or every
+    label's sum for one engine per URL (rule 4); None when its rank has none."""
+    if entry.dp_rank is None:
+        return (sum(pair[0] for pair in by_engine.values()),
+                sum(pair[1] for pair in by_engine.values()))
+    return by_engine.get(str(entry.dp_rank))

@@ -83,6 +83,6 @@ def learn(
             residual += hidden
     cost.observe_pull(plan.engine, source, pulled, loads[source], residual,
                       parked=plan.prefill_engine is not None,
-                      held=specs[source].serves_held,
+                      held=specs[source].held_share(loads[source]),
                       queued_s=pending.queued_s)  # fmt: skip
     stats.add("pulled_tokens_observed_total", pulled)

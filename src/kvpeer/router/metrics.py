@@ -175,6 +175,10 @@ FAMILIES: tuple[Family, ...] = (
            "reported on its /metrics (every router's; absent when stale).", _E),
     Family("load_scrapes_total", C, "Scrapes of engines' /metrics for their load."),
     Family("load_scrape_failures_total", C, "Scrapes of engines' /metrics that failed."),
+    Family("source_held_share", G, "Share of peers' lookups the source's tier answered from "
+           "held blocks lately (its `peer_lookups_total`, smoothed; 1 until it reports): a "
+           "busy source's quote adds its serve wait times the rest. Sources with `held`.",
+           ("source",)),
     # the engines' KV event feeds (kvpeer.router.feed)
     Family("feed_synced", G, "1 while the router follows the engine's KV events from a "
            "known point (KV-aware routing on for it); 0: routed by load only.", _E),
@@ -345,6 +349,11 @@ class LiveCollector(Collector):
                 if report is not None:
                     reported.add_metric([entry.name], report.running + report.waiting)
             yield reported
+            shares = _gauge("source_held_share")
+            for entry in router.config.engines:
+                if entry.spec.serves_held:
+                    shares.add_metric([entry.name], feed.held_share.share(entry.name))
+            yield shares
             stats = feed.statistics()
             for name, value in (("load_scrapes_total", stats["scrapes_total"]),
                                 ("load_scrape_failures_total", stats["scrape_failures_total"])):

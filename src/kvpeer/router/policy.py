@@ -40,7 +40,8 @@ class EngineSpec:
     kv_events: str | None = None  # its vLLM KV-event publisher, "tcp://host:port"
     kv_events_replay: str | None = None  # its replay endpoint, if configured
     #: its kvpeer tier serves held blocks (``held_bytes``) without its engine's serve
-    #: window: a pull from it waits for no engine step, busy or not
+    #: window: a pull it answers from them waits for no engine step, busy or not
+    #: (how many it does: :attr:`EngineLoad.held_share`)
     serves_held: bool = False
     #: it runs kvpeer's connector and manager (docs/vllm.md): a pull into it lands in
     #: the step that looked it up, so it costs no extra engine step of its own
@@ -53,6 +54,11 @@ class EngineSpec:
     def peer(self) -> str:
         return f"{self.peer_host}:{self.peer_port}"
 
+    def held_share(self, load: EngineLoad) -> float:
+        """The share of pulls from it answered from held blocks, as the cost model takes
+        it (``held``): ``load``'s reported share if its tier serves held blocks, else 0."""
+        return min(1.0, max(0.0, load.held_share)) if self.serves_held else 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
@@ -61,6 +67,9 @@ class EngineLoad:
     healthy: bool
     in_flight: int  # requests sent and not finished
     queued_prompt_tokens: int  # prompt tokens of requests sent whose first token is not back
+    #: of peers' lookups, the share its tier answered from held blocks lately (reported,
+    #: kvpeer.router.heldshare; 1.0 until known): only a busy source's pulls depend on it
+    held_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,6 +122,7 @@ class ProducerRole:
         self._results: list[StoreFinished] = []
         self._fetched: list[tuple[str, bool]] = []  # (id, the fetch's prefill_done)
         self._blocks_written = 0
+        self._resolves_held = 0  # resolve fetches matched from held blocks (invariant 9)
         self._rounds_ok = 0
         self._rounds_failed = 0
 
@@ -186,6 +187,8 @@ class ProducerRole:
         round_.demanded = len(message.keys)
         held = message.resolve and self._pin_held(kv_request_id, message.round_seq,
                                                   message.keys, now)  # fmt: skip
+        if held:
+            self._resolves_held += 1
         if message.resolve and not held:  # held keys need no lookup (invariant 9)
             round_.looked_up = round_.resolving = True
             self._lookups.queue(
@@ -439,6 +442,8 @@ class ProducerRole:
             rounds_succeeded=self._rounds_ok,
             rounds_failed=self._rounds_failed,
             timeouts=dict(self._timeouts),
+            lookups_from_held=self._lookups.held_answers + self._resolves_held,
+            lookups_to_engine=self._lookups.to_engine,
         )
 
     # -- matching and transfers ------------------------------------------------

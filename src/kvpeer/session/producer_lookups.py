@@ -69,6 +69,7 @@ class InboundLookups:
         self.queued_keys = 0
         self.answered = 0
         self.held_answers = 0
+        self.to_engine = 0  # since start: lookups queued here, a resolve fetch's included
 
     def needs_serve(self) -> bool:
         return bool(self.pending or self._unreleased)
@@ -92,6 +93,7 @@ class InboundLookups:
                 f"more than {MAX_QUEUED_LOOKUP_KEYS} lookup keys queued by one peer"
             )
         self._budget.held += charge
+        self.to_engine += 1
         request.lookups.append(
             InboundLookup(
                 round_seq, keys, now, pending=dict.fromkeys(keys), charge=charge,

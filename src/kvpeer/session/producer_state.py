@@ -166,3 +166,7 @@ class ProducerStatistics:
     rounds_failed: int
     #: since start, by kind: ``lookup_pending``, ``store``, ``transfer``, ``abort_drain``
     timeouts: dict[str, int] = field(default_factory=dict)
+    #: since start: peers' lookups, a resolve fetch's included, answered at once from held
+    #: blocks (invariant 9) and left for the engine's serve window (invariant 1)
+    lookups_from_held: int = 0
+    lookups_to_engine: int = 0
