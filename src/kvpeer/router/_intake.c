@@ -19,7 +19,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1072,10 +1071,13 @@ done:
 
 /* --- Fields of the decoder's wire events -------------------------------------------------
  *
- * msgspec keeps a Struct's fields in slots, read through member descriptors. attr() reads
- * such a field straight from its slot once it has found the descriptor in the class's own
- * dict (remembered per field for the last two classes asked, each held), for instances of
- * exactly that class; anything else goes through PyObject_GetAttr. At 432,000 wire events
+ * msgspec keeps a Struct's fields in slots, read through member descriptors. attr() finds
+ * a field's descriptor once per class (remembered per field for the last two classes asked,
+ * each held, with its descriptor) and, for a class with the generic attribute lookup and a
+ * data descriptor for the field, calls the descriptor's tp_descr_get itself: what
+ * PyObject_GenericGetAttr would end up calling, without its lookup through the class's MRO
+ * on every read, and through the public type slots only (no object layout read here).
+ * Anything else goes through PyObject_GetAttr. At 432,000 wire events
  * a second, the getattr machinery was most of the translation's time. */
 
 enum {
@@ -1090,54 +1092,52 @@ static const char *const field_strings[F_COUNT] = {
 
 static struct {
     PyTypeObject *type; /* a strong reference, or NULL */
-    Py_ssize_t offset;  /* -1: not a plain object slot of that class: getattr */
+    PyObject *descr;    /* a strong reference to the field's data descriptor; NULL: getattr */
 } field_cache[F_COUNT][2];
 
-static Py_ssize_t
-field_offset(PyTypeObject *type, int field)
+/* The data descriptor to read `field` of instances of `type` with (borrowed from the
+ * cache), or NULL: ask PyObject_GetAttr. */
+static PyObject *
+field_descr(PyTypeObject *type, int field)
 {
     for (int way = 0; way < 2; way++) {
         if (field_cache[field][way].type == type) {
-            return field_cache[field][way].offset;
+            return field_cache[field][way].descr;
         }
     }
-    Py_ssize_t offset = -1;
     PyObject *descr = NULL;
-    if (type->tp_dict != NULL && type->tp_getattro == PyObject_GenericGetAttr) {
-        descr = PyDict_GetItemWithError(type->tp_dict, field_names[field]);
-        if (descr == NULL) {
+    if (type->tp_getattro == PyObject_GenericGetAttr) {
+        /* on a class, a field's member descriptor is itself */
+        PyObject *found = PyObject_GetAttr((PyObject *)type, field_names[field]);
+        if (found == NULL) {
             PyErr_Clear();
+        } else if (Py_TYPE(found)->tp_descr_get != NULL
+                   && Py_TYPE(found)->tp_descr_set != NULL) {
+            descr = found; /* a data descriptor: GenericGetAttr would call it first */
+        } else {
+            Py_DECREF(found);
         }
     } /* else: a class with its own attribute lookup is asked every time */
-    if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
-        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if (member->type == T_OBJECT_EX && member->offset >= (Py_ssize_t)sizeof(PyObject)
-            && member->offset + (Py_ssize_t)sizeof(PyObject *) <= type->tp_basicsize) {
-            offset = member->offset;
-        }
-    }
-    /* the newer way first; the older one's class let go */
+    /* the newer way first; the older one's class and descriptor let go */
     Py_XSETREF(field_cache[field][1].type, field_cache[field][0].type);
-    field_cache[field][1].offset = field_cache[field][0].offset;
+    Py_XSETREF(field_cache[field][1].descr, field_cache[field][0].descr);
     field_cache[field][0].type = (PyTypeObject *)Py_NewRef((PyObject *)type);
-    field_cache[field][0].offset = offset;
-    return offset;
+    field_cache[field][0].descr = descr;
+    return descr;
 }
 
 /* item.<field>, a new reference, or NULL with an exception. */
 static PyObject *
 attr(PyObject *item, int field)
 {
-    Py_ssize_t offset = field_offset(Py_TYPE(item), field);
-    if (offset < 0) {
+    PyObject *descr = field_descr(Py_TYPE(item), field);
+    if (descr == NULL) {
         return PyObject_GetAttr(item, field_names[field]);
     }
-    PyObject *value = *(PyObject **)((char *)item + offset);
-    if (value == NULL) {
-        PyErr_SetObject(PyExc_AttributeError, field_names[field]);
-        return NULL;
-    }
-    return Py_NewRef(value);
+    Py_INCREF(descr); /* held through the call, which could change the cache */
+    PyObject *value = Py_TYPE(descr)->tp_descr_get(descr, item, (PyObject *)Py_TYPE(item));
+    Py_DECREF(descr);
+    return value;
 }
 
 
