@@ -6,9 +6,10 @@ producer with the producer's own tokens and logprobs, and the slowest pull's tim
 shows the pull landing inside the lookup (``promotion`` with ``landed=1``) and the load
 scheduled synchronously in the same engine step, from the client's send to its first
 token. The rungs started ahead (a second router's prefetches, kvpeer.node.ahead) staged
-their blocks in b before its lookup and b took them into its cache with no copy; b's
-staging is empty again by the end. No speed is asserted (docs/benchmarks.md has the
-measured ratios).
+their blocks in b before its lookup and b took them into its cache with no copy (the
+slowest of them may be one whose request reached b first: b then refuses the prefetch and
+pulls in the lookup); b's staging is empty again by the end. No speed is asserted
+(docs/benchmarks.md has the measured ratios).
 """
 
 from __future__ import annotations
@@ -62,10 +63,17 @@ def test_one_round_of_the_ladder_lands_its_pulls_in_the_lookup(
     assert hit["detail"].endswith(f"step={step}")  # looked up and landed in one step
     assert ("b", "sync_load_scheduled") in events
     ahead = [(event["engine"], event["event"]) for event in result["ahead_timeline"]]
-    assert ("b", "prefetch") in ahead
-    assert ("a", "fetch_received") in ahead  # the prefetch's fetch, served by the producer
-    assert ("b", "prefetch_done") in ahead
     counts = result["ahead_counts"]
+    assert ("a", "fetch_received") in ahead  # served by the producer either way
+    if ("b", "prefetch") in ahead:
+        assert ("b", "prefetch_done") in ahead
+    else:
+        # The request reached b before its prefetch did (the prefetch travels to the tier
+        # while the request goes to the API server; on a loaded machine either can be
+        # first): b refused the prefetch by design and pulled in the lookup. The other
+        # rungs' prefetches must still have staged and been adopted (below).
+        assert ("b", "lookup_hit") in ahead
+        assert counts.get("refused", 0) >= 1
     assert counts["blocks_staged"] >= 48  # a 1,536-token prompt is 48 blocks
     assert counts["jobs_adopted"] >= 1
     assert shm_names() <= shm_before  # nothing left in /dev/shm
