@@ -441,17 +441,15 @@ class CostModel:
         return line
 
     def _quoted_compute_line(self, engine: str) -> Line:
-        """``engine``'s own compute line once it has ``own_samples`` observations, else the
-        fleet's pooled one."""
-        line = self._compute.get(engine)
-        if line is None or line.samples < self.priors.own_samples:
-            return self._pooled
-        return line
+        """``engine``'s own compute line once learned, else the fleet's pooled one."""
+        return self._own_or_pooled(self._compute.get(engine), self._pooled)
 
     def _quoted_line(self, source: str) -> Line:
-        """``source``'s own pull line once it has learned ``own_samples`` pulls, else the
-        fleet's pooled one."""
-        line = self._pull.get(source)
-        if line is None or line.samples < self.priors.own_samples:
-            return self._pooled_pull
-        return line
+        """``source``'s own pull line once learned, else the fleet's pooled one."""
+        return self._own_or_pooled(self._pull.get(source), self._pooled_pull)
+
+    def _own_or_pooled(self, own: Line | None, pooled: Line) -> Line:
+        """``own`` once it has ``own_samples`` observations, else ``pooled``."""
+        if own is None or own.samples < self.priors.own_samples:
+            return pooled
+        return own
