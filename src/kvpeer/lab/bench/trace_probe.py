@@ -18,6 +18,12 @@ Rules:
    other, their servers, the router and whatever else runs), as they do whenever a
    window keeps both busy; alone they do not. ``loadavg_1m``: the machine's load when
    the probe ended (``os.getloadavg``), to read the figures by.
+5. ``frontend``: what the API servers, the router and the sender cost in CPU per
+   request and per output token, and ``a``'s prefill while ``b`` streams
+   (:mod:`.frontend_probe`, rules there); a failure there costs that part only.
+6. ``prefill_cores_by_role`` and ``pair_cores_by_role``: the cores each role
+   (:func:`~kvpeer.lab.bench.frontend_probe.cpu_by_role`) used on average over the
+   prefills alone and over the pair's: what runs beside the workers while they compute.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import asyncio
 import os
 import random
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from kvpeer.lab.bench.frontend_probe import cpu_by_role, probe_frontend
 from kvpeer.lab.bench.serve_client import run_phase
 from kvpeer.lab.bench.serve_stats import RequestRecord
 from kvpeer.lab.bench.serve_workloads import VOCAB, BenchRequest
@@ -43,6 +51,7 @@ INDEX_WAIT_S = 10.0
 
 class ProbedArm(Protocol):
     engine_urls: list[str]
+    engine_groups: list[int]
 
     @property
     def urls(self) -> Mapping[str, str]: ...
@@ -74,6 +83,19 @@ def _send_both(prompts: tuple[tuple[int, ...], tuple[int, ...]], urls: Sequence[
     return _checked(asyncio.run(both()))
 
 
+class _Cores:
+    """Rule 6: cores used by role from construction to :meth:`used`."""
+
+    def __init__(self, groups: Sequence[int]) -> None:
+        self._groups = groups
+        self._before = cpu_by_role(groups)
+        self._started = time.monotonic()
+
+    def used(self) -> dict[str, float]:
+        after, wall = cpu_by_role(self._groups), time.monotonic() - self._started
+        return {role: (after[role] - self._before[role]) / wall for role in after}
+
+
 def probe(arm: ProbedArm, *, pulls: bool, rounds: int = 3) -> dict[str, Any]:
     """Rules 1-4 on ``arm``'s engines; seconds, lengths in tokens."""
     rng = random.Random("trace-probe")
@@ -84,11 +106,13 @@ def probe(arm: ProbedArm, *, pulls: bool, rounds: int = 3) -> dict[str, Any]:
     a = arm.engine_urls[0]
     prefill: dict[int, list[float]] = {n: [] for n in PROBE_LENGTHS}
     hit: list[float] = []
+    alone_cpu = _Cores(arm.engine_groups)
     for _ in range(rounds):
         for length in PROBE_LENGTHS:
             prompt = fresh(length)
             prefill[length].append(_send([BenchRequest(0.0, prompt, 1)], a)[0].ttft_s)
         hit.append(_send([BenchRequest(0.0, prompt, 1)], a)[0].ttft_s)
+    alone_cores = alone_cpu.used()
     decode: dict[int, list[float]] = {1: [], BATCH: []}
     for _ in range(rounds):
         for batch in (1, BATCH):
@@ -99,14 +123,17 @@ def probe(arm: ProbedArm, *, pulls: bool, rounds: int = 3) -> dict[str, Any]:
             ends = [r.done_s for r in records]
             decode[batch].append((min(ends) - together) / DECODE_TOKENS)
     longest = PROBE_LENGTHS[-1]
+    pair_cpu = _Cores(arm.engine_groups)
     pair = [max(r.ttft_s for r in _send_both((fresh(longest), fresh(longest)),
                                              arm.engine_urls[:2]))
             for _ in range(rounds)]  # fmt: skip
+    pair_cores = pair_cpu.used()
     out: dict[str, Any] = {
         "prefill_ttft_s": {str(n): statistics.median(v) for n, v in prefill.items()},
         "pair_prefill_ttft_s": {str(longest): statistics.median(pair)},
         "hit_ttft_s": statistics.median(hit), "hit_prompt_tokens": PROBE_LENGTHS[-1],
         "decode_step_s": {str(n): statistics.median(v) for n, v in decode.items()},
+        "prefill_cores_by_role": alone_cores, "pair_cores_by_role": pair_cores,
     }
     if pulls:
         pulled: dict[int, list[float]] = {n: [] for n in PROBE_LENGTHS[2:]}
@@ -121,5 +148,9 @@ def probe(arm: ProbedArm, *, pulls: bool, rounds: int = 3) -> dict[str, Any]:
                 if record.error is None and (record.cached_tokens or 0) > 0:
                     times.append(record.ttft_s)
         out["pull_ttft_s"] = {str(n): statistics.median(v) for n, v in pulled.items() if v}
+    try:
+        out["frontend"] = probe_frontend(arm, fresh, longest=longest, rounds=rounds)
+    except RuntimeError as exc:
+        out["frontend"] = {"error": str(exc)}
     out["loadavg_1m"] = os.getloadavg()[0]
     return out
