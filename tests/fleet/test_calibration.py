@@ -77,6 +77,52 @@ def test_engines_that_share_cores_are_calibrated_as_a_busy_pair() -> None:
     assert faster.fit["pair_slowdown"] == 1.0  # never faster than alone
 
 
+def test_a_probed_front_end_shares_the_cores_instead_of_slowing_every_step() -> None:
+    """Rule 5: the front end's CPU (every role but the workers, summed) per request and
+    per token, the host's cores; the pair's slowdown is then the co-run slowdown the
+    model applies while both engines step, and the FLOP/s stay the engine's alone;
+    the front end's per-request CPU comes off the request overhead."""
+    probe = probe_of(KNOWN)
+    longest = KNOWN.request_overhead_s + KNOWN.prefill_alone_s(2016)
+    roles = {"worker": 0.3, "core": 0.01, "server": 0.02, "router": 0.004, "sender": 0.001}
+    tokens = {"worker": 0.006, "core": 0.0015, "server": 0.0004, "router": 0.0002,
+              "sender": 0.0001}
+    probe |= {"pair_prefill_ttft_s": {"2016": 1.5 * longest},
+              "frontend": {"cpu_s_per_request": roles, "cpu_s_per_output_token": tokens,
+                           "cores": 2}}
+    alone = calibrate(probe_of(KNOWN), CPU_PAIR_SHAPE).gpu
+    gpu = calibrate(probe, CPU_PAIR_SHAPE).gpu
+    assert gpu.peak_flops == pytest.approx(alone.peak_flops)
+    assert gpu.co_run_slowdown == pytest.approx(1.5)
+    assert gpu.host_cores == 2
+    assert gpu.frontend_s_per_request == pytest.approx(0.035)
+    assert gpu.frontend_s_per_token == pytest.approx(0.0022)
+    assert gpu.request_overhead_s == pytest.approx(0.05 - 0.035, rel=1e-5)
+    pooled = pooled_probe({"1": probe, "2": probe | {"frontend": {
+        "cpu_s_per_request": {r: 3 * v for r, v in roles.items()},
+        "cpu_s_per_output_token": tokens, "cores": 2}}, "3": probe_of(KNOWN)})
+    assert pooled["frontend"]["cpu_s_per_request"]["server"] == pytest.approx(0.04)  # median
+
+
+def test_a_scheduler_that_runs_beside_its_worker_is_counted_by_the_time_it_steps() -> None:
+    """Rule 6: the scheduler used 0.25 cores while the worker used 0.5 over the prefills
+    alone: 0.5 cores per stepping engine, not CPU per request or token; a pair is then
+    2 x 1.5 threads on 2 cores, 1.5x by sharing alone, so a pair 3x slower than alone
+    leaves a co-run slowdown of 2."""
+    probe = probe_of(KNOWN)
+    longest = KNOWN.request_overhead_s + KNOWN.prefill_alone_s(2016)
+    roles = {"worker": 0.3, "core": 0.01, "server": 0.02, "router": 0.004, "sender": 0.001}
+    probe |= {"pair_prefill_ttft_s": {"2016": 3 * longest},
+              "prefill_cores_by_role": {"worker": 0.5, "core": 0.25, "server": 0.01},
+              "frontend": {"cpu_s_per_request": roles, "cpu_s_per_output_token": roles,
+                           "cores": 2}}
+    gpu = calibrate(probe, CPU_PAIR_SHAPE).gpu
+    assert gpu.scheduler_cores == pytest.approx(0.5)
+    assert gpu.frontend_s_per_request == pytest.approx(0.025)  # the core left out
+    assert gpu.co_run_slowdown == pytest.approx(2.0)
+    assert pooled_probe({"1": probe, "2": probe_of(KNOWN)})["scheduler_cores"] == 0.5
+
+
 def test_a_probe_without_pulls_gives_no_link_and_a_flat_one_is_refused() -> None:
     probe = probe_of(KNOWN)
     del probe["pull_ttft_s"]
@@ -111,7 +157,9 @@ def test_the_cpu_preset_is_what_its_committed_probes_give() -> None:
         assert bench["probes"]
         probes.update({f"{path}:{arm}": p for arm, p in bench["probes"].items()})
     found = calibrate(pooled_probe(probes), CPU_PAIR_SHAPE)
-    for name in ("peak_flops", "hidden", "step_overhead_s", "request_overhead_s", "mfu"):
+    for name in ("peak_flops", "hidden", "step_overhead_s", "request_overhead_s", "mfu",
+                 "host_cores", "frontend_s_per_request", "frontend_s_per_token",
+                 "scheduler_cores", "co_run_slowdown"):
         assert getattr(CPU_PAIR, name) == pytest.approx(getattr(found.gpu, name), rel=1e-5,
                                                         abs=1e-9), name
     assert found.link is not None

