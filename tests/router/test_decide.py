@@ -380,7 +380,9 @@ def test_line_fit_stays_non_negative() -> None:
     assert CostModel().pull_s("e0", "e1", 0, idle()) > 0
 
 
-SANS_IO_MODULES = ("events", "feed", "index", "indexloops", "cost", "decide", "policy")
+SANS_IO_MODULES = (
+    "events", "feed", "index", "indexcore", "indexloops", "cost", "decide", "policy",
+)
 IO_MODULES = frozenset({"zmq", "asyncio", "time", "threading", "socket", "select", "os"})
 
 

@@ -1,6 +1,7 @@
-"""The router's per-block intake in C (``kvpeer.router._intake``) against the Python loops
-of ``index.py``, its reference: the same event streams leave the same state, containers'
-order included; hostile arguments raise, never crash; nothing leaks a reference."""
+"""The router's per-block intake in C (``kvpeer.router._intake``: the index's core and its
+loops, the decoder's translation) against the Python reference (``indexloops.Core``,
+``events.py``): the same event streams leave the same state, containers' order included;
+hostile arguments and corrupt containers raise, never crash; nothing leaks a reference."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from kvpeer.lab.engines.fakeengine import FakeEngine
 from kvpeer.router import events as events_module
 from kvpeer.router import index as index_module
-from kvpeer.router import indexloops
+from kvpeer.router import indexcore, indexloops
 from kvpeer.router.app import Router
 from kvpeer.router.events import (
     AllCleared,
@@ -82,21 +83,22 @@ step_st = st.tuples(
 
 def state(index: PrefixIndex) -> dict[str, Any]:
     """Everything the index holds, with every ordered container's order."""
+    core = index._core
     engines = {
         name: (
             e.bit,
             e.learned,
-            list(e.hashes.items()),
-            list(e.retired.items()),
-            {m: list(p.items()) for m, p in e.present.items()},
-            list(e.speculative.items()),
+            list(core._hashes[e.index].items()),
+            list(core._retired[e.index].items()),
+            {m: list(p.items()) for m, p in core._present[e.index].items()},
+            list(core._speculative[e.index].items()),
         )
         for name, e in index._engines.items()
     }
     return {
         "engines": engines,
-        "holders": {m: dict(h.items()) for m, h in index._holders.items()},
-        "speculating": dict(index._speculating),
+        "holders": {m: dict(h.items()) for m, h in core._holders.items()},
+        "speculating": dict(core._speculating),
         "counts": dict(index._counts),
         "block_size": index.block_size,
         "learned": index._learned_bits,
@@ -172,72 +174,129 @@ def test_native_true_without_the_extension_names_the_cause(
     assert not PrefixIndex(BS).native  # None: the Python loops, quietly
 
 
-def _args_removed() -> list[Any]:
-    assert native is not None
-    return [{}, {}, {}, native.Holders(), [], 0, False, 3, (1, 2), b"kvpeer-unkeyed:"]
+def _core() -> Any:
+    """A C core with engine 0 stored in on the GPU."""
+    core = indexcore.new_core(
+        True, refcounted=frozenset({MEDIUM_CPU}), root=b"r" * 16, unkeyed_prefix=UNKEYED,
+        max_blocks=8, max_retired=3, max_speculative=5,
+    )
+    assert core.add_engine() == 0
+    core._medium(0, MEDIUM_GPU)
+    return core
+
+
+UNKEYED = b"kvpeer-unkeyed:"
+TOKENS = array("I", (1, 2)).tobytes()
 
 
 def _args_stored() -> list[Any]:
-    assert native is not None
-    return [
-        {}, {}, {}, native.Holders(), {}, {}, MEDIUM_GPU, 1, 0, False,
-        b"root", (5,), array("I", (1, 2)).tobytes(), 4 * BS, b"kvpeer-unkeyed:",
-    ]
-
-
-@needs_native
-@pytest.mark.parametrize(
-    ("position", "value"),
-    [
-        (0, OrderedDict()),  # a dict subclass could run code inside the loops
-        (1, None),
-        (2, [1]),
-        (3, {}),  # holders: a Holders table, not a dict
-        (4, [1]),  # others: not a list of dicts
-        (5, "bit"),
-        (7, "many"),
-        (8, [1, 2]),  # block hashes: a list, not a tuple
-        (9, "kvpeer-unkeyed:"),
-    ],
-)
-def test_removed_refuses_wrong_types(position: int, value: Any) -> None:
-    assert native is not None
-    args = _args_removed()
-    if position == 4:
-        value = [value]
-    args[position] = value
-    with pytest.raises(TypeError):
-        native.removed(*args)
-    with pytest.raises(TypeError):
-        native.removed(*args[:-1])  # too few
+    return [0, MEDIUM_GPU, b"root", (5,), TOKENS, 4 * BS]
 
 
 @needs_native
 @pytest.mark.parametrize(
     ("position", "value", "error"),
     [
-        (0, OrderedDict(), TypeError),
-        (3, {}, TypeError),  # holders: a Holders table, not a dict
-        (4, OrderedDict(), TypeError),
-        (5, [], TypeError),  # speculating: the index's dict of masks
-        (7, 1.5, TypeError),
-        (8, -1, ValueError),  # an engine's bit position
-        (8, 1 << 40, ValueError),
-        (10, "root", TypeError),  # a parent key that is not bytes
-        (11, [5], TypeError),
-        (12, (1, 2), TypeError),  # tokens come packed (events.BlocksStored.tokens)
-        (12, bytearray(b"\x01\x00\x00\x00"), TypeError),
-        (13, -4, TypeError),
-        (14, "kvpeer-unkeyed:", TypeError),
+        (0, "0", TypeError),  # an engine is its bit position
+        (0, True, TypeError),
+        (0, -1, ValueError),
+        (0, 1 << 40, ValueError),
+        (0, 1, IndexError),  # no such engine
+        (1, b"GPU", TypeError),
+        (1, MEDIUM_CPU, KeyError),  # never stored in
+        (2, "root", TypeError),  # a parent key that is not bytes
+        (3, [5], TypeError),
+        (4, (1, 2), TypeError),  # tokens come packed (events.BlocksStored.tokens)
+        (4, bytearray(TOKENS), TypeError),
+        (5, -4, TypeError),
+        (5, 1.5, TypeError),
     ],
 )
 def test_stored_refuses_wrong_types_and_token_ids(position: int, value: Any,
                                                   error: type[Exception]) -> None:
-    assert native is not None
+    core = _core()
     args = _args_stored()
     args[position] = value
     with pytest.raises(error):
-        native.stored(*args)
+        core._stored(*args)
+    with pytest.raises(TypeError):
+        core._stored(*args[:-1])  # too few
+    assert not core._holders[MEDIUM_GPU].items()
+    core._stored(*_args_stored())  # the core still works
+    assert len(core._holders[MEDIUM_GPU].items()) == 1
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("position", "value", "error"),
+    [
+        (0, "0", TypeError),
+        (0, -1, ValueError),
+        (0, 3, IndexError),
+        (1, None, TypeError),
+        (1, "disk", KeyError),
+        (2, [1, 2], TypeError),  # block hashes: a list, not a tuple
+    ],
+)
+def test_removed_refuses_wrong_types(position: int, value: Any, error: type[Exception]) -> None:
+    core = _core()
+    args: list[Any] = [0, MEDIUM_GPU, (1, 2)]
+    assert core._removed(*args) == 2  # unknown, both
+    args[position] = value
+    with pytest.raises(error):
+        core._removed(*args)
+    with pytest.raises(TypeError):
+        core._removed(*args[:-1])
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("corrupt", "loops"),
+    [
+        (lambda core: core._hashes.__setitem__(0, OrderedDict()), "stored removed"),
+        (lambda core: core._retired.__setitem__(0, None), "stored removed"),
+        (lambda core: core._present[0].__setitem__(MEDIUM_GPU, [1]), "stored removed"),
+        (lambda core: core._present.__setitem__(0, []), "stored removed"),
+        (lambda core: core._speculative.__setitem__(0, OrderedDict()), "stored removed"),
+        (lambda core: core._speculative.clear(), "stored removed"),  # engine 0 gone there
+        (lambda core: core._holders.__setitem__(MEDIUM_GPU, {}), "stored removed"),
+        (lambda core: core._present[0].__setitem__(MEDIUM_CPU, [1]), "removed"),  # others
+        (lambda core: core._present[0].__setitem__(1, {}), "removed"),  # a medium not a str
+    ],
+)
+def test_corrupt_containers_raise_in_the_loops(corrupt: Any, loops: str) -> None:
+    """The loops check every container they fetch from the core before trusting it (a
+    dict subclass could run code inside them); the containers cannot be replaced."""
+    core = _core()
+    core._stored(*_args_stored())
+    corrupt(core)
+    if "stored" in loops:
+        with pytest.raises((TypeError, IndexError)):
+            core._stored(*_args_stored())
+    with pytest.raises((TypeError, IndexError)):
+        core._removed(0, MEDIUM_GPU, (5,))
+    with pytest.raises(AttributeError):
+        core._hashes = []
+
+
+@needs_native
+def test_the_core_refuses_bad_settings_and_frees_its_containers() -> None:
+    assert native is not None
+    for args in [(set(), 3, UNKEYED), (frozenset(), "3", UNKEYED), (frozenset(), 3, "x"),
+                 (frozenset(), 3)]:
+        with pytest.raises(TypeError):
+            native.Core(*args)
+    for args in [(frozenset(), 0, UNKEYED), (frozenset(), 3, b"")]:
+        with pytest.raises(ValueError, match="max_retired >= 1"):
+            native.Core(*args)
+    core = _core()
+    core._stored(*_args_stored())
+    hashes, holders = core._hashes, core._holders
+    assert sys.getrefcount(hashes) == 3  # the core's, ours, getrefcount's
+    del core
+    gc.collect()
+    assert sys.getrefcount(hashes) == 2
+    assert sys.getrefcount(holders) == 2
 
 
 @needs_native
@@ -245,29 +304,30 @@ def test_a_corrupt_mapping_or_speculation_raises_without_leaving_a_holder() -> N
     """The loop calls no Python code and trusts none of the state it is given: a mapping
     that is not a chain key, or a fulfilled speculation the index has no mask for, is
     an exception, and the block is not marked held."""
-    assert native is not None
     for lie, said in [(42, "not int"), (b"short", "not bytes of another size")]:
-        args = _args_stored()
-        args[1][5] = lie  # a retired mapping that is not a 16-byte chain key
+        core = _core()
+        core._retired[0][5] = lie  # a retired mapping that is not a 16-byte chain key
         with pytest.raises(TypeError, match=f"16-byte chain keys, {said}|chain keys are bytes"):
-            native.stored(*args)
-        assert not args[3].items()  # no engine holds the lie
-    args = _args_stored()
-    key = native.chain(b"root", array("I", (1, 2)).tobytes())
-    args[4][(MEDIUM_GPU, key)] = 9.0  # speculated by the engine, unknown to the index
+            core._stored(*_args_stored())
+        assert not core._holders[MEDIUM_GPU].items()  # no engine holds the lie
+    core = _core()
+    key = index_module._chain(b"root", TOKENS)
+    core._speculative[0][(MEDIUM_GPU, key)] = 9.0  # speculated by the engine, unknown to the index
     with pytest.raises(KeyError):
-        native.stored(*args)
+        core._stored(*_args_stored())
     for bad_hash in (1.5, "5", None):
+        core = _core()
         args = _args_stored()
-        args[10] = b"kvpeer-unkeyed:x"  # an unkeyed parent: the child's key is its hash's
-        args[11] = (bad_hash,)
+        args[2] = UNKEYED + b"x"  # an unkeyed parent: the child's key is its hash's
+        args[3] = (bad_hash,)
         with pytest.raises(TypeError):
-            native.stored(*args)
+            core._stored(*args)
+    core = _core()
     args = _args_stored()
-    args[10], args[11] = b"kvpeer-unkeyed:x", (True, 7, b"h")
-    native.stored(*args)
-    assert list(args[0].values()) == [b"kvpeer-unkeyed:1", b"kvpeer-unkeyed:7",
-                                      b"kvpeer-unkeyed:h"]  # as b"%d" % True gives 1
+    args[2], args[3] = UNKEYED + b"x", (True, 7, b"h")
+    core._stored(*args)
+    assert list(core._hashes[0].values()) == [UNKEYED + b"1", UNKEYED + b"7",
+                                              UNKEYED + b"h"]  # as b"%d" % True gives 1
 
 
 @needs_native
@@ -305,7 +365,7 @@ def test_no_reference_is_leaked() -> None:
         index.apply("e0", gone)
 
     cycle()
-    keys = list(index._engines["e0"].retired.values())  # the index's own chain keys
+    keys = list(index._core._retired[0].values())  # the index's own chain keys
     assert len(keys) == 3
     watched = (*blocks, medium, event, gone, *prompt.keys, *keys)
     before = [sys.getrefcount(o) for o in watched]

@@ -5,10 +5,11 @@
  * - stores_of: a run of stores ordered parents first and joined into chains;
  * - chain / chain_keys: the index's chain keys (SHA-256 by OpenSSL's libcrypto);
  * - Holders: a medium's holder masks, in an open-addressing table of their own;
- * - stored / removed: the two loops of PrefixIndex that every block goes through.
+ * - Core: the index's state, owned, with the two loops every block goes through
+ *   (stored, removed) as its methods.
  *
  * Each has a Python twin that stays as the reference and the fallback when this module
- * is not built (events.py, index.py); tests/router/test_index_native.py compares them on
+ * is not built (events.py, indexloops.py); tests/router/test_index_native.py compares them on
  * random inputs (every container, order included) and checks that nothing leaks.
  *
  * Nothing here trusts its arguments: every object is type-checked before use, Python
@@ -39,7 +40,7 @@
  * _ROOT) and are never shown outside it, so engines and clients that choose token contents
  * cannot know, let alone choose, where their keys land. A fixed mix of both words spreads
  * keys that are not chain keys (a test's counters) as well. The table holds no
- * Python object; it is the C loops' and the decision walk's (index.py keeps a Python
+ * Python object; it is the C loops' and the decision walk's (indexloops.py keeps a Python
  * class with the same methods as the reference). */
 
 #define KEY_WORDS 2
@@ -524,8 +525,8 @@ starts_with(PyObject *obj, PyObject *prefix)
            && memcmp(PyBytes_AS_STRING(obj), PyBytes_AS_STRING(prefix), (size_t)n) == 0;
 }
 
-/* Past `limit`, the oldest entries of `dict` out down to limit - limit / 8 (index.py's
- * _oldest_out): 0, or -1 with an exception. */
+/* Past `limit`, the oldest entries of `dict` out down to limit - limit / 8 (indexloops.py's
+ * oldest_out): 0, or -1 with an exception. */
 static int
 oldest_out(PyObject *dict, Py_ssize_t limit)
 {
@@ -575,17 +576,16 @@ expect_dict(PyObject *obj, const char *name)
     return 0;
 }
 
-/* removed(hashes, retired, present, holders, others, index, refcounted, max_retired,
- *         block_hashes, unkeyed_prefix) -> blocks unknown
+/* removed_loop(hashes, retired, present, holders, others, index, refcounted, max_retired,
+ *              block_hashes, unkeyed_prefix) -> blocks unknown
  *
- * PrefixIndex._removed's loop: each block leaves `present` (a refcounted medium's count
+ * Core._removed's loop (indexloops.removed in Python), on one engine's containers: each block leaves `present` (a refcounted medium's count
  * goes down first), engine `index` leaves its mask in `holders` (chain keys only: an
  * unkeyed key is in no mask), and a block left in none of `others` has its hash mapping
  * retired (invariant 2). */
 static PyObject *
-intake_removed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+removed_loop(PyObject *const *args, Py_ssize_t nargs)
 {
-    (void)module;
     if (nargs != 10) {
         PyErr_Format(PyExc_TypeError, "removed() takes 10 arguments (%zd given)", nargs);
         return NULL;
@@ -829,7 +829,7 @@ intake_msgpack_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return pack_msgpack_tokens(args[0], max_count);
 }
 
-/* index.py's _unkeyed: `prefix` and the engine's hash (bytes as they are, an int in
+/* indexloops.py's unkeyed_key: `prefix` and the engine's hash (bytes as they are, an int in
  * decimal), a key no chain key has (invariant 6). */
 static PyObject *
 unkeyed_key(PyObject *prefix, PyObject *block_hash)
@@ -863,7 +863,7 @@ unkeyed_key(PyObject *prefix, PyObject *block_hash)
     return key;
 }
 
-/* index.py's _drop_bit: clear `bit` in masks[entry] (KeyError if absent); no bit left, no
+/* indexloops.py's drop_bit: clear `bit` in masks[entry] (KeyError if absent); no bit left, no
  * entry. 0, or -1 with an exception. */
 static int
 drop_bit(PyObject *masks, PyObject *entry, PyObject *bit)
@@ -886,21 +886,20 @@ drop_bit(PyObject *masks, PyObject *entry, PyObject *bit)
     return rc;
 }
 
-/* stored(hashes, retired, present, holders, speculative, speculating, medium, bit, index,
- *        refcounted, parent, block_hashes, tokens, width, unkeyed_prefix)
+/* stored_loop(hashes, retired, present, holders, speculative, speculating, medium, bit,
+ *             index, refcounted, parent, block_hashes, tokens, width, unkeyed_prefix)
  *     -> (hash_remapped, unkeyed)
  *
- * PrefixIndex._stored's loop, from the chain key of the event's parent: each block gets
- * its chain key (a known keyed hash keeps its own: invariant 8; a new one is
- * chain(parent, its tokens); a salted block or its child is the unkeyed key of its hash:
- * invariant 6), is mapped, then counted in `present` (engine `index` into its mask in
+ * Core._stored's loop (indexloops.stored in Python), on one engine's containers, from
+ * the chain key of the event's parent: each block gets its chain key (a known keyed hash
+ * keeps its own: invariant 8; a new one is chain(parent, its tokens); a salted block or
+ * its child is the unkeyed key of its hash: invariant 6), is mapped, then counted in `present` (engine `index` into its mask in
  * `holders` when new, unless unkeyed), and confirms a speculative entry if there is one
  * (its bit cleared in `speculating`). It takes no callback: every step is a dict, bytes
  * or int operation on the objects given. */
 static PyObject *
-intake_stored(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+stored_loop(PyObject *const *args, Py_ssize_t nargs)
 {
-    (void)module;
     if (nargs != 15) {
         PyErr_Format(PyExc_TypeError, "stored() takes 15 arguments (%zd given)", nargs);
         return NULL;
@@ -1068,6 +1067,308 @@ done:
     Py_XDECREF(one);
     return result;
 }
+
+/* --- Core: the index's state, owned, and its two per-block loops as methods ----------------
+ *
+ * Core(refcounted, max_retired, unkeyed_prefix) owns what PrefixIndex's engines hold: per
+ * engine (by its bit position) the hash mappings, the retired ones, the blocks present per
+ * medium and the speculative entries; per medium the Holders table; the fleet's
+ * speculation masks. kvpeer.router.indexcore adds the methods written once in Python
+ * (applying an event, speculating, the prefix walks, forgetting an engine) on top of this
+ * type or of its Python reference, indexloops.Core; the two loops every block goes
+ * through are this type's _stored and _removed. The containers are readable (the Python
+ * methods work on them) but never replaced: each call below fetches an engine's containers
+ * from the object and checks them before the loop trusts them. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *hashes;      /* list by engine: dict engine hash -> chain key */
+    PyObject *retired;     /* list by engine: dict engine hash -> chain key, removed */
+    PyObject *present;     /* list by engine: dict medium -> dict chain key -> count */
+    PyObject *speculative; /* list by engine: dict (medium, key) -> expiry */
+    PyObject *holders;     /* dict medium -> Holders */
+    PyObject *speculating; /* dict (medium, key) -> bits of the engines speculating it */
+    PyObject *refcounted;  /* frozenset of the media that count announcements */
+    PyObject *prefix;      /* bytes: what every unkeyed key starts with */
+    PyObject *max_retired; /* int */
+} CoreObject;
+
+static PyObject *
+Core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *refcounted, *max_retired, *prefix;
+    static char *names[] = {"refcounted", "max_retired", "unkeyed_prefix", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!:Core", names, &PyFrozenSet_Type,
+                                     &refcounted, &PyLong_Type, &max_retired, &PyBytes_Type,
+                                     &prefix)) {
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(max_retired);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (limit < 1 || PyBytes_GET_SIZE(prefix) == 0) {
+        PyErr_Format(PyExc_ValueError, "Core needs max_retired >= 1 (not %zd) and a non-empty "
+                     "unkeyed_prefix", limit);
+        return NULL;
+    }
+    CoreObject *self = (CoreObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->hashes = PyList_New(0);
+    self->retired = PyList_New(0);
+    self->present = PyList_New(0);
+    self->speculative = PyList_New(0);
+    self->holders = PyDict_New();
+    self->speculating = PyDict_New();
+    self->refcounted = Py_NewRef(refcounted);
+    self->prefix = Py_NewRef(prefix);
+    self->max_retired = Py_NewRef(max_retired);
+    if (self->hashes == NULL || self->retired == NULL || self->present == NULL
+        || self->speculative == NULL || self->holders == NULL || self->speculating == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+Core_traverse(CoreObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->hashes);
+    Py_VISIT(self->retired);
+    Py_VISIT(self->present);
+    Py_VISIT(self->speculative);
+    Py_VISIT(self->holders);
+    Py_VISIT(self->speculating);
+    return 0;
+}
+
+static int
+Core_clear(CoreObject *self)
+{
+    Py_CLEAR(self->hashes);
+    Py_CLEAR(self->retired);
+    Py_CLEAR(self->present);
+    Py_CLEAR(self->speculative);
+    Py_CLEAR(self->holders);
+    Py_CLEAR(self->speculating);
+    Py_CLEAR(self->refcounted);
+    Py_CLEAR(self->prefix);
+    Py_CLEAR(self->max_retired);
+    return 0;
+}
+
+static void
+Core_dealloc(CoreObject *self)
+{
+    /* a Python subclass's reference to its type is subtype_dealloc's to drop */
+    PyObject_GC_UnTrack(self);
+    Core_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* `list[engine]`, checked to be an exact dict: a new reference, or NULL. */
+static PyObject *
+engine_dict(PyObject *list, Py_ssize_t engine, const char *name)
+{
+    if (list == NULL || !PyList_CheckExact(list) || engine >= PyList_GET_SIZE(list)) {
+        PyErr_Format(PyExc_IndexError, "no engine %zd in the core's %s", engine, name);
+        return NULL;
+    }
+    PyObject *dict = PyList_GET_ITEM(list, engine);
+    if (expect_dict(dict, name) < 0) {
+        return NULL;
+    }
+    return Py_NewRef(dict);
+}
+
+/* An engine's bit position from `obj`: its index in the core's lists, or -1. */
+static Py_ssize_t
+core_engine(PyObject *obj)
+{
+    if (!PyLong_CheckExact(obj)) {
+        PyErr_Format(PyExc_TypeError, "an engine is its bit position, an int, not %.50s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return holders_index(obj);
+}
+
+/* What both loops take of one engine and medium: new references in `out` (hashes,
+ * retired, present, holders, speculative, present-by-medium, bit), 0; or -1 with every
+ * reference released. A medium the engine never stored in is a KeyError. */
+enum { C_HASHES, C_RETIRED, C_PRESENT, C_HOLDERS, C_SPECULATIVE, C_MEDIA, C_BIT, C_COUNT };
+
+static int
+core_containers(CoreObject *self, PyObject *engine_obj, PyObject *medium, PyObject **out)
+{
+    memset(out, 0, C_COUNT * sizeof(PyObject *));
+    Py_ssize_t engine = core_engine(engine_obj);
+    if (engine < 0) {
+        return -1;
+    }
+    if (!PyUnicode_CheckExact(medium)) {
+        PyErr_Format(PyExc_TypeError, "a medium is a str, not %.50s", Py_TYPE(medium)->tp_name);
+        return -1;
+    }
+    out[C_HASHES] = engine_dict(self->hashes, engine, "hashes");
+    out[C_RETIRED] = out[C_HASHES] == NULL ? NULL : engine_dict(self->retired, engine, "retired");
+    out[C_SPECULATIVE] = out[C_RETIRED] == NULL
+                             ? NULL : engine_dict(self->speculative, engine, "speculative");
+    out[C_MEDIA] = out[C_SPECULATIVE] == NULL
+                       ? NULL : engine_dict(self->present, engine, "present");
+    if (out[C_MEDIA] != NULL) {
+        out[C_PRESENT] = PyDict_GetItemWithError(out[C_MEDIA], medium);
+        if (out[C_PRESENT] == NULL && !PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, medium);
+        }
+        Py_XINCREF(out[C_PRESENT]);
+    }
+    if (out[C_PRESENT] != NULL) {
+        out[C_HOLDERS] = PyDict_GetItemWithError(self->holders, medium);
+        if (out[C_HOLDERS] == NULL && !PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, medium);
+        }
+        Py_XINCREF(out[C_HOLDERS]);
+    }
+    if (out[C_HOLDERS] != NULL) {
+        PyObject *one = PyLong_FromLong(1);
+        out[C_BIT] = one == NULL ? NULL : PyNumber_Lshift(one, engine_obj);
+        Py_XDECREF(one);
+    }
+    if (out[C_BIT] == NULL) {
+        for (int i = 0; i < C_COUNT; i++) {
+            Py_CLEAR(out[i]);
+        }
+        return -1;
+    }
+    return 0;
+}
+
+/* _stored(engine, medium, parent, block_hashes, tokens, width) -> (hash_remapped, unkeyed)
+ *
+ * One store by `engine` in `medium` (its blocks present there made before: a KeyError
+ * otherwise) from the chain key `parent`: stored_loop above on the engine's containers. */
+static PyObject *
+Core_stored(CoreObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "_stored() takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *c[C_COUNT];
+    if (core_containers(self, args[0], args[1], c) < 0) {
+        return NULL;
+    }
+    int refcounted = PySet_Contains(self->refcounted, args[1]);
+    PyObject *result = NULL;
+    if (refcounted >= 0) {
+        PyObject *loop[15] = {
+            c[C_HASHES], c[C_RETIRED], c[C_PRESENT], c[C_HOLDERS], c[C_SPECULATIVE],
+            self->speculating, args[1], c[C_BIT], args[0], refcounted ? Py_True : Py_False,
+            args[2], args[3], args[4], args[5], self->prefix,
+        };
+        result = stored_loop(loop, 15);
+    }
+    for (int i = 0; i < C_COUNT; i++) {
+        Py_DECREF(c[i]);
+    }
+    return result;
+}
+
+/* _removed(engine, medium, block_hashes) -> blocks unknown
+ *
+ * `engine` removed `block_hashes` from `medium` (stored in before: a KeyError otherwise):
+ * removed_loop above, with what the engine holds in its other media. */
+static PyObject *
+Core_removed(CoreObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "_removed() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *c[C_COUNT];
+    if (core_containers(self, args[0], args[1], c) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    PyObject *others = PyList_New(0);
+    int refcounted = others == NULL ? -1 : PySet_Contains(self->refcounted, args[1]);
+    Py_ssize_t pos = 0;
+    PyObject *medium, *held;
+    while (refcounted >= 0 && PyDict_Next(c[C_MEDIA], &pos, &medium, &held)) {
+        if (!PyUnicode_CheckExact(medium)) { /* a comparison that runs no Python code */
+            PyErr_SetString(PyExc_TypeError, "the core's media are str");
+            refcounted = -1;
+        } else if (PyUnicode_Compare(medium, args[1]) != 0 && PyList_Append(others, held) < 0) {
+            refcounted = -1;
+        }
+    }
+    if (refcounted >= 0) {
+        PyObject *loop[10] = {
+            c[C_HASHES], c[C_RETIRED], c[C_PRESENT], c[C_HOLDERS], others, args[0],
+            refcounted ? Py_True : Py_False, self->max_retired, args[2], self->prefix,
+        };
+        result = removed_loop(loop, 10);
+    }
+    Py_XDECREF(others);
+    for (int i = 0; i < C_COUNT; i++) {
+        Py_DECREF(c[i]);
+    }
+    return result;
+}
+
+static PyMethodDef Core_methods[] = {
+    {"_stored", (PyCFunction)(void (*)(void))Core_stored, METH_FASTCALL,
+     "One store's per-block loop; returns (hash_remapped, unkeyed)."},
+    {"_removed", (PyCFunction)(void (*)(void))Core_removed, METH_FASTCALL,
+     "One removal's per-block loop; returns the blocks unknown."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* The containers, read-only: new references to the core's own objects. */
+static PyObject *
+Core_get(CoreObject *self, void *closure)
+{
+    PyObject *value = *(PyObject **)((char *)self + (Py_ssize_t)closure);
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the core was cleared");
+        return NULL;
+    }
+    return Py_NewRef(value);
+}
+
+#define CORE_FIELD(name, doc) \
+    {"_" #name, (getter)Core_get, NULL, doc, (void *)offsetof(CoreObject, name)}
+
+static PyGetSetDef Core_getset[] = {
+    CORE_FIELD(hashes, "By engine: engine hash -> chain key."),
+    CORE_FIELD(retired, "By engine: mappings of blocks removed from every medium."),
+    CORE_FIELD(present, "By engine: medium -> chain key -> count."),
+    CORE_FIELD(speculative, "By engine: (medium, chain key) -> expiry."),
+    CORE_FIELD(holders, "Medium -> Holders."),
+    CORE_FIELD(speculating, "(medium, chain key) -> bits of the engines speculating it."),
+    CORE_FIELD(refcounted, "The media that count announcements."),
+    CORE_FIELD(prefix, "What every unkeyed key starts with."),
+    CORE_FIELD(max_retired, "Retired mappings kept per engine."),
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvpeer.router._intake.Core",
+    .tp_doc = "The index's state and its per-block loops (see kvpeer.router.indexcore).",
+    .tp_basicsize = sizeof(CoreObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Core_new,
+    .tp_traverse = (traverseproc)Core_traverse,
+    .tp_clear = (inquiry)Core_clear,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+    .tp_getset = Core_getset,
+};
 
 /* --- Fields of the decoder's wire events -------------------------------------------------
  *
@@ -1730,10 +2031,6 @@ done:
 }
 
 static PyMethodDef intake_methods[] = {
-    {"removed", (PyCFunction)(void (*)(void))intake_removed, METH_FASTCALL,
-     "PrefixIndex._removed's per-block loop; returns the blocks unknown."},
-    {"stored", (PyCFunction)(void (*)(void))intake_stored, METH_FASTCALL,
-     "PrefixIndex._stored's per-block loop; returns (hash_remapped, unkeyed)."},
     {"stores_of", (PyCFunction)(void (*)(void))intake_stores_of, METH_FASTCALL,
      "events.py's _stores_of up to the events: [(head, hashes, tokens), ...]."},
     {"chain", (PyCFunction)(void (*)(void))intake_chain, METH_FASTCALL,
@@ -1768,8 +2065,9 @@ intake_exec(PyObject *module)
             return -1;
         }
     }
-    if (PyType_Ready(&HoldersType) < 0
-        || PyModule_AddObjectRef(module, "Holders", (PyObject *)&HoldersType) < 0) {
+    if (PyType_Ready(&HoldersType) < 0 || PyType_Ready(&CoreType) < 0
+        || PyModule_AddObjectRef(module, "Holders", (PyObject *)&HoldersType) < 0
+        || PyModule_AddObjectRef(module, "Core", (PyObject *)&CoreType) < 0) {
         return -1;
     }
     if (str_GPU != NULL) {

@@ -1,9 +1,9 @@
 """Types of the C extension kvpeer.router._intake (src/kvpeer/router/_intake.c)."""
 
-from collections.abc import Callable
 from typing import Any
 
 from kvpeer.router.events import BlockHash
+from kvpeer.router.indexloops import Masks
 
 class Holders:
     def get(self, key: bytes, default: int = 0, /) -> int: ...
@@ -12,39 +12,33 @@ class Holders:
     def items(self) -> list[tuple[bytes, int]]: ...
     def __len__(self) -> int: ...
 
-def removed(
-    hashes: dict[BlockHash, bytes],
-    retired: dict[BlockHash, bytes],
-    present: dict[bytes, int],
-    holders: Holders,
-    others: list[dict[bytes, int]],
-    index: int,
-    refcounted: bool,
-    max_retired: int,
-    block_hashes: tuple[BlockHash, ...],
-    unkeyed_prefix: bytes,
-    /,
-) -> int: ...
-def stored(
-    hashes: dict[BlockHash, bytes],
-    retired: dict[BlockHash, bytes],
-    present: dict[bytes, int],
-    holders: Holders,
-    speculative: dict[tuple[str, bytes], float],
-    medium: str,
-    bit: int,
-    index: int,
-    refcounted: bool,
-    parent: bytes,
-    block_hashes: tuple[BlockHash, ...],
-    tokens: bytes,
-    width: int,
-    unkeyed_prefix: bytes,
-    chain: Callable[[bytes, bytes], bytes],
-    unkeyed_of: Callable[[BlockHash], bytes],
-    unspeculated: Callable[[tuple[str, bytes], int], None],
-    /,
-) -> tuple[int, bool]: ...
+class Core:
+    """The index's containers and its per-block loops (kvpeer.router.indexcore)."""
+
+    _hashes: list[dict[BlockHash, bytes]]
+    _retired: list[dict[BlockHash, bytes]]
+    _present: list[dict[str, dict[bytes, int]]]
+    _speculative: list[dict[tuple[str, bytes], float]]
+    _holders: dict[str, Masks]  # medium -> Holders
+    _speculating: dict[tuple[str, bytes], int]
+    _refcounted: frozenset[str]
+    _prefix: bytes
+    _max_retired: int
+    def __init__(
+        self, refcounted: frozenset[str], max_retired: int, unkeyed_prefix: bytes
+    ) -> None: ...
+    def _stored(
+        self,
+        engine: int,
+        medium: str,
+        parent: bytes,
+        block_hashes: tuple[BlockHash, ...],
+        tokens: bytes,
+        width: int,
+        /,
+    ) -> tuple[int, bool]: ...
+    def _removed(self, engine: int, medium: str, block_hashes: tuple[BlockHash, ...], /) -> int: ...
+
 def stores_of(
     run: list[Any], tokens: list[bytes], /
 ) -> list[tuple[Any, tuple[BlockHash, ...], bytes]]: ...

@@ -41,18 +41,18 @@ Invariants:
    found it: every request's salted reference left a hash mapping behind (a router's
    mappings of one engine grew by ~2,000 a minute, to 22,000 against 550 blocks held).
 7. Every engine has a bit of its own, and each medium keeps, for every chain key some
-   engine holds there, the bits of the engines holding it (``_holders``; speculative
-   entries likewise in ``_speculating``): a bit is set exactly while that engine's
-   ``present`` (or ``speculative``) holds the key. An unkeyed key (invariant 6) is in
-   no mask: no prompt names it. :meth:`PrefixIndex.prefixes` walks a prompt once for
-   the whole fleet with these masks and answers what :meth:`~PrefixIndex.longest_prefix`
-   answers for every engine (at 256 engines one walk per engine and medium was the
-   largest part of a decision after scoring). With the C loops the masks of a medium are
-   a table of their own (``kvpeer.router._intake.Holders``: 16-byte keys and their masks
-   inline, placed by their own bits, on huge pages when large), else
-   ``kvpeer.router.indexloops.Holders``, its Python reference: a dict's index, entry,
-   key object and int object were four cache misses per block at 256 engines, the
-   table's slot one.
+   engine holds there, the bits of the engines holding it (the core's ``_holders``;
+   speculative entries likewise in ``_speculating``): a bit is set exactly while that
+   engine's present (or speculative) entries hold the key. An unkeyed key (invariant 6)
+   is in no mask: no prompt names it. :meth:`PrefixIndex.prefixes` walks a prompt once
+   for the whole fleet with these masks and answers what
+   :meth:`~PrefixIndex.longest_prefix` answers for every engine (at 256 engines one walk
+   per engine and medium was the largest part of a decision after scoring). With the C
+   core the masks of a medium are a table of their own (``kvpeer.router._intake.Holders``:
+   16-byte keys and their masks inline, placed by their own bits, on huge pages when
+   large), else ``kvpeer.router.indexloops.Holders``, its Python reference: a dict's
+   index, entry, key object and int object were four cache misses per block at 256
+   engines, the table's slot one.
 8. A hash already mapped (live or retired) keeps its chain key when stored again under a
    keyed parent: vLLM derives a block's hash from its parent's hash and its tokens, so a
    known hash names known content, and its key is not hashed again. The CPU tier
@@ -64,12 +64,17 @@ Invariants:
    collector never tracks. As ``OrderedDict`` they were tracked, and every full
    collection -- set off by the decoder's short-lived objects -- walked every block of
    every engine: at 256 engines, half of the intake's CPU (``docs/scale.md``).
-10. Stored and removed blocks go through the C loops of ``kvpeer.router._intake`` when
-    that extension is built (``native``), else through ``kvpeer.router.indexloops``, a
-    module with the same interface that is its reference: both leave the same state,
-    order included (``tests/router/test_index_native.py``). Chain keys are hashed by the
-    extension (OpenSSL's SHA-256) when it is built (hashlib's otherwise: the same keys,
-    compared in the same tests), so a new block costs no Python call.
+10. What engines hold is one object, the index's *core* (``router/indexcore.py``), behind
+    a few methods: add an engine, apply an event, speculate, the longest prefix of one
+    engine or of all, forget an engine, statistics. ``PrefixIndex`` keeps only names,
+    the block size, learned bits and counters, and never touches a container. The core's
+    containers and the two loops every block goes through (``_stored``, ``_removed``)
+    are the C extension's ``kvpeer.router._intake.Core`` when it is built (``native``),
+    else ``kvpeer.router.indexloops.Core``, its reference with the same interface: both
+    leave the same state, order included (``tests/router/test_index_native.py``). Chain
+    keys are hashed by the extension (OpenSSL's SHA-256) when it is built (hashlib's
+    otherwise: the same keys, compared in the same tests), so a new block costs no
+    Python call.
 11. Chain keys are the router's own: SHA-256 truncated to 16 bytes, chained from a root
     drawn at random when the process starts (``_ROOT``) and never shown outside it. No
     engine or client can compute a key, so none can aim token contents at another
@@ -82,21 +87,15 @@ from __future__ import annotations
 
 import secrets
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Final
 
 from kvpeer.router import indexloops
-from kvpeer.router.events import (
-    AllCleared,
-    BlockHash,
-    BlocksRemoved,
-    BlocksStored,
-    BlocksUnkeyable,
-)
+from kvpeer.router.events import AllCleared, BlocksRemoved, BlocksStored, BlocksUnkeyable
 from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
-from kvpeer.router.indexloops import Masks, drop_bit, drop_holder, oldest_out, unkeyed_key
+from kvpeer.router.indexcore import Counts, new_core
 
 _native_intake: ModuleType | None
 try:  # the per-block loops in C, when built (setup.py: an optional extension)
@@ -134,14 +133,8 @@ class IndexStatistics:
 
 @dataclass(slots=True)
 class _Engine:
-    index: int  # this engine's bit position in the masks (invariant 7)
+    index: int  # this engine's bit position in the masks and the core (invariant 7)
     learned: bool = False
-    # Plain dicts in insertion order, oldest first (a touch deletes and re-inserts):
-    # holding only bytes and ints, the garbage collector never tracks them (invariant 9).
-    hashes: dict[BlockHash, bytes] = field(default_factory=dict)
-    retired: dict[BlockHash, bytes] = field(default_factory=dict)
-    present: dict[str, dict[bytes, int]] = field(default_factory=dict)
-    speculative: dict[tuple[str, bytes], float] = field(default_factory=dict)
 
     @property
     def bit(self) -> int:
@@ -165,31 +158,27 @@ class PrefixIndex:
     ) -> None:
         """``block_size`` as the engines run (``None``: adopt the first stored event's).
 
-        ``native``: apply stored and removed blocks with the C loops of
-        ``kvpeer.router._intake`` (``None``: when built; ``True``: required) or with the
-        Python ones below (``False``), which are the reference: both leave the same state.
+        ``native``: keep what engines hold in the C core of ``kvpeer.router._intake``
+        (``None``: when built; ``True``: required) or in its Python reference
+        (``False``): both leave the same state.
         """
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
-        self._block_size = block_size
-        self._media = frozenset(media)
-        self._refcounted = frozenset(refcounted_media)
-        self._max_blocks = max_blocks
-        self._max_speculative = max_speculative
-        self._max_retired = max_retired
         if native and _native_intake is None:
             raise RuntimeError(
                 "native=True, but kvpeer.router._intake is not built (no C compiler at install?)"
             )
-        self._loops: ModuleType = (
-            _native_intake if native is not False and _native_intake is not None
-            else indexloops
+        self._block_size = block_size
+        self._media = frozenset(media)
+        self._native = native is not False and _native_intake is not None
+        self._core = new_core(
+            self._native, refcounted=frozenset(refcounted_media), root=_ROOT,
+            unkeyed_prefix=_UNKEYED, max_blocks=max_blocks, max_retired=max_retired,
+            max_speculative=max_speculative,
         )
         self._engines: dict[str, _Engine] = {}
         self._names: list[str] = []  # by bit
         self._learned_bits = 0
-        self._holders: dict[str, Masks] = {}  # medium -> chain key -> engine bits
-        self._speculating: dict[tuple[str, bytes], int] = {}  # (medium, key) -> bits
         self._counts: dict[str, int] = {}
 
     @property
@@ -198,8 +187,8 @@ class PrefixIndex:
 
     @property
     def native(self) -> bool:
-        """Whether stored and removed blocks go through the C loops."""
-        return self._loops is not indexloops
+        """Whether what engines hold is kept by the C core."""
+        return self._native
 
     # --- queries ----------------------------------------------------------------------
 
@@ -239,18 +228,7 @@ class PrefixIndex:
         state = self._engines.get(engine)
         if state is None or not state.learned or prompt.block_size != self._block_size:
             return 0
-        present = state.present.get(medium)
-        speculative = state.speculative
-        blocks = 0
-        for key in prompt.keys:
-            if present is not None and key in present:
-                blocks += 1
-                continue
-            expiry = speculative.get((medium, key))
-            if expiry is None or expiry <= now:
-                break
-            blocks += 1
-        return blocks * prompt.block_size
+        return self._core.longest(state.index, prompt.keys, medium, now) * prompt.block_size
 
     def prefixes(self, prompt: PromptKeys, medium: str, now: float) -> dict[str, int]:
         """:meth:`longest_prefix` of every engine at once, for the engines holding at
@@ -259,48 +237,14 @@ class PrefixIndex:
         out: dict[str, int] = {}
         if prompt.block_size != self._block_size:
             return out
-        holders = self._holders.get(medium)
-        if holders is None:  # nothing stored there yet; speculative entries may be
-            holders = indexloops.Holders()
-        speculating = self._speculating
-        alive = self._learned_bits
-        size = prompt.block_size
-        tokens = 0
-        for key in prompt.keys:
-            held = holders.get(key, 0)
-            if speculating:
-                maybe = speculating.get((medium, key), 0) & alive & ~held
-                if maybe:
-                    held |= self._unexpired(maybe, (medium, key), now)
-            still = alive & held
-            if still != alive:
-                if tokens:
-                    self._name_bits(alive ^ still, tokens, out)
-                alive = still
-                if not alive:
-                    return out
-            tokens += size
-        if tokens:
-            self._name_bits(alive, tokens, out)
-        return out
-
-    def _unexpired(self, bits: int, entry: tuple[str, bytes], now: float) -> int:
-        """Those of ``bits`` whose speculative ``entry`` has not expired."""
-        live = 0
-        while bits:
-            low = bits & -bits
-            expiry = self._engines[self._names[low.bit_length() - 1]].speculative[entry]
-            if expiry > now:
-                live |= low
-            bits ^= low
-        return live
-
-    def _name_bits(self, bits: int, tokens: int, out: dict[str, int]) -> None:
         names = self._names
-        while bits:
-            low = bits & -bits
-            out[names[low.bit_length() - 1]] = tokens
-            bits ^= low
+        for holding, blocks in self._core.prefixes(prompt.keys, medium, self._learned_bits, now):
+            tokens, bits = blocks * prompt.block_size, holding
+            while bits:
+                low = bits & -bits
+                out[names[low.bit_length() - 1]] = tokens
+                bits ^= low
+        return out
 
     def learned(self, engine: str) -> bool:
         """Whether the engine's stream is followed (invariant 1)."""
@@ -308,26 +252,20 @@ class PrefixIndex:
         return state is not None and state.learned
 
     def statistics(self, now: float) -> IndexStatistics:
-        blocks = tuple(
-            (name, medium, len(keys))
-            for name, state in sorted(self._engines.items())
-            for medium, keys in sorted(state.present.items())
-        )
-        speculative = tuple(
-            (name, sum(1 for expiry in state.speculative.values() if expiry > now))
-            for name, state in sorted(self._engines.items())
-        )
+        held = {name: self._core.statistics(state.index, now)
+                for name, state in sorted(self._engines.items())}
         return IndexStatistics(
             block_size=self._block_size,
             engines=len(self._engines),
             learned=sum(1 for s in self._engines.values() if s.learned),
-            blocks=blocks,
-            speculative=speculative,
-            counts=tuple(sorted(self._counts.items())),
-            hash_mappings=tuple(
-                (name, len(state.hashes) + len(state.retired))
-                for name, state in sorted(self._engines.items())
+            blocks=tuple(
+                (name, medium, blocks)
+                for name, (media, _, _) in held.items()
+                for medium, blocks in sorted(media.items())
             ),
+            speculative=tuple((name, live) for name, (_, live, _) in held.items()),
+            counts=tuple(sorted(self._counts.items())),
+            hash_mappings=tuple((name, mappings) for name, (_, _, mappings) in held.items()),
         )
 
     # --- updates ----------------------------------------------------------------------
@@ -336,13 +274,16 @@ class PrefixIndex:
         """Apply one item of the engine's feed (events, resets, sync)."""
         state = self._engines.get(engine) or self._engine(engine)
         if isinstance(item, BlocksRemoved):  # most events by far
-            self._removed(state, item)
+            self._count(self._core.apply(state.index, item, 0))
         elif isinstance(item, BlocksStored):
             self._stored(state, item)
         elif isinstance(item, BlocksUnkeyable):
-            self._stored_unkeyable(state, item)
+            if item.medium in self._media:
+                self._count(self._core.apply(state.index, item, 0))
+            else:
+                self._bump("ignored_medium")
         elif isinstance(item, AllCleared):
-            self._clear(state)
+            self._core.forget(state.index, restarted=False)
             self._bump("cleared")
         elif isinstance(item, StreamReset):
             self._forget(state, restarted=item.restarted)
@@ -358,18 +299,9 @@ class PrefixIndex:
         if prompt.block_size != self._block_size or not prompt.keys:
             return
         state = self._engines.get(engine) or self._engine(engine)
-        self._drop_expired(state, now)
-        present: Mapping[bytes, int] = state.present.get(medium, {})
-        speculative, speculating, bit = state.speculative, self._speculating, state.bit
-        expiry = now + ttl
-        for key in prompt.keys:
-            if key not in present:
-                entry = (medium, key)
-                speculative.pop(entry, None)  # re-insert as the newest
-                speculative[entry] = expiry
-                speculating[entry] = speculating.get(entry, 0) | bit
-        if len(speculative) > self._max_speculative:
-            self._trim_speculative(state, now)
+        dropped = self._core.speculate(state.index, prompt.keys, medium, now, now + ttl)
+        if dropped:
+            self._bump("speculative_dropped", dropped)
 
     def forget(self, engine: str) -> None:
         """The engine restarted (or is unknown again): drop everything it held and the
@@ -381,158 +313,31 @@ class PrefixIndex:
     # --- internals --------------------------------------------------------------------
 
     def _engine(self, engine: str) -> _Engine:
-        index = len(self._names)
+        index = self._core.add_engine()
         state = self._engines[engine] = _Engine(index)
         self._names.append(engine)
         return state
 
     def _stored(self, state: _Engine, event: BlocksStored) -> None:
-        medium = event.medium
-        if medium not in self._media:
+        if event.medium not in self._media:
             self._bump("ignored_medium")
             return
         if self._block_size is None:
             self._block_size = event.block_size
-        size = self._block_size
-        if event.block_size != size:
+        if event.block_size != self._block_size:
             self._bump("block_size_mismatch")
             return
-        hashes, retired = state.hashes, state.retired
-        if event.parent_hash is None:
-            parent = _ROOT
-        else:
-            known = hashes.get(event.parent_hash) or retired.get(event.parent_hash)
-            if known is None:
-                self._bump("orphans")  # its parent was stored before we listened
-                return
-            parent = known
-        present = state.present.get(medium) or self._present(state, medium)
-        holders = self._holders[medium]
-        refcounted = medium in self._refcounted
-        speculative, bit = state.speculative, state.bit
-        remapped, unkeyed = self._loops.stored(
-            hashes, retired, present, holders, speculative, self._speculating, medium, bit,
-            state.index, refcounted, parent, tuple(event.block_hashes), event.tokens,
-            4 * size, _UNKEYED,
-        )
-        self._stored_counts(remapped, unkeyed)
-        self._bound(state, medium)
-
-    def _stored_counts(self, remapped: int, unkeyed: bool) -> None:
-        if remapped:
-            self._bump("hash_remapped", remapped)
-        if unkeyed:
-            self._bump("unkeyable_stores")
-
-    def _stored_unkeyable(self, state: _Engine, event: BlocksUnkeyable) -> None:
-        medium = event.medium
-        if medium not in self._media:
-            self._bump("ignored_medium")
-            return
-        present = state.present.get(medium) or self._present(state, medium)
-        refcounted = medium in self._refcounted
-        for block_hash in event.block_hashes:
-            previous = state.hashes.get(block_hash)
-            if previous is None:
-                previous = state.retired.pop(block_hash, None)
-            key = unkeyed_key(_UNKEYED, block_hash)
-            if previous is not None and previous != key:
-                self._bump("hash_remapped")
-            state.hashes.pop(block_hash, None)
-            state.hashes[block_hash] = key
-            count = present.pop(key, None)
-            if count is None:
-                present[key] = 1  # in no mask: no prompt names it (invariant 7)
-            else:
-                present[key] = count + 1 if refcounted else 1
-            if state.speculative.pop((medium, key), None) is not None:
-                self._unspeculated((medium, key), state.bit)
-        self._bound(state, medium)
-
-    def _present(self, state: _Engine, medium: str) -> dict[bytes, int]:
-        if medium not in self._holders:
-            self._holders[medium] = (
-                self._loops.Holders()
-            )
-        present: dict[bytes, int] = {}
-        state.present[medium] = present
-        return present
-
-    def _bound(self, state: _Engine, medium: str) -> None:
-        present = state.present[medium]
-        if len(present) > self._max_blocks:
-            holders = self._holders[medium]
-            gone = oldest_out(present, self._max_blocks)
-            for key in gone:
-                drop_holder(holders, key, state.index, _UNKEYED)
-            self._bump("evicted_blocks", len(gone))
-        oldest_out(state.hashes, 2 * self._max_blocks)
-
-    def _removed(self, state: _Engine, event: BlocksRemoved) -> None:
-        """One event may name many blocks (the decoder joins a step's removals): the
-        per-block work is all here, in one loop."""
-        medium = event.medium
-        present = state.present.get(medium)
-        if present is None:
-            self._bump("unknown_removed", len(event.block_hashes))
-            return
-        refcounted = medium in self._refcounted
-        hashes, retired, index = state.hashes, state.retired, state.index
-        holders = self._holders[medium]
-        others = [held for other, held in state.present.items() if other != medium]
-        unknown = self._loops.removed(
-            hashes, retired, present, holders, others, index, refcounted,
-            self._max_retired, tuple(event.block_hashes), _UNKEYED,
-        )
-        if unknown:
-            self._bump("unknown_removed", unknown)
-
-    def _clear(self, state: _Engine) -> None:
-        """Forget what the engine holds in every medium, and its speculative entries."""
-        for medium, present in state.present.items():
-            holders = self._holders[medium]
-            for key in present:
-                drop_holder(holders, key, state.index, _UNKEYED)
-        state.present.clear()
-        for entry in state.speculative:
-            self._unspeculated(entry, state.bit)
-        state.speculative.clear()
+        self._count(self._core.apply(state.index, event, 4 * self._block_size))
 
     def _forget(self, state: _Engine, *, restarted: bool) -> None:
-        self._clear(state)
-        if restarted:
-            state.hashes.clear()
-            state.retired.clear()
+        self._core.forget(state.index, restarted=restarted)
         state.learned = False
         self._learned_bits &= ~state.bit
         self._bump("forgotten")
 
-    def _unspeculated(self, entry: tuple[str, bytes], bit: int) -> None:
-        drop_bit(self._speculating, entry, bit)
-
-    def _drop_expired(self, state: _Engine, now: float) -> None:
-        """Drop expired entries from the front: entries go in (or back in) as the newest,
-        so with one TTL the oldest expire first and this costs what it removes. Without
-        it expired entries stayed until ``max_speculative`` (20,000 per engine) was
-        passed."""
-        speculative = state.speculative
-        while speculative:
-            oldest = next(iter(speculative))
-            if speculative[oldest] > now:
-                return
-            del speculative[oldest]
-            self._unspeculated(oldest, state.bit)
-
-    def _trim_speculative(self, state: _Engine, now: float) -> None:
-        speculative = state.speculative
-        for entry in [e for e, expiry in speculative.items() if expiry <= now]:
-            del speculative[entry]
-            self._unspeculated(entry, state.bit)
-        while len(speculative) > self._max_speculative:
-            entry = next(iter(speculative))
-            del speculative[entry]
-            self._unspeculated(entry, state.bit)
-            self._bump("speculative_dropped")
+    def _count(self, counts: Counts) -> None:
+        for name, by in counts:
+            self._bump(name, by)
 
     def _bump(self, name: str, by: int = 1) -> None:
         self._counts[name] = self._counts.get(name, 0) + by

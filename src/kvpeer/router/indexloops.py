@@ -1,11 +1,13 @@
 """The index's per-block work in Python: the reference of ``kvpeer.router._intake``.
 
-``PrefixIndex`` (``router/index.py``) hands every stored and removed block to one of two
-modules with the same interface -- the C extension when it is built, this one otherwise
-(and whenever ``PrefixIndex(native=False)``):
+The index's state lives in a core (``router/indexcore.py``) built on one of two bases with
+the same interface -- the C extension's when it is built, this module's otherwise (and
+whenever ``PrefixIndex(native=False)``):
 
 - ``Holders()``: invariant 7's masks of one medium, chain key -> bits of its holders;
-- ``stored(...)`` / ``removed(...)``: the two loops every block goes through;
+- ``Core(refcounted, max_retired, unkeyed_prefix)``: the containers of every engine's
+  blocks, owned, with the two loops every block goes through as its methods ``_stored``
+  and ``_removed`` (their bodies: ``stored`` and ``removed`` below);
 - ``chain(parent, tokens)`` / ``chain_keys(parent, tokens, width)``: chain keys.
 
 Same arguments, same results, the same state left behind (dict order included) and the
@@ -24,7 +26,7 @@ from typing import Final, Protocol, TypeVar
 from kvpeer.router.events import BlockHash
 
 __all__ = [
-    "CHAIN_BYTES", "Holders", "Masks", "chain", "chain_keys", "removed", "stored",
+    "CHAIN_BYTES", "Core", "Holders", "Masks", "chain", "chain_keys", "removed", "stored",
     "unkeyed_key",
 ]
 
@@ -74,6 +76,57 @@ class Holders:
 
     def __len__(self) -> int:
         return len(self._masks)
+
+
+class Core:
+    """``_intake.Core`` in Python: every engine's containers (lists by the engine's bit
+    position), the holder tables, the speculation masks, and the two loops over them."""
+
+    __slots__ = (
+        "_hashes", "_holders", "_max_retired", "_prefix", "_present", "_refcounted",
+        "_retired", "_speculating", "_speculative",
+    )
+
+    def __init__(self, refcounted: frozenset[str], max_retired: int,
+                 unkeyed_prefix: bytes) -> None:
+        if type(refcounted) is not frozenset or type(max_retired) is not int or type(
+            unkeyed_prefix
+        ) is not bytes:
+            raise TypeError("Core takes a frozenset, an int and bytes")
+        if max_retired < 1 or not unkeyed_prefix:
+            raise ValueError(f"Core needs max_retired >= 1 (not {max_retired}) and a "
+                             "non-empty unkeyed_prefix")
+        self._hashes: list[dict[BlockHash, bytes]] = []
+        self._retired: list[dict[BlockHash, bytes]] = []
+        self._present: list[dict[str, dict[bytes, int]]] = []
+        self._speculative: list[dict[tuple[str, bytes], float]] = []
+        self._holders: dict[str, Masks] = {}
+        self._speculating: dict[tuple[str, bytes], int] = {}
+        self._refcounted = refcounted
+        self._prefix = unkeyed_prefix
+        self._max_retired = max_retired
+
+    def _stored(self, engine: int, medium: str, parent: bytes,
+                block_hashes: tuple[BlockHash, ...], tokens: bytes, width: int
+                ) -> tuple[int, bool]:
+        """One store by ``engine`` in ``medium`` (stored in before) from ``parent``."""
+        return stored(
+            self._hashes[engine], self._retired[engine], self._present[engine][medium],
+            self._holders[medium], self._speculative[engine], self._speculating, medium,
+            1 << engine, engine, medium in self._refcounted, parent, block_hashes, tokens,
+            width, self._prefix,
+        )
+
+    def _removed(self, engine: int, medium: str, block_hashes: tuple[BlockHash, ...]) -> int:
+        """``engine`` removed ``block_hashes`` from ``medium`` (stored in before)."""
+        media = self._present[engine]
+        present = media[medium]
+        others = [held for other, held in media.items() if other != medium]
+        return removed(
+            self._hashes[engine], self._retired[engine], present, self._holders[medium],
+            others, engine, medium in self._refcounted, self._max_retired, block_hashes,
+            self._prefix,
+        )
 
 
 def _chained(key: bytes) -> bytes:
