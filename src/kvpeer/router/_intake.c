@@ -1197,12 +1197,13 @@ core_engine(PyObject *obj)
 }
 
 /* What both loops take of one engine and medium: new references in `out` (hashes,
- * retired, present, holders, speculative, present-by-medium, bit), 0; or -1 with every
- * reference released. A medium the engine never stored in is a KeyError. */
+ * retired, present, holders, speculative, present-by-medium, and the engine's mask bit
+ * `with_bit`, else None), 0; or -1 with every reference released. A medium the engine never stored in is a KeyError. */
 enum { C_HASHES, C_RETIRED, C_PRESENT, C_HOLDERS, C_SPECULATIVE, C_MEDIA, C_BIT, C_COUNT };
 
 static int
-core_containers(CoreObject *self, PyObject *engine_obj, PyObject *medium, PyObject **out)
+core_containers(CoreObject *self, PyObject *engine_obj, PyObject *medium, PyObject **out,
+                int with_bit)
 {
     memset(out, 0, C_COUNT * sizeof(PyObject *));
     Py_ssize_t engine = core_engine(engine_obj);
@@ -1233,10 +1234,12 @@ core_containers(CoreObject *self, PyObject *engine_obj, PyObject *medium, PyObje
         }
         Py_XINCREF(out[C_HOLDERS]);
     }
-    if (out[C_HOLDERS] != NULL) {
+    if (out[C_HOLDERS] != NULL && with_bit) {
         PyObject *one = PyLong_FromLong(1);
         out[C_BIT] = one == NULL ? NULL : PyNumber_Lshift(one, engine_obj);
         Py_XDECREF(one);
+    } else if (out[C_HOLDERS] != NULL) {
+        out[C_BIT] = Py_NewRef(Py_None); /* the removal's loop needs no mask bit */
     }
     if (out[C_BIT] == NULL) {
         for (int i = 0; i < C_COUNT; i++) {
@@ -1259,7 +1262,7 @@ Core_stored(CoreObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *c[C_COUNT];
-    if (core_containers(self, args[0], args[1], c) < 0) {
+    if (core_containers(self, args[0], args[1], c, 1) < 0) {
         return NULL;
     }
     int refcounted = PySet_Contains(self->refcounted, args[1]);
@@ -1290,7 +1293,7 @@ Core_removed(CoreObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *c[C_COUNT];
-    if (core_containers(self, args[0], args[1], c) < 0) {
+    if (core_containers(self, args[0], args[1], c, 0) < 0) {
         return NULL;
     }
     PyObject *result = NULL;

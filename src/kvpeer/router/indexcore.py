@@ -82,8 +82,13 @@ class CoreMethods:
     def apply(self, engine: int, event: IndexEvent, width: int) -> Counts:
         """One event of ``engine`` (a store's blocks ``width`` bytes of tokens each), in a
         medium the index follows and of its block size."""
-        if isinstance(event, BlocksRemoved):  # most events by far
-            return self._remove(engine, event)
+        if isinstance(event, BlocksRemoved):  # most events by far: one call, no other
+            # One event may name many blocks (the decoder joins a step's removals): the
+            # per-block work is all in the base's loop.
+            if event.medium not in self._present[engine]:
+                return (("unknown_removed", len(event.block_hashes)),)
+            unknown = self._removed(engine, event.medium, tuple(event.block_hashes))
+            return (("unknown_removed", unknown),) if unknown else _NONE
         if isinstance(event, BlocksStored):
             return self._store(engine, event, width)
         if isinstance(event, BlocksUnkeyable):
@@ -160,14 +165,6 @@ class CoreMethods:
             counts = (("evicted_blocks", len(gone)),)
         oldest_out(self._hashes[engine], 2 * self._max_blocks)
         return counts
-
-    def _remove(self, engine: int, event: BlocksRemoved) -> Counts:
-        """One event may name many blocks (the decoder joins a step's removals): the
-        per-block work is all in the base's loop."""
-        if event.medium not in self._present[engine]:
-            return (("unknown_removed", len(event.block_hashes)),)
-        unknown = self._removed(engine, event.medium, tuple(event.block_hashes))
-        return (("unknown_removed", unknown),) if unknown else _NONE
 
     def forget(self, engine: int, *, restarted: bool) -> None:
         """Drop what the engine holds in every medium and its speculative entries; a
