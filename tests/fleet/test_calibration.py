@@ -102,6 +102,9 @@ def test_a_probed_front_end_shares_the_cores_instead_of_slowing_every_step() -> 
         "cpu_s_per_request": {r: 3 * v for r, v in roles.items()},
         "cpu_s_per_output_token": tokens, "cores": 2}}, "3": probe_of(KNOWN)})
     assert pooled["frontend"]["cpu_s_per_request"]["server"] == pytest.approx(0.04)  # median
+    # pooled without rule 6's figure, the scheduler's CPU is still there to count
+    assert calibrate(pooled, CPU_PAIR_SHAPE).gpu.frontend_s_per_request == pytest.approx(
+        0.5 * (0.035 + 3 * 0.035))
 
 
 def test_a_scheduler_that_runs_beside_its_worker_is_counted_by_the_time_it_steps() -> None:

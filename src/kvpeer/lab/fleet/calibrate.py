@@ -230,8 +230,9 @@ def pooled_probe(probes: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
                             statistics.median(x[1] for x in lines)]
     fronts = [p["frontend"] for p in good if "cpu_s_per_request" in p.get("frontend", {})]
     if fronts:  # rule 5: each figure the median over the probes that have it
+        roles = set.intersection(*(set(f[FRONTEND[0]]) & set(f[FRONTEND[1]]) for f in fronts))
         out["frontend"] = {
-            key: {role: statistics.median(f[key][role] for f in fronts) for role in FRONT_ROLES}
+            key: {role: statistics.median(f[key][role] for f in fronts) for role in sorted(roles)}
             for key in FRONTEND}  # fmt: skip
         out["frontend"]["cores"] = min(int(f["cores"]) for f in fronts)
     schedulers = [c for c in map(_scheduler_cores, good) if c is not None]
