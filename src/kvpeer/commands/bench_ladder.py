@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the rungs the router starts ahead (prefetch: kvpeer.node.ahead)",
     )
     parser.add_argument(
+        "--unpinned", action="store_true",
+        help="instead: with the producer busy and the prompts out of its held copy, one "
+             "request the router places alone, beside a pinned pull and a local compute",
+    )
+    parser.add_argument(
         "--model", help="checkpoint directory (default ~/.cache/kvpeer/serve-llama)"
     )
     parser.add_argument("--log-dir", help="keep the engines' logs here")
@@ -60,6 +65,19 @@ def run(args: argparse.Namespace) -> int:
     progress = progress_printer("bench ladder")
     if args.sync_pull_wait is not None:  # a bad value is named now, not by two engines later
         TierConfig.from_dict({"sync_pull_wait_s": args.sync_pull_wait})
+    model = Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME")))
+    logs = Path(args.log_dir) if args.log_dir else None
+    if args.unpinned:
+        from kvpeer.lab.bench import ladder_unpinned
+
+        held = None if args.held_mib is None else args.held_mib << 20
+        unpinned = ladder_unpinned.UnpinnedSpec(
+            prompts=args.prompts, idle_s=args.idle_seconds, held_bytes=held,
+            sync_pull_wait_s=args.sync_pull_wait,
+        )
+        found = ladder_unpinned.run(unpinned, model, progress, logs)
+        print(json.dumps(found) if args.json else ladder_unpinned.render(found))
+        return 0
     spec = ladder.LadderSpec(
         prompts=args.prompts,
         idle_s=args.idle_seconds,
@@ -67,11 +85,6 @@ def run(args: argparse.Namespace) -> int:
         sync_pull_wait_s=args.sync_pull_wait,
         ahead=args.ahead,
     )
-    result = ladder.run(
-        spec,
-        Path(args.model or default_model_dir(os.environ.get("XDG_CACHE_HOME"))),
-        progress,
-        Path(args.log_dir) if args.log_dir else None,
-    )
+    result = ladder.run(spec, model, progress, logs)
     print(json.dumps(result) if args.json else ladder.render(result))
     return 0

@@ -54,7 +54,7 @@ from typing import Any
 
 from kvpeer.node.trace import TRACE_LOGGER
 
-__all__ = ["LadderSpec", "render", "run", "timeline"]
+__all__ = ["LadderSpec", "engine_pair", "render", "run", "timeline"]
 
 Progress = Callable[[str], None]
 RUNGS = ("computed", "local", "pulled_idle", "pulled_busy", "local_busy", "ahead_idle",
@@ -154,28 +154,13 @@ def run(
     )
     from kvpeer.lab.engines.model import SERVE_LLAMA_CONFIG, ensure_llama
     from kvpeer.lab.engines.openai_client import OpenAIClient
-    from kvpeer.lab.engines.serving import ServeFleet, ServeSpec
-    from kvpeer.node.trace import TRACE_ENV
+    from kvpeer.lab.engines.serving import ServeFleet
     from kvpeer.router.background import BackgroundRouter
 
     model = ensure_llama(model_dir, SERVE_LLAMA_CONFIG)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvpeer-bench-ladder-"))
     logs.mkdir(parents=True, exist_ok=True)
-    # The tiers as the README starts them: held blocks and pulling ahead are defaults
-    # (the routers of this process are obeyed from loopback).
-    options: dict[str, Any] = {}
-    if spec.held_bytes is not None:
-        options["held_bytes"] = spec.held_bytes
-    if spec.sync_pull_wait_s is not None:
-        options["sync_pull_wait_s"] = spec.sync_pull_wait_s
-    trace_env = {TRACE_ENV: "1"}
-    # a round stores up to seven prompts on ``a``: room for all, so none is evicted
-    # before ``b`` pulls it
-    region = 768 << 20
-    a = ServeSpec("a", model, data_plane="shm", tier_options=options, env=trace_env,
-                  cpu_bytes=region)  # fmt: skip
-    b = ServeSpec("b", model, data_plane="shm", tier_options=options, env=trace_env,
-                  cpu_bytes=region)  # fmt: skip
+    a, b = engine_pair(model, spec.held_bytes, spec.sync_pull_wait_s)
     rng = random.Random(20261203)
 
     def fresh(tokens: int) -> list[int]:
@@ -315,6 +300,24 @@ def run(
     result["slowest_ahead"] = None if slowest_ahead is None else vars(slowest_ahead)
     result["ahead_timeline"] = ahead_steps
     return result
+
+
+def engine_pair(model: Path, held_bytes: int | None, sync_pull_wait_s: float | None) -> Any:
+    """``a`` and ``b`` (``ServeSpec``): the tiers as the README starts them (held blocks and
+    pulling ahead are defaults; the routers of this process are obeyed from loopback),
+    on ``shm``, traced, each with a 768 MiB CPU tier (a round stores up to seven prompts
+    on ``a``: room for all, so none is evicted before ``b`` pulls it)."""
+    from kvpeer.lab.engines.serving import ServeSpec
+    from kvpeer.node.trace import TRACE_ENV
+
+    options: dict[str, Any] = {}
+    if held_bytes is not None:
+        options["held_bytes"] = held_bytes
+    if sync_pull_wait_s is not None:
+        options["sync_pull_wait_s"] = sync_pull_wait_s
+    return tuple(ServeSpec(name, model, data_plane="shm", tier_options=options,
+                           env={TRACE_ENV: "1"}, cpu_bytes=768 << 20)
+                 for name in ("a", "b"))  # fmt: skip
 
 
 _AHEAD_LINE = re.compile(r'^vllm:kvpeer_(pull_ahead_total|staged_blocks)\{([^}]*)\} ([0-9.e+-]+)$')
