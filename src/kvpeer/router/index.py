@@ -65,16 +65,16 @@ Invariants:
    collection -- set off by the decoder's short-lived objects -- walked every block of
    every engine: at 256 engines, half of the intake's CPU (``docs/scale.md``).
 10. What engines hold is one object, the index's *core* (``router/indexcore.py``), behind
-    a few methods: add an engine, apply an event, speculate, the longest prefix of one
-    engine or of all, forget an engine, statistics. ``PrefixIndex`` keeps only names,
-    the block size, learned bits and counters, and never touches a container. The core's
-    containers and the two loops every block goes through (``_stored``, ``_removed``)
-    are the C extension's ``kvpeer.router._intake.Core`` when it is built (``native``),
-    else ``kvpeer.router.indexloops.Core``, its reference with the same interface: both
-    leave the same state, order included (``tests/router/test_index_native.py``). Chain
-    keys are hashed by the extension (OpenSSL's SHA-256) when it is built (hashlib's
-    otherwise: the same keys, compared in the same tests), so a new block costs no
-    Python call.
+    six methods: add an engine, apply an event, speculate, the longest held prefix of
+    one engine or of many in one walk, forget an engine, statistics. ``PrefixIndex``
+    keeps only names, the block size, learned bits and counters, and never touches a
+    container. The core's containers and the two loops every block goes through
+    (``_stored``, ``_removed``) are the C extension's ``kvpeer.router._intake.Core`` when
+    it is built (``native``), else ``kvpeer.router.indexloops.Core``, its reference with
+    the same interface: both leave the same state, order included
+    (``tests/router/test_index_native.py``). Chain keys are hashed by the extension
+    (OpenSSL's SHA-256) when it is built (hashlib's otherwise: the same keys, compared in
+    the same tests), so a new block costs no Python call.
 11. Chain keys are the router's own: SHA-256 truncated to 16 bytes, chained from a root
     drawn at random when the process starts (``_ROOT``) and never shown outside it. No
     engine or client can compute a key, so none can aim token contents at another
@@ -228,7 +228,8 @@ class PrefixIndex:
         state = self._engines.get(engine)
         if state is None or not state.learned or prompt.block_size != self._block_size:
             return 0
-        return self._core.longest(state.index, prompt.keys, medium, now) * prompt.block_size
+        held = self._core.prefixes(prompt.keys, medium, state.bit, now)
+        return held[0][1] * prompt.block_size if held else 0
 
     def prefixes(self, prompt: PromptKeys, medium: str, now: float) -> dict[str, int]:
         """:meth:`longest_prefix` of every engine at once, for the engines holding at

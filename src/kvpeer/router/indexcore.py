@@ -10,8 +10,8 @@ masks. Its methods:
 - ``apply(engine, event, width)``: one store, salted store, removal or clear, with the
   counts it gives;
 - ``speculate(engine, keys, medium, now, expiry)``: the router just sent these blocks;
-- ``longest(engine, keys, medium, now)`` / ``prefixes(keys, medium, alive, now)``: the
-  longest held prefix of one engine, or of every engine in ``alive`` in one walk;
+- ``prefixes(keys, medium, alive, now)``: the longest held prefix of every engine whose
+  bit is in ``alive`` (one engine's, or the fleet's), in one walk;
 - ``forget(engine, restarted)``: drop what an engine holds (and, restarted, its mappings);
 - ``statistics(engine, now)``: what it holds, for ``/metrics``.
 
@@ -231,27 +231,12 @@ class CoreMethods:
 
     # --- queries ----------------------------------------------------------------------
 
-    def longest(self, engine: int, keys: Sequence[bytes], medium: str, now: float) -> int:
-        """Blocks of ``keys``' longest prefix that ``engine`` holds in ``medium``:
-        confirmed blocks and unexpired speculative ones."""
-        present = self._present[engine].get(medium)
-        speculative = self._speculative[engine]
-        blocks = 0
-        for key in keys:
-            if present is not None and key in present:
-                blocks += 1
-                continue
-            expiry = speculative.get((medium, key))
-            if expiry is None or expiry <= now:
-                break
-            blocks += 1
-        return blocks
-
     def prefixes(self, keys: Sequence[bytes], medium: str, alive: int, now: float
                  ) -> list[tuple[int, int]]:
-        """:meth:`longest` of every engine whose bit is in ``alive``, in one walk of the
-        keys (invariant 7): ``(engines' bits, blocks)`` for the engines holding at least
-        one block (any other holds 0)."""
+        """Blocks of the longest prefix of ``keys`` that each engine whose bit is in
+        ``alive`` holds in ``medium`` (confirmed blocks and unexpired speculative ones),
+        in one walk of the keys with the masks (invariant 7): ``(engines' bits, blocks)``
+        for the engines holding at least one block (any other holds 0)."""
         out: list[tuple[int, int]] = []
         holders = self._holders.get(medium, _NO_HOLDERS)
         speculating = self._speculating
