@@ -136,6 +136,98 @@ def test_any_stream_leaves_the_same_state_as_the_python_loops(
             assert c.prefixes(keys, medium, now) == python.prefixes(keys, medium, now)
 
 
+def core_state(core: Any) -> dict[str, Any]:
+    """Every container of a core, with every ordered container's order."""
+    return {
+        "hashes": [list(d.items()) for d in core._hashes],
+        "retired": [list(d.items()) for d in core._retired],
+        "present": [{m: list(p.items()) for m, p in d.items()} for d in core._present],
+        "speculative": [list(d.items()) for d in core._speculative],
+        "holders": {m: sorted(h.items()) for m, h in core._holders.items()},
+        "speculating": dict(core._speculating),
+    }
+
+
+core_event_st = st.one_of(
+    stored_st().filter(lambda e: e.block_size == BS),
+    st.builds(BlocksRemoved, medium_st, st.lists(hash_st, min_size=1, max_size=5).map(tuple)),
+    st.builds(BlocksUnkeyable, st.lists(hash_st, min_size=1, max_size=3).map(tuple), medium_st),
+    st.just(AllCleared()),
+)
+core_step_st = st.tuples(
+    st.integers(0, 2),
+    core_event_st
+    | st.tuples(st.just("speculate"), prompt_st, medium_st, st.floats(0.5, 3.0))
+    | st.tuples(st.just("forget"), st.booleans()),
+)
+
+
+CORE_ROOT = b"r" * 16
+
+
+def core_keys(prompt: list[int]) -> tuple[bytes, ...]:
+    """The chain keys of a prompt's full blocks from the cores' root."""
+    full = len(prompt) - len(prompt) % BS
+    return indexloops.chain_keys(CORE_ROOT, array("I", prompt[:full]).tobytes(), 4 * BS)
+
+
+@needs_native
+def test_both_cores_find_a_stored_prefix_by_its_keys() -> None:
+    """The keys the differential test below asks with are the ones its stores make."""
+    prompt = [1, 2, 0, 1, 2, 2]
+    for native_ in (False, True):
+        core = indexcore.new_core(
+            native_, refcounted=frozenset(), root=CORE_ROOT, unkeyed_prefix=UNKEYED,
+            max_blocks=6, max_retired=3, max_speculative=5,
+        )
+        core.add_engine()
+        core.add_engine()
+        core.apply(1, BlocksStored.of_ids(MEDIUM_GPU, (7, 8), None, tuple(prompt[:4]), BS),
+                   4 * BS)
+        core.speculate(0, core_keys(prompt), MEDIUM_GPU, 0.0, 5.0)
+        assert core.prefixes(core_keys(prompt), MEDIUM_GPU, 0b11, 1.0) == [(0b10, 2), (0b01, 3)]
+        assert core.prefixes(core_keys(prompt), MEDIUM_GPU, 0b11, 6.0) == [(0b10, 2)]
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(core_step_st, max_size=50), st.lists(prompt_st, min_size=1, max_size=3),
+       st.integers(0, 7))
+def test_the_native_core_answers_as_its_python_reference(
+    steps: list[tuple[int, Any]], prompts: list[list[int]], alive: int
+) -> None:
+    """The core's six methods, called directly on the C core and on its reference: the
+    same counts, the same answers, the same containers after every step."""
+    settings_ = {
+        "refcounted": frozenset({MEDIUM_CPU}), "root": CORE_ROOT, "unkeyed_prefix": UNKEYED,
+        "max_blocks": 6, "max_retired": 3, "max_speculative": 5,
+    }
+    cores = [indexcore.new_core(False, **settings_), indexcore.new_core(True, **settings_)]
+    for core in cores:
+        assert [core.add_engine() for _ in range(3)] == [0, 1, 2]
+    now = 0.0
+    for engine, step in steps:
+        now += 0.25
+        answers = []
+        for core in cores:
+            if isinstance(step, tuple) and step[0] == "speculate":
+                _, prompt, medium, ttl = step
+                answers.append(core.speculate(engine, core_keys(prompt), medium, now, now + ttl))
+            elif isinstance(step, tuple):
+                answers.append(core.forget(engine, restarted=step[1]))
+            else:
+                answers.append(core.apply(engine, step, 4 * BS))
+        assert answers[0] == answers[1]
+        assert core_state(cores[1]) == core_state(cores[0])
+    for prompt in prompts:
+        keys = core_keys(prompt)
+        for medium in MEDIA:
+            assert cores[1].prefixes(keys, medium, alive, now) == cores[0].prefixes(
+                keys, medium, alive, now)
+        for engine in range(3):
+            assert cores[1].statistics(engine, now) == cores[0].statistics(engine, now)
+
+
 @needs_native
 def test_a_recorded_kind_of_stream_leaves_the_same_state() -> None:
     """A larger stream with vLLM's shapes: chained stores on both media, re-stores, the
