@@ -198,23 +198,25 @@ def test_the_native_core_answers_as_its_python_reference(
 ) -> None:
     """The core's six methods, called directly on the C core and on its reference: the
     same counts, the same answers, the same containers after every step."""
-    settings_ = {
-        "refcounted": frozenset({MEDIUM_CPU}), "root": CORE_ROOT, "unkeyed_prefix": UNKEYED,
-        "max_blocks": 6, "max_retired": 3, "max_speculative": 5,
-    }
-    cores = [indexcore.new_core(False, **settings_), indexcore.new_core(True, **settings_)]
+    cores = [
+        indexcore.new_core(
+            native_, refcounted=frozenset({MEDIUM_CPU}), root=CORE_ROOT,
+            unkeyed_prefix=UNKEYED, max_blocks=6, max_retired=3, max_speculative=5,
+        )
+        for native_ in (False, True)
+    ]
     for core in cores:
         assert [core.add_engine() for _ in range(3)] == [0, 1, 2]
     now = 0.0
     for engine, step in steps:
         now += 0.25
-        answers = []
+        answers: list[object] = []
         for core in cores:
             if isinstance(step, tuple) and step[0] == "speculate":
                 _, prompt, medium, ttl = step
                 answers.append(core.speculate(engine, core_keys(prompt), medium, now, now + ttl))
             elif isinstance(step, tuple):
-                answers.append(core.forget(engine, restarted=step[1]))
+                core.forget(engine, restarted=step[1])
             else:
                 answers.append(core.apply(engine, step, 4 * BS))
         assert answers[0] == answers[1]
