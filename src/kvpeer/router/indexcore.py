@@ -1,4 +1,4 @@
-"""The index's state as one object behind a few methods, over a native or a Python base.
+"""The index's state as one object behind six methods, over a native or a Python base.
 
 A core owns what every engine holds (``PrefixIndex`` keeps names, block size, learned bits
 and counters; it never touches a container): per engine, by its bit position, the hash
