@@ -19,7 +19,13 @@ from kvpeer.lab.bench.ladder_unpinned import (
     source_wait_ms,
     summarize,
 )
-from kvpeer.router.reasons import REASON_CACHE, REASON_LOAD, REASON_PULL, REASON_PULL_SLOWER
+from kvpeer.router.reasons import (
+    REASON_CACHE,
+    REASON_LOAD,
+    REASON_PULL,
+    REASON_PULL_EXPLORE,
+    REASON_PULL_SLOWER,
+)
 
 
 def request(n: int, arm: str, ttft: float, engine: str = "b", plan: str = REASON_PULL,
@@ -32,6 +38,7 @@ def request(n: int, arm: str, ttft: float, engine: str = "b", plan: str = REASON
 def test_the_routers_choice_is_classified_by_engine_source_and_reason() -> None:
     assert classify("b", REASON_PULL, "a") == "pull"
     assert classify("b", "pull: pinned source", "a") == "pull"
+    assert classify("b", REASON_PULL_EXPLORE, "a") == "explore"
     assert classify("b", REASON_PULL_SLOWER, None) == "declined"
     assert classify("b", REASON_LOAD, None) == "compute"
     assert classify("a", REASON_CACHE, None) == "holder"
@@ -95,7 +102,7 @@ def test_the_summary_takes_the_median_of_per_round_ratios_and_counts_decisions()
     assert result["ratios"]["pinned/computed"] == 1.0  # of 2.0, 0.5, 1.0
     assert result["medians"] == {"unpinned": 1.0, "pinned": 1.0, "computed": 1.0}
     assert result["decisions"]["unpinned"] == {
-        "pull": 1, "declined": 1, "holder": 1, "compute": 0, "other": 0}  # fmt: skip
+        "pull": 1, "explore": 0, "declined": 1, "holder": 1, "compute": 0, "other": 0}  # fmt: skip
     assert result["decisions"]["pinned"]["pull"] == 3
     assert result["decisions"]["computed"]["compute"] == 3
     first = result["requests"][0]

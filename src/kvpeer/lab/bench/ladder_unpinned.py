@@ -11,8 +11,9 @@ while another client's long prompt prefills on ``a`` (through the same router, s
 sees the load), in an order that turns every round:
 
 - *unpinned*: U with no header: the router chooses the engine and whether to pull
-  (:func:`classify`: ``pull``, ``declined`` (``b`` computes: ``compute: pull slower``),
-  ``holder`` (``a`` serves from its own cache, behind its prefill), ``compute``);
+  (:func:`classify`: ``pull`` (or ``explore``), ``declined`` (``b`` computes:
+  ``compute: pull slower``), ``holder`` (``a`` serves from its own cache, behind its
+  prefill), ``compute``);
 - *pinned*: P on ``b`` pulled from ``a`` (``X-Kvpeer-Engine`` and ``X-Kvpeer-Source``):
   what the pull costs when taken;
 - *computed*: a fresh prompt nobody holds on ``b``: what computing locally costs.
@@ -50,7 +51,7 @@ Progress = Callable[[str], None]
 ARMS = ("unpinned", "pinned", "computed")
 RATIOS = ("unpinned/pinned", "unpinned/computed", "pinned/computed")
 PRODUCER, CONSUMER = "a", "b"
-DECISIONS = ("pull", "declined", "holder", "compute", "other")
+DECISIONS = ("pull", "explore", "declined", "holder", "compute", "other")
 _SHARE = re.compile(r'^kvpeer_router_source_held_share\{source="([^"]*)"\}\s+(\S+)$')
 
 
@@ -94,13 +95,15 @@ class Request:
 
 def classify(engine: str, plan: str, source: str | None) -> str:
     """What the router did with a prompt the busy producer holds: ``pull`` (the consumer
-    pulls it), ``declined`` (the consumer computes it, the pull judged slower),
-    ``holder`` (the producer serves it from its own cache), ``compute`` (the consumer
-    computes, no pull considered), ``other`` (a failure, or an engine not in the pair)."""
-    from kvpeer.router.reasons import REASON_PULL_SLOWER
+    pulls it), ``explore`` (the same, a pull predicted a little slower tried on purpose:
+    the cost model's rule 6), ``declined`` (the consumer computes it, the pull judged
+    slower), ``holder`` (the producer serves it from its own cache), ``compute`` (the
+    consumer computes, no pull considered), ``other`` (a failure, or an engine not in
+    the pair)."""
+    from kvpeer.router.reasons import REASON_PULL_EXPLORE, REASON_PULL_SLOWER
 
     if engine == CONSUMER and source == PRODUCER:
-        return "pull"
+        return "explore" if plan == REASON_PULL_EXPLORE else "pull"
     if engine == CONSUMER and source is None:
         return "declined" if plan == REASON_PULL_SLOWER else "compute"
     if engine == PRODUCER:
