@@ -24,7 +24,7 @@ compares every container, order included.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Final
 
 from kvpeer.router import indexloops
@@ -60,13 +60,10 @@ class CoreMethods:
     _max_speculative: int
     _new_holders: ClassVar[type[Masks]]
 
-    def _stored(self, engine: int, medium: str, parent: bytes,
-                block_hashes: tuple[BlockHash, ...], tokens: bytes, width: int
-                ) -> tuple[int, bool]:
-        raise NotImplementedError  # pragma: no cover - the base's
-
-    def _removed(self, engine: int, medium: str, block_hashes: tuple[BlockHash, ...]) -> int:
-        raise NotImplementedError  # pragma: no cover - the base's
+    # The base's two loops: (engine, medium, parent, block hashes, tokens, width) ->
+    # (hash_remapped, unkeyed), and (engine, medium, block hashes) -> blocks unknown.
+    _stored: Callable[[int, str, bytes, tuple[BlockHash, ...], bytes, int], tuple[int, bool]]
+    _removed: Callable[[int, str, tuple[BlockHash, ...]], int]
 
     # --- engines and events -----------------------------------------------------------
 
