@@ -1281,6 +1281,25 @@ Core_stored(CoreObject *self, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* What an engine holds in its media other than `medium` (an exact str): a new list of
+ * `media`'s other values, or NULL. Media are compared as exact strs: no Python code runs. */
+static PyObject *
+other_media(PyObject *media, PyObject *medium)
+{
+    PyObject *others = PyList_New(0);
+    Py_ssize_t pos = 0;
+    PyObject *name, *held;
+    while (others != NULL && PyDict_Next(media, &pos, &name, &held)) {
+        if (!PyUnicode_CheckExact(name)) {
+            PyErr_SetString(PyExc_TypeError, "the core's media are str");
+            Py_CLEAR(others);
+        } else if (PyUnicode_Compare(name, medium) != 0 && PyList_Append(others, held) < 0) {
+            Py_CLEAR(others);
+        }
+    }
+    return others;
+}
+
 /* _removed(engine, medium, block_hashes) -> blocks unknown
  *
  * `engine` removed `block_hashes` from `medium` (stored in before: a KeyError otherwise):
@@ -1297,18 +1316,8 @@ Core_removed(CoreObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *result = NULL;
-    PyObject *others = PyList_New(0);
+    PyObject *others = other_media(c[C_MEDIA], args[1]);
     int refcounted = others == NULL ? -1 : PySet_Contains(self->refcounted, args[1]);
-    Py_ssize_t pos = 0;
-    PyObject *medium, *held;
-    while (refcounted >= 0 && PyDict_Next(c[C_MEDIA], &pos, &medium, &held)) {
-        if (!PyUnicode_CheckExact(medium)) { /* a comparison that runs no Python code */
-            PyErr_SetString(PyExc_TypeError, "the core's media are str");
-            refcounted = -1;
-        } else if (PyUnicode_Compare(medium, args[1]) != 0 && PyList_Append(others, held) < 0) {
-            refcounted = -1;
-        }
-    }
     if (refcounted >= 0) {
         PyObject *loop[10] = {
             c[C_HASHES], c[C_RETIRED], c[C_PRESENT], c[C_HOLDERS], others, args[0],
