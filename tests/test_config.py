@@ -791,6 +791,25 @@ def test_sync_pull_wait_rejects_what_would_stall_the_engine(raw: object) -> None
     )
 
 
+# -- how long a peer waits for a busy engine (kvpeer.node.enginewait) -------------------
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, None), (0, 0.0), ("0.5", 0.5), (60, 60.0)])
+def test_engine_wait_accepts_seconds_or_null(raw: object, expected: float | None) -> None:
+    assert TierConfig.from_dict({"engine_wait_s": raw}).engine_wait_s == expected
+
+
+def test_engine_wait_defaults_to_a_quarter_second() -> None:
+    assert TierConfig().engine_wait_s == 0.25
+
+
+@pytest.mark.parametrize("raw", [-0.01, 2e9, True, "soon", math.nan, math.inf])
+def test_engine_wait_rejects_a_bad_value_by_name(raw: object) -> None:
+    assert only_problem({"engine_wait_s": raw}) == (
+        f"engine_wait_s: expected null or 0 to 1e+09 seconds, got {raw!r}"
+    )
+
+
 # -- the fast paths are the defaults (held blocks, pulling ahead) -----------------------
 
 MIB = 1 << 20

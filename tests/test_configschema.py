@@ -50,6 +50,7 @@ TIER_SAMPLES: dict[str, list[object]] = {
     "max_peer_bytes": [1 << 20, 64 << 20, (1 << 20) - 1, 0, True],
     "held_bytes": [0, 1 << 30, -1, 1.5, True],
     "sync_pull_wait_s": [0, 0.05, 1, 1.5, -0.1, True],
+    "engine_wait_s": [None, 0, 0.25, 1e9, 1.1e9, -0.1, True, "x"],
     "trust_peer_addresses": [True, False, 1, None],
     "data_transports": [["tcp"], ["shm", "tcp", "nixl"], "tcp", [], ["tcp", "tcp"],
                         ["bogus"], 5, None],

@@ -224,15 +224,20 @@ class CurveConfig:
 # -- value parsers: each returns the canonical value or raises _Invalid -------------------
 
 
-def _engine_wait(value: object) -> float:
-    """Seconds an engine thread may block on a pull: 0 (never) up to MAX_ENGINE_WAIT_S."""
+def _seconds_up_to(value: object, high: float, expected: str = "") -> float:
+    """0 to ``high`` seconds; ``expected`` names what else the key takes."""
     seconds = math.nan
     if isinstance(value, int | float | str) and not isinstance(value, bool):
         with suppress(ValueError, OverflowError):
             seconds = float(value)
-    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_ENGINE_WAIT_S):
-        raise _Invalid(f"expected 0 to {MAX_ENGINE_WAIT_S:g} seconds, got {value!r}")
+    if not (math.isfinite(seconds) and 0 <= seconds <= high):
+        raise _Invalid(f"expected {expected}0 to {high:g} seconds, got {value!r}")
     return seconds
+
+
+def _engine_wait(value: object) -> float:
+    """Seconds an engine thread may block on a pull: 0 (never) up to MAX_ENGINE_WAIT_S."""
+    return _seconds_up_to(value, MAX_ENGINE_WAIT_S)
 
 
 def _duration(limit: float = MAX_SECONDS) -> Callable[[object], float]:
@@ -367,6 +372,11 @@ def _prefetch_from(value: object) -> AllowList | None:
     return _allow_list(_names(value, "null, [] (off), a list of CIDR / host:port strings"))
 
 
+def _optional_wait(value: object) -> float | None:
+    """Seconds from 0 to MAX_SECONDS, or null (no bound)."""
+    return None if value is None else _seconds_up_to(value, MAX_SECONDS, "null or ")
+
+
 def _held_bytes(value: object) -> int | None:
     if value is None:
         return None  # automatic: TierConfig.held_bytes_for
@@ -420,6 +430,7 @@ _PARSERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType(
         "max_peer_bytes": _count(1 << 20),
         "held_bytes": _held_bytes,
         "sync_pull_wait_s": _engine_wait,
+        "engine_wait_s": _optional_wait,
         "trust_peer_addresses": _flag,
         "data_transports": _transports,
         "allowed_peers": _allowed_peers,
@@ -510,6 +521,11 @@ class TierConfig:
     #: peer's blocks, for the pull to land (kvpeer.integrations.vllm.manager); a pull
     #: that takes longer completes a step later, as vLLM's own promotions do. 0: never
     sync_pull_wait_s: float = 0.05
+    #: how long a peer's lookup that held blocks cannot answer waits for this engine's
+    #: steps (kvpeer.node.enginewait): past a step that has run this long, or this long
+    #: after it reached an idle engine, it is answered without the engine; None: no
+    #: bound but lookup_pending_timeout_s
+    engine_wait_s: float | None = 0.25
     trust_peer_addresses: bool = False
     data_transports: tuple[str, ...] = DATA_TRANSPORTS
     allowed_peers: AllowList = field(default_factory=AllowList.allow_all)

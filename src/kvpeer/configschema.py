@@ -58,6 +58,7 @@ TIER_KEYS: dict[str, Schema] = {
     "max_peer_bytes": _count(1 << 20),
     "held_bytes": _count(0),
     "sync_pull_wait_s": {"type": "number", "minimum": 0, "maximum": MAX_ENGINE_WAIT_S},
+    "engine_wait_s": {"type": ["number", "null"], "minimum": 0, "maximum": MAX_SECONDS},
     "trust_peer_addresses": {"type": "boolean"},
     "data_transports": {"anyOf": [
         {"type": "string"},

@@ -23,7 +23,8 @@ def step_wait(node: DrivenTier) -> HistogramSnapshot:
 
 
 def test_a_held_engine_step_shows_as_the_peers_wait() -> None:
-    pool, producer = open_pool_node("held", "tcp", 64, BLOCK_LEN, "127.0.0.1", 0, {}, synthetic=8)
+    pool, producer = open_pool_node("held", "tcp", 64, BLOCK_LEN, "127.0.0.1", 0,
+                                    {"engine_wait_s": None}, synthetic=8)  # held past it
     host = TieringHost(pool, [producer])
     try:
         assert step_wait(producer).count == 0

@@ -77,6 +77,7 @@ TIMEOUT_KINDS = (
     "abort_ack",  # consumer: abort without ack (abort_ack_timeout_s)
     "give_up",  # consumer: a pull slower than computing, per the router (give_up_s)
     "lookup_pending",  # producer: HIT_PENDING/RETRY key answered MISS
+    "engine_wait",  # producer: a lookup answered without its busy engine (engine_wait_s)
     "store",  # producer: pinned supply never fetched (store_timeout_s)
     "transfer",  # producer: a write outlived transfer_timeout_s
     "abort_drain",  # producer: aborted writes did not drain in time

@@ -109,7 +109,7 @@ from kvpeer.protocol import (
     PrefetchRefused,
 )
 from kvpeer.session import CloseKind, PeerSession, PollResult, SessionClosed
-from kvpeer.session.ports import HeldSupply
+from kvpeer.session.ports import EngineSteps, HeldSupply
 from kvpeer.transport.base import ControlLink, ControlTransport, InboundFrame, NodeDataPlane
 from kvpeer.types import StoreJob, TransferJob
 
@@ -188,12 +188,14 @@ class PeerTable:
         boot_id: bytes | None = None,
         trace: Trace | None = None,
         held: HeldSupply | None = None,
+        engine: EngineSteps | None = None,
     ) -> None:
         """``pulled_from`` names the peers live requests pull from (eviction spares
         them); ``hash_seed`` may be a callable, resolved when the first session
         opens (vLLM knows its prefix-hash seed only after the tier was built)."""
         self._config = config
         self._held_blocks = held
+        self._engine = engine
         self._settings = config.session_settings()
         self._control = control
         self._data = data_plane
@@ -272,6 +274,7 @@ class PeerTable:
             send,
             self._settings,
             held=self._held_blocks,
+            engine=self._engine,
             unread=lambda: link.unread,
         )
         peer = Peer(session, link, now, source, opened_at=now)

@@ -41,6 +41,9 @@ Invariants:
 7. The engine waits in a lookup (``pull_confirmed``) only for a source that holds
    the blocks over a ready session and that :mod:`kvpeer.node.pullwaits` allows
    (not back-off after waits in vain; bounded by ``max_peers`` entries).
+8. A peer's lookup that held blocks cannot answer waits for this engine's steps
+   only as :mod:`kvpeer.node.enginewait` allows (``engine_wait_s``), then is
+   answered without them (producer invariant 10).
 
 :meth:`Tier.poll` receives and runs timers; :meth:`Tier.get_finished_jobs`
 polls first, so an engine that drives a tier by itself needs nothing else. A
@@ -58,6 +61,7 @@ from kvpeer.errors import ProtocolError
 from kvpeer.node.ahead import KeysOf, PullAhead, RowCopy
 from kvpeer.node.bindings import Bindings
 from kvpeer.node.counters import CounterSnapshot, TierCounters
+from kvpeer.node.enginewait import EngineWindows
 from kvpeer.node.held import HeldBlocks
 from kvpeer.node.lookups import Lookups
 from kvpeer.node.outcomes import Outcomes
@@ -115,6 +119,7 @@ class Tier:
         self._sleep = sleep
         self._counters = TierCounters()
         self._requests = OpenRequests()
+        self._engine = EngineWindows(config.engine_wait_s, lambda: len(self._requests) > 0)
         self._peers = PeerTable(
             config,
             control,
@@ -125,6 +130,7 @@ class Tier:
             boot_id=boot_id,
             trace=self._trace,
             held=held,
+            engine=self._engine,
         )
         self._bindings = Bindings(
             self._peers,
@@ -212,6 +218,7 @@ class Tier:
             routing = Routing(None, routing.destination, routing.problems)
             source = None
         self._requests.open(request.req_id, routing)
+        self._engine.opened(now, first=len(self._requests) == 1)
         if source is not None and backed_off:
             self._requests.fail(source.kv_request_id)  # MISS at once (peertable invariant 7)
         destination = routing.destination
@@ -344,6 +351,7 @@ class Tier:
 
     def on_schedule_end(self) -> None:
         self._steps += 1  # the engine's scheduler steps (trace lines carry it)
+        self._engine.window(self._clock())  # its serve window just ran (enginewait)
         for peer in self._peers:
             peer.session.flush_lookups()
 

@@ -97,7 +97,7 @@ from kvpeer.session.consumer import ConsumerRole, ConsumerStatistics
 from kvpeer.session.greeting import incompatibility
 from kvpeer.session.handshake import Handshake, Phase, Verdict
 from kvpeer.session.liveness import Liveness, Silence
-from kvpeer.session.ports import DataPlane, HeldSupply, Parent
+from kvpeer.session.ports import DataPlane, EngineSteps, HeldSupply, Parent
 from kvpeer.session.producer import ProducerRole, ProducerStatistics
 from kvpeer.session.results import (
     CloseKind,
@@ -145,10 +145,12 @@ class PeerSession:
         *,
         admit: Admit | None = None,
         held: HeldSupply | None = None,
+        engine: EngineSteps | None = None,
         unread: Callable[[], str | None] | None = None,
     ) -> None:
         """``held``: blocks the node keeps a copy of, served at once (producer
-        invariant 9)."""
+        invariant 9); ``engine``: when a lookup stops waiting for the engine (producer
+        invariant 10)."""
         self.peer_id = peer_id
         self._hello = hello
         self._data = data_plane
@@ -160,7 +162,8 @@ class PeerSession:
         self._consumer = ConsumerRole(
             peer_id, self._send, data_plane, self._settings, hello.num_blocks
         )
-        self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings, held)
+        self._producer = ProducerRole(peer_id, self._send, data_plane, self._settings, held,
+                                      engine)  # fmt: skip
         self._handshake = Handshake(hello, self._settings.max_queued_messages)
         self._liveness = Liveness(self._settings.peer_wait_s)
         self._deferred_close: tuple[CloseKind, str] | None = None

@@ -14,7 +14,7 @@ from typing import Protocol
 from kvpeer.protocol import Connect, TransportChoice
 from kvpeer.types import Key, LookupResult, ServeRequest, StoreJob
 
-__all__ = ["DataPlane", "HeldSupply", "Parent", "TransferEvent"]
+__all__ = ["DataPlane", "EngineSteps", "HeldSupply", "Parent", "TransferEvent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +93,16 @@ class HeldSupply(Protocol):
     def pin(self, peer_id: str, keys: Sequence[Key]) -> list[int] | None: ...
 
     def unpin(self, slots: Sequence[int]) -> None: ...
+
+
+class EngineSteps(Protocol):
+    """When the node's engine is expected to have served a peer's lookup, if at all.
+
+    Contract: ``answer_by(received_at)`` is the time by which a lookup that arrived at
+    ``received_at`` and that held blocks could not answer is answered without the
+    engine (its keys not yet resolved are misses), or None: it waits for the engine's
+    serve window as before. It may move as the engine steps; it is never before
+    ``received_at``.
+    """
+
+    def answer_by(self, received_at: float) -> float | None: ...

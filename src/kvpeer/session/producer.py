@@ -46,6 +46,12 @@ Invariants (per ``kv_request_id``):
    held is matched the same way, without its lookup. Held supply is a pinned
    job of its own that is never reported to the engine: settling it unpins
    its slots (once each) instead. Anything else goes the way of invariant 1.
+10. With :class:`~kvpeer.session.ports.EngineSteps` (the node's view of its
+    engine's steps, ``engine_wait_s``), a queued lookup still unanswered at its
+    ``answer_by`` is answered then, without a window: keys pinned by an earlier
+    window stay hits, the rest are misses; a resolve fetch's lookup fails its round
+    (invariant 4's "not pinned"). Invariant 2 holds: one answer per lookup, and the
+    serve request it opened is finished in the next window.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from kvpeer.protocol import (
     Message,
     TransferDone,
 )
-from kvpeer.session.ports import DataPlane, HeldSupply, Parent
+from kvpeer.session.ports import DataPlane, EngineSteps, HeldSupply, Parent
 from kvpeer.session.producer_lookups import InboundLookups
 from kvpeer.session.producer_state import (
     ANSWER_SHARE,
@@ -97,6 +103,7 @@ class ProducerRole:
         data_plane: DataPlane,
         settings: SessionSettings,
         held: HeldSupply | None = None,
+        engine: EngineSteps | None = None,
     ) -> None:
         self._peer_id = peer_id
         self._held_supply = held
@@ -110,7 +117,7 @@ class ProducerRole:
         self._timeouts: Counter[str] = Counter()
         self._lookups = InboundLookups(
             peer_id, send, settings, self._requests, self._budget, self._timeouts,
-            pin=self.add_supply, unmet=self._check_unmet, prune=self._prune,
+            pin=self.add_supply, unmet=self._check_unmet, prune=self._prune, engine=engine,
         )  # fmt: skip
         self._transfers: WorkMap[int, Transfer] = WorkMap()  # start order
         self._jobs_by_age: WorkMap[int, PinnedJob] = WorkMap()  # insertion order == age order
@@ -307,8 +314,10 @@ class ProducerRole:
     # -- time ----------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Collect finished writes, drain deadlines and store timeouts."""
+        """Collect finished writes, drain deadlines, store timeouts and lookups the
+        engine is not waited for any longer (invariant 10)."""
         self._collect_writes(now, eager=False)
+        self._lookups.answer_busy(now)
         for kv_request_id, seq in self._draining:
             round_ = self._requests[kv_request_id].rounds[seq]
             if now >= round_.drain_deadline:

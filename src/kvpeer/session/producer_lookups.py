@@ -4,7 +4,9 @@ What :class:`kvpeer.session.producer.ProducerRole` keeps of the lookups a peer
 sent, and the serve-window pass that resolves them against the parent. The
 rules are the role's invariants 1, 2 and 8 (and 4's resolve fetch, whose own
 lookup its round's reply answers); pins go through the role (``pin``), as does
-a round whose demand can no longer be met (``unmet``).
+a round whose demand can no longer be met (``unmet``). With the node's
+:class:`~kvpeer.session.ports.EngineSteps`, a lookup still queued at its
+``answer_by`` is answered without a window (the role's invariant 10).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 
 from kvpeer.errors import ProtocolError
 from kvpeer.protocol import LookupResponse, Message
-from kvpeer.session.ports import Parent
+from kvpeer.session.ports import EngineSteps, Parent
 from kvpeer.session.producer_state import (
     LOOKUP_BYTES,
     MAX_QUEUED_LOOKUP_KEYS,
@@ -51,6 +53,7 @@ class InboundLookups:
         pin: Pin,
         unmet: Unmet,
         prune: Callable[[str], None],
+        engine: EngineSteps | None = None,
     ) -> None:
         self._peer_id = peer_id
         self._send = send
@@ -61,6 +64,7 @@ class InboundLookups:
         self._pin = pin
         self._unmet = unmet
         self._prune = prune
+        self._engine = engine
         self._seq = 0
         #: Ids with lookups to resolve in the next serve window.
         self.pending: WorkSet[str] = WorkSet()
@@ -70,6 +74,7 @@ class InboundLookups:
         self.answered = 0
         self.held_answers = 0
         self.to_engine = 0  # since start: lookups queued here, a resolve fetch's included
+        self.busy_answers = 0  # since start: of those, answered at answer_by, not in a window
 
     def needs_serve(self) -> bool:
         return bool(self.pending or self._unreleased)
@@ -146,13 +151,45 @@ class InboundLookups:
             self._prune(kv_request_id)
 
     def next_deadline(self) -> float | None:
-        """When the oldest lookup of some id stops waiting for its keys."""
+        """When the oldest lookup of some id stops waiting for its keys, or the first
+        one the engine is not waited for any longer is due (:meth:`answer_busy`)."""
         deadlines: list[float] = []
         for kv_request_id in self.pending:
             lookups = self._requests[kv_request_id].lookups
             if lookups:
-                deadlines.append(lookups[0].received_at + self._settings.lookup_pending_timeout_s)
+                oldest = lookups[0].received_at
+                deadlines.append(oldest + self._settings.lookup_pending_timeout_s)
+                due = self._engine.answer_by(oldest) if self._engine is not None else None
+                if due is not None:
+                    deadlines.append(due)
         return min(deadlines, default=None)
+
+    def answer_busy(self, now: float) -> None:
+        """Answer, without the engine, every queued lookup whose ``answer_by`` passed:
+        keys already pinned stay hits, the others are misses (a resolve fetch's lookup
+        fails its round instead, through ``unmet``). A serve request it opened is
+        finished in the next window."""
+        if self._engine is None:
+            return
+        for kv_request_id in list(self.pending):
+            request = self._requests[kv_request_id]
+            for lookup in list(request.lookups):
+                due = self._engine.answer_by(lookup.received_at)
+                if due is None or now < due:
+                    continue
+                request.lookups.remove(lookup)
+                self.busy_answers += 1
+                self._timeouts["engine_wait"] += 1
+                for key in lookup.pending:
+                    lookup.answers[key] = False
+                lookup.pending.clear()
+                if not lookup.implicit:  # as a window's pass would (invariant 4)
+                    request.rounds.setdefault(lookup.round_seq, Round(lookup.round_seq))
+                    request.rounds[lookup.round_seq].looked_up = True
+                self._finish(kv_request_id, request, lookup, now, None)
+            if not request.lookups:
+                self.pending.discard(kv_request_id)
+            self._prune(kv_request_id)
 
     def close(self) -> list[ServeRequest]:
         """Forget every lookup (the session ends): the serve requests still owed."""
@@ -216,11 +253,26 @@ class InboundLookups:
                     del lookup.pending[key]
         if lookup.pending:
             return False
+        self._finish(kv_request_id, request, lookup, now, parent)
+        return True
+
+    def _finish(
+        self,
+        kv_request_id: str,
+        request: ProducerRequest,
+        lookup: InboundLookup,
+        now: float,
+        parent: Parent | None,
+    ) -> None:
+        """Every key of ``lookup`` is answered: send the answer (a resolve fetch's
+        round is settled instead, invariant 4). ``parent``: None outside a window."""
         self._end(lookup, parent)
         if lookup.implicit:  # the round's reply answers it (invariant 4)
-            round_.resolving = False
-            self._unmet(kv_request_id, request, round_, now)
-            return True
+            round_ = request.rounds.get(lookup.round_seq)
+            if round_ is not None and round_.resolving:
+                round_.resolving = False
+                self._unmet(kv_request_id, request, round_, now)
+            return
         self._send(
             LookupResponse(
                 kv_request_id=kv_request_id,
@@ -230,10 +282,14 @@ class InboundLookups:
             )
         )
         self.answered += 1
-        return True
 
-    def _end(self, lookup: InboundLookup, parent: Parent) -> None:
+    def _end(self, lookup: InboundLookup, parent: Parent | None) -> None:
+        """Release what ``lookup`` held; its serve request (if it opened one) is
+        finished now in a window (``parent``), else in the next one."""
         self.queued_keys -= len(lookup.keys)
         self._budget.held -= lookup.charge
         if lookup.serve is not None:
-            parent.on_request_finished(lookup.serve)
+            if parent is None:
+                self._unreleased.append(lookup.serve)
+            else:
+                parent.on_request_finished(lookup.serve)

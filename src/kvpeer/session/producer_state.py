@@ -164,7 +164,8 @@ class ProducerStatistics:
     blocks_written: int
     rounds_succeeded: int
     rounds_failed: int
-    #: since start, by kind: ``lookup_pending``, ``store``, ``transfer``, ``abort_drain``
+    #: since start, by kind: ``lookup_pending``, ``engine_wait``, ``store``, ``transfer``,
+    #: ``abort_drain``
     timeouts: dict[str, int] = field(default_factory=dict)
     #: since start: peers' lookups, a resolve fetch's included, answered at once from held
     #: blocks (invariant 9) and left for the engine's serve window (invariant 1)

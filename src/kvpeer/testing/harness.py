@@ -23,6 +23,7 @@ from kvpeer.protocol import (
     UnknownMessage,
 )
 from kvpeer.session.peer import Admit, PeerSession
+from kvpeer.session.ports import EngineSteps
 from kvpeer.session.results import LoadFinished, PollResult, SessionClosed, StoreFinished
 from kvpeer.session.settings import SessionSettings
 from kvpeer.testing.clock import FakeClock
@@ -146,8 +147,11 @@ class SessionPair:
         hello_b: Callable[[Region], Connect] | None = None,
         admit_a: Admit | None = None,
         admit_b: Admit | None = None,
+        engine_b: EngineSteps | None = None,
         start: bool = True,
     ) -> None:
+        """``engine_b``: when ``b``'s lookups stop waiting for its engine (producer
+        invariant 10); None: they wait for a serve window."""
         self.clock = clock or FakeClock()
         self.settings = settings or SessionSettings()
         self.fabric = Fabric()
@@ -174,6 +178,7 @@ class SessionPair:
             hello_b,
             admit_b,
             job_ids,
+            engine_b,
         )
         self.job_ids = job_ids
         self.a.plane.enforce_windows = enforce_windows
@@ -194,6 +199,7 @@ class SessionPair:
         hello: Callable[[Region], Connect] | None,
         admit: Admit | None,
         job_ids: itertools.count[int],
+        engine: EngineSteps | None = None,
     ) -> Node:
         region = Region(num_blocks, block_len)
         plane = FakeDataPlane(self.fabric, node_id, region, auto_complete=auto_complete)
@@ -206,6 +212,7 @@ class SessionPair:
             outbox.transmit,
             self.settings,
             admit=admit,
+            engine=engine,
             unread=lambda: outbox.unread,
         )
         return Node(node_id, region, plane, parent, session, outbox)

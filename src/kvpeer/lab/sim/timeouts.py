@@ -49,6 +49,9 @@ class Timeouts:
     peer_retry_max: float = 4.0
     heartbeat_interval: float = 0.2
     heartbeat_timeout: float = 1.0
+    #: a busy engine's bound (kvpeer.node.enginewait): over a tick, so an engine that
+    #: steps every tick serves its peers, and one frozen or slow is answered without
+    engine_wait: float = 1.0
     overrides: tuple[tuple[str, float], ...] = ()
 
     @classmethod
@@ -70,6 +73,7 @@ class Timeouts:
             peer_retry_max=rng.choice((1.0, 2.0, rng.uniform(1.0, 8.0))),
             heartbeat_interval=interval,
             heartbeat_timeout=rng.uniform(max(0.4, 2 * interval), 1.2),
+            engine_wait=2 * tick,  # no draw: every seed keeps its world
         )
 
     def overridden(self, **values: float) -> Timeouts:
@@ -93,6 +97,7 @@ class Timeouts:
                 "peer_retry_max_s": self.peer_retry_max,
                 "heartbeat_interval_s": self.heartbeat_interval,
                 "heartbeat_timeout_s": self.heartbeat_timeout,
+                "engine_wait_s": self.engine_wait,
                 **dict(self.overrides),
             }
         )
