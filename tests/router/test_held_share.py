@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from kvpeer.router.cost import CostModel
+from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import RouterPolicy
 from kvpeer.router.engineload import parse_peer_lookups
 from kvpeer.router.heldshare import ALPHA, UNKNOWN, HeldShare
@@ -147,6 +147,30 @@ class TestQuote:
         assert cost.pull_s("c", "s", 1000, BUSY, held=held) == pytest.approx(
             quote + cost.rates()["cold_session_s"])  # no session warm yet
 
+    @pytest.mark.parametrize("held", [0.0, 0.4, 0.9])
+    def test_a_kvpeer_sources_misses_cost_at_most_its_engine_wait_and_the_compute(
+        self, held: float
+    ) -> None:
+        """A kvpeer tier answers what its held blocks miss within ``engine_wait_s`` of
+        its engine's step, and the consumer computes (kvpeer.node.enginewait): however
+        long its busy steps were learned to be, a miss is quoted at most that."""
+        cost = CostModel()
+        for _ in range(10):  # it was seen waiting 4 s for its engine (issue 37)
+            cost.observe_pull("c", "s", 800, BUSY, 4.0, held=0.5)
+        line = cost.pull_quote_s("s", 1000, IDLE)[0]
+        unbounded = cost.pull_quote_s("s", 1000, BUSY, held=held)[0]
+        bounded = cost.pull_quote_s("s", 1000, BUSY, held=held, bounded=True)[0]
+        compute = cost.compute_s("s", 1000, IDLE)
+        assert unbounded == pytest.approx(
+            line + (1 - held) * (cost.busy_s("s") + cost.serve_wait_s("s", BUSY)))
+        assert bounded == pytest.approx(
+            line + (1 - held) * (cost.priors.engine_wait_s + compute))
+        assert bounded < unbounded
+        # a short wait is not raised to the bound
+        fresh = CostModel()
+        assert fresh.pull_quote_s("s", 1000, BUSY, held=held, bounded=True) == (
+            fresh.pull_quote_s("s", 1000, BUSY, held=held))
+
     @pytest.mark.parametrize(("held", "clamped"), [(float("nan"), 0.0), (-3.0, 0.0), (7.0, 1.0)])
     def test_a_share_out_of_range_is_clamped(self, held: float, clamped: float) -> None:
         cost = CostModel()  # NaN: nothing held
@@ -181,6 +205,27 @@ class TestQuote:
         assert half == pytest.approx((all_held + without) / 2)
         assert predicted(False, 0.3) == without  # no held blocks: the share is not read
         assert predicted(True, 0.0) == pytest.approx(without)
+
+
+    @pytest.mark.parametrize(("engine_wait_s", "pulls"), [(0.25, True), (100.0, False)])
+    def test_a_source_seen_slow_when_busy_is_still_pulled_from_when_misses_are_bounded(
+        self, engine_wait_s: float, pulls: bool
+    ) -> None:
+        """Issue 37's ladder: a held source whose misses had waited seconds for its engine
+        made the router compute a prompt it held 80 % of the time. With the tier's bound
+        on that wait (0.25 s, then the consumer computes), the pull wins; with a bound as
+        long as the learned wait, computing does, as before."""
+        specs = [spec("e0"), EngineSpec("e1", "http://e1", "10.0.0.2", 5710, serves_held=True)]
+        index = PrefixIndex()
+        cost = CostModel(CostPriors(engine_wait_s=engine_wait_s))
+        policy = RouterPolicy(specs, Mode.SHARED, index, cost=cost)
+        hold(index, "e1", 1024, MEDIUM_CPU)
+        for _ in range(10):  # e1's misses waited 4 s for its engine
+            cost.observe_pull("e0", "e1", 800, BUSY, 4.0, held=0.5)
+        source = dataclasses.replace(busy(queued=2000, in_flight=2), held_share=0.8)
+        plan = policy.plan("r", PROMPT, {"e0": idle(), "e1": source}, 0.0, serve_on="e0")
+        assert plan.engine == "e0"
+        assert (plan.source == "e1") is pulls
 
 
 class TestLearning:

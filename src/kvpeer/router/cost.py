@@ -124,6 +124,10 @@ class CostPriors:
     cold_alpha: float = 0.2
     own_samples: int = 8  # an engine's own compute line is used from this many on
     stale_half_life_s: float = 60.0  # the busy-source cost relaxes toward its prior
+    # A kvpeer tier answers a lookup its held blocks miss within its engine_wait_s
+    # (0.25 s by default) of its engine's step, and the consumer computes the blocks
+    # (kvpeer.node.enginewait): what such a miss costs at most, with that compute.
+    engine_wait_s: float = 0.25
 
 
 class Line:
@@ -231,27 +235,35 @@ class CostModel:
 
     def pull_s(
         self, engine: str, source: str, tokens: int, source_load: EngineLoad, *,
-        parked: bool = False, held: float = 0.0,
+        parked: bool = False, held: float = 0.0, bounded: bool = False,
     ) -> float:
         """Seconds for ``engine`` to pull ``tokens`` from ``source``'s CPU tier.
 
         ``parked``: a PD pull, served from what the prefill leg stored for it without
         waiting for the source's engine (no serve wait); ``held``: the share of its
         peers' lookups the source answers from held blocks on its node's thread (that
-        share of pulls waits for no serve window either; 0: none held)."""
-        warm, cold = self.pull_quote_s(source, tokens, source_load, parked=parked, held=held)
+        share of pulls waits for no serve window either; 0: none held); ``bounded``: the
+        source is a kvpeer tier, which waits for its busy engine at most
+        ``engine_wait_s`` before the consumer computes (the rest of the pulls cost at
+        most that and the compute)."""
+        warm, cold = self.pull_quote_s(source, tokens, source_load, parked=parked, held=held,
+                                       bounded=bounded)  # fmt: skip
         return warm if (engine, source) in self._warm else cold
 
     def pull_quote_s(
         self, source: str, tokens: int, source_load: EngineLoad, *,
-        parked: bool = False, held: float = 0.0,
+        parked: bool = False, held: float = 0.0, bounded: bool = False,
     ) -> tuple[float, float]:
         """:meth:`pull_s` into any engine: (its session with ``source`` warm, cold). A
         decision asks once per source and prefix, not once per consumer."""
         seconds = self._quoted_line(source).predict(max(0, tokens)) + self.queue_s(source)
         miss = _miss(held)
         if source_load.in_flight > 0 and not parked and miss > 0.0:
-            seconds += miss * (self.busy_s(source) + self.serve_wait_s(source, source_load))
+            wait = self.busy_s(source) + self.serve_wait_s(source, source_load)
+            if bounded:  # the compute on the source's line: the consumer's, in a like fleet
+                bound = self.priors.engine_wait_s
+                wait = min(wait, bound + self._quoted_compute_line(source).predict(max(0, tokens)))
+            seconds += miss * wait
         return seconds, seconds + self._cold_s
 
     def pull_floor_s(self) -> float:

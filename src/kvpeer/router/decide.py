@@ -419,9 +419,10 @@ class RouterPolicy:
             for source, place in zip(pool.groups[cpu], pool.places[cpu], strict=True):
                 quote = quotes.get((source, local))
                 if quote is None:
+                    spec = self._specs[source]
                     quote = quotes[(source, local)] = cost.pull_quote_s(
                         source, cpu - local, healthy[source],
-                        held=self._specs[source].held_share(healthy[source]),
+                        held=spec.held_share(healthy[source]), bounded=spec.serves_held,
                     )
                 pull = quote[0] if cost.is_warm(engine, source) else quote[1]
                 ttft = compute + max(0.0, pull - hidden) + steps  # as pull_s summed
@@ -506,8 +507,10 @@ class RouterPolicy:
         cost = self.cost
         quotes = []
         for source in sources:
+            spec = self._specs[source]
             warm, cold = cost.pull_quote_s(source, fewest, healthy[source],
-                                           held=self._specs[source].held_share(healthy[source]))
+                                           held=spec.held_share(healthy[source]),
+                                           bounded=spec.serves_held)  # fmt: skip
             # No session with it is warm: whoever pulls from it pays the cold one.
             quotes.append(warm if cost.warm_source(source) else cold)
         return min(quotes), second
