@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
 import random
 import socket
 from collections.abc import Awaitable
@@ -16,7 +18,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpeer.router import events as events_module
@@ -374,6 +376,7 @@ def _mutated(payload: bytes, edits: list[tuple[str, int, int]]) -> bytes:
 @pytest.mark.skipif(events_module._native_intake is None, reason="_intake is not built")
 @settings(max_examples=1500, deadline=None)
 @given(st.lists(_event_st, min_size=1, max_size=6), st.lists(_edit_st, max_size=3))
+@example([kv_events.AllBlocksCleared()], [("set", 25937, 127), ("set", 26113, 241)])  # ts NaN
 def test_a_damaged_batch_decodes_alike_in_c_and_in_python(
     events: list[Any], edits: list[tuple[str, int, int]]
 ) -> None:
@@ -389,6 +392,13 @@ def test_a_damaged_batch_decodes_alike_in_c_and_in_python(
         in_python = decode_batch(payload)
     finally:
         events_module._native_intake = native
+    if (
+        isinstance(in_c, BatchDecoded)
+        and isinstance(in_python, BatchDecoded)
+        and math.isnan(in_c.ts)
+        and math.isnan(in_python.ts)
+    ):  # a damaged timestamp read as NaN by both: NaN != NaN
+        in_c, in_python = dataclasses.replace(in_c, ts=0.0), dataclasses.replace(in_python, ts=0.0)
     assert in_c == in_python
 
 
