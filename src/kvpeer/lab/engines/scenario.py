@@ -63,7 +63,10 @@ def kvpeer_tier(
     machine must not fall back after the 1.5 s default while a first contact (a NIXL
     registration, a producer answering only in its serve windows) takes longer; CI saw
     both (``test_interop``, ``test_warm_and_symmetric``). Budgets are ``test_faults``'
-    subject."""
+    subject. The producer's wait for its busy engine (``engine_wait_s``) goes with them
+    too: a loaded machine's engine steps can outlast the 0.25 s default, and these tests
+    check that blocks come from the peer, not the bound (tests/session/test_engine_wait.py
+    and tests/node/test_tier_engine_wait.py do)."""
     entry: dict[str, Any] = (
         {"type": "kvpeer"}
         if short_name
@@ -78,7 +81,8 @@ def kvpeer_tier(
         entry["nixl_peers"] = ["127.0.0.0/8"]  # the other engines run on this machine
     if timeout_s is not None:
         entry.update(load_timeout_s=timeout_s, lookup_timeout_s=timeout_s)
-        entry.update(handshake_timeout_s=timeout_s, peer_wait_s=timeout_s)
+        entry.update(handshake_timeout_s=timeout_s, peer_wait_s=timeout_s,
+                     engine_wait_s=timeout_s)  # fmt: skip
     return entry
 
 
