@@ -1,7 +1,8 @@
 """Tier: a peer's lookup is not kept waiting for a busy engine (tier invariant 8).
 
 Producer ``b`` holds KEYS in its primary region but not in held blocks, so a peer's
-lookup needs its serve window. The cluster's clock is fake; only the drivers poll
+lookup needs its serve window (or, in the last tests, only some of them in held blocks:
+what a busy producer answers from its copy). The cluster's clock is fake; only the drivers poll
 unless a test steps ``b``'s engine.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from kvpeer.metrics import ThreadCpu, values
 from kvpeer.metrics.reading import read_tier
-from kvpeer.testing.cluster import Cluster, TierNode, keys, kv_source
+from kvpeer.testing.cluster import BLOCK_LEN, Cluster, TierNode, keys, kv_source
 from kvpeer.types import LookupResult, RequestContext
 
 KEYS = keys(1, 2, 3)
@@ -107,3 +108,58 @@ def test_engine_wait_null_keeps_the_lookup_for_the_window() -> None:
     a.step()
     assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 3
     assert engine_waits(b) == 0
+
+
+# -- a busy producer's held prefix -------------------------------------------------------
+
+
+def held_setup(held: tuple[bytes, ...]) -> tuple[Cluster, TierNode, TierNode]:
+    """``b`` holds copies of ``held`` (stored by a local request) and has every key of
+    KEYS in its engine's primary; its engine is then busy with a step a second old."""
+    cluster = Cluster()
+    a = cluster.add("a", 1)
+    b = cluster.add("b", 2, {"held_bytes": 8 * BLOCK_LEN})
+    cluster.run()
+    local = b.request("local")
+    job = b.store(local, held)
+    b.step()
+    assert b.outcome(job) is True
+    b.finish(local)
+    for key in KEYS:
+        b.parent.put(key)
+    return cluster, a, b
+
+
+def test_a_busy_producer_answers_the_prefix_its_held_blocks_hold() -> None:
+    cluster, a, b = held_setup(KEYS[:2])
+    busy = b.request("busy")
+    b.step()
+    cluster.clock.advance(1.0)
+    ctx = ask(a, b)  # not all held: it waits for the engine, which is mid-step
+    a.step()
+    assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 2 + [LookupResult.MISS]
+    assert engine_waits(b) == 1
+    job_id, dest = a.load(ctx, KEYS[:2])
+    poll(a, b)
+    a.step()
+    assert a.outcome(job_id) is True  # written from the copy, the engine still busy
+    assert [a.block(slot) for slot in dest] == [b.parent.expected(k) for k in KEYS[:2]]
+    held = b.tier.held()
+    assert held is not None
+    assert held.statistics().pinned_blocks == 0
+    b.finish(busy)
+    a.finish(ctx)
+    cluster.run()
+
+
+def test_held_blocks_past_the_prompts_head_are_not_hits() -> None:
+    cluster, a, b = held_setup(KEYS[1:])  # the tail without its head serves nobody
+    b.request("busy")
+    b.step()
+    cluster.clock.advance(1.0)
+    ctx = ask(a, b)
+    a.step()
+    assert a.lookup(ctx, *KEYS) == [LookupResult.MISS] * 3
+    held = b.tier.held()
+    assert held is not None
+    assert held.statistics().pinned_blocks == 0  # nothing pinned for a miss

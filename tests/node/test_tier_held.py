@@ -219,11 +219,32 @@ class TestBound:
     def test_a_block_used_again_is_released_last(self) -> None:
         _, _, b = cluster_with(3)
         produce(b, keys(1, 2, 3))
-        produce(b, keys(1))  # stored again: the most recent now
+        produce(b, keys(3))  # stored again: the most recent now
         produce(b, keys(4))
         held = b.tier.held()
         assert held is not None
         assert [held.holds(k) for k in keys(1, 2, 3, 4)] == [True, False, True, True]
+
+    def test_a_prompt_loses_its_tail_before_its_head(self) -> None:
+        _, _, b = cluster_with(4)
+        produce(b, keys(1, 2, 3))  # one prompt's blocks, in order
+        produce(b, keys(4, 5))
+        held = b.tier.held()
+        assert held is not None
+        assert [held.holds(k) for k in keys(1, 2, 3, 4, 5)] == [True, True, False, True, True]
+        assert held.held_prefix("b", keys(1, 2, 3)) == 2  # still a prefix a peer can pull
+
+    def test_a_prompt_served_to_a_peer_keeps_its_head_longest(self) -> None:
+        _, a, b = cluster_with(4)
+        produce(b, KEYS)
+        produce(b, keys(7))
+        ctx = probe(a, b)  # answered from held: KEYS are the most recent, the head most
+        load_originals(a, b, ctx)
+        produce(b, keys(8, 9))
+        held = b.tier.held()
+        assert held is not None
+        kept = [held.holds(k) for k in (*KEYS, *keys(7, 8, 9))]
+        assert kept == [True, True, False, False, True, True]
 
     def test_pinned_rows_are_not_released_and_keep_their_bytes(self) -> None:
         _, a, b = cluster_with(3)
@@ -322,6 +343,17 @@ class TestHeldBlocks:
         held.keep(keys(1), (0,))
         assert held.pin("ok", keys(1, 2)) is None
         assert held.statistics().pinned_blocks == 0
+
+    def test_the_held_prefix_counts_from_the_first_key_and_pins_nothing(self) -> None:
+        held, _ = self.held(rows=3)
+        held.keep(keys(1, 2, 4), (0, 1, 2))
+        assert held.held_prefix("ok", keys(1, 2, 3, 4)) == 2
+        assert held.held_prefix("ok", keys(3, 1)) == 0
+        assert held.held_prefix("ok", ()) == 0
+        assert held.held_prefix("other", keys(1, 2)) == 0  # its plane cannot read held rows
+        assert held.statistics().pinned_blocks == 0
+        held.close()
+        assert held.held_prefix("ok", keys(1)) == 0
 
     def test_a_row_pinned_twice_needs_two_unpins(self) -> None:
         held, _ = self.held(rows=1)

@@ -4,12 +4,15 @@ A peer's lookup normally waits for the engine's serve window: only there may the
 tier ask the parent what it has and pin it (docs/design.md §4.3). With ``held_bytes`` >
 0 the tier also copies every block the engine stores into a region of its own
 (:class:`HeldBlocks`), bounded by ``held_bytes``, least recently used released
-first. A lookup or fetch whose keys are all held is answered at once on the
+first, and of the blocks stored or served together the last first: a prompt
+loses its tail before its head, so what is left of it is still a prefix a peer
+can pull. A lookup or fetch whose keys are all held is answered at once on the
 driver thread from those copies (``kvpeer.session.producer`` invariant 9); any
-other goes the serve-window way. The copy costs one memcpy per stored block
-(about 9.5 GB/s here) and, unlike store jobs kept open to keep the primary's
-slots pinned, leaves the engine nothing to wait for: vLLM steps without pause
-while a tier has a job open, and would never idle.
+other goes the serve-window way, and a lookup the busy engine is not waited for
+is answered with its held prefix (invariant 10). The copy costs one memcpy per
+stored block (about 9.5 GB/s here) and, unlike store jobs kept open to keep the
+primary's slots pinned, leaves the engine nothing to wait for: vLLM steps without
+pause while a tier has a job open, and would never idle.
 
 A held slot is ``num_blocks + row``: past the primary's rows, so a data plane
 tells the two apart by the index alone (only ``shm`` reads held rows; sessions on
@@ -129,8 +132,7 @@ class HeldBlocks:
             if self._memory is None:
                 return
             if key in self._lru:
-                self._lru.move_to_end(key)
-                continue
+                continue  # made recent below
             if not 0 <= slot < self._num_blocks:
                 continue  # not a primary slot: nothing we could copy safely
             row = self._take_row()
@@ -141,6 +143,16 @@ class HeldBlocks:
             self._lru[key] = row
             self._key_of[row] = key
             self._kept += 1
+        self._touch(keys)
+
+    def _touch(self, keys: Sequence[Key]) -> None:
+        """Make ``keys`` the most recently used, the first of them the most: blocks
+        stored or served together are a prompt's, in order, and its head is what a
+        later pull needs first (a tail without its head serves nobody)."""
+        lru = self._lru
+        for key in reversed(keys):
+            if key in lru:
+                lru.move_to_end(key)
 
     def _take_row(self) -> int | None:
         if self._free:
@@ -164,13 +176,23 @@ class HeldBlocks:
             if row is None:
                 return None
             rows.append(row)
-        for key, row in zip(keys, rows, strict=True):
+        for row in rows:
             if self._pins[row] == 0:
                 self._pinned += 1
             self._pins[row] += 1
-            self._lru.move_to_end(key)
+        self._touch(keys)
         self._served += len(rows)
         return [self._num_blocks + row for row in rows]
+
+    def held_prefix(self, peer_id: str, keys: Sequence[Key]) -> int:
+        if self._memory is None or not self._serves(peer_id):
+            return 0
+        count = 0
+        for key in keys:
+            if key not in self._lru:
+                break
+            count += 1
+        return count
 
     def unpin(self, slots: Sequence[int]) -> None:
         if self._memory is None:

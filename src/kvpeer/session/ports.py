@@ -87,10 +87,14 @@ class HeldSupply(Protocol):
     reads that key's block from, or None when any key is not held or the peer's
     data plane cannot read held copies (then nothing was pinned). A pinned slot's
     bytes do not change until it is unpinned; ``unpin`` is owed once per slot
-    ``pin`` returned.
+    ``pin`` returned. ``held_prefix`` is how many of ``keys``, from the first, ``pin``
+    would pin for that peer now (0 when its data plane cannot read held copies); it
+    pins nothing.
     """
 
     def pin(self, peer_id: str, keys: Sequence[Key]) -> list[int] | None: ...
+
+    def held_prefix(self, peer_id: str, keys: Sequence[Key]) -> int: ...
 
     def unpin(self, slots: Sequence[int]) -> None: ...
 
@@ -100,9 +104,9 @@ class EngineSteps(Protocol):
 
     Contract: ``answer_by(received_at)`` is the time by which a lookup that arrived at
     ``received_at`` and that held blocks could not answer is answered without the
-    engine (its keys not yet resolved are misses), or None: it waits for the engine's
-    serve window as before. It may move as the engine steps; it is never before
-    ``received_at``.
+    engine (its keys not yet resolved are misses, but for a prefix held blocks now
+    hold), or None: it waits for the engine's serve window as before. It may move as
+    the engine steps; it is never before ``received_at``.
     """
 
     def answer_by(self, received_at: float) -> float | None: ...

@@ -49,7 +49,9 @@ Invariants (per ``kv_request_id``):
 10. With :class:`~kvpeer.session.ports.EngineSteps` (the node's view of its
     engine's steps, ``engine_wait_s``), a queued lookup still unanswered at its
     ``answer_by`` is answered then, without a window: keys pinned by an earlier
-    window stay hits, the rest are misses; a resolve fetch's lookup fails its round
+    window stay hits, and so does the longest run of the others before its first
+    miss that held blocks hold then (pinned as with invariant 9); the rest are
+    misses; a resolve fetch's lookup fails its round
     (invariant 4's "not pinned"). Invariant 2 holds: one answer per lookup, and the
     serve request it opened is finished in the next window.
 """
@@ -118,6 +120,7 @@ class ProducerRole:
         self._lookups = InboundLookups(
             peer_id, send, settings, self._requests, self._budget, self._timeouts,
             pin=self.add_supply, unmet=self._check_unmet, prune=self._prune, engine=engine,
+            pin_held=self._pin_held_prefix,
         )  # fmt: skip
         self._transfers: WorkMap[int, Transfer] = WorkMap()  # start order
         self._jobs_by_age: WorkMap[int, PinnedJob] = WorkMap()  # insertion order == age order
@@ -256,6 +259,22 @@ class ProducerRole:
         job = StoreJob(self._held_jobs, keys, tuple(slots))
         self.add_supply(kv_request_id, job, now, round_seq, held=True)
         return True
+
+    def _pin_held_prefix(
+        self, kv_request_id: str, round_seq: int, keys: tuple[Key, ...], now: float
+    ) -> int:
+        """Pin the longest prefix of ``keys`` held blocks hold as the round's supply
+        (invariant 10); how many keys. None, rather than over the peer's budget."""
+        if self._held_supply is None:
+            return 0
+        count = self._held_supply.held_prefix(self._peer_id, keys)
+        if count == 0:
+            return 0
+        try:
+            pinned = self._pin_held(kv_request_id, round_seq, keys[:count], now)
+        except BudgetExceeded:
+            return 0  # checked before anything was pinned: the keys are misses
+        return count if pinned else 0
 
     # -- engine-facing ---------------------------------------------------------
 

@@ -36,6 +36,8 @@ __all__ = ["InboundLookups"]
 Pin = Callable[[str, StoreJob, float, int], None]
 #: The role's: fail a round whose demand cannot be met any more.
 Unmet = Callable[[str, ProducerRequest, Round, float], None]
+#: The role's: pin the longest held prefix of keys as one round's supply; how many.
+PinHeld = Callable[[str, int, tuple[Key, ...], float], int]
 
 
 class InboundLookups:
@@ -54,6 +56,7 @@ class InboundLookups:
         unmet: Unmet,
         prune: Callable[[str], None],
         engine: EngineSteps | None = None,
+        pin_held: PinHeld | None = None,
     ) -> None:
         self._peer_id = peer_id
         self._send = send
@@ -65,6 +68,7 @@ class InboundLookups:
         self._unmet = unmet
         self._prune = prune
         self._engine = engine
+        self._pin_held = pin_held
         self._seq = 0
         #: Ids with lookups to resolve in the next serve window.
         self.pending: WorkSet[str] = WorkSet()
@@ -75,6 +79,7 @@ class InboundLookups:
         self.held_answers = 0
         self.to_engine = 0  # since start: lookups queued here, a resolve fetch's included
         self.busy_answers = 0  # since start: of those, answered at answer_by, not in a window
+        self.busy_held_keys = 0  # since start: keys those answered as hits from held blocks
 
     def needs_serve(self) -> bool:
         return bool(self.pending or self._unreleased)
@@ -166,8 +171,10 @@ class InboundLookups:
 
     def answer_busy(self, now: float) -> None:
         """Answer, without the engine, every queued lookup whose ``answer_by`` passed:
-        keys already pinned stay hits, the others are misses (a resolve fetch's lookup
-        fails its round instead, through ``unmet``). A serve request it opened is
+        keys already pinned stay hits, and so does the longest run of the rest, up to
+        its first miss, that held blocks hold now (pinned then: a prompt whose tail left
+        the held copy is pulled in part); the others are misses (a resolve fetch's
+        lookup fails its round instead, through ``unmet``). A serve request it opened is
         finished in the next window."""
         if self._engine is None:
             return
@@ -180,6 +187,8 @@ class InboundLookups:
                 request.lookups.remove(lookup)
                 self.busy_answers += 1
                 self._timeouts["engine_wait"] += 1
+                if not lookup.implicit:
+                    self._answer_held_prefix(kv_request_id, lookup, now)
                 for key in lookup.pending:
                     lookup.answers[key] = False
                 lookup.pending.clear()
@@ -190,6 +199,25 @@ class InboundLookups:
             if not request.lookups:
                 self.pending.discard(kv_request_id)
             self._prune(kv_request_id)
+
+    def _answer_held_prefix(self, kv_request_id: str, lookup: InboundLookup, now: float) -> None:
+        """Pin, as the lookup's round supply, the held prefix of its keys still
+        unanswered (those before its first miss), and answer them hits."""
+        if self._pin_held is None:
+            return
+        run: dict[Key, None] = {}  # ordered set: a peer's keys may repeat
+        for key in lookup.keys:
+            if key in lookup.pending:
+                run[key] = None
+            elif not lookup.answers[key]:
+                break  # the consumer pulls no key past a miss
+        if not run:
+            return
+        pinned = self._pin_held(kv_request_id, lookup.round_seq, tuple(run), now)
+        for key in list(run)[:pinned]:
+            lookup.answers[key] = True
+            del lookup.pending[key]
+        self.busy_held_keys += pinned
 
     def close(self) -> list[ServeRequest]:
         """Forget every lookup (the session ends): the serve requests still owed."""
