@@ -12,7 +12,8 @@ Setup: one agent per backend, named by a fresh uuid4 (never the peer id: two nod
 one host must not collide); the whole region registered once as DRAM (device 0); one
 prepared descriptor list over our rows, and one per peer over its rows. Both lists are
 *strided* (one ``(addr, len, dev, stride, count)`` row that NIXL indexes per block), so
-registering a peer costs the same for 100 blocks or 10 million.
+registering a peer costs the same for 100 blocks or 10 million. NIXL itself is reached
+only through :class:`~kvpeer.transport.data.nixlagent.Nixl`, its typed face.
 
 Invariants:
 
@@ -41,7 +42,8 @@ Invariants:
    writes are one-sided, so the :class:`~kvpeer.transport.data.base.WriteWindow` cannot
    be enforced here (contract item 5 applies only to planes the consumer takes part in).
 8. NIXL's progress thread waits for UCX events up to ``_PROGRESS_WAIT_US`` instead of
-   busy-polling (see :func:`_new_agent`): an idle node costs ~0 % of a core, not ~100 %.
+   busy-polling (see :mod:`~kvpeer.transport.data.nixlagent`): an idle node costs ~0 %
+   of a core, not ~100 %.
 9. A peer's agent metadata is loaded only if ``trusted(peer_id)``: NIXL parses it in
    native code (a forged one crashed the process with SIGSEGV) and it decides where our
    writes go (a forged one aimed them at our own region). The node trusts the peers
@@ -54,19 +56,19 @@ import enum
 import importlib
 import itertools
 import logging
-import sys
 import threading
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 from kvpeer.errors import DataPlaneError
 from kvpeer.protocol import Connect, TransportOffer
 from kvpeer.session.ports import TransferEvent
 from kvpeer.transport.data.base import PrimaryRegion, WriteWindow
+from kvpeer.transport.data.nixlagent import Handle, Nixl
 
 __all__ = ["INSTALL_HINT", "NixlBackend", "NixlStatistics"]
 
@@ -80,118 +82,9 @@ _DRAIN_TIMEOUT_S = 10.0  # close() waits this long for running transfers
 _MAX_INDEX = 2**31  # NIXL takes descriptor indexes as int32
 _ADDRESS_LIMIT = 2**64
 _IN_PROGRESS = ("PROC", "PEND")
-# How long NIXL's progress thread may wait for UCX events between progress rounds. NIXL
-# 1.5.1's Python API hard-codes 0, and its thread then busy-polls a whole core for as
-# long as the agent lives. Measured here (two agents, 64 KiB writes): 0 -> 0.36 cores
-# idle, 114 us median write; 100 ms -> 0.004 cores, 122 us (the thread wakes on events,
-# so the wait bounds nothing a transfer needs).
-_PROGRESS_WAIT_US = 100_000
 # A peer's registration runs on the driver under the tier's lock, so engine calls wait
 # for it; longer than this is logged (18 s seen once, as every engine on the machine stalled).
 SLOW_REGISTRATION_S = 1.0
-_AGENT_CONFIG_LOCK = threading.Lock()
-
-# nixl ships no type information (its facade package has no py.typed), so its modules
-# are loaded with importlib and its objects are Any in _Nixl and nowhere else.
-_Handle: TypeAlias = Any  # nixl_prepped_dlist_handle, nixl_xfer_handle, nixlRegDList
-
-
-def _new_agent(api: Any, name: str, config: Any) -> Any:
-    """``api.nixl_agent(name, config)`` whose progress thread waits ``_PROGRESS_WAIT_US``.
-
-    The binding's agent config has the field (``pthrDelay``) but the Python constructor
-    overwrites it with 0; while constructing, the binding's config class is swapped for
-    a subclass that keeps our value. A NIXL without that field gets a default agent.
-    """
-    home = sys.modules[api.nixl_agent.__module__]
-    binding = getattr(home, "nixlBind", None)
-    base = getattr(binding, "nixlAgentConfig", None)
-    if base is None or not hasattr(base, "pthrDelay"):
-        log.warning("this NIXL has no progress-thread delay: its progress thread busy-polls")
-        return api.nixl_agent(name, config)
-    field = base.pthrDelay
-
-    class _WaitingConfig(base):  # type: ignore[misc, valid-type]
-        @property
-        def pthrDelay(self) -> int:
-            return int(field.__get__(self))
-
-        @pthrDelay.setter
-        def pthrDelay(self, _: int) -> None:
-            field.__set__(self, _PROGRESS_WAIT_US)
-
-    with _AGENT_CONFIG_LOCK:
-        binding.nixlAgentConfig = _WaitingConfig  # type: ignore[union-attr]
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            binding.nixlAgentConfig = base  # type: ignore[union-attr]
-
-
-class _Nixl:
-    """The typed face of one ``nixl._api.nixl_agent``: the only code touching NIXL."""
-
-    def __init__(self, name: str, backends: Sequence[str], num_threads: int) -> None:
-        self._api: Any = importlib.import_module("nixl._api")
-        self._np: Any = importlib.import_module("numpy")
-        config = self._api.nixl_agent_config(
-            enable_prog_thread=True,
-            enable_listen_thread=False,  # metadata travels in our connect, not NIXL's
-            capture_telemetry=False,
-            num_threads=num_threads,
-            backends=list(backends),
-            sync_mode=self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
-        self._agent: Any = _new_agent(self._api, name, config)
-        if not self._agent.backends:
-            raise RuntimeError(f"none of the NIXL backends {list(backends)} could be created")
-
-    def register(self, addr: int, nbytes: int) -> _Handle:
-        return self._agent.register_memory([(addr, nbytes, 0, "")], mem_type="DRAM")
-
-    def deregister(self, registration: _Handle) -> None:
-        self._agent.deregister_memory(registration)
-
-    def metadata(self) -> bytes:
-        return bytes(self._agent.get_agent_metadata())
-
-    def load(self, metadata: bytes) -> str | bytes:
-        name = self._agent.add_remote_agent(metadata)
-        return name if isinstance(name, bytes) else str(name)  # 1.5.1 returns bytes
-
-    def unload(self, name: str | bytes) -> None:
-        self._agent.remove_remote_agent(name)
-
-    def prep_rows(self, agent: str | bytes | None, addr: int, count: int, length: int) -> _Handle:
-        """Prepared list of ``count`` rows of ``length`` bytes from ``addr`` (None: ours)."""
-        np = self._np
-        rows = np.array([[addr, length, 0, length, count]], dtype=np.uint64)
-        target = "NIXL_INIT_AGENT" if agent is None else agent
-        return self._agent.prep_xfer_dlist(target, rows, mem_type="DRAM")
-
-    def make_write(
-        self, local: _Handle, local_rows: Sequence[int], remote: _Handle, remote_rows: Sequence[int]
-    ) -> _Handle:
-        np = self._np
-        return self._agent.make_prepped_xfer(
-            "WRITE",
-            local,
-            np.asarray(local_rows, dtype=np.int32),
-            remote,
-            np.asarray(remote_rows, dtype=np.int32),
-        )
-
-    def post(self, xfer: _Handle) -> str:
-        return str(self._agent.transfer(xfer))
-
-    def state(self, xfer: _Handle) -> str:
-        return str(self._agent.check_xfer_state(xfer))
-
-    def release(self, handle: _Handle) -> None:
-        handle.release()
-
-    def shutdown(self) -> None:
-        self._agent = None  # the agent is destroyed with its last reference
 
 
 class _State(enum.Enum):
@@ -207,7 +100,7 @@ class _Transfer:
     local: tuple[int, ...]
     remote: tuple[int, ...]
     state: _State = _State.QUEUED
-    handle: _Handle = None
+    handle: Handle = None
     success: bool = False
     reason: str = ""
     abandoned: bool = False  # nobody waits for it: released when NIXL is done, unreported
@@ -216,7 +109,7 @@ class _Transfer:
 @dataclass(slots=True)
 class _Peer:
     agent: str | bytes  # NIXL's name of the peer's agent
-    dlist: _Handle
+    dlist: Handle
     num_blocks: int
 
 
@@ -269,9 +162,9 @@ class NixlBackend:
         self._closed = False
         base, size = region.base_addr, region.num_blocks * region.block_len
         try:
-            self._nixl = _Nixl(self._agent_name, backends, num_threads)
-            self._registration: _Handle = self._nixl.register(base, size)
-            self._local: _Handle = self._nixl.prep_rows(
+            self._nixl = Nixl(self._agent_name, backends, num_threads)
+            self._registration: Handle = self._nixl.register(base, size)
+            self._local: Handle = self._nixl.prep_rows(
                 None, base, region.num_blocks, region.block_len
             )
             self._metadata = self._nixl.metadata()
