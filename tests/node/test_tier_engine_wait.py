@@ -163,3 +163,31 @@ def test_held_blocks_past_the_prompts_head_are_not_hits() -> None:
     held = b.tier.held()
     assert held is not None
     assert held.statistics().pinned_blocks == 0  # nothing pinned for a miss
+
+
+def test_a_peer_that_never_fetches_its_held_prefixes_pins_nothing_for_long() -> None:
+    """The attacker: many lookups to a busy producer, each answered with a held prefix,
+    none fetched. They pin only the held rows of the prefix (counted once per row) and
+    expire with ``store_timeout_s``."""
+    cluster, a, b = held_setup(KEYS[:2])
+    b.request("busy")
+    b.step()
+    cluster.clock.advance(1.0)
+    contexts = []
+    for n in range(6):
+        ctx = a.request(f"c{n}", kv_source(f"kv{n}", b))
+        a.step()
+        poll(a, b)
+        a.lookup(ctx, *KEYS)
+        a.step()
+        poll(a, b)
+        a.step()
+        assert a.lookup(ctx, *KEYS) == [LookupResult.HIT] * 2 + [LookupResult.MISS]
+        contexts.append(ctx)
+    held = b.tier.held()
+    assert held is not None
+    stats = held.statistics()
+    assert stats.pinned_blocks == 2  # the same two rows, pinned once per lookup
+    cluster.clock.advance(30.0 + 1)  # store_timeout_s
+    poll(a, b)
+    assert held.statistics().pinned_blocks == 0
