@@ -64,6 +64,8 @@ def test_every_series_exists_at_zero_before_the_first_event(
             if metric.type is MetricType.HISTOGRAM:
                 assert samples[(name + "_count", labels)] == 0
                 assert samples[(name + "_bucket", labels | {("le", "+Inf")})] == 0
+            elif metric.name == "engine_wait_seconds":  # a setting: engine_wait_s's default
+                assert samples[(name, labels)] == 0.25
             elif metric.name != "thread_cpu_seconds_total":
                 assert samples[(name, labels)] == 0, name
 

@@ -156,6 +156,14 @@ CATALOG: tuple[Metric, ...] = (
         _one_label(*PEER_LOOKUP_PATHS),
     ),
     Metric(
+        "engine_wait_seconds",
+        MetricType.GAUGE,
+        "seconds",
+        "How long a peer's lookup that held blocks cannot answer waits at most for the "
+        "engine's step, then is answered misses (engine_wait_s; +Inf: null, no bound); "
+        "routers quote this tier's pulls by it.",
+    ),
+    Metric(
         "pull_waits_total",
         MetricType.COUNTER,
         "pulls",

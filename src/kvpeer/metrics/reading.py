@@ -7,6 +7,7 @@ every series of the catalog present (invariant 1 of :mod:`kvpeer.metrics.catalog
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ class NodeReading:
     cpu_seconds: float
     block_len: int
     data_planes: tuple[str, ...]
+    engine_wait_s: float  # the tier's engine_wait_s, +Inf when null (no bound)
 
 
 def read_node(node: DrivenTier, cpu: ThreadCpu) -> NodeReading:
@@ -93,7 +95,8 @@ def read_tier(tier: Tier, cpu: ThreadCpu, wakeups: int = 0) -> NodeReading:
     statistics = tier.statistics()
     counters = tier.counters()
     planes = tuple(tier.data_planes)
-    return NodeReading(statistics, counters, wakeups, cpu.seconds(), tier.block_len, planes)
+    wait = math.inf if tier.engine_wait_s is None else tier.engine_wait_s
+    return NodeReading(statistics, counters, wakeups, cpu.seconds(), tier.block_len, planes, wait)
 
 
 def _by(keys: tuple[str, ...], counts: dict[str, int]) -> dict[tuple[str, ...], Value]:
@@ -123,6 +126,7 @@ def values(reading: NodeReading) -> dict[str, dict[tuple[str, ...], Value]]:
         "served_bytes_total": _one(c.blocks_served * reading.block_len),
         "peer_step_wait_seconds": {(): c.step_wait_seconds},
         "peer_lookups_total": _by(PEER_LOOKUP_PATHS, c.peer_lookups),
+        "engine_wait_seconds": _one(reading.engine_wait_s),
         "pull_waits_total": _by(PULL_WAIT_OUTCOMES, c.pull_waits),
         "pull_wait_seconds": {(): c.pull_wait_seconds},
         "sessions": _one(s.sessions),

@@ -466,6 +466,12 @@ class Tier:
         return self._block_len
 
     @property
+    def engine_wait_s(self) -> float | None:
+        """How long a peer's lookup held blocks cannot answer waits for the engine at
+        most (``engine_wait_s``; None: for its step, :mod:`kvpeer.node.enginewait`)."""
+        return self._config.engine_wait_s
+
+    @property
     def peer_id(self) -> str:
         """The identity this node advertises and peers dial back."""
         return self._control.local_id
