@@ -10,7 +10,9 @@ Rules:
    combined with what the engines report when load scraping is on
    (:meth:`EngineLoadFeed.combine`, at this router's mean prompt length), and with
    the share of peers' lookups its tier answered from held blocks
-   (:mod:`kvpeer.router.heldshare`; 1.0 without scraping).
+   (:mod:`kvpeer.router.heldshare`; 1.0 without scraping) and its tier's bound on a
+   peer's wait for its engine (rule 6 of :mod:`kvpeer.router.engineload`; None without
+   scraping or report).
 3. With no engine to serve, the last resort (rule 6 of :mod:`kvpeer.router.app`):
    engines down but not known to be gone or unwell (:meth:`EngineHealth.reachable`),
    not excluded, in a serving role.
@@ -50,16 +52,18 @@ class Candidates:
         loads = {}
         for name, load in self._loads.items():
             in_flight, queued = load.in_flight, load.queued_prompt_tokens
-            held = 1.0
+            held, wait = 1.0, None
             if self._engine_load is not None:  # what other routers sent there too
                 in_flight, queued = self._engine_load.combine(
                     name, in_flight, queued, self._loads.mean_prompt_tokens)
                 held = self._engine_load.held_share.share(name)
+                wait = self._engine_load.engine_wait_s(name)
             loads[name] = EngineLoad(
                 healthy=name not in exclude and self._health.healthy(name),
                 in_flight=in_flight,
                 queued_prompt_tokens=queued,
                 held_share=held,
+                engine_wait_s=wait,
             )
         return loads
 

@@ -66,6 +66,14 @@ kvpeer.router.heldshare): ``held`` 1 is quoted like parked supply, 0 like a sour
 without held blocks (issue 37: a pull from a busy producer predicted at 0.10 s waited
 4.3 s for its engine).
 
+A kvpeer tier bounds that wait: a lookup its held blocks miss waits for its busy engine
+at most ``engine_wait_s``, then is answered misses and the consumer computes
+(kvpeer.node.enginewait). So the missed share of such a source's pulls costs at most
+that bound plus computing the pulled tokens (:meth:`CostModel.engine_wait_bound`): the
+bound its engine reports on its ``/metrics`` (:attr:`EngineLoad.engine_wait_s`;
+``inf``, a tier configured without one: not bounded), else, for a source named
+``held``, the prior :attr:`CostPriors.engine_wait_s` (the tier's default).
+
 What a pull's residual teaches (:meth:`CostModel.observe_pull`): the first pull between
 a pair teaches the cold-session penalty (its excess over the warm quote, less the busy
 terms if it waited); a warm pull from a busy source that had to serve it with its
@@ -93,9 +101,10 @@ real engines from pulling a 448-token prefix before anything was learned.)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from kvpeer.router.policy import EngineLoad
+from kvpeer.router.policy import MAX_ENGINE_WAIT_S, EngineLoad
 
 __all__ = ["CONSUMER_PULL_STEPS", "WAITED", "CostModel", "CostPriors", "Line"]
 
@@ -127,6 +136,7 @@ class CostPriors:
     # A kvpeer tier answers a lookup its held blocks miss within its engine_wait_s
     # (0.25 s by default) of its engine's step, and the consumer computes the blocks
     # (kvpeer.node.enginewait): what such a miss costs at most, with that compute.
+    # The bound a source's engine reports replaces it (EngineLoad.engine_wait_s).
     engine_wait_s: float = 0.25
 
 
@@ -245,7 +255,8 @@ class CostModel:
         share of pulls waits for no serve window either; 0: none held); ``bounded``: the
         source is a kvpeer tier, which waits for its busy engine at most
         ``engine_wait_s`` before the consumer computes (the rest of the pulls cost at
-        most that and the compute)."""
+        most that and the compute): the prior when ``source_load`` reports no bound of
+        its own (:meth:`engine_wait_bound`)."""
         warm, cold = self.pull_quote_s(source, tokens, source_load, parked=parked, held=held,
                                        bounded=bounded)  # fmt: skip
         return warm if (engine, source) in self._warm else cold
@@ -260,11 +271,25 @@ class CostModel:
         miss = _miss(held)
         if source_load.in_flight > 0 and not parked and miss > 0.0:
             wait = self.busy_s(source) + self.serve_wait_s(source, source_load)
-            if bounded:  # the compute on the source's line: the consumer's, in a like fleet
-                bound = self.priors.engine_wait_s
+            bound = self.engine_wait_bound(source_load.engine_wait_s, bounded=bounded)
+            if bound is not None:  # compute on the source's line: the consumer's, in a like fleet
                 wait = min(wait, bound + self._quoted_compute_line(source).predict(max(0, tokens)))
             seconds += miss * wait
         return seconds, seconds + self._cold_s
+
+    def engine_wait_bound(self, reported: float | None, *, bounded: bool) -> float | None:
+        """How long a busy source's tier makes a pull it cannot answer held wait for its
+        engine at most, as quotes take it; None: not bounded. ``reported``: the bound
+        the source's engine reports (``inf``: none), used whatever ``bounded`` says (a
+        tier that reports one is a kvpeer tier); a value no tier can have (NaN,
+        negative, past :data:`~kvpeer.router.policy.MAX_ENGINE_WAIT_S`) is not a
+        report. Not reported: the prior if ``bounded`` (a source named ``held``)."""
+        if reported is not None:
+            if reported == math.inf:
+                return None
+            if 0.0 <= reported <= MAX_ENGINE_WAIT_S:
+                return reported
+        return self.priors.engine_wait_s if bounded else None
 
     def pull_floor_s(self) -> float:
         """No :meth:`pull_s` is less (each adds only non-negative terms to a pull line,

@@ -27,6 +27,12 @@ Rules:
 5. The same page carries the tier's count of peers' lookups answered from held blocks
    and in serve windows: each scrape feeds them to :attr:`EngineLoadFeed.held_share`
    (:mod:`kvpeer.router.heldshare`), read the same way (rules 3 and 4).
+6. It also carries the tier's bound on a peer's wait for its busy engine
+   (``vllm:kvpeer_engine_wait_seconds``, its ``engine_wait_s``; ``+Inf``: none):
+   :meth:`EngineLoadFeed.engine_wait_s` is what the engine's last good scrape said.
+   A value must be ``+Inf`` or within ``0..MAX_ENGINE_WAIT_S`` (the tier's own
+   config limit); anything else, or no such series, is not reported (the cost model's
+   prior stands). One URL per engine with several labels takes the longest bound.
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ import aiohttp
 
 from kvpeer.router.config import EngineEntry
 from kvpeer.router.heldshare import MAX_COUNT, HeldShare
+from kvpeer.router.policy import MAX_ENGINE_WAIT_S
 
-__all__ = ["EngineLoadFeed", "Report", "parse_peer_lookups", "parse_reported"]
+__all__ = ["EngineLoadFeed", "Report", "parse_engine_wait", "parse_peer_lookups",
+           "parse_reported"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,7 @@ MAX_REPORTED = 1_000_000.0
 MAX_PAGE_BYTES = 8 << 20
 _LINE = re.compile(r'^(vllm:num_requests_(?:running|waiting))(\{[^}]*\})?\s+(\S+)')
 _LOOKUPS = re.compile(r'^(vllm:kvpeer_peer_lookups_total)(\{[^}]*\})\s+(\S+)')
+_ENGINE_WAIT = re.compile(r'^(vllm:kvpeer_engine_wait_seconds)(\{[^}]*\})?\s+(\S+)')
 _PATH_LABEL = re.compile(r'(?:^|[{,])path="(held|engine)"')
 _ENGINE_LABEL = re.compile(r'(?:^|[{,])engine="([^"]*)"')
 
@@ -95,11 +104,21 @@ def parse_peer_lookups(page: str) -> dict[str, tuple[float, float]]:
     return {key: (pair[0], pair[1]) for key, pair in found.items() if len(paths[key]) == 2}
 
 
+def parse_engine_wait(page: str) -> dict[str, float]:
+    """``engine`` label -> a kvpeer tier's ``engine_wait_s`` from a vLLM ``/metrics``
+    page (rule 6: ``+Inf`` for none, else within ``0..MAX_ENGINE_WAIT_S``; several
+    lines of one label: the longest)."""
+    found: dict[str, float] = {}
+    for key, _match, value in _samples(page, _ENGINE_WAIT, MAX_ENGINE_WAIT_S, unbounded=True):
+        found[key] = max(value, found.get(key, 0.0))
+    return found
+
+
 def _samples(
-    page: str, series: re.Pattern[str], most: float
+    page: str, series: re.Pattern[str], most: float, *, unbounded: bool = False
 ) -> Iterator[tuple[str, re.Match[str], float]]:
     """(``engine`` label or ``""``, match, value) of each line of ``series`` whose value is
-    a finite number within ``0..most`` (rule 3)."""
+    a finite number within ``0..most`` (rule 3), or ``+Inf`` if ``unbounded``."""
     for line in page.splitlines():
         match = series.match(line)
         if match is None:
@@ -108,7 +127,7 @@ def _samples(
             value = float(match.group(3))
         except ValueError:
             continue
-        if math.isfinite(value) and 0.0 <= value <= most:
+        if (math.isfinite(value) and 0.0 <= value <= most) or (unbounded and value == math.inf):
             engine = _ENGINE_LABEL.search(match.group(2) or "")
             yield engine.group(1) if engine else "", match, value
 
@@ -136,6 +155,7 @@ class EngineLoadFeed:
             self._urls.setdefault(entry.spec.url, []).append(entry)
         self._reports: dict[str, Report] = {}
         self.held_share = HeldShare()  # rule 5
+        self._engine_wait: dict[str, float] = {}  # rule 6
         self._scrapes = 0
         self._failures = 0
 
@@ -147,6 +167,11 @@ class EngineLoadFeed:
         if self._clock() - report.at > STALE_INTERVALS * self._interval_s:
             return None
         return report
+
+    def engine_wait_s(self, name: str) -> float | None:
+        """``name``'s tier's bound on a peer's wait for its engine, as its last good
+        scrape reported it (``inf``: none); None when not reported (rule 6)."""
+        return self._engine_wait.get(name)
 
     def combine(
         self, name: str, in_flight: int, queued_tokens: int, mean_prompt_tokens: float
@@ -193,6 +218,7 @@ class EngineLoadFeed:
             page = raw.decode("utf-8", errors="replace")
             by_engine = parse_reported(page)
             lookups = parse_peer_lookups(page)
+            waits = parse_engine_wait(page)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             self._failures += 1
             log.debug("engine load from %s: %s", url, exc)
@@ -202,6 +228,11 @@ class EngineLoadFeed:
             counts = _of_engine(lookups, entry) if lookups else None
             if counts is not None:
                 self.held_share.observe(entry.name, *counts)
+            wait = _wait_of_engine(waits, entry)
+            if wait is None:
+                self._engine_wait.pop(entry.name, None)
+            else:
+                self._engine_wait[entry.name] = wait
             pair = _of_engine(by_engine, entry)
             if pair is None:
                 continue
@@ -218,4 +249,12 @@ def _of_engine(
     if entry.dp_rank is None:
         return (sum(pair[0] for pair in by_engine.values()),
                 sum(pair[1] for pair in by_engine.values()))
+    return by_engine.get(str(entry.dp_rank))
+
+
+def _wait_of_engine(by_engine: Mapping[str, float], entry: EngineEntry) -> float | None:
+    """``entry``'s bound of a page's by ``engine`` label: its rank's, or the longest of
+    every label's for one engine per URL (rules 4 and 6)."""
+    if entry.dp_rank is None:
+        return max(by_engine.values(), default=None)
     return by_engine.get(str(entry.dp_rank))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvpeer.router.config import RouterConfig
+from kvpeer.router.cost import CostModel
 from kvpeer.router.engineload import EngineLoadFeed
 from kvpeer.router.feed import FeedStatistics
 from kvpeer.router.health import EngineHealth
@@ -179,6 +181,11 @@ FAMILIES: tuple[Family, ...] = (
            "held blocks lately (its `peer_lookups_total`, smoothed; 1 until it reports): a "
            "busy source's quote adds its serve wait times the rest. Sources with `held`.",
            ("source",)),
+    Family("source_engine_wait_seconds", G, "How long the source's tier makes a pull it "
+           "cannot answer held wait for its busy engine at most, as the router quotes it: "
+           "the `engine_wait_seconds` its /metrics reports, else for a `held` source the "
+           "cost model's prior (0.25, the tier's default); +Inf: no bound. With a cost "
+           "model (policies `pull`, `affinity`).", ("source",)),
     # the engines' KV event feeds (kvpeer.router.feed)
     Family("feed_synced", G, "1 while the router follows the engine's KV events from a "
            "known point (KV-aware routing on for it); 0: routed by load only.", _E),
@@ -360,6 +367,14 @@ class LiveCollector(Collector):
                 family = _counter(name)
                 family.add_metric([], float(value))
                 yield family
+        cost = getattr(router.policy, "cost", None)
+        if isinstance(cost, CostModel):
+            bounds = _gauge("source_engine_wait_seconds")
+            for entry in router.config.engines:
+                said = feed.engine_wait_s(entry.name) if feed is not None else None
+                bound = cost.engine_wait_bound(said, bounded=entry.spec.serves_held)
+                bounds.add_metric([entry.name], math.inf if bound is None else bound)
+            yield bounds
         health = router.health.statistics()
         healthy = _gauge("engines_healthy")
         healthy.add_metric([], float(len(health.up)))

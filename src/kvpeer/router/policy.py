@@ -14,7 +14,20 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-__all__ = ["EngineLoad", "EngineSpec", "Mode", "Outcome", "Plan", "Policy", "Role"]
+__all__ = [
+    "MAX_ENGINE_WAIT_S",
+    "EngineLoad",
+    "EngineSpec",
+    "Mode",
+    "Outcome",
+    "Plan",
+    "Policy",
+    "Role",
+]
+
+#: The longest ``engine_wait_s`` a tier can be configured with (kvpeer.config's
+#: ``MAX_SECONDS``): a longer one reported on an engine's ``/metrics`` is no tier's.
+MAX_ENGINE_WAIT_S = 1e9
 
 
 class Mode(StrEnum):
@@ -70,6 +83,10 @@ class EngineLoad:
     #: of peers' lookups, the share its tier answered from held blocks lately (reported,
     #: kvpeer.router.heldshare; 1.0 until known): only a busy source's pulls depend on it
     held_share: float = 1.0
+    #: how long its kvpeer tier lets a peer's lookup wait for its busy engine at most
+    #: (its ``engine_wait_s``, reported on its ``/metrics``; ``inf``: no bound), None
+    #: when not reported: the cost model's prior for a ``held`` source
+    engine_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,9 @@ class Behaviour:
     health_status: int = 200
     health_delay_s: float = 0.0  # answer /health this late (a loaded API server)
     start_time: bool = True  # /metrics has process_start_time_seconds (when it started)
+    #: /metrics has a kvpeer tier's vllm:kvpeer_engine_wait_seconds, this value as written
+    #: (its engine_wait_s: "0.25", "+Inf"; anything, for a hostile engine); None: no tier
+    engine_wait: str | None = None
     tokenize_status: int = 200
     record: bool = True
     answer_kv_params: dict[str, Any] | None = None  # put in whole answers, as vLLM may
@@ -240,8 +243,8 @@ class FakeEngine:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """vLLM's ``/metrics`` as the router reads it: the two scheduler gauges (running:
-        this fake's generations in progress) and, with ``start_time``, the API server's
-        ``process_start_time_seconds``."""
+        this fake's generations in progress), with ``start_time`` the API server's
+        ``process_start_time_seconds``, and with ``engine_wait`` a kvpeer tier's bound."""
         labels = f'engine="0",model_name="{MODEL}"'
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -254,6 +257,9 @@ class FakeEngine:
         if self.behaviour.start_time:
             lines += ["# TYPE process_start_time_seconds gauge",
                       f"process_start_time_seconds {self.started_at!r}"]
+        if self.behaviour.engine_wait is not None:
+            lines += ["# TYPE vllm:kvpeer_engine_wait_seconds gauge",
+                      f"vllm:kvpeer_engine_wait_seconds{{{labels}}} {self.behaviour.engine_wait}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
