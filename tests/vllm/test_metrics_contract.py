@@ -10,11 +10,13 @@ trip like vLLM's IPC before vLLM's ``OffloadPromMetrics.observe`` records it.
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     OffloadPromMetrics,
@@ -27,6 +29,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvpeer.integrations.vllm.metrics import PREFIX, StatsSource
 from kvpeer.metrics.catalog import CATALOG
+from kvpeer.router.engineload import parse_engine_wait
 from tests.net.common import BLOCK_LEN, keys_of
 from tests.net.localnode import LocalNode
 from tests.net.servingnode import ServingNode
@@ -120,3 +123,20 @@ def test_payloads_of_two_pulling_nodes_pass_vllms_checks_and_add_up() -> None:
         check_and_send(again, prom)
         assert sample("pulled_bytes_total") == 16 * BLOCK_LEN
         assert sample("fetch_duration_seconds_count") == 2
+
+
+@pytest.mark.parametrize(("engine_wait_s", "exported"), [(None, math.inf), (1.5, 1.5)])
+def test_the_engine_wait_bound_reaches_vllms_metrics_page_as_the_router_reads_it(
+    engine_wait_s: float | None, exported: float
+) -> None:
+    """``engine_wait_s: null`` is the gauge's ``+Inf``: it crosses vLLM's IPC and its log
+    line's reduce, lands on vLLM's registry, and the router's scrape reads it back."""
+    registry = CollectorRegistry()
+    prom = vllm_metrics(registry)
+    with LocalNode("tcp", config={"engine_wait_s": engine_wait_s}) as node:
+        stats = StatsSource(node.node).take(force=True)
+    assert stats is not None
+    check_and_send(stats, prom)
+    name = PREFIX + "engine_wait_seconds"
+    assert registry.get_sample_value(name, ENGINE_LABELS) == exported
+    assert parse_engine_wait(generate_latest(registry).decode()) == {"0": exported}
