@@ -8,9 +8,10 @@ from dataclasses import replace
 from functools import partial
 
 from kvpeer.lab.bench import router_scale as rs
-from kvpeer.router.events import BatchDecoded, BlocksRemoved, BlocksStored, decode_batch
+from kvpeer.router.events import BatchDecoded, decode_batch
 from kvpeer.router.feed import EventFeed
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import BlocksRemoved, BlocksStored
 
 TINY = rs.RouterScaleSpec(
     fleets=(3,), seconds=0.5, warmup_s=0.3, requests_per_s=40.0, prompt_tokens=256,

@@ -18,7 +18,7 @@ from kvpeer.lab.fleet.params import LINKS, GpuModel, LinkModel
 from kvpeer.lab.fleet.world import FleetSpec, run_fleet
 from kvpeer.lab.trace.mooncake import TraceRequest
 from kvpeer.router.decide import RouterPolicy
-from kvpeer.router.events import KVEvent
+from kvpeer.router.kvevents import KVEvent
 from kvpeer.router.policy import EngineLoad, Outcome, Plan
 
 # 1 ms per token of compute, 10 ms per step, no attention term, decode compute-bound.

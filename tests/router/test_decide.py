@@ -14,9 +14,9 @@ from kvpeer.router.decide import (
     DecideConfig,
     RouterPolicy,
 )
-from kvpeer.router.events import BlocksStored
 from kvpeer.router.feed import StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import BlocksStored
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Plan, Policy, Role
 from kvpeer.router.reasons import (
     REASON_CACHE,

@@ -23,9 +23,9 @@ from kvpeer.router.decide import (
     DecideConfig,
     RouterPolicy,
 )
-from kvpeer.router.events import AllCleared, BlocksRemoved, BlocksStored, BlocksUnkeyable
 from kvpeer.router.feed import StreamReset, StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex, PromptKeys
+from kvpeer.router.kvevents import AllCleared, BlocksRemoved, BlocksStored, BlocksUnkeyable
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Plan
 from kvpeer.router.reasons import (
     REASON_CACHE,

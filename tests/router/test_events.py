@@ -22,15 +22,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpeer.router import events as events_module
-from kvpeer.router.events import (
-    AllCleared,
-    BatchDecoded,
-    BatchRejected,
-    BlocksRemoved,
-    BlocksStored,
-    BlocksUnkeyable,
-    decode_batch,
-)
+from kvpeer.router.events import BatchDecoded, BatchRejected, decode_batch
 from kvpeer.router.feed import (
     MAX_UNKNOWN_NAMES,
     OTHER_UNKNOWN,
@@ -44,6 +36,7 @@ from kvpeer.router.feed import (
     encode_replay_request,
 )
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import AllCleared, BlocksRemoved, BlocksStored, BlocksUnkeyable
 from kvpeer.router.subscriber import EventSubscriber
 from tests.router.conftest import until
 

@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from kvpeer.router import subscriber as subscriber_module
-from kvpeer.router.events import BlocksStored
 from kvpeer.router.feed import (
     REPLAY_END_SEQ,
     EventFeed,
@@ -33,6 +32,7 @@ from kvpeer.router.feed import (
     StreamSynced,
 )
 from kvpeer.router.index import MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import BlocksStored
 from kvpeer.router.subscriber import REPLAY_RCVHWM, EventSubscriber
 from tests.router.conftest import run, until
 from tests.router.test_flap import Publisher

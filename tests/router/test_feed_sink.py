@@ -9,8 +9,8 @@ import hashlib
 
 import msgspec
 
-from kvpeer.router.events import BlocksStored
 from kvpeer.router.feed import REPLAY_END_SEQ, EventFeed, FeedItem, FeedOutput
+from kvpeer.router.kvevents import BlocksStored
 
 BS = 4
 REPLAY_END = [b"", b"", REPLAY_END_SEQ.to_bytes(8, "big"), b""]

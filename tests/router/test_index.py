@@ -7,9 +7,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpeer.router.events import AllCleared, BlocksRemoved, BlocksStored
 from kvpeer.router.feed import EventFeed, StreamReset, StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import AllCleared, BlocksRemoved, BlocksStored
 
 BS = 4
 PROMPT = list(range(100, 116))  # four full blocks
@@ -251,7 +251,7 @@ def test_salted_blocks_offloaded_to_the_cpu_tier_are_not_keyed() -> None:
     without them. Keyed by its tokens, the salted copy would pass for the unsalted
     prompt, its removal would remove the real block, and its hash mappings would pile up
     (one per block, never retired)."""
-    from kvpeer.router.events import BlocksUnkeyable
+    from kvpeer.router.kvevents import BlocksUnkeyable
 
     index = PrefixIndex(BS, max_retired=8)
     index.apply("e0", StreamSynced())
@@ -284,7 +284,7 @@ def test_a_salted_block_stays_unkeyed_until_it_is_forgotten() -> None:
     """Held under extra keys, a hash keeps its unkeyed key on every medium and passes it
     to its children, also while it is retired; a restart forgets it (its hashes mean
     something else in the new process)."""
-    from kvpeer.router.events import BlocksUnkeyable
+    from kvpeer.router.kvevents import BlocksUnkeyable
 
     index = learned_index("e0")
     index.apply("e0", BlocksUnkeyable((1, 2), MEDIUM_GPU))

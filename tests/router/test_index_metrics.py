@@ -12,9 +12,9 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from kvpeer.router.events import BlocksRemoved, BlocksStored
 from kvpeer.router.feed import StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import BlocksRemoved, BlocksStored
 from kvpeer.router.metrics import _index_metrics
 
 BS = 4

@@ -27,16 +27,16 @@ from kvpeer.router import events as events_module
 from kvpeer.router import index as index_module
 from kvpeer.router import indexcore, indexloops
 from kvpeer.router.app import Router
-from kvpeer.router.events import (
+from kvpeer.router.events import BatchRejected
+from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
+from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import (
     AllCleared,
-    BatchRejected,
     BlockHash,
     BlocksRemoved,
     BlocksStored,
     BlocksUnkeyable,
 )
-from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
-from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
 from tests.router.conftest import make_config, run
 
 native = index_module._native_intake
@@ -301,7 +301,7 @@ def _args_stored() -> list[Any]:
         (1, MEDIUM_CPU, KeyError),  # never stored in
         (2, "root", TypeError),  # a parent key that is not bytes
         (3, [5], TypeError),
-        (4, (1, 2), TypeError),  # tokens come packed (events.BlocksStored.tokens)
+        (4, (1, 2), TypeError),  # tokens come packed (kvevents.BlocksStored.tokens)
         (4, bytearray(TOKENS), TypeError),
         (5, -4, TypeError),
         (5, 1.5, TypeError),
@@ -743,7 +743,7 @@ def test_chain_keys_are_each_router_processs_own() -> None:
     script = (
         "from kvpeer.router.index import PrefixIndex, _ROOT\n"
         "from kvpeer.router.indexloops import chain\n"
-        "from kvpeer.router.events import BlocksStored\n"
+        "from kvpeer.router.kvevents import BlocksStored\n"
         "index = PrefixIndex()\n"
         "index.apply('e', BlocksStored.of_ids('GPU', (1,), None, list(range(16)), 16))\n"
         "key = index.keys(list(range(16))).keys[0]\n"

@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from kvpeer.router.events import BlockHash
 from kvpeer.router.indexloops import Masks
+from kvpeer.router.kvevents import BlockHash
 
 class Holders:
     def get(self, key: bytes, default: int = 0, /) -> int: ...

@@ -9,8 +9,9 @@ token ids, the parent hash and the block size (otherwise one placeholder hash wi
 tokens, which nobody outside that process can place in a prefix).
 
 We decode with our own msgspec structs that check every field they know (wrong types,
-oversized lists are rejected with a named reason) and translate each batch into
-:class:`BlocksStored` / :class:`BlocksRemoved` / :class:`AllCleared`. A newer vLLM adds
+oversized lists are rejected with a named reason) and translate each batch into the
+router's events (:mod:`~kvpeer.router.kvevents`): :class:`BlocksStored` /
+:class:`BlocksRemoved` / :class:`AllCleared`. A newer vLLM adds
 fields (0.33: ``BlockStored.lookahead_token_ids``); those are tolerated and counted by
 name (:attr:`BatchDecoded.unknown_fields`), never read. Invariants:
 
@@ -51,6 +52,15 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from kvpeer.router.kvevents import (
+    AllCleared,
+    BlockHash,
+    BlocksRemoved,
+    BlocksStored,
+    BlocksUnkeyable,
+    KVEvent,
+)
+
 _native_intake: ModuleType | None
 try:  # the run of stores joined in C, when built (setup.py; index.py's loops likewise)
     from kvpeer.router import _intake as _native_intake
@@ -61,14 +71,8 @@ __all__ = [
     "MAX_PAYLOAD_BYTES",
     "REJECT_REASONS",
     "SKIP_REASONS",
-    "AllCleared",
     "BatchDecoded",
     "BatchRejected",
-    "BlockHash",
-    "BlocksRemoved",
-    "BlocksStored",
-    "BlocksUnkeyable",
-    "KVEvent",
     "decode_batch",
 ]
 
@@ -103,10 +107,6 @@ SKIP_REASONS: Final = (
 #: The KV-cache group kinds whose stores are states, not token blocks (vLLM's
 #: ``KVCacheSpecKind.MAMBA``; the C intake compares the same string).
 RECURRENT_KINDS: Final = frozenset({"mamba"})
-
-BlockHash = bytes | int
-"""An engine's block hash as published: sha256 bytes, or a 64-bit int when vLLM runs
-with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``. Opaque to the router."""
 
 # --- wire shapes (vLLM 0.32), private -------------------------------------------------
 
@@ -217,73 +217,7 @@ UNKEYABLE_REASONS: Final = frozenset({"extra_keys", "lora"})
 _DECODER: Final = msgspec.msgpack.Decoder(_WireBatch)
 _LENIENT: Final = msgspec.msgpack.Decoder(_LenientBatch)
 
-# --- the router's events ----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksStored:
-    """The engine now holds these consecutive blocks in ``medium``.
-
-    ``tokens`` are the blocks' token ids packed as ``array("I")`` packs them (uint32,
-    native byte order), exactly ``len(block_hashes) * block_size`` of them;
-    ``parent_hash`` is the engine's hash of the block before the first one (``None``:
-    the first block starts the prompt).
-    """
-
-    medium: str
-    block_hashes: tuple[BlockHash, ...]
-    parent_hash: BlockHash | None
-    tokens: bytes
-    block_size: int
-
-    @classmethod
-    def of_ids(
-        cls,
-        medium: str,
-        block_hashes: tuple[BlockHash, ...],
-        parent_hash: BlockHash | None,
-        token_ids: Sequence[int],
-        block_size: int,
-    ) -> BlocksStored:
-        """The event with its token ids given as ints (each in ``[0, 2**32)``)."""
-        return cls(medium, block_hashes, parent_hash, array("I", token_ids).tobytes(), block_size)
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return tuple(array("I", self.tokens))
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksRemoved:
-    """The engine no longer holds these blocks in ``medium``."""
-
-    medium: str
-    block_hashes: tuple[BlockHash, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllCleared:
-    """The engine reset its prefix cache (``AllBlocksCleared``).
-
-    vLLM emits it from the GPU block pool, and a CPU-tier reset that may come with it
-    emits nothing, so the index forgets every medium: never stale affinity.
-    """
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksUnkeyable:
-    """The engine stored these blocks in ``medium`` under extra keys (cache salt, LoRA,
-    multimodal) that the router cannot see in a prompt: the index holds them under keys
-    no prompt matches, and so later stores of the same blocks and their children. vLLM
-    0.32's CPU-tier events for a block carry its GPU hash but never its extra keys, so a
-    salted block offloaded to the CPU tier would otherwise be keyed as the unsalted
-    prompt."""
-
-    block_hashes: tuple[BlockHash, ...]
-    medium: str = "GPU"
-
-
-KVEvent = BlocksStored | BlocksRemoved | AllCleared | BlocksUnkeyable
+# --- what decoding returns -------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,9 +64,9 @@ from typing import Final
 from kvpeer.router.events import (
     MAX_PAYLOAD_BYTES,
     BatchRejected,
-    KVEvent,
     decode_batch,
 )
+from kvpeer.router.kvevents import KVEvent
 
 __all__ = [
     "REPLAY_END_SEQ",

@@ -93,9 +93,9 @@ from types import ModuleType
 from typing import Final
 
 from kvpeer.router import indexloops
-from kvpeer.router.events import AllCleared, BlocksRemoved, BlocksStored, BlocksUnkeyable
 from kvpeer.router.feed import FeedItem, StreamReset, StreamSynced
 from kvpeer.router.indexcore import Counts, new_core
+from kvpeer.router.kvevents import AllCleared, BlocksRemoved, BlocksStored, BlocksUnkeyable
 
 _native_intake: ModuleType | None
 try:  # the per-block loops in C, when built (setup.py: an optional extension)

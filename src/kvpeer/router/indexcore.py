@@ -28,8 +28,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Final
 
 from kvpeer.router import indexloops
-from kvpeer.router.events import AllCleared, BlockHash, BlocksRemoved, BlocksStored, BlocksUnkeyable
 from kvpeer.router.indexloops import Masks, drop_bit, drop_holder, oldest_out, unkeyed_key
+from kvpeer.router.kvevents import (
+    AllCleared,
+    BlockHash,
+    BlocksRemoved,
+    BlocksStored,
+    BlocksUnkeyable,
+)
 
 __all__ = ["CoreMethods", "Counts", "IndexEvent", "new_core"]
 

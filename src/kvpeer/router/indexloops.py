@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from itertools import islice
 from typing import Final, Protocol, TypeVar
 
-from kvpeer.router.events import BlockHash
+from kvpeer.router.kvevents import BlockHash
 
 __all__ = [
     "CHAIN_BYTES", "Core", "Holders", "Masks", "chain", "chain_keys", "removed", "stored",

@@ -40,8 +40,8 @@ from kvpeer.lab.fleet.lru import BlockLru
 from kvpeer.lab.fleet.params import GpuModel
 from kvpeer.lab.trace.mooncake import TraceRequest
 from kvpeer.router.cost import CONSUMER_PULL_STEPS
-from kvpeer.router.events import BlocksRemoved, BlocksStored, KVEvent
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU
+from kvpeer.router.kvevents import BlocksRemoved, BlocksStored, KVEvent
 
 __all__ = ["EngineHost", "Fetched", "Job", "SimEngine"]
 

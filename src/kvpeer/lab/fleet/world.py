@@ -63,9 +63,9 @@ from kvpeer.lab.trace.mooncake import TraceRequest
 from kvpeer.lab.trace.tokens import BlockTokens
 from kvpeer.router.cost import CostModel, CostPriors
 from kvpeer.router.decide import DecideConfig, RouterPolicy
-from kvpeer.router.events import KVEvent
 from kvpeer.router.feed import StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, PrefixIndex
+from kvpeer.router.kvevents import KVEvent
 from kvpeer.router.loadonly import LoadOnlyPolicy
 from kvpeer.router.policy import EngineLoad, EngineSpec, Mode, Outcome, Policy
 

@@ -33,9 +33,10 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvpeer.router import events as events_module
-from kvpeer.router.events import BatchDecoded, BlocksStored, decode_batch
+from kvpeer.router.events import BatchDecoded, decode_batch
 from kvpeer.router.feed import StreamSynced
 from kvpeer.router.index import MEDIUM_CPU, MEDIUM_GPU, PrefixIndex
+from kvpeer.router.kvevents import BlocksStored
 
 TOKENS, BATCH = 0, 1
 R = TypeVar("R")
