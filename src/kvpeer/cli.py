@@ -54,6 +54,7 @@ BENCHES: dict[str, str] = {
     "node-scale": "bench_node_scale",
     "serve": "bench_serve",
     "trace": "bench_trace",
+    "corun": "bench_corun",
 }
 #: ``kvpeer lab NAME``: models and tools that run no engine.
 LABS: dict[str, str] = {
