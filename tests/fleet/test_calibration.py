@@ -126,6 +126,31 @@ def test_a_scheduler_that_runs_beside_its_worker_is_counted_by_the_time_it_steps
     assert pooled_probe({"1": probe, "2": probe_of(KNOWN)})["scheduler_cores"] == 0.5
 
 
+def test_a_pair_taken_in_rounds_and_the_long_prefills_cores_are_preferred() -> None:
+    """A probe that pairs each round with a prefill alone says its own slowdown (rule 3),
+    and its long prefills' cores say the scheduler's share (rule 6): the figures over
+    all lengths, the short prompts' scheduler work included, are not used then."""
+    probe = probe_of(KNOWN)
+    longest = KNOWN.request_overhead_s + KNOWN.prefill_alone_s(2016)
+    roles = {"worker": 0.3, "core": 0.01, "server": 0.02, "router": 0.004, "sender": 0.001}
+    probe |= {"pair_prefill_ttft_s": {"2016": 3 * longest}, "pair_slowdown": 1.65,
+              "prefill_cores_by_role": {"worker": 0.5, "core": 0.4, "server": 0.01},
+              "long_prefill_cores_by_role": {"worker": 0.5, "core": 0.05, "server": 0.01},
+              "frontend": {"cpu_s_per_request": roles, "cpu_s_per_output_token": roles,
+                           "cores": 2}}  # fmt: skip
+    calibration = calibrate(probe, CPU_PAIR_SHAPE)
+    gpu = calibration.gpu
+    assert gpu.scheduler_cores == pytest.approx(0.1)
+    # 2 x 1.1 threads on 2 cores: 1.1x by sharing, so 1.65 leaves 1.5
+    assert gpu.co_run_slowdown == pytest.approx(1.5)
+    assert calibration.fit["pair_slowdown"] == pytest.approx(1.65)
+    pooled = pooled_probe({"1": probe, "2": probe | {"pair_slowdown": 1.25}})
+    assert pooled["pair_slowdown"] == pytest.approx(1.45)
+    assert pooled["scheduler_cores"] == pytest.approx(0.1)
+    faster = calibrate(probe | {"pair_slowdown": 0.9}, CPU_PAIR_SHAPE).gpu
+    assert faster.co_run_slowdown == 1.0  # a pair is never faster than alone
+
+
 def test_a_probe_without_pulls_gives_no_link_and_a_flat_one_is_refused() -> None:
     probe = probe_of(KNOWN)
     del probe["pull_ttft_s"]

@@ -16,14 +16,22 @@ Rules:
 4. ``pair_prefill_ttft_s``: both engines at once, each a fresh prompt of the longest
    length: the later TTFT. On this machine the two engines share its cores (with each
    other, their servers, the router and whatever else runs), as they do whenever a
-   window keeps both busy; alone they do not. ``loadavg_1m``: the machine's load when
-   the probe ended (``os.getloadavg``), to read the figures by.
+   window keeps both busy; alone they do not. Both engines first compute one prompt of
+   that length each (a first long prefill is slower), and each pair is taken right
+   after ``a`` computes one alone (``pair_alone_ttft_s``): ``pair_slowdown`` is the
+   median of those rounds' pair/alone, so the machine's drift between the two does not
+   enter it (taken the old way, three pairs after all the prefills alone and after one
+   short prompt per engine, two idle engines gave 1.10-1.45x where ``kvpeer bench
+   corun``, in turns after a warm-up, gives 0.99-1.16x). ``loadavg_1m``: the machine's load when the
+   probe ended (``os.getloadavg``), to read the figures by.
 5. ``frontend``: what the API servers, the router and the sender cost in CPU per
    request and per output token, and ``a``'s prefill while ``b`` streams
    (:mod:`.frontend_probe`, rules there); a failure there costs that part only.
 6. ``prefill_cores_by_role`` and ``pair_cores_by_role``: the cores each role
    (:func:`~kvpeer.lab.bench.frontend_probe.cpu_by_role`) used on average over the
-   prefills alone and over the pair's: what runs beside the workers while they compute.
+   prefills alone and over the pair's: what runs beside the workers while they compute;
+   ``long_prefill_cores_by_role`` over rule 4's prefills alone, the longest length only
+   (the short ones are mostly the scheduler's per-request work).
 """
 
 from __future__ import annotations
@@ -96,6 +104,11 @@ class _Cores:
         return {role: (after[role] - self._before[role]) / wall for role in after}
 
 
+def _median_roles(samples: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each role's median over ``samples`` (the roles of the first)."""
+    return {role: statistics.median(s[role] for s in samples) for role in samples[0]}
+
+
 def probe(arm: ProbedArm, *, pulls: bool, rounds: int = 3) -> dict[str, Any]:
     """Rules 1-4 on ``arm``'s engines; seconds, lengths in tokens."""
     rng = random.Random("trace-probe")
@@ -104,6 +117,9 @@ def probe(arm: ProbedArm, *, pulls: bool, rounds: int = 3) -> dict[str, Any]:
         return tuple(rng.randrange(*VOCAB) for _ in range(length))
 
     a = arm.engine_urls[0]
+    longest = PROBE_LENGTHS[-1]
+    for url in arm.engine_urls[:2]:  # rule 4: a first long prefill is slower
+        _send([BenchRequest(0.0, fresh(longest), 1)], url)
     prefill: dict[int, list[float]] = {n: [] for n in PROBE_LENGTHS}
     hit: list[float] = []
     alone_cpu = _Cores(arm.engine_groups)
@@ -122,18 +138,27 @@ def probe(arm: ProbedArm, *, pulls: bool, rounds: int = 3) -> dict[str, Any]:
             together = max(r.ttft_s + r.sent_s for r in records)
             ends = [r.done_s for r in records]
             decode[batch].append((min(ends) - together) / DECODE_TOKENS)
-    longest = PROBE_LENGTHS[-1]
-    pair_cpu = _Cores(arm.engine_groups)
-    pair = [max(r.ttft_s for r in _send_both((fresh(longest), fresh(longest)),
-                                             arm.engine_urls[:2]))
-            for _ in range(rounds)]  # fmt: skip
-    pair_cores = pair_cpu.used()
+    pair: list[float] = []
+    alone: list[float] = []
+    alone_used: list[dict[str, float]] = []
+    pair_used: list[dict[str, float]] = []
+    for _ in range(rounds):  # rule 4: each pair right after a prefill alone
+        cores = _Cores(arm.engine_groups)
+        alone.append(_send([BenchRequest(0.0, fresh(longest), 1)], a)[0].ttft_s)
+        alone_used.append(cores.used())
+        cores = _Cores(arm.engine_groups)
+        pair.append(max(r.ttft_s for r in _send_both((fresh(longest), fresh(longest)),
+                                                     arm.engine_urls[:2])))  # fmt: skip
+        pair_used.append(cores.used())
     out: dict[str, Any] = {
         "prefill_ttft_s": {str(n): statistics.median(v) for n, v in prefill.items()},
         "pair_prefill_ttft_s": {str(longest): statistics.median(pair)},
+        "pair_alone_ttft_s": {str(longest): statistics.median(alone)},
+        "pair_slowdown": statistics.median(p / s for p, s in zip(pair, alone, strict=True)),
         "hit_ttft_s": statistics.median(hit), "hit_prompt_tokens": PROBE_LENGTHS[-1],
         "decode_step_s": {str(n): statistics.median(v) for n, v in decode.items()},
-        "prefill_cores_by_role": alone_cores, "pair_cores_by_role": pair_cores,
+        "prefill_cores_by_role": alone_cores, "pair_cores_by_role": _median_roles(pair_used),
+        "long_prefill_cores_by_role": _median_roles(alone_used),
     }
     if pulls:
         pulled: dict[int, list[float]] = {n: [] for n in PROBE_LENGTHS[2:]}

@@ -16,7 +16,8 @@ reaches its engine ``request_overhead_s`` after it is sent. The probe (its rules
    step computes its last ``hit_prompt_tokens mod block`` tokens (a whole block if none):
    the request overhead is that TTFT less that step, as the engine alone computes it
    (never below zero).
-3. ``pair_prefill_ttft_s[L]`` over ``prefill_ttft_s[L]``: how much slower an engine
+3. ``pair_slowdown`` (probes that pair each round with a prefill alone), else
+   ``pair_prefill_ttft_s[L]`` over ``prefill_ttft_s[L]``: how much slower an engine
    prefills while the other one does too (they share this machine's cores), at least
    1. With the front end probed (rule 5) the model shares the cores itself and this is
    ``co_run_slowdown``, applied only while both engines step (two one-thread engines
@@ -33,8 +34,9 @@ reaches its engine ``request_overhead_s`` after it is sent. The probe (its rules
    ``frontend_s_per_token`` (:mod:`~kvpeer.lab.fleet.hostcpu`). A request's front-end
    CPU is then a stage of its own, so it is taken off rule 2's request overhead (never
    below zero).
-6. ``prefill_cores_by_role``: the cores each engine's scheduler process used over the
-   prefills alone, per core its worker used, is ``scheduler_cores`` (it runs while its
+6. ``long_prefill_cores_by_role`` (else ``prefill_cores_by_role``): the cores each
+   engine's scheduler process used over the prefills alone, per core its worker used, is
+   ``scheduler_cores`` (it runs while its
    worker steps, whatever the step holds). A probe without it (before rule 6) counts
    the scheduler's CPU per request and per token with the front end's instead. With
    rule 5 the pair's slowdown (rule 3) is first divided by what the model's sharing
@@ -172,7 +174,7 @@ def _scheduler_cores(probe: Mapping[str, Any]) -> float | None:
     """Rule 6 on one probe (or a pooled one's figure); None without it."""
     if "scheduler_cores" in probe:
         return float(probe["scheduler_cores"])
-    cores = probe.get("prefill_cores_by_role")
+    cores = probe.get("long_prefill_cores_by_role") or probe.get("prefill_cores_by_role")
     if not cores or cores.get("worker", 0.0) <= 0:
         return None
     return float(cores["core"]) / float(cores["worker"])
@@ -180,6 +182,8 @@ def _scheduler_cores(probe: Mapping[str, Any]) -> float | None:
 
 def _slowdown(probe: Mapping[str, Any]) -> float:
     """Rule 3 on one probe: 1 if it has no pair figure."""
+    if "pair_slowdown" in probe:  # taken in rounds beside its prefills alone
+        return max(1.0, float(probe["pair_slowdown"]))
     prefill = probe["prefill_ttft_s"]
     shared = sorted((n for n in probe.get("pair_prefill_ttft_s", {}) if n in prefill), key=int)
     if not shared:
